@@ -1,0 +1,1 @@
+"""ray_goodput: fast, fault-tolerant PyTorch training on Ray Train."""

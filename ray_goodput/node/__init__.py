@@ -1,0 +1,1 @@
+"""Per-node service actors: checkpoint uploader and data cache."""

@@ -1,0 +1,33 @@
+"""Storage: any ``pyarrow.fs`` URI, parallel retried transfers, listing and deletion."""
+
+from ray_goodput.storage._retry import RetryPolicy, is_transient
+from ray_goodput.storage._transfer import (
+    FileEntry,
+    delete_dir,
+    download_file,
+    download_files,
+    file_crc32,
+    list_dir,
+    read_bytes,
+    upload_file,
+    upload_files,
+    write_bytes,
+)
+from ray_goodput.storage._uri import StorageLocation, resolve
+
+__all__ = [
+    "FileEntry",
+    "RetryPolicy",
+    "StorageLocation",
+    "delete_dir",
+    "download_file",
+    "download_files",
+    "file_crc32",
+    "is_transient",
+    "list_dir",
+    "read_bytes",
+    "resolve",
+    "upload_file",
+    "upload_files",
+    "write_bytes",
+]

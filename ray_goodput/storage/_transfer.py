@@ -1,0 +1,168 @@
+"""File transfers between local disk and a StorageLocation: parallel, retried, checksummed."""
+
+from __future__ import annotations
+
+import logging
+import os
+import posixpath
+import zlib
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow.fs as pafs
+
+from ray_goodput.errors import StorageError
+from ray_goodput.storage._retry import RetryPolicy
+from ray_goodput.storage._uri import StorageLocation
+
+logger = logging.getLogger(__name__)
+
+CHUNK_BYTES = 8 << 20
+DEFAULT_POLICY = RetryPolicy()
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """A file of a checkpoint: path relative to its directory, size in bytes, CRC32."""
+
+    name: str
+    size: int
+    crc32: int
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "size": self.size, "crc32": self.crc32}
+
+    @staticmethod
+    def from_json(d: dict) -> FileEntry:
+        return FileEntry(name=str(d["name"]), size=int(d["size"]), crc32=int(d["crc32"]))
+
+
+def file_crc32(path: str | Path) -> tuple[int, int]:
+    """(size, crc32) of a local file."""
+    crc, size = 0, 0
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK_BYTES):
+            crc = zlib.crc32(chunk, crc)
+            size += len(chunk)
+    return size, crc
+
+
+def _copy_up(local: Path, fs: pafs.FileSystem, dest: str) -> tuple[int, int]:
+    crc, size = 0, 0
+    with open(local, "rb") as src, fs.open_output_stream(dest) as out:
+        while chunk := src.read(CHUNK_BYTES):
+            crc = zlib.crc32(chunk, crc)
+            size += len(chunk)
+            out.write(chunk)
+    return size, crc
+
+
+def upload_file(local: str | Path, loc: StorageLocation, name: str,
+                policy: RetryPolicy = DEFAULT_POLICY) -> FileEntry:
+    """Upload ``local`` to ``<loc>/<name>``; retried; returns size and CRC32 of what was sent."""
+    dest = loc.join(name)
+    parent = posixpath.dirname(dest)
+    if loc.is_local:
+        loc.fs.create_dir(parent, recursive=True)
+    size, crc = policy.call(f"upload of {local} to {loc.uri}/{name}",
+                            lambda: _copy_up(Path(local), loc.fs, dest))
+    return FileEntry(name=name, size=size, crc32=crc)
+
+
+def upload_files(files: Sequence[tuple[str | Path, str]], loc: StorageLocation, *,
+                 concurrency: int = 8, policy: RetryPolicy = DEFAULT_POLICY) -> list[FileEntry]:
+    """Upload ``(local_path, name)`` pairs with up to ``concurrency`` parallel streams."""
+    if not files:
+        return []
+    with ThreadPoolExecutor(max_workers=max(1, min(concurrency, len(files))),
+                            thread_name_prefix="rg-upload") as pool:
+        futures = [pool.submit(upload_file, path, loc, name, policy) for path, name in files]
+        return [f.result() for f in futures]
+
+
+def _copy_down(fs: pafs.FileSystem, src: str, local: Path) -> tuple[int, int]:
+    tmp = local.with_name(f".{local.name}.part-{os.getpid()}")
+    crc, size = 0, 0
+    try:
+        with fs.open_input_file(src) as inp, open(tmp, "wb") as out:
+            while chunk := inp.read(CHUNK_BYTES):
+                crc = zlib.crc32(chunk, crc)
+                size += len(chunk)
+                out.write(chunk)
+        os.replace(tmp, local)  # the final name appears only with complete content
+    finally:
+        tmp.unlink(missing_ok=True)
+    return size, crc
+
+
+def download_file(loc: StorageLocation, name: str, local: str | Path,
+                  policy: RetryPolicy = DEFAULT_POLICY) -> FileEntry:
+    """Download ``<loc>/<name>`` to ``local`` atomically (temp name + rename); retried."""
+    local = Path(local)
+    local.parent.mkdir(parents=True, exist_ok=True)
+    size, crc = policy.call(f"download of {loc.uri}/{name}",
+                            lambda: _copy_down(loc.fs, loc.join(name), local))
+    return FileEntry(name=name, size=size, crc32=crc)
+
+
+def download_files(names: Iterable[str], loc: StorageLocation, local_dir: str | Path, *,
+                   concurrency: int = 8, policy: RetryPolicy = DEFAULT_POLICY) -> list[FileEntry]:
+    """Download ``names`` under ``loc`` into ``local_dir`` with parallel streams."""
+    names = list(names)
+    if not names:
+        return []
+    with ThreadPoolExecutor(max_workers=max(1, min(concurrency, len(names))),
+                            thread_name_prefix="rg-download") as pool:
+        futures = [pool.submit(download_file, loc, n, Path(local_dir) / n, policy) for n in names]
+        return [f.result() for f in futures]
+
+
+def write_bytes(loc: StorageLocation, name: str, data: bytes,
+                policy: RetryPolicy = DEFAULT_POLICY) -> None:
+    """Write a small object in one request; retried."""
+    dest = loc.join(name)
+
+    def _write() -> None:
+        if loc.is_local:
+            loc.fs.create_dir(posixpath.dirname(dest), recursive=True)
+        with loc.fs.open_output_stream(dest) as out:
+            out.write(data)
+
+    policy.call(f"write of {loc.uri}/{name}", _write)
+
+
+def read_bytes(loc: StorageLocation, name: str, policy: RetryPolicy = DEFAULT_POLICY) -> bytes:
+    """Read a whole (small) object; FileNotFoundError when it does not exist."""
+    def _read() -> bytes:
+        with loc.fs.open_input_file(loc.join(name)) as inp:
+            return inp.read()
+
+    try:
+        return policy.call(f"read of {loc.uri}/{name}", _read)
+    except StorageError as exc:
+        if isinstance(exc.__cause__, FileNotFoundError):
+            raise exc.__cause__ from None
+        raise
+
+
+def list_dir(loc: StorageLocation, sub: str = "", *, recursive: bool = False,
+             policy: RetryPolicy = DEFAULT_POLICY) -> list[pafs.FileInfo]:
+    """Entries under ``<loc>/<sub>``; empty when the directory does not exist."""
+    selector = pafs.FileSelector(loc.join(sub) if sub else loc.root,
+                                 allow_not_found=True, recursive=recursive)
+    return policy.call(f"listing of {loc.uri}/{sub}", lambda: loc.fs.get_file_info(selector))
+
+
+def delete_dir(loc: StorageLocation, sub: str, policy: RetryPolicy = DEFAULT_POLICY) -> None:
+    """Delete ``<loc>/<sub>`` and everything under it; missing is fine."""
+    path = loc.join(sub)
+
+    def _delete() -> None:
+        try:
+            loc.fs.delete_dir(path)
+        except FileNotFoundError:
+            pass
+
+    policy.call(f"deletion of {loc.uri}/{sub}", _delete)

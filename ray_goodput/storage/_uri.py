@@ -1,0 +1,109 @@
+"""Resolve a storage URI to a ``pyarrow.fs`` filesystem and a root path inside it."""
+
+from __future__ import annotations
+
+import logging
+import posixpath
+import uuid
+from dataclasses import dataclass, field
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+import pyarrow.fs as pafs
+
+from ray_goodput import _env
+from ray_goodput.errors import ConfigError, StorageError
+
+logger = logging.getLogger(__name__)
+
+
+def _with_default_endpoint(uri: str) -> str:
+    """Add the ``RAY_GOODPUT_S3_ENDPOINT`` override to an ``s3://`` URI that has none."""
+    endpoint = _env.s3_endpoint()
+    parts = urlsplit(uri)
+    if parts.scheme != "s3" or not endpoint:
+        return uri
+    query = dict(parse_qsl(parts.query))
+    if "endpoint_override" in query:
+        return uri
+    ep = urlsplit(endpoint if "://" in endpoint else f"http://{endpoint}")
+    query.update(endpoint_override=ep.netloc, scheme=ep.scheme or "http")
+    return urlunsplit(parts._replace(query=urlencode(query)))
+
+
+@dataclass(frozen=True)
+class StorageLocation:
+    """A filesystem plus a root directory in it. Picklable; cheap to pass to actors.
+
+    ``uri`` is what the user gave; ``root`` is the path inside ``fs`` (no scheme).
+    """
+
+    uri: str
+    fs: pafs.FileSystem = field(repr=False, compare=False)
+    root: str
+
+    def join(self, *parts: str) -> str:
+        """Path inside ``fs`` of ``parts`` under the root."""
+        return posixpath.join(self.root, *parts)
+
+    def child(self, *parts: str) -> StorageLocation:
+        """The location of a subdirectory, keeping the same filesystem."""
+        sub = "/".join(p.strip("/") for p in parts)
+        return StorageLocation(uri=f"{self.uri.rstrip('/')}/{sub}", fs=self.fs, root=self.join(sub))
+
+    @property
+    def is_local(self) -> bool:
+        return isinstance(self.fs, pafs.LocalFileSystem)
+
+    def probe(self) -> None:
+        """Write, read back and delete a small object under the root.
+
+        Raises StorageError naming the URI and the cause when storage is unreachable,
+        refuses credentials or is read-only. Call it early: at start, not at the first save.
+        """
+        path = self.join(f".ray_goodput_probe-{uuid.uuid4().hex}")
+        payload = b"ray_goodput probe"
+        try:
+            self.fs.create_dir(self.root, recursive=True)
+            with self.fs.open_output_stream(path) as out:
+                out.write(payload)
+            with self.fs.open_input_file(path) as inp:
+                back = inp.read()
+            self.fs.delete_file(path)
+        except Exception as exc:  # noqa: BLE001 - any failure here means unusable storage
+            raise StorageError(
+                f"storage {self.uri!r} is not usable: a probe write/read failed with "
+                f"{type(exc).__name__}: {exc}. Check the URI, that the bucket or directory "
+                "exists and is writable, the credentials (e.g. AWS_ACCESS_KEY_ID) and, for a "
+                f"custom S3 endpoint, '?endpoint_override=host:port&scheme=http' or "
+                f"{_env.S3_ENDPOINT_VAR}."
+            ) from exc
+        if back != payload:
+            raise StorageError(f"storage {self.uri!r} returned different bytes than written")
+
+
+def resolve(uri: str | StorageLocation) -> StorageLocation:
+    """Resolve ``uri`` to a :class:`StorageLocation`.
+
+    Accepts a plain path, ``file://``, ``s3://`` (``?endpoint_override=host:port&scheme=http``
+    for a custom endpoint, or the ``RAY_GOODPUT_S3_ENDPOINT`` variable), ``gs://``,
+    ``hdfs://`` and anything else ``pyarrow.fs.FileSystem.from_uri`` knows. Does no I/O
+    beyond what pyarrow needs to build the filesystem.
+    """
+    if isinstance(uri, StorageLocation):
+        return uri
+    if not isinstance(uri, str) or not uri.strip():
+        raise ConfigError(f"storage_path must be a non-empty URI or path, got {uri!r}")
+    uri = uri.strip()
+    if "://" not in uri:
+        fs = pafs.LocalFileSystem()
+        root = posixpath.abspath(uri)
+        return StorageLocation(uri=root, fs=fs, root=root)
+    try:
+        fs, root = pafs.FileSystem.from_uri(_with_default_endpoint(uri))
+    except Exception as exc:  # noqa: BLE001
+        raise ConfigError(
+            f"cannot resolve storage URI {uri!r}: {exc}. Use a local path, file://, s3://bucket/"
+            "prefix (with ?endpoint_override=host:port&scheme=http for a custom endpoint), "
+            "gs://, or hdfs://."
+        ) from exc
+    return StorageLocation(uri=uri.rstrip("/"), fs=fs, root=root.rstrip("/"))

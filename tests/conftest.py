@@ -1,0 +1,68 @@
+"""Shared fixtures: a real S3 endpoint over HTTP (moto's server), real Ray clusters."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+
+import pytest
+
+os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")
+os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
+os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
+os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class S3Server:
+    """moto's S3 server in a subprocess, on a free loopback port."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.endpoint = f"127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        deadline = time.time() + 30
+        while time.time() < deadline:
+            try:
+                urllib.request.urlopen(f"http://{self.endpoint}/moto-api/", timeout=1)
+                return
+            except Exception:  # noqa: BLE001 - not up yet
+                time.sleep(0.2)
+        self.proc.kill()
+        raise RuntimeError("moto server did not start")
+
+    def bucket_uri(self, prefix: str = "") -> str:
+        """A fresh bucket; returns an s3:// URI with the endpoint override."""
+        import pyarrow.fs as pafs
+
+        bucket = f"b-{uuid.uuid4().hex[:12]}"
+        fs = pafs.S3FileSystem(endpoint_override=self.endpoint, scheme="http",
+                               allow_bucket_creation=True)
+        fs.create_dir(bucket)
+        path = f"{bucket}/{prefix}".rstrip("/")
+        return f"s3://{path}?endpoint_override={self.endpoint}&scheme=http"
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    server = S3Server()
+    yield server
+    server.close()
