@@ -1,0 +1,94 @@
+"""Loading a committed checkpoint into live objects, local copy first."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from ray_goodput.checkpoint import _catalog, _layout, _state
+from ray_goodput.checkpoint._manifest import Manifest
+from ray_goodput.checkpoint._reader import TieredReader
+from ray_goodput.errors import StateMismatchError
+from ray_goodput.storage import StorageLocation, file_crc32, read_bytes
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RestoreInfo:
+    """What the last restore did. ``seconds`` is wall time of the whole load."""
+
+    step: int
+    saved_world_size: int
+    world_size: int
+    seconds: float
+    local_files: int
+    remote_files: int
+    rng_restored: bool
+
+
+def verified_local_copy(local_dir: Path, manifest: Manifest) -> set[str]:
+    """Names of files whose node-local staged copy matches the manifest (size and CRC32)."""
+    good = set()
+    for entry in manifest.files:
+        path = local_dir / entry.name
+        try:
+            if path.stat().st_size == entry.size and file_crc32(path) == (entry.size, entry.crc32):
+                good.add(entry.name)
+        except OSError:
+            continue
+    return good
+
+
+def _load_rng(step_loc: StorageLocation, local_dir: Path, local: set[str], rank: int) -> None:
+    name = _layout.extras_file(rank)
+    data = (local_dir / name).read_bytes() if name in local else read_bytes(step_loc, name)
+    _state.restore_rng(data)
+
+
+def load_checkpoint(state: dict[str, Any], *, root: StorageLocation, manifest: Manifest,
+                    staging: Path, rank: int, world_size: int,
+                    process_group: dist.ProcessGroup | None) -> RestoreInfo:
+    """Load ``manifest``'s checkpoint into ``state`` (in place). Collective across ranks.
+
+    RNG states are per rank and only meaningful for the world size that saved them:
+    they are restored when the world size is unchanged, left alone otherwise.
+    """
+    start = time.perf_counter()
+    step_loc = _catalog.step_location(root, manifest.step)
+    local_dir = staging / _layout.step_dir(manifest.step)
+    local = verified_local_copy(local_dir, manifest) if local_dir.is_dir() else set()
+    roles = _state.classify(state)
+    template = _state.to_state_dict(roles)
+    reader = TieredReader(step_loc, local_dir, local)
+    try:
+        dcp.load(template, storage_reader=reader, process_group=process_group,
+                 no_dist=not (dist.is_initialized() and dist.get_world_size() > 1))
+    except Exception as exc:
+        if "Missing key" in str(exc) or "size mismatch" in str(exc) or "Size mismatch" in str(exc):
+            raise StateMismatchError(
+                f"checkpoint step {manifest.step} at {step_loc.uri} does not match the state "
+                f"passed to restore ({exc}); a retry cannot fix this: restore into the same "
+                "model/optimizer structure, or use another storage_path"
+            ) from exc
+        raise
+    _state.apply_state_dict(roles, template, state)
+    same_world = manifest.world_size == world_size
+    if same_world:
+        _load_rng(step_loc, local_dir, local, rank)
+    else:
+        logger.info("world size changed %d -> %d: per-rank RNG states not restored",
+                    manifest.world_size, world_size)
+    info = RestoreInfo(step=manifest.step, saved_world_size=manifest.world_size,
+                       world_size=world_size, seconds=time.perf_counter() - start,
+                       local_files=reader.local_reads, remote_files=reader.remote_reads,
+                       rng_restored=same_world)
+    logger.info("rank %d restored step %d in %.2fs (%d local, %d remote file reads)",
+                rank, info.step, info.seconds, info.local_files, info.remote_files)
+    return info

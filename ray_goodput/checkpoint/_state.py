@@ -1,0 +1,115 @@
+"""Turning a user's ``state`` dict into a DCP state dict and back.
+
+``state`` values may be ``nn.Module`` (plain, DDP, FSDP2), ``torch.optim.Optimizer``,
+any DCP ``Stateful``, or plain picklable values. Models and optimizers go through
+``torch.distributed.checkpoint.state_dict`` so that keys are FQNs and shards reshard.
+"""
+
+from __future__ import annotations
+
+import pickle
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.checkpoint.stateful import Stateful
+
+from ray_goodput.errors import ConfigError
+
+_OPTIONS = StateDictOptions(full_state_dict=False, cpu_offload=False)
+
+
+@dataclass
+class _Roles:
+    modules: dict[str, nn.Module]
+    optimizers: dict[str, tuple[torch.optim.Optimizer, nn.Module]]
+    statefuls: dict[str, Any]
+    plain: dict[str, Any]
+
+
+def _owner(optim: torch.optim.Optimizer, modules: dict[str, nn.Module], key: str) -> nn.Module:
+    params = {id(p) for group in optim.param_groups for p in group["params"]}
+    for module in modules.values():
+        if any(id(p) in params for p in module.parameters()):
+            return module
+    raise ConfigError(
+        f"state[{key!r}] is an optimizer whose parameters belong to no nn.Module in state; "
+        "put the model it optimizes into the same state dict"
+    )
+
+
+def classify(state: dict[str, Any]) -> _Roles:
+    """Sort the values of ``state`` by how they are checkpointed."""
+    if not isinstance(state, dict) or not state:
+        raise ConfigError("state must be a non-empty dict, e.g. {'model': model, 'optim': optim}")
+    modules = {k: v for k, v in state.items() if isinstance(v, nn.Module)}
+    roles = _Roles(modules=modules, optimizers={}, statefuls={}, plain={})
+    for key, value in state.items():
+        if not isinstance(key, str) or key.startswith("_rg_"):
+            raise ConfigError(f"state keys must be strings not starting with '_rg_', got {key!r}")
+        if key in modules:
+            continue
+        if isinstance(value, torch.optim.Optimizer):
+            roles.optimizers[key] = (value, _owner(value, modules, key))
+        elif isinstance(value, Stateful) and hasattr(value, "load_state_dict"):
+            roles.statefuls[key] = value
+        else:
+            roles.plain[key] = value
+    return roles
+
+
+def to_state_dict(roles: _Roles) -> dict[str, Any]:
+    """The DCP state dict of the current values (tensors are live, not copies)."""
+    sd: dict[str, Any] = {}
+    for key, module in roles.modules.items():
+        sd[key] = get_model_state_dict(module, options=_OPTIONS)
+    for key, (optim, module) in roles.optimizers.items():
+        sd[key] = get_optimizer_state_dict(module, optim, options=_OPTIONS)
+    for key, obj in roles.statefuls.items():
+        sd[key] = obj.state_dict()
+    for key, value in roles.plain.items():
+        sd[key] = value
+    return sd
+
+
+def apply_state_dict(roles: _Roles, sd: dict[str, Any], state: dict[str, Any]) -> None:
+    """Load ``sd`` (as filled by DCP) into the live objects; plain values into ``state``."""
+    for key, module in roles.modules.items():
+        set_model_state_dict(module, sd[key], options=_OPTIONS)
+    for key, (optim, module) in roles.optimizers.items():
+        set_optimizer_state_dict(module, optim, sd[key], options=_OPTIONS)
+    for key, obj in roles.statefuls.items():
+        obj.load_state_dict(sd[key])
+    for key in roles.plain:
+        state[key] = sd[key]
+
+
+def rng_state_bytes() -> bytes:
+    """Python, NumPy, torch CPU (and CUDA, when present) RNG states of this process."""
+    states = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+    }
+    return pickle.dumps(states)
+
+
+def restore_rng(data: bytes) -> None:
+    """Set this process's RNG states from :func:`rng_state_bytes` output."""
+    states = pickle.loads(data)  # noqa: S301 - our own file, verified against the manifest
+    random.setstate(states["python"])
+    np.random.set_state(states["numpy"])
+    torch.set_rng_state(states["torch"])
+    if states.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])

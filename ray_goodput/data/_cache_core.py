@@ -1,0 +1,211 @@
+"""The node cache's logic (LRU accounting, prefetch, eviction), free of Ray.
+
+The NodeCache actor (``ray_goodput.node._cache``) wraps it; without Ray the loader runs it
+in-process. Readers fetch on their own on a miss (see ``_cachefs``); this class learns of
+their fetches from the journal and keeps the directory under its capacity.
+
+Recency is the order in which loaders *announced* files (prefetch hints arrive in access
+order, just before the access) or fetched them; a hit itself costs no bookkeeping.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+import time
+from collections import OrderedDict, deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+from ray_goodput import _env
+from ray_goodput.data._cachefs import CacheLayout, fetch, parse_temp, pid_alive
+from ray_goodput.data._config import CacheConfig
+from ray_goodput.data._errors import CacheFullError
+from ray_goodput.data._journal import JournalReader
+from ray_goodput.data._sources import FileSet
+from ray_goodput.storage import RetryPolicy
+
+logger = logging.getLogger(__name__)
+_MAX_ERRORS = 5
+
+
+class CacheCore:
+    """Thread-safe. ``prefetch`` never blocks; ``maintain`` is called about once a second."""
+
+    def __init__(self, config: CacheConfig, node_id: str = "local") -> None:
+        self.node_id = node_id
+        self.config = config
+        self.layout = CacheLayout(Path(config.directory or _env.cache_root()).absolute())
+        self.layout.create()
+        self.capacity = config.capacity_bytes or int(
+            0.8 * shutil.disk_usage(self.layout.root).free)
+        self._policy = RetryPolicy()
+        self._lock = threading.Lock()
+        self._lru: OrderedDict[str, int] = OrderedDict()
+        self._bytes = 0
+        self._wanted: OrderedDict[str, None] = OrderedDict()
+        self._inflight: dict[str, Future] = {}
+        self._filesets: dict[int, FileSet] = {}
+        self._journal = JournalReader(self.layout.journal_dir)
+        self._pool = ThreadPoolExecutor(config.fetch_concurrency, thread_name_prefix="rg-cache")
+        self._latencies: deque[float] = deque(maxlen=10_000)
+        self.counts = dict(hits=0, misses=0, evictions=0, bytes_fetched=0, fetches=0,
+                           prefetched=0, fetch_seconds=0.0)
+        self.errors: list[str] = []
+        self._scan()
+        logger.info("node cache at %s: %d files, %d/%d bytes", self.layout.root,
+                    len(self._lru), self._bytes, self.capacity)
+
+    def _scan(self) -> None:
+        """Index the files a previous actor left; delete temps of dead writers."""
+        found = []
+        for sub in (self.layout.root / "data").iterdir():
+            for entry in os.scandir(sub):
+                pid = parse_temp(entry.name)
+                if pid is not None:
+                    if not pid_alive(pid):
+                        Path(entry.path).unlink(missing_ok=True)
+                elif not entry.name.startswith("."):
+                    st = entry.stat()
+                    found.append((st.st_mtime, entry.name, st.st_size))
+        for _, key, size in sorted(found):
+            self._add(key, size)
+        self._make_room(0, keep=None)
+
+    def _add(self, key: str, size: int) -> None:
+        self._bytes += size - self._lru.get(key, 0)
+        self._lru[key] = size
+        self._lru.move_to_end(key)
+
+    def describe(self) -> dict:
+        return {"directory": str(self.layout.root), "capacity_bytes": self.capacity,
+                "node_id": self.node_id}
+
+    def register(self, files: FileSet) -> int:
+        fid = files.fingerprint()
+        with self._lock:
+            self._filesets.setdefault(fid, files)
+        return fid
+
+    def prefetch(self, fileset_id: int, indices: list[int]) -> int:
+        """Queue downloads of files ``indices`` of a registered FileSet; returns how many."""
+        files = self._filesets[fileset_id]
+        queued = 0
+        with self._lock:
+            for i in indices:
+                key = CacheLayout.key(files.ident, files.paths[i])
+                self._want(key)
+                if key in self._lru:
+                    self._lru.move_to_end(key)
+                elif key not in self._inflight:
+                    self._inflight[key] = self._pool.submit(self._fetch, key, files, i)
+                    queued += 1
+        return queued
+
+    def _want(self, key: str) -> None:
+        self._wanted[key] = None
+        self._wanted.move_to_end(key)
+        while len(self._wanted) > max(64, 8 * self.config.lookahead):
+            self._wanted.popitem(last=False)
+
+    def _fetch(self, key: str, files: FileSet, i: int) -> None:
+        try:
+            self._fetch_once(key, files, i)
+        except CacheFullError as exc:
+            with self._lock:  # a full disk: free what we can, then one more try
+                self._make_room(max(files.sizes[i], 1) * 2, keep=key, pressure=True)
+            try:
+                self._fetch_once(key, files, i)
+            except Exception as exc2:  # noqa: BLE001 - reported via stats and the reader
+                self._error(f"prefetch of {files.uri(i)}: {exc2}")
+        except Exception as exc:  # noqa: BLE001 - the reader will fetch and raise itself
+            self._error(f"prefetch of {files.uri(i)}: {exc}")
+        finally:
+            with self._lock:
+                self._inflight.pop(key, None)
+
+    def _fetch_once(self, key: str, files: FileSet, i: int) -> None:
+        if files.sizes[i] > 0:
+            with self._lock:
+                self._make_room(files.sizes[i], keep=key)
+        got = fetch(self.layout, key, files.fs, files.paths[i], max_bytes=self.capacity,
+                    policy=self._policy)
+        with self._lock:
+            if got is not None:
+                self._record_fetch(got[0], got[1])
+                self.counts["prefetched"] += 1
+            size = got[0] if got else self.layout.data_path(key).stat().st_size
+            self._add(key, size)
+            self._make_room(0, keep=key)
+
+    def _record_fetch(self, size: int, seconds: float) -> None:
+        self.counts["fetches"] += 1
+        self.counts["bytes_fetched"] += size
+        self.counts["fetch_seconds"] += seconds
+        self._latencies.append(seconds)
+
+    def _error(self, text: str) -> None:
+        logger.warning("node cache: %s", text)
+        with self._lock:
+            self.errors = (self.errors + [text])[-_MAX_ERRORS:]
+
+    def _make_room(self, extra: int, keep: str | None, pressure: bool = False) -> None:
+        """Evict LRU files until ``extra`` more bytes fit (under ``pressure``, a full disk:
+        until ``extra`` bytes are freed). Caller holds the lock.
+
+        Files announced recently (wanted) go last, so prefetch does not evict what a rank
+        is about to read unless nothing else is left."""
+        target = (self._bytes if pressure else self.capacity) - extra
+        for pass_wanted in (False, True):
+            for key in list(self._lru):
+                if self._bytes <= target:
+                    return
+                if key == keep or key in self._inflight or (key in self._wanted) != pass_wanted:
+                    continue
+                self._bytes -= self._lru.pop(key)
+                self.layout.data_path(key).unlink(missing_ok=True)
+                self.counts["evictions"] += 1
+
+    def maintain(self) -> None:
+        """Apply readers' journals (hits, misses, their fetches) and enforce capacity."""
+        hits, misses, fetched = self._journal.poll()
+        with self._lock:
+            self.counts["hits"] += hits
+            self.counts["misses"] += misses
+            for key, size, seconds in fetched:
+                self._record_fetch(size, seconds)
+                self._add(key, size)
+            self._make_room(0, keep=None)
+
+    def drain_latencies(self) -> list[float]:
+        with self._lock:
+            out = list(self._latencies)
+            self._latencies.clear()
+        return out
+
+    def stats(self) -> dict:
+        self.maintain()
+        with self._lock:
+            c = dict(self.counts)
+            looked = c["hits"] + c["misses"]
+            return {**self.describe(), **c, "bytes_used": self._bytes, "files": len(self._lru),
+                    "hit_rate": c["hits"] / looked if looked else 0.0,
+                    "inflight": len(self._inflight), "errors": list(self.errors),
+                    "time": time.time()}
+
+    def close(self, timeout_s: float) -> None:
+        """Stop prefetching; wait up to ``timeout_s`` for downloads in flight."""
+        with self._lock:
+            pending = list(self._inflight.values())
+        for fut in pending:
+            fut.cancel()
+        deadline = time.monotonic() + timeout_s
+        for fut in pending:
+            try:
+                fut.result(timeout=max(0.0, deadline - time.monotonic()))
+            except Exception:  # noqa: BLE001 - cancelled or failed: nothing to keep
+                pass
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.maintain()

@@ -1,0 +1,136 @@
+"""On-disk layout of the node cache, and the one way a file enters it.
+
+Any process of the node (the NodeCache actor, training processes, DataLoader workers)
+computes a file's cache path from its identity alone, so a hit is ``open()`` with no actor
+call. A miss fetches under a per-key ``flock`` (single flight across processes and
+threads) into a temp name, then ``os.replace`` (the final name only ever holds a complete
+file). Readers report hits, misses and fetches in an append-only journal the actor tails,
+because DataLoader workers cannot make Ray calls.
+
+Layout under ``root``::
+
+    data/<k[:2]>/<k>            cached files, k = blake2b(filesystem ident, path)
+    data/<k[:2]>/.<k>.part-<pid>-<n>   a fetch in progress (removed by the actor if pid died)
+    locks/<stripe>.lock         4096 lock stripes (bounded count; flock, never deleted)
+    journal/<pid>-<token>.log   reader events: "h n", "m n", "f key size seconds"
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import itertools
+import os
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow.fs as pafs
+
+from ray_goodput.data._errors import CacheFullError
+from ray_goodput.storage import RetryPolicy
+
+CHUNK_BYTES = 4 << 20
+LOCK_STRIPES = 4096
+_tmp_counter = itertools.count()
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """Paths of a cache directory. Picklable; the same in every process of a node."""
+
+    root: Path
+
+    @staticmethod
+    def key(ident: str, path: str) -> str:
+        return hashlib.blake2b(f"{ident}\n{path}".encode(), digest_size=16).hexdigest()
+
+    def data_path(self, key: str) -> Path:
+        return self.root / "data" / key[:2] / key
+
+    def lock_path(self, key: str) -> Path:
+        return self.root / "locks" / f"{int(key[:6], 16) % LOCK_STRIPES:03x}.lock"
+
+    @property
+    def journal_dir(self) -> Path:
+        return self.root / "journal"
+
+    def create(self) -> None:
+        for sub in ("data", "locks", "journal"):
+            (self.root / sub).mkdir(parents=True, exist_ok=True)
+
+
+def parse_temp(name: str) -> int | None:
+    """Pid of the writer of temp file ``name``, or None when it is not a temp file."""
+    if not name.startswith(".") or ".part-" not in name:
+        return None
+    try:
+        return int(name.rsplit(".part-", 1)[1].split("-")[0])
+    except ValueError:
+        return None
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@contextmanager
+def _flock(path: Path):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # released by the kernel if this process dies
+        yield
+    finally:
+        os.close(fd)
+
+
+def _copy_in(fs: pafs.FileSystem, src: str, dest: Path, max_bytes: int) -> int:
+    tmp = dest.with_name(f".{dest.name}.part-{os.getpid()}-{next(_tmp_counter)}")
+    size = 0
+    try:
+        with fs.open_input_stream(src) as inp, open(tmp, "wb") as out:
+            while chunk := inp.read(CHUNK_BYTES):
+                size += len(chunk)
+                if size > max_bytes:
+                    raise CacheFullError(
+                        f"{src} is larger than the cache capacity ({max_bytes} bytes); raise "
+                        "CacheConfig.capacity_bytes or pass cache=None to read it uncached")
+                out.write(chunk)
+        os.replace(tmp, dest)  # the final name appears only with complete content
+    except OSError as exc:
+        if exc.errno == errno.ENOSPC:
+            raise CacheFullError(f"disk of the cache {dest.parent.parent.parent} is full while "
+                                 f"fetching {src}; lower CacheConfig.capacity_bytes or free "
+                                 "space") from exc
+        raise
+    finally:
+        tmp.unlink(missing_ok=True)
+    return size
+
+
+def fetch(layout: CacheLayout, key: str, fs: pafs.FileSystem, src: str, *,
+          max_bytes: int, policy: RetryPolicy) -> tuple[int, float] | None:
+    """Bring ``src`` into the cache once (single flight). Blocking.
+
+    Returns (bytes, seconds) when this call downloaded it, None when it was already
+    there. Raises CacheFullError (no retry) or StorageError naming ``src``.
+    """
+    dest = layout.data_path(key)
+    if dest.exists():
+        return None
+    with _flock(layout.lock_path(key)):
+        if dest.exists():  # another process fetched it while we waited for the lock
+            return None
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        start = time.monotonic()
+        size = policy.call(f"download of {src}", lambda: _copy_in(fs, src, dest, max_bytes))
+        return size, time.monotonic() - start

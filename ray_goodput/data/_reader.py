@@ -1,0 +1,74 @@
+"""How a dataset reads one of its files: through the node cache, or straight from storage.
+
+This is the hot path of every DataLoader worker: a hit is ``open()`` + ``read()`` of the
+file's deterministic cache path; no actor call, no lock.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import BinaryIO
+
+from ray_goodput.data._cachefs import CacheLayout, fetch
+from ray_goodput.data._journal import JournalWriter
+from ray_goodput.data._sources import FileSet
+from ray_goodput.storage import RetryPolicy
+
+logger = logging.getLogger(__name__)
+_EVICTION_RACE_RETRIES = 5
+
+
+class CacheReader:
+    """Reads files of a FileSet through the cache directory ``layout``. Picklable."""
+
+    def __init__(self, layout: CacheLayout, capacity_bytes: int,
+                 policy: RetryPolicy | None = None) -> None:
+        self.layout = layout
+        self.capacity_bytes = capacity_bytes
+        self.policy = policy or RetryPolicy()
+        self.journal = JournalWriter(layout.journal_dir)
+
+    def read(self, files: FileSet, i: int) -> bytes:
+        """Bytes of file ``i``; downloads it into the cache on a miss (blocking)."""
+        with self.open(files, i) as f:
+            return f.read()
+
+    def open(self, files: FileSet, i: int) -> BinaryIO:
+        """Open file ``i`` from the cache; on a miss, fetch it first (blocking).
+
+        An open file stays readable if it is evicted meanwhile; one evicted between the
+        fetch and the open is fetched again."""
+        key = CacheLayout.key(files.ident, files.paths[i])
+        path = self.layout.data_path(key)
+        for attempt in range(_EVICTION_RACE_RETRIES):
+            try:
+                f = open(path, "rb")
+            except FileNotFoundError:
+                got = fetch(self.layout, key, files.fs, files.paths[i],
+                            max_bytes=self.capacity_bytes, policy=self.policy)
+                self.journal.miss(None if got is None else (key, got[0], got[1]))
+                continue
+            if attempt == 0:
+                self.journal.hit()
+            return f
+        raise FileNotFoundError(f"{files.uri(i)} kept being evicted from the cache at "
+                                f"{self.layout.root}; raise CacheConfig.capacity_bytes")
+
+
+class DirectReader:
+    """Reads straight from storage, every time (``cache=None``)."""
+
+    def __init__(self, policy: RetryPolicy | None = None) -> None:
+        self.policy = policy or RetryPolicy()
+
+    def read(self, files: FileSet, i: int) -> bytes:
+        def _read() -> bytes:
+            with files.fs.open_input_stream(files.paths[i]) as f:
+                return f.read()
+
+        return self.policy.call(f"read of {files.uri(i)}", _read)
+
+    def open(self, files: FileSet, i: int):
+        """A pyarrow input file of file ``i`` on storage (random access)."""
+        return self.policy.call(f"open of {files.uri(i)}",
+                                lambda: files.fs.open_input_file(files.paths[i]))

@@ -1,0 +1,101 @@
+"""The training process's link to its node cache: the NodeCache actor, or an in-process
+cache core when Ray is not initialized. Only ``prefetch`` announcements go through it."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+
+import ray
+
+from ray_goodput.data._cache_core import CacheCore
+from ray_goodput.data._cachefs import CacheLayout
+from ray_goodput.data._config import CacheConfig
+from ray_goodput.data._sources import FileSet
+
+logger = logging.getLogger(__name__)
+_CONNECT_TIMEOUT_S = 120.0
+
+
+class CacheService:
+    """Connects on construction (blocking, once); ``prefetch`` does not block."""
+
+    def __init__(self, config: CacheConfig) -> None:
+        self.config = config
+        self._actor = None
+        self._local: CacheCore | None = None
+        self._stop = threading.Event()
+        self._pending: list = []
+        self._filesets: dict[int, FileSet] = {}
+        info = self._connect()
+        self.layout = CacheLayout(Path(info["directory"]))
+        self.capacity_bytes = int(info["capacity_bytes"])
+        wanted = config.directory and Path(config.directory).absolute() != self.layout.root
+        if wanted or (config.capacity_bytes and config.capacity_bytes != self.capacity_bytes):
+            logger.warning("node cache already runs at %s with %d bytes; ignoring the "
+                           "requested %s", self.layout.root, self.capacity_bytes, config)
+
+    def _connect(self) -> dict:
+        if ray.is_initialized():
+            from ray_goodput.node._cache import get_cache  # noqa: PLC0415 - import cycle
+
+            self._actor = get_cache(self.config)
+            return ray.get(self._actor.describe.remote(), timeout=_CONNECT_TIMEOUT_S)
+        self._local = CacheCore(self.config)
+        threading.Thread(target=self._maintain_local, daemon=True,
+                         name="rg-cache-local").start()
+        return self._local.describe()
+
+    def _maintain_local(self) -> None:
+        while not self._stop.wait(1.0):
+            self._local.maintain()
+
+    def register(self, files: FileSet) -> int:
+        """Make ``files`` known to the cache (blocking); returns its id for ``prefetch``."""
+        fid = files.fingerprint()
+        if fid not in self._filesets:
+            self._filesets[fid] = files
+            self._call("register", files, block=True)
+        return fid
+
+    def prefetch(self, fileset_id: int, indices: list[int]) -> None:
+        """Announce the files a rank reads next, in order (fire and forget)."""
+        if indices:
+            self._call("prefetch", fileset_id, indices, block=False)
+
+    def _call(self, method: str, *args, block: bool):
+        if self._local is not None:
+            return getattr(self._local, method)(*args)
+        self._check_pending()
+        ref = getattr(self._actor, method).remote(*args)
+        if block:
+            return ray.get(ref, timeout=_CONNECT_TIMEOUT_S)
+        self._pending.append(ref)
+        return None
+
+    def _check_pending(self) -> None:
+        """Report failed announcements once; reconnect when the actor died (it is
+        recreated on this node, and the readers never depended on it)."""
+        ready, self._pending = ray.wait(self._pending, num_returns=len(self._pending),
+                                        timeout=0) if self._pending else ([], [])
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError:
+                logger.warning("node cache actor died; recreating it")
+                self._reconnect()
+                return
+            except Exception as exc:  # noqa: BLE001 - prefetch is an optimization
+                logger.warning("node cache prefetch failed: %s", exc)
+
+    def _reconnect(self) -> None:
+        self._pending = []
+        self._connect()
+        for files in self._filesets.values():
+            ray.get(self._actor.register.remote(files), timeout=_CONNECT_TIMEOUT_S)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._local is not None:
+            self._local.close(0.0)

@@ -1,0 +1,9 @@
+"""Test utilities: real multi-process gloo worlds and real process-killing fault injection.
+
+Shipped with the library so users can test their own training loops the same way.
+"""
+
+from ray_goodput.testing._faults import FailAt, kill_self
+from ray_goodput.testing._world import run_world
+
+__all__ = ["FailAt", "kill_self", "run_world"]

@@ -1,0 +1,60 @@
+"""Run a function on N real processes joined by a gloo process group."""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, args: tuple,
+           results: Any) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        results[rank] = ("ok", fn(rank, world_size, *args))
+    except BaseException:  # noqa: BLE001 - shipped back to the parent
+        results[rank] = ("error", traceback.format_exc())
+    finally:
+        dist.destroy_process_group()
+
+
+def run_world(fn: Callable[..., Any], world_size: int, *args: Any,
+              timeout_s: float = 300.0, allow_deaths: bool = False) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes over gloo.
+
+    ``fn`` must be importable (module level). Returns each rank's return value; raises
+    with the child's traceback when one fails. With ``allow_deaths`` a rank that was
+    killed (e.g. by a fault injector) yields None instead of an error.
+    """
+    port = _free_port()
+    with mp.Manager() as manager:
+        results = manager.dict()
+        ctx = mp.start_processes(_entry, args=(fn, world_size, port, args, results),
+                                 nprocs=world_size, join=False, start_method="spawn")
+        for proc in ctx.processes:
+            proc.join(timeout_s)
+        alive = [p for p in ctx.processes if p.is_alive()]
+        for p in alive:
+            p.kill()
+        if alive:
+            raise TimeoutError(f"{len(alive)} rank(s) still running after {timeout_s}s")
+        out = []
+        for rank, proc in enumerate(ctx.processes):
+            status, value = results.get(rank, ("died", f"exit code {proc.exitcode}"))
+            if status == "error" or (status == "died" and not allow_deaths):
+                raise RuntimeError(f"rank {rank} failed:\n{value}")
+            out.append(value if status == "ok" else None)
+        return out
