@@ -14,6 +14,7 @@ from typing import Any
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 
 from ray_goodput import _env
 from ray_goodput.checkpoint import _catalog, _layout, _state
@@ -160,7 +161,7 @@ class Checkpointer:
             last = self._pending[max(self._pending)]
             try:
                 last.write.result()
-            except Exception as exc:  # noqa: BLE001 - recorded, surfaced by wait()
+            except (Exception, CheckpointException) as exc:  # noqa: BLE001 - recorded, surfaced by wait()
                 self._record_failure(last.step, exc)
 
     def _record_failure(self, step: int, exc: BaseException) -> None:
@@ -183,7 +184,7 @@ class Checkpointer:
                 return None
             upload.result()
             return True
-        except Exception as exc:  # noqa: BLE001
+        except (Exception, CheckpointException) as exc:  # noqa: BLE001
             self._record_failure(pending.step, exc)
             return False
 

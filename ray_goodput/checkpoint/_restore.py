@@ -10,6 +10,7 @@ from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from ray_goodput.checkpoint import _catalog, _layout, _state
 from ray_goodput.checkpoint._manifest import Manifest
@@ -70,8 +71,9 @@ def load_checkpoint(state: dict[str, Any], *, root: StorageLocation, manifest: M
     try:
         dcp.load(template, storage_reader=reader, process_group=process_group,
                  no_dist=not (dist.is_initialized() and dist.get_world_size() > 1))
-    except Exception as exc:
-        if "Missing key" in str(exc) or "size mismatch" in str(exc) or "Size mismatch" in str(exc):
+    except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
+        text = f"{exc} {getattr(exc, 'failures', '')}".lower()
+        if "missing key" in text or "size mismatch" in text or "shape mismatch" in text:
             raise StateMismatchError(
                 f"checkpoint step {manifest.step} at {step_loc.uri} does not match the state "
                 f"passed to restore ({exc}); a retry cannot fix this: restore into the same "

@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from ray_goodput.errors import ConfigError
 
+_PLAIN_KEY = "_rg_plain"
 _OPTIONS = StateDictOptions(full_state_dict=False, cpu_offload=False)
 
 
@@ -77,8 +78,10 @@ def to_state_dict(roles: _Roles) -> dict[str, Any]:
         sd[key] = get_optimizer_state_dict(module, optim, options=_OPTIONS)
     for key, obj in roles.statefuls.items():
         sd[key] = obj.state_dict()
-    for key, value in roles.plain.items():
-        sd[key] = value
+    if roles.plain:
+        # One opaque blob: DCP would flatten nested containers and load them into the
+        # *current* value's structure, silently dropping keys added since.
+        sd[_PLAIN_KEY] = pickle.dumps(roles.plain)
     return sd
 
 
@@ -90,8 +93,8 @@ def apply_state_dict(roles: _Roles, sd: dict[str, Any], state: dict[str, Any]) -
         set_optimizer_state_dict(module, optim, sd[key], options=_OPTIONS)
     for key, obj in roles.statefuls.items():
         obj.load_state_dict(sd[key])
-    for key in roles.plain:
-        state[key] = sd[key]
+    if roles.plain:
+        state.update(pickle.loads(sd[_PLAIN_KEY]))  # noqa: S301 - our own checkpoint
 
 
 def rng_state_bytes() -> bytes:

@@ -33,10 +33,11 @@ def _row_groups(files: FileSet, policy: RetryPolicy) -> list[list[int]]:
                 return [md.row_group(g).num_rows for g in range(md.num_row_groups)]
         try:
             return policy.call(f"read of the Parquet footer of {files.uri(i)}", _meta)
-        except StorageError:
+        except StorageError as exc:
+            if isinstance(exc.__cause__, pa.ArrowInvalid):  # readable, but not Parquet
+                raise DataError(f"{files.uri(i)} is not a readable Parquet file: "
+                                f"{exc.__cause__}; remove it or filter with suffixes=") from exc
             raise
-        except Exception as exc:
-            raise DataError(f"{files.uri(i)} is not a readable Parquet file: {exc}") from exc
 
     with ThreadPoolExecutor(16, thread_name_prefix="rg-parquet") as pool:
         return list(pool.map(one, range(len(files.paths))))

@@ -1,0 +1,177 @@
+"""DataLoader over cached datasets with an exact, tiny, world-size-independent position."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import torch.utils.data
+
+from ray_goodput.data import _partition as part
+from ray_goodput.data._datasets import CachedDataset
+from ray_goodput.data._errors import DataError
+from ray_goodput.data._reader import CacheReader
+from ray_goodput.data._service import CacheService
+from ray_goodput.data._world import resolve_world
+from ray_goodput.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+STATE_KEYS = ("epoch", "consumed", "seed", "fingerprint")
+
+
+class _EpochBatchSampler(torch.utils.data.Sampler):
+    """This rank's batches of the epoch from position ``consumed`` (see ``_partition``)."""
+
+    def __init__(self, dataset: CachedDataset, batch_size: int, rank: int, world: int) -> None:
+        self.dataset, self.batch_size, self.rank, self.world = dataset, batch_size, rank, world
+        self.epoch = 0
+        self.consumed = 0
+
+    def spans(self) -> list[tuple[int, int]]:
+        return part.rank_spans(len(self.dataset), self.consumed, self.rank, self.world,
+                               self.batch_size)
+
+    def rank_order(self) -> np.ndarray:
+        """This rank's samples for the rest of the epoch, in order. Shape: (steps * B,)."""
+        perm = self.dataset.permutation(self.epoch)
+        spans = self.spans()
+        return np.concatenate([perm[a:b] for a, b in spans]) if spans else perm[:0]
+
+    def __iter__(self) -> Iterator[list[int]]:
+        # Eager snapshot: the loader moves ``consumed`` while torch still draws batches.
+        order = self.rank_order().reshape(-1, self.batch_size)
+        return iter(order.tolist())
+
+    def __len__(self) -> int:
+        return part.steps_left(len(self.dataset), self.consumed, self.world, self.batch_size)
+
+
+class DataLoader(torch.utils.data.DataLoader):
+    """A torch DataLoader for :class:`FileDataset` / :class:`ParquetDataset`.
+
+    Each rank gets ``batch_size`` samples per step; the ragged tail of an epoch (fewer
+    than ``world_size * batch_size`` samples) is dropped on every rank, so all ranks run
+    the same number of steps. ``rank``/``world_size`` default to the Ray Train context
+    (else torch.distributed, else 0/1). Iterating runs the rest of the current epoch,
+    then moves to the next. ``state_dict()`` at a step boundary resumes exactly, at any
+    world size; the object is a DCP ``Stateful``. ``last_fetch_seconds`` is how long the
+    last ``next()`` waited for its batch; ``total_fetch_seconds`` sums them.
+    """
+
+    def __init__(self, dataset: CachedDataset, batch_size: int, *, num_workers: int = 2,
+                 rank: int | None = None, world_size: int | None = None,
+                 collate_fn: Callable[[list], Any] | None = None, pin_memory: bool = False,
+                 prefetch_factor: int | None = None, persistent_workers: bool = False,
+                 multiprocessing_context: Any = None, timeout: float = 0.0) -> None:
+        if not isinstance(dataset, CachedDataset):
+            raise ConfigError("ray_goodput.data.DataLoader needs a FileDataset or "
+                              f"ParquetDataset, got {type(dataset).__name__}")
+        rank, world = resolve_world(rank, world_size)
+        part.check_world(rank, world, batch_size)
+        if len(dataset) < part.global_batch(world, batch_size):
+            raise DataError(f"the dataset has {len(dataset)} samples, fewer than one step of "
+                            f"world_size*batch_size = {world}*{batch_size}; lower batch_size")
+        self._service = CacheService(dataset.cache) if dataset.cache is not None else None
+        if self._service is not None:
+            dataset.use_reader(CacheReader(self._service.layout, self._service.capacity_bytes,
+                                           dataset._retry))
+            self._fileset_id = self._service.register(dataset.files)
+        self._rg_sampler = _EpochBatchSampler(dataset, batch_size, rank, world)
+        self._window = (dataset.cache.lookahead if dataset.cache else 0) + batch_size * max(
+            1, num_workers) * (prefetch_factor or 2)
+        self.last_fetch_seconds = 0.0
+        self.total_fetch_seconds = 0.0
+        self.steps = 0
+        super().__init__(dataset, batch_sampler=self._rg_sampler, num_workers=num_workers,
+                         collate_fn=collate_fn, pin_memory=pin_memory, timeout=timeout,
+                         prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
+                         multiprocessing_context=multiprocessing_context)
+
+    @property
+    def epoch(self) -> int:
+        return self._rg_sampler.epoch
+
+    @property
+    def consumed(self) -> int:
+        """Samples of the current epoch taken by all ranks together (global position)."""
+        return self._rg_sampler.consumed
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start ``epoch`` from its beginning; no-op when it is the current epoch (so a
+        resumed position is kept by ``for e in range(...): loader.set_epoch(e)``)."""
+        if epoch != self._rg_sampler.epoch:
+            self._rg_sampler.epoch, self._rg_sampler.consumed = int(epoch), 0
+
+    def __len__(self) -> int:
+        """Steps left in the current epoch."""
+        return len(self._rg_sampler)
+
+    def __iter__(self) -> Iterator[Any]:
+        s = self._rg_sampler
+        start, gb = s.consumed, part.global_batch(s.world, s.batch_size)
+        hints = _Hints(self, s.rank_order()) if self._service is not None else None
+        inner = super().__iter__()
+        delivered = 0
+        while True:
+            if hints is not None:
+                hints.advance(delivered * s.batch_size)
+            began = time.perf_counter()
+            try:
+                batch = next(inner)
+            except StopIteration:
+                break
+            self.last_fetch_seconds = time.perf_counter() - began
+            self.total_fetch_seconds += self.last_fetch_seconds
+            self.steps += 1
+            delivered += 1
+            s.consumed = start + delivered * gb  # == part.consumed_after(start, delivered, ...)
+            yield batch
+        s.epoch, s.consumed = s.epoch + 1, 0
+        if isinstance(self.dataset._reader, CacheReader):
+            self.dataset._reader.journal.flush()  # hits of this process, for stats
+
+    def state_dict(self) -> dict[str, int]:
+        """``{epoch, consumed, seed, fingerprint}``; take it at a step boundary."""
+        s = self._rg_sampler
+        return {"epoch": s.epoch, "consumed": s.consumed, "seed": s.dataset.seed,
+                "fingerprint": s.dataset.fingerprint}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Resume at ``state`` (from any world size). Raises DataError when it was saved
+        for another dataset or seed."""
+        missing = [k for k in STATE_KEYS if k not in state]
+        if missing:
+            raise DataError(f"loader state lacks {missing}; pass what state_dict() returned")
+        s = self._rg_sampler
+        if int(state["fingerprint"]) != s.dataset.fingerprint:
+            raise DataError(f"loader state was saved for another dataset (fingerprint "
+                            f"{int(state['fingerprint'])} != {s.dataset.fingerprint}); point "
+                            "the dataset at the same files, or do not load this state")
+        if int(state["seed"]) != s.dataset.seed:
+            raise DataError(f"loader state was saved with seed={int(state['seed'])} but the "
+                            f"dataset has seed={s.dataset.seed}; use the same seed")
+        part.check_resume(len(s.dataset), int(state["consumed"]))
+        s.epoch, s.consumed = int(state["epoch"]), int(state["consumed"])
+
+    def close(self) -> None:
+        """Release the link to the node cache (the cache itself keeps running)."""
+        if self._service is not None:
+            self._service.close()
+
+
+class _Hints:
+    """Announces this rank's next files to the node cache, a window ahead of the loop."""
+
+    def __init__(self, loader: DataLoader, order: np.ndarray) -> None:
+        self._loader, self._order, self._sent = loader, order, 0
+        self._chunk = max(loader._rg_sampler.batch_size, loader._window // 4)
+
+    def advance(self, position: int) -> None:
+        upto = min(len(self._order), position + self._loader._window)
+        if upto - self._sent >= self._chunk or (upto == len(self._order) > self._sent):
+            files = self._loader.dataset.file_indices(self._order[self._sent:upto])
+            self._loader._service.prefetch(self._loader._fileset_id, files)
+            self._sent = upto

@@ -1,0 +1,218 @@
+"""Checkpointer save/restore, commit protocol, fallback and retention on real storage
+(local directory and a real S3 endpoint over HTTP) and real gloo ranks."""
+
+from __future__ import annotations
+
+import random
+import signal
+
+import numpy as np
+import pytest
+import torch
+
+from ray_goodput import Checkpointer, StorageError, list_checkpoints
+from ray_goodput.checkpoint import _catalog, _layout
+from ray_goodput.errors import ConfigError, StateMismatchError
+from ray_goodput.storage import list_dir, resolve
+from ray_goodput.testing import kill_self, run_world
+from tests._models import assert_same, full_state, make_model, train_steps, wrap
+
+
+class Counter:
+    """A user Stateful."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def state_dict(self) -> dict:
+        return {"n": self.n}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.n = sd["n"]
+
+
+@pytest.fixture(params=["local", "s3"])
+def root(request, tmp_path, s3_server):
+    return str(tmp_path / "root") if request.param == "local" else s3_server.bucket_uri("run")
+
+
+def _state(seed: int) -> dict:
+    model = make_model(seed)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return {"model": model, "optim": optim, "counter": Counter(), "extras": {"epoch": 0}}
+
+
+def test_round_trip_bit_for_bit_with_rng_and_extras(root, tmp_path):
+    state = _state(0)
+    train_steps(state["model"], state["optim"], 2, rank=0)
+    state["counter"].n, state["extras"] = 41, {"epoch": 3, "tokens": [1, 2]}
+    random.seed(5), np.random.seed(5), torch.manual_seed(5)
+    with Checkpointer(root, staging_dir=str(tmp_path / "s1")) as ckpt:
+        ckpt.save(7, state)
+    expected_rng = (random.random(), np.random.rand(), torch.rand(2))
+    saved = full_state(state["model"], state["optim"])
+
+    fresh = _state(99)
+    random.seed(0)
+    with Checkpointer(root, staging_dir=str(tmp_path / "s2")) as ckpt:  # no local copy
+        assert ckpt.restore(fresh) == 7
+        assert ckpt.last_restore.remote_files > 0 and ckpt.last_restore.local_files == 0
+    assert (random.random(), np.random.rand()) == expected_rng[:2]
+    assert torch.equal(torch.rand(2), expected_rng[2])
+    assert_same(saved, full_state(fresh["model"], fresh["optim"]))
+    assert fresh["counter"].n == 41 and fresh["extras"] == {"epoch": 3, "tokens": [1, 2]}
+    # Training continues identically from the restored optimizer state.
+    train_steps(state["model"], state["optim"], 1, rank=0, start=2)
+    train_steps(fresh["model"], fresh["optim"], 1, rank=0, start=2)
+    assert_same(full_state(state["model"], state["optim"]), full_state(fresh["model"], fresh["optim"]))
+
+
+def test_restore_prefers_verified_local_copy(tmp_path):
+    root, stage = str(tmp_path / "root"), str(tmp_path / "stage")
+    state = _state(0)
+    with Checkpointer(root, staging_dir=stage) as ckpt:
+        ckpt.save(1, state)
+    with Checkpointer(root, staging_dir=stage) as ckpt:
+        assert ckpt.restore(_state(1)) == 1
+        assert ckpt.last_restore.local_files > 0 and ckpt.last_restore.remote_files == 0
+    # A local copy that no longer matches the manifest is ignored.
+    local = next((tmp_path / "stage").rglob("__0_0.distcp"))
+    local.write_bytes(b"garbage")
+    fresh = _state(2)
+    with Checkpointer(root, staging_dir=stage) as ckpt:
+        assert ckpt.restore(fresh) == 1
+        assert ckpt.last_restore.remote_files > 0
+    assert torch.equal(fresh["model"][0].weight, state["model"][0].weight)
+
+
+def test_no_checkpoint_returns_none(root, tmp_path):
+    with Checkpointer(root, staging_dir=str(tmp_path / "s")) as ckpt:
+        assert ckpt.restore(_state(0)) is None
+
+
+def test_retention_keeps_last_and_never_the_newest(tmp_path):
+    root = str(tmp_path / "root")
+    state = _state(0)
+    with Checkpointer(root, keep_last=2, staging_dir=str(tmp_path / "s")) as ckpt:
+        for step in (10, 20, 30, 40):
+            ckpt.save(step, state)
+            ckpt.wait()
+        assert ckpt.stats.committed == [10, 20, 30, 40]
+    infos = list_checkpoints(root)
+    assert [(i.step, i.committed, i.world_size) for i in infos] == [(30, True, 1), (40, True, 1)]
+    assert all(i.num_bytes > 0 and i.created for i in infos)
+
+
+def _damage(root: str, step: int, how: str) -> None:
+    loc = _catalog.step_location(resolve(root), step)
+    path = loc.join("__0_0.distcp")
+    if how == "delete":
+        loc.fs.delete_file(path)
+        return
+    with loc.fs.open_input_file(path) as f:
+        data = f.read()
+    data = data[: len(data) // 2] if how == "truncate" else data[:-1] + bytes([data[-1] ^ 0xFF])
+    with loc.fs.open_output_stream(path) as f:
+        f.write(data)
+
+
+@pytest.mark.parametrize("how", ["delete", "truncate", "flip"])
+def test_damaged_newest_falls_back_to_previous(root, tmp_path, how, caplog):
+    state = _state(0)
+    with Checkpointer(root, staging_dir=str(tmp_path / "s")) as ckpt:
+        ckpt.save(1, state)
+        ckpt.wait()
+        old = state["model"][0].weight.detach().clone()
+        train_steps(state["model"], state["optim"], 1, rank=0)
+        ckpt.save(2, state)
+    _damage(root, 2, how)
+    fresh = _state(5)
+    with Checkpointer(root, staging_dir=str(tmp_path / "other"), verify_checksums=True) as ckpt:
+        assert ckpt.restore(fresh) == 1
+    assert torch.equal(fresh["model"][0].weight, old)
+    assert "damaged" in caplog.text and "step 2" in caplog.text
+
+
+def test_unreachable_storage_fails_at_creation():
+    from tests.conftest import free_port
+
+    uri = f"s3://bucket/run?endpoint_override=127.0.0.1:{free_port()}&scheme=http"
+    with pytest.raises(StorageError, match="not usable"):
+        Checkpointer(uri)
+
+
+def test_bad_arguments_name_the_fix(tmp_path):
+    with pytest.raises(ConfigError, match="keep_last"):
+        Checkpointer(str(tmp_path), keep_last=0)
+    with pytest.raises(ConfigError, match="storage_path"):
+        Checkpointer()  # outside Ray Train there is no run storage to default to
+    with Checkpointer(str(tmp_path), staging_dir=str(tmp_path / "s")) as ckpt:
+        with pytest.raises(ConfigError, match="non-empty dict"):
+            ckpt.save(1, {})
+        ckpt.save(5, _state(0))
+        with pytest.raises(ConfigError, match="not after"):
+            ckpt.save(5, _state(0))
+
+
+def test_state_mismatch_is_not_retryable(tmp_path):
+    root = str(tmp_path / "r")
+    with Checkpointer(root, staging_dir=str(tmp_path / "s")) as ckpt:
+        ckpt.save(1, _state(0))
+    other = torch.nn.Linear(3, 3)
+    with Checkpointer(root, staging_dir=str(tmp_path / "s")) as ckpt:
+        with pytest.raises(StateMismatchError, match="does not match"):
+            ckpt.restore({"model": other})
+
+
+# ---- a crash between shards (real process killed) ---------------------------------------
+
+class _DieBeforeUpload:
+    """Upload backend of a rank that is SIGKILLed after its shard is written locally."""
+
+    def submit(self, job):
+        kill_self()
+
+    def close(self):
+        pass
+
+
+def _crash_between_shards(rank: int, world: int, root: str, stage: str) -> None:
+    import time
+
+    model = wrap(make_model(0), "ddp")
+    optim = torch.optim.Adam(model.parameters())
+    state = {"model": model, "optim": optim}
+    ckpt = Checkpointer(root, staging_dir=f"{stage}{rank}")
+    ckpt.save(10, state)
+    ckpt.wait()
+    train_steps(model, optim, 1, rank)
+    if rank == 1:
+        ckpt._uploader = _DieBeforeUpload()
+    ckpt.save(20, state)
+    if rank == 0:  # its shard lands; it must never commit without rank 1's
+        marker = _catalog.step_location(resolve(root), 20).join(_layout.rank_marker(0))
+        while resolve(root).fs.get_file_info(marker).type.name == "NotFound":
+            time.sleep(0.05)
+        kill_self()  # the rest of the job is gone too
+    time.sleep(60)
+
+
+def _restore_then_save(rank: int, world: int, root: str, stage: str) -> int:
+    model = wrap(make_model(3), "ddp")
+    optim = torch.optim.Adam(model.parameters())
+    with Checkpointer(root, staging_dir=f"{stage}{rank}", keep_last=5) as ckpt:
+        step = ckpt.restore({"model": model, "optim": optim})
+        ckpt.save(30, {"model": model, "optim": optim})
+    return step
+
+
+def test_crash_between_shards_is_never_restored_and_is_collected(tmp_path):
+    root, stage = str(tmp_path / "root"), str(tmp_path / "stage")
+    run_world(_crash_between_shards, 2, root, stage, allow_deaths=True)
+    infos = {i.step: i.committed for i in list_checkpoints(root)}
+    assert infos == {10: True, 20: False}
+    names = {i.path.rsplit("/", 1)[-1] for i in list_dir(_catalog.step_location(resolve(root), 20),
+                                                         recursive=True)}
+    assert "__0_0.distcp" in names and "__1_0.distcp" not in names
+    assert run_world(_restore_then_save, 2, root, stage) == [10, 10]
+    assert {i.step: i.committed for i in list_checkpoints(root)} == {10: True, 30: True}

@@ -1,0 +1,195 @@
+"""DataLoader over local files and Parquet: resume contract, epochs, errors, DCP (no Ray)."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch.distributed.checkpoint as dcp
+
+from ray_goodput.data import (CacheConfig, DataError, DataLoader, FileDataset,
+                              ParquetDataset)
+from ray_goodput.errors import ConfigError, StorageError
+
+N = 53  # prime: every (world, batch) below leaves a ragged tail
+
+
+@pytest.fixture(scope="module")
+def files_dir(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("files")
+    for i in range(N):
+        (d / f"s{i:03d}.txt").write_text(str(i))
+    return d
+
+
+@pytest.fixture(scope="module")
+def parquet_dir(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("pq")
+    start = 0
+    for f, rows in enumerate([17, 5, 31]):
+        table = pa.table({"id": list(range(start, start + rows)),
+                          "x": [float(i) * 0.5 for i in range(start, start + rows)]})
+        pq.write_table(table, d / f"part-{f}.parquet", row_group_size=6)
+        start += rows
+    return d
+
+
+def _files(files_dir, tmp_path, **kw) -> FileDataset:
+    return FileDataset(str(files_dir), decode=lambda b: int(b), seed=7,
+                       cache=CacheConfig(directory=str(tmp_path / "cache")), **kw)
+
+
+def _ids(batch) -> list[int]:
+    return [int(x) for x in (batch["id"] if isinstance(batch, dict) else batch)]
+
+
+def _lockstep(loaders, steps=None) -> list[list[int]]:
+    """Runs ranks step by step like a Ray Train loop; returns ids per rank."""
+    seen = [[] for _ in loaders]
+    iters = [iter(dl) for dl in loaders]
+    for step in itertools.count():
+        if steps is not None and step == steps:
+            break
+        batches = [next(it, None) for it in iters]
+        if all(b is None for b in batches):
+            break
+        assert all(b is not None for b in batches), "ranks ran different step counts"
+        for r, b in enumerate(batches):
+            seen[r].extend(_ids(b))
+    return seen
+
+
+def _make(ds, world, batch, workers):
+    return [DataLoader(ds, batch, num_workers=workers, rank=r, world_size=world)
+            for r in range(world)]
+
+
+@pytest.mark.parametrize("w1,w2,batch,workers,k", [
+    (2, 3, 4, 0, 2), (2, 1, 4, 2, 3), (3, 2, 2, 2, 4), (1, 4, 3, 0, 1), (4, 4, 1, 2, 5)])
+def test_resume_any_world_covers_epoch_once(files_dir, tmp_path, w1, w2, batch, workers, k):
+    ds = _files(files_dir, tmp_path)
+    first = _make(ds, w1, batch, workers)
+    before = _lockstep(first, steps=k)
+    states = [dl.state_dict() for dl in first]  # global position: the same on every rank
+    assert all(s == states[0] for s in states)
+    state = states[0]
+    assert state["consumed"] == k * w1 * batch
+    resumed = _make(ds, w2, batch, workers)
+    for dl in resumed:
+        dl.load_state_dict(state)
+    after = _lockstep(resumed)
+    union = [i for r in before + after for i in r]
+    assert len(union) == len(set(union))
+    perm = ds.permutation(0).tolist()
+    end = state["consumed"] + (N - state["consumed"]) // (w2 * batch) * (w2 * batch)
+    assert sorted(union) == sorted(perm[:end])  # the epoch's samples less the dropped tail
+    assert all(dl.epoch == 1 and dl.consumed == 0 for dl in resumed)
+
+
+def test_resume_mid_second_epoch_and_epochs_differ(files_dir, tmp_path):
+    ds = _files(files_dir, tmp_path)
+    dl = DataLoader(ds, 5, num_workers=2, rank=0, world_size=2)
+    epoch0 = [i for b in dl for i in _ids(b)]
+    assert dl.epoch == 1 and len(epoch0) == (N // 10) * 5
+    it = iter(dl)
+    part1 = [i for _ in range(2) for i in _ids(next(it))]
+    state = dl.state_dict()
+    assert state["epoch"] == 1 and state["consumed"] == 20
+    dl2 = DataLoader(ds, 5, num_workers=0)  # world 1 now
+    dl2.load_state_dict(state)
+    dl2.set_epoch(1)  # same epoch: keeps the resumed position
+    rest = [i for b in dl2 for i in _ids(b)]
+    perm1 = ds.permutation(1).tolist()
+    assert part1 == [perm1[j] for j in (0, 1, 2, 3, 4, 10, 11, 12, 13, 14)]  # rank 0 stripes
+    assert rest == perm1[20:50]
+    assert epoch0 != [perm1[j] for j in range(len(epoch0))]
+    dl2.set_epoch(5)
+    assert dl2.consumed == 0 and len(dl2) == N // 5
+
+
+def test_fetch_seconds_and_len(files_dir, tmp_path):
+    dl = DataLoader(_files(files_dir, tmp_path), 4, num_workers=0)
+    assert len(dl) == N // 4
+    batches = list(dl)
+    assert len(batches) == N // 4 and dl.steps == len(batches)
+    assert 0 < dl.last_fetch_seconds <= dl.total_fetch_seconds
+
+
+def test_parquet_rows_resume_and_columns(parquet_dir, tmp_path):
+    total = 17 + 5 + 31
+    ds = ParquetDataset(str(parquet_dir), seed=1,
+                        cache=CacheConfig(directory=str(tmp_path / "c")))
+    assert len(ds) == total
+    assert ds[20] == {"id": 20, "x": 10.0}
+    before = _lockstep(_make(ds, 2, 3, 2), steps=3)
+    resumed = _make(ds, 3, 3, 0)
+    for dl in resumed:
+        dl.load_state_dict({"epoch": 0, "consumed": 18, "seed": 1,
+                            "fingerprint": ds.fingerprint})
+    after = _lockstep(resumed)
+    union = [i for r in before + after for i in r]
+    assert len(union) == len(set(union)) == 18 + (total - 18) // 9 * 9
+    only_id = ParquetDataset(str(parquet_dir), columns=["id"], cache=None)
+    assert set(only_id[0]) == {"id"}
+
+
+def test_state_from_another_dataset_or_seed_is_rejected(files_dir, parquet_dir, tmp_path):
+    dl = DataLoader(_files(files_dir, tmp_path), 4, num_workers=0)
+    other = DataLoader(ParquetDataset(str(parquet_dir), cache=None), 4, num_workers=0)
+    with pytest.raises(DataError, match="another dataset"):
+        dl.load_state_dict(other.state_dict())
+    with pytest.raises(DataError, match="seed"):
+        dl.load_state_dict({**dl.state_dict(), "seed": 99})
+    with pytest.raises(DataError, match="lacks"):
+        dl.load_state_dict({"epoch": 0})
+    with pytest.raises(ConfigError, match="another dataset"):
+        dl.load_state_dict({**dl.state_dict(), "consumed": N + 1})
+
+
+def test_clear_errors_name_the_input(files_dir, tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(DataError, match="holds no files"):
+        FileDataset(str(empty))
+    with pytest.raises(DataError, match="empty list"):
+        FileDataset([])
+    missing = FileDataset([str(files_dir / "s000.txt"), str(files_dir / "nope.txt")],
+                          cache=CacheConfig(directory=str(tmp_path / "c")))
+    with pytest.raises(StorageError, match="nope.txt"):
+        missing[1]
+    bad = FileDataset(str(files_dir), decode=lambda b: 1 / 0, cache=None)
+    with pytest.raises(DataError, match=r"s0\d\d.txt"):
+        bad[0]
+    ds = _files(files_dir, tmp_path)
+    with pytest.raises(ConfigError, match="rank 3 is outside"):
+        DataLoader(ds, 2, rank=3, world_size=2)
+    with pytest.raises(ConfigError, match="both rank= and world_size="):
+        DataLoader(ds, 2, rank=0)
+    with pytest.raises(DataError, match="lower batch_size"):
+        DataLoader(ds, 30, rank=0, world_size=2)
+    with pytest.raises(DataError, match="not a readable Parquet"):
+        ParquetDataset(str(files_dir), suffixes=(".txt",), cache=None)
+
+
+def test_state_round_trips_through_dcp_as_stateful(files_dir, tmp_path):
+    ds = _files(files_dir, tmp_path)
+    dl = DataLoader(ds, 4, num_workers=0)
+    it = iter(dl)
+    next(it), next(it), next(it)
+    dcp.save({"loader": dl}, checkpoint_id=str(tmp_path / "ckpt"))
+    fresh = DataLoader(ds, 4, num_workers=0)
+    dcp.load({"loader": fresh}, checkpoint_id=str(tmp_path / "ckpt"))
+    assert fresh.state_dict() == dl.state_dict() and fresh.consumed == 12
+    assert _ids(next(iter(fresh))) == _ids(next(it))
+
+
+def test_dataset_without_our_loader_and_uncached_reads(files_dir, tmp_path):
+    ds = _files(files_dir, tmp_path)
+    assert ds[5] == 5 and ds[5] == 5  # second read is a cache hit
+    cached = list((tmp_path / "cache" / "data").rglob("*"))
+    assert any(p.is_file() and p.read_bytes() == b"5" for p in cached)
+    plain = FileDataset(str(files_dir), decode=int, cache=None)
+    assert sorted(plain[i] for i in range(len(plain))) == list(range(N))
