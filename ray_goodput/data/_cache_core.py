@@ -131,7 +131,7 @@ class CacheCore:
             with self._lock:
                 self._make_room(files.sizes[i], keep=key)
         got = fetch(self.layout, key, files.fs, files.paths[i], max_bytes=self.capacity,
-                    policy=self._policy)
+                    policy=self._policy, expected=files.sizes[i])
         with self._lock:
             if got is not None:
                 self._record_fetch(got[0], got[1])
@@ -176,7 +176,8 @@ class CacheCore:
             self.counts["misses"] += misses
             for key, size, seconds in fetched:
                 self._record_fetch(size, seconds)
-                self._add(key, size)
+                if self.layout.data_path(key).exists():  # not evicted since (no ghosts)
+                    self._add(key, size)
             self._make_room(0, keep=None)
 
     def drain_latencies(self) -> list[float]:

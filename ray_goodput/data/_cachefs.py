@@ -93,7 +93,8 @@ def _flock(path: Path):
         os.close(fd)
 
 
-def _copy_in(fs: pafs.FileSystem, src: str, dest: Path, max_bytes: int) -> int:
+def _copy_in(fs: pafs.FileSystem, src: str, dest: Path, max_bytes: int,
+             expected: int) -> int:
     tmp = dest.with_name(f".{dest.name}.part-{os.getpid()}-{next(_tmp_counter)}")
     size = 0
     try:
@@ -105,6 +106,9 @@ def _copy_in(fs: pafs.FileSystem, src: str, dest: Path, max_bytes: int) -> int:
                         f"{src} is larger than the cache capacity ({max_bytes} bytes); raise "
                         "CacheConfig.capacity_bytes or pass cache=None to read it uncached")
                 out.write(chunk)
+        if expected >= 0 and size != expected:  # a truncated read must not become a hit
+            raise OSError(f"read {size} bytes of {src} but it was listed with {expected}; "
+                          "the object changed or the connection broke")
         os.replace(tmp, dest)  # the final name appears only with complete content
     except OSError as exc:
         if exc.errno == errno.ENOSPC:
@@ -118,19 +122,26 @@ def _copy_in(fs: pafs.FileSystem, src: str, dest: Path, max_bytes: int) -> int:
 
 
 def fetch(layout: CacheLayout, key: str, fs: pafs.FileSystem, src: str, *,
-          max_bytes: int, policy: RetryPolicy) -> tuple[int, float] | None:
+          max_bytes: int, policy: RetryPolicy,
+          expected: int = -1) -> tuple[int, float] | None:
     """Bring ``src`` into the cache once (single flight). Blocking.
 
     Returns (bytes, seconds) when this call downloaded it, None when it was already
-    there. Raises CacheFullError (no retry) or StorageError naming ``src``.
+    there. ``expected`` (bytes, -1 unknown) is checked. Raises CacheFullError (no retry)
+    or StorageError naming ``src``.
     """
     dest = layout.data_path(key)
     if dest.exists():
         return None
+    if expected > max_bytes:  # known from the listing: fail before downloading
+        raise CacheFullError(f"{src} ({expected} bytes) is larger than the cache capacity "
+                             f"({max_bytes} bytes); raise CacheConfig.capacity_bytes or pass "
+                             "cache=None to read it uncached")
     with _flock(layout.lock_path(key)):
         if dest.exists():  # another process fetched it while we waited for the lock
             return None
         dest.parent.mkdir(parents=True, exist_ok=True)
         start = time.monotonic()
-        size = policy.call(f"download of {src}", lambda: _copy_in(fs, src, dest, max_bytes))
+        size = policy.call(f"download of {src}",
+                           lambda: _copy_in(fs, src, dest, max_bytes, expected))
         return size, time.monotonic() - start

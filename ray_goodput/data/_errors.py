@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ray_goodput.errors import GoodputError
+from ray_goodput.errors import GoodputError, StorageError
 
 
 class DataError(GoodputError, ValueError):
@@ -10,6 +10,7 @@ class DataError(GoodputError, ValueError):
     another dataset, a world too large for the dataset. The message names the input to fix."""
 
 
-class CacheFullError(GoodputError, OSError):
+class CacheFullError(StorageError):
     """The node cache cannot hold a file: it is larger than the cache capacity, or the disk
-    is full even after eviction. Raise ``CacheConfig.capacity_bytes`` or free the disk."""
+    is full even after eviction. Raise ``CacheConfig.capacity_bytes`` or free the disk.
+    A StorageError (an OSError) that retries do not fix, so they are not attempted."""

@@ -45,7 +45,8 @@ class CacheReader:
                 f = open(path, "rb")
             except FileNotFoundError:
                 got = fetch(self.layout, key, files.fs, files.paths[i],
-                            max_bytes=self.capacity_bytes, policy=self.policy)
+                            max_bytes=self.capacity_bytes, policy=self.policy,
+                            expected=files.sizes[i])
                 self.journal.miss(None if got is None else (key, got[0], got[1]))
                 continue
             if attempt == 0:

@@ -1,0 +1,248 @@
+"""NodeCache against a real S3 endpoint behind a counting HTTP proxy, with real Ray."""
+
+from __future__ import annotations
+
+import http.client
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pyarrow.fs as pafs
+import pytest
+import ray
+
+from ray_goodput.data import CacheConfig, CacheFullError, DataLoader, FileDataset, cache_status
+from ray_goodput.data._cachefs import CacheLayout
+from ray_goodput.data._service import CacheService
+from ray_goodput.node import _services
+from ray_goodput.node._cache import KIND, get_cache
+
+ROOT = str(Path(__file__).resolve().parents[1])
+
+
+class CountingProxy:
+    """Forwards HTTP to the S3 server; counts requests per (method, path); can stall a
+    response half-way (to kill a downloader mid-file)."""
+
+    def __init__(self, upstream: str, latency_s: float = 0.0) -> None:
+        self.counts: Counter = Counter()
+        self.stall_path: str | None = None
+        self.release = threading.Event()
+        self.latency_s = latency_s
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):  # keep test output clean
+                pass
+
+            def _forward(self):
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                path = self.path.split("?")[0]
+                proxy.counts[(self.command, path)] += 1
+                time.sleep(proxy.latency_s)
+                conn = http.client.HTTPConnection(upstream, timeout=30)
+                conn.request(self.command, self.path, body=body or None,
+                             headers={k: v for k, v in self.headers.items()})
+                resp = conn.getresponse()
+                data = resp.read()
+                self.send_response(resp.status)
+                for k, v in resp.getheaders():
+                    if k.lower() not in ("transfer-encoding", "connection", "content-length"):
+                        self.send_header(k, v)
+                length = resp.getheader("Content-Length") if self.command == "HEAD" else None
+                self.send_header("Content-Length", length or str(len(data)))
+                self.end_headers()
+                if proxy.stall_path and path.endswith(proxy.stall_path) and self.command == "GET":
+                    self.wfile.write(data[: len(data) // 4])
+                    self.wfile.flush()
+                    proxy.release.wait(60)
+                    data = data[len(data) // 4:]
+                self.wfile.write(data)
+
+            do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = _forward
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.endpoint = f"127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def gets(self, suffix: str = "") -> dict[str, int]:
+        return {p: n for (m, p), n in self.counts.items() if m == "GET" and p.endswith(suffix)}
+
+    def close(self) -> None:
+        self.release.set()
+        self.server.shutdown()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_cluster():
+    ray.init(num_cpus=4, include_dashboard=False,
+             runtime_env={"env_vars": {"PYTHONPATH": ROOT}})
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def fresh_cache():
+    _services.shutdown(KIND, drain_timeout_s=10)  # each test picks its own cache config
+    yield
+    _services.shutdown(KIND, drain_timeout_s=10)
+
+
+def _upload(s3_server, prefix: str, blobs: dict[str, bytes]) -> tuple[str, str]:
+    """Writes blobs straight to S3; returns (bucket, prefix)."""
+    uri = s3_server.bucket_uri(prefix)
+    bucket = uri[len("s3://"):].split("/")[0]
+    fs = pafs.S3FileSystem(endpoint_override=s3_server.endpoint, scheme="http")
+    for name, data in blobs.items():
+        with fs.open_output_stream(f"{bucket}/{prefix}/{name}") as out:
+            out.write(data)
+    return bucket, prefix
+
+
+def _via(proxy: CountingProxy, bucket: str, prefix: str) -> str:
+    return f"s3://{bucket}/{prefix}?endpoint_override={proxy.endpoint}&scheme=http"
+
+
+def _blobs(n: int, size: int) -> dict[str, bytes]:
+    return {f"f{i:03d}.bin": (f"{i:08d}".encode() * (size // 8 + 1))[:size] for i in range(n)}
+
+
+def _data_files(cache_dir: Path) -> list[Path]:
+    return [p for p in (cache_dir / "data").rglob("*") if p.is_file()]
+
+
+@ray.remote(num_cpus=0)
+def _read_everything(uri: str, cache_dir: str, workers: int, start_at: float) -> list[bytes]:
+    ds = FileDataset(uri, seed=1, cache=CacheConfig(directory=cache_dir, lookahead=16))
+    loader = DataLoader(ds, 2, num_workers=workers, rank=0, world_size=1, collate_fn=list)
+    time.sleep(max(0.0, start_at - time.time()))  # all readers start together
+    return sorted(x for batch in loader for x in batch)
+
+
+def test_single_flight_across_processes_and_loader_workers(s3_server, tmp_path):
+    blobs = _blobs(40, 2000)
+    bucket, prefix = _upload(s3_server, "sf", blobs)
+    proxy = CountingProxy(s3_server.endpoint, latency_s=0.03)
+    try:
+        uri = _via(proxy, bucket, prefix)
+        start = time.time() + 3
+        refs = [_read_everything.remote(uri, str(tmp_path), w, start) for w in (2, 2, 0, 3)]
+        results = ray.get(refs, timeout=120)
+        for got in results:
+            assert got == sorted(blobs.values())
+        gets = proxy.gets(".bin")
+        assert len(gets) == 40 and set(gets.values()) == {1}, gets
+        stats = cache_status()[0]
+        assert stats["files"] == 40 and stats["bytes_used"] == 40 * 2000
+        assert stats["bytes_fetched"] == 40 * 2000 and stats["hits"] + stats["misses"] >= 160
+    finally:
+        proxy.close()
+
+
+def test_lru_eviction_under_small_capacity(s3_server, tmp_path):
+    blobs = _blobs(30, 1000)
+    bucket, prefix = _upload(s3_server, "ev", blobs)
+    cfg = CacheConfig(directory=str(tmp_path), capacity_bytes=5500, lookahead=2)
+    ds = FileDataset(f"s3://{bucket}/{prefix}?endpoint_override={s3_server.endpoint}"
+                     "&scheme=http", cache=cfg)
+    loader = DataLoader(ds, 1, num_workers=0, collate_fn=list)
+    for epoch in range(2):
+        assert sorted(x for b in loader for x in b) == sorted(blobs.values())
+    stats = ray.get(get_cache(cfg).stats.remote())
+    assert stats["bytes_used"] <= 5500 and stats["files"] <= 5
+    assert stats["evictions"] >= 2 * 30 - 5 - 5  # lookahead may keep a few extra fetches
+    on_disk = _data_files(tmp_path)
+    assert len(on_disk) == stats["files"]
+    keys = {CacheLayout.key(ds.files.ident, p): i for i, p in enumerate(ds.files.paths)}
+    for path in on_disk:  # every survivor is complete and is the right file
+        assert path.read_bytes() == blobs[ds.files.paths[keys[path.name]].rsplit("/", 1)[1]]
+
+
+def test_file_larger_than_capacity_is_a_clear_error(s3_server, tmp_path):
+    bucket, prefix = _upload(s3_server, "big", {"big.bin": b"x" * 1000})
+    ds = FileDataset(f"s3://{bucket}/{prefix}?endpoint_override={s3_server.endpoint}"
+                     "&scheme=http", cache=CacheConfig(directory=str(tmp_path),
+                                                      capacity_bytes=500))
+    DataLoader(ds, 1, num_workers=0)  # connects the node cache
+    with pytest.raises(CacheFullError, match=r"big.bin.*capacity_bytes"):
+        ds[0]
+    assert _data_files(tmp_path) == []
+
+
+def test_killed_mid_download_leaves_no_corrupt_file_and_is_recreated(s3_server, tmp_path):
+    blob = os.urandom(3 << 20)
+    bucket, prefix = _upload(s3_server, "kill", {"big.bin": blob})
+    proxy = CountingProxy(s3_server.endpoint)
+    proxy.stall_path = "big.bin"
+    try:
+        cfg = CacheConfig(directory=str(tmp_path))
+        ds = FileDataset(_via(proxy, bucket, prefix), cache=cfg)
+        service = CacheService(cfg)
+        fid = service.register(ds.files)
+        service.prefetch(fid, [0])
+        final = CacheLayout(tmp_path).data_path(CacheLayout.key(ds.files.ident, ds.files.paths[0]))
+        deadline = time.time() + 30
+        while not list(final.parent.glob(".*.part-*")) and time.time() < deadline:
+            time.sleep(0.05)
+        assert list(final.parent.glob(".*.part-*")), "download never started"
+        old = _services.find(KIND)
+        ray.kill(next(iter(old.values())), no_restart=True)
+        time.sleep(1.0)
+        assert not final.exists()
+        proxy.stall_path = None
+        proxy.release.set()
+        service.prefetch(fid, [0])  # fails on the dead actor ...
+        time.sleep(0.5)
+        service.prefetch(fid, [0])  # ... noticed here: reconnects, recreated, refetches
+        deadline = time.time() + 30
+        while not final.exists() and time.time() < deadline:
+            time.sleep(0.1)
+        assert final.read_bytes() == blob
+        assert not list(final.parent.glob(".*.part-*"))  # the dead writer's temp is gone
+        new = _services.find(KIND)
+        assert list(new) == list(old) and new[list(new)[0]]._actor_id != \
+            old[list(old)[0]]._actor_id
+        assert ds[0] == blob
+    finally:
+        proxy.close()
+
+
+def test_status_reports_each_node_and_hit_rate(s3_server, tmp_path):
+    blobs = _blobs(8, 100)
+    bucket, prefix = _upload(s3_server, "st", blobs)
+    ds = FileDataset(f"s3://{bucket}/{prefix}?endpoint_override={s3_server.endpoint}"
+                     "&scheme=http", cache=CacheConfig(directory=str(tmp_path), lookahead=0))
+    loader = DataLoader(ds, 2, num_workers=0)
+    for _ in range(3):
+        list(loader)
+    rows = cache_status()
+    assert len(rows) == 1
+    row = rows[0]
+    assert row["node_id"] == ray.get_runtime_context().get_node_id()
+    assert row["files"] == 8 and row["bytes_used"] == 800
+    assert row["hits"] >= 16 and 0.5 < row["hit_rate"] <= 1.0
+    assert row["directory"] == str(tmp_path)
+
+
+def test_cache_exits_when_its_job_is_gone(tmp_path):
+    script = (f"import ray\nfrom ray_goodput.data import CacheConfig\n"
+              f"from ray_goodput.node._cache import get_cache\n"
+              f"ray.init(address='auto', namespace='x')\n"
+              f"h = get_cache(CacheConfig(directory={str(tmp_path)!r}))\n"
+              f"print(ray.get(h.describe.remote())['directory'])\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
+    assert str(tmp_path) in out.stdout, out.stderr[-2000:]
+    assert _services.find(KIND), "the detached cache should outlive its creator briefly"
+    deadline = time.time() + 40
+    while _services.find(KIND) and time.time() < deadline:
+        time.sleep(1)
+    assert not _services.find(KIND)

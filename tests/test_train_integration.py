@@ -1,0 +1,65 @@
+"""Checkpointer inside real Ray Train runs: the quickstart (failure + resume) and a
+custom S3 storage_path outside the run directory."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import ray
+
+from ray_goodput import list_checkpoints
+from ray_goodput.checkpoint._train_context import POINTER_FILE
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.1"}})
+    yield
+    ray.shutdown()
+
+
+def test_quickstart_resumes_from_last_committed(ray_local, tmp_path):
+    from ray_goodput.demo import run
+
+    out = run(tmp_path, steps=40, every=10, fail_at=25)
+    assert out["last_step"] == 40
+    assert len(out["resumes"]) == 1
+    resume = out["resumes"][0]
+    committed = {i.step for i in list_checkpoints(out["run_dir"]) if i.committed}
+    assert resume["from_step"] in (10, 20) and resume["lost"] == 25 - resume["from_step"]
+    # Result.checkpoint is the newest committed checkpoint, in place (NO_UPLOAD).
+    assert out["checkpoint"].endswith("checkpoints/step-000000040") and 40 in committed
+    assert max(committed) == 40 and len(committed) <= 2  # keep_last=2
+
+
+def _s3_loop(config):
+    import torch
+
+    from ray_goodput import Checkpointer
+
+    model = torch.nn.Linear(4, 4)
+    with Checkpointer(config["uri"]) as ckpt:
+        assert ckpt.restore({"model": model}) is None
+        for step in (1, 2):
+            ckpt.save(step, {"model": model})
+
+
+def test_custom_s3_storage_reports_pointer_checkpoint(ray_local, tmp_path, s3_server):
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    uri = s3_server.bucket_uri("custom")
+    trainer = TorchTrainer(
+        _s3_loop, train_loop_config={"uri": uri},
+        scaling_config=ScalingConfig(num_workers=2),
+        run_config=RunConfig(name="s3run", storage_path=str(tmp_path),
+                             failure_config=FailureConfig(max_failures=0)),
+    )
+    result = trainer.fit()
+    assert [(i.step, i.committed, i.world_size) for i in list_checkpoints(uri)] == [(1, True, 2), (2, True, 2)]
+    with result.checkpoint.as_directory() as d:
+        pointer = json.load(open(os.path.join(d, POINTER_FILE)))
+    assert pointer["uri"].endswith("checkpoints/step-000000002")
