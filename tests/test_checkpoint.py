@@ -13,7 +13,9 @@ import torch
 from ray_goodput import Checkpointer, StorageError, list_checkpoints
 from ray_goodput.checkpoint import _catalog, _layout
 from ray_goodput.errors import ConfigError, StateMismatchError
-from ray_goodput.storage import list_dir, resolve
+from ray_goodput.checkpoint._backends import ThreadUploader
+from ray_goodput.checkpoint._job import write_local
+from ray_goodput.storage import RetryPolicy, list_dir, resolve
 from ray_goodput.testing import kill_self, run_world
 from tests._models import assert_same, full_state, make_model, train_steps, wrap
 
@@ -166,10 +168,14 @@ def test_state_mismatch_is_not_retryable(tmp_path):
 
 # ---- a crash between shards (real process killed) ---------------------------------------
 
-class _DieBeforeUpload:
+class _DieBeforeUpload(ThreadUploader):
     """Upload backend of a rank that is SIGKILLed after its shard is written locally."""
 
+    def __init__(self):
+        super().__init__(concurrency=1, policy=RetryPolicy())
+
     def submit(self, job):
+        write_local(job)
         kill_self()
 
     def close(self):

@@ -1,28 +1,38 @@
-"""Where a rank's upload job runs: a thread of the worker, or the node's uploader actor."""
+"""Where a rank's shard job runs: the node's uploader actor, or a thread of the worker."""
 
 from __future__ import annotations
 
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Protocol
 
-from ray_goodput.checkpoint._upload import UploadJob, UploadResult, run_upload_job
+from ray_goodput.checkpoint._job import ShardJob, ShardResult, run_shard_job
 from ray_goodput.storage import RetryPolicy
 
 logger = logging.getLogger(__name__)
 
 
+@dataclass
+class Handoff:
+    """A submitted job: ``released`` once the arena may be reused, ``durable`` once the
+    rank's files are uploaded and declared durable (its result says if it committed)."""
+
+    released: Future[None]
+    durable: Future[ShardResult]
+
+
 class UploadBackend(Protocol):
-    def submit(self, job: UploadJob) -> Future[UploadResult]: ...
+    def submit(self, job: ShardJob) -> Handoff: ...
 
     def close(self) -> None: ...
 
 
 class ThreadUploader:
-    """Uploads in a background thread of this process, one job at a time (FIFO).
+    """Runs jobs in a background thread of this process, FIFO.
 
-    A job dies with its worker process: use the node actor where the upload must
-    outlive the worker.
+    The job dies with the worker process; under Ray the node actor is used instead so
+    that a save survives the worker that made it.
     """
 
     def __init__(self, *, concurrency: int, policy: RetryPolicy) -> None:
@@ -30,9 +40,19 @@ class ThreadUploader:
         self._concurrency = concurrency
         self._policy = policy
 
-    def submit(self, job: UploadJob) -> Future[UploadResult]:
-        return self._pool.submit(run_upload_job, job, concurrency=self._concurrency,
-                                 policy=self._policy)
+    def submit(self, job: ShardJob) -> Handoff:
+        released: Future[None] = Future()
+
+        def _run() -> ShardResult:
+            try:
+                return run_shard_job(job, concurrency=self._concurrency, policy=self._policy,
+                                     on_released=lambda: released.set_result(None))
+            except BaseException as exc:
+                if not released.done():
+                    released.set_exception(exc)
+                raise
+
+        return Handoff(released=released, durable=self._pool.submit(_run))
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

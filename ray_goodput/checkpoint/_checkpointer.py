@@ -1,29 +1,31 @@
-"""The public Checkpointer: stage, hand off, commit, report, restore."""
+"""The public Checkpointer: snapshot, hand off, commit, report, restore."""
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import os
+import pickle
 import shutil
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.tensor import DTensor
 
 from ray_goodput import _env
-from ray_goodput.checkpoint import _catalog, _layout, _state
-from ray_goodput.checkpoint._backends import ThreadUploader, UploadBackend
+from ray_goodput.checkpoint import _catalog, _layout, _plan, _state
+from ray_goodput.checkpoint._arena import Arena, pick_dir
+from ray_goodput.checkpoint._backends import Handoff, ThreadUploader, UploadBackend
+from ray_goodput.checkpoint._job import ShardJob
 from ray_goodput.checkpoint._manifest import Manifest, read_manifest
 from ray_goodput.checkpoint._restore import RestoreInfo, load_checkpoint
-from ray_goodput.checkpoint._staging import HostBuffers
 from ray_goodput.checkpoint._train_context import WorkerContext, report_checkpoint
-from ray_goodput.checkpoint._upload import UploadJob, UploadResult
 from ray_goodput.errors import CheckpointError, ConfigError
 from ray_goodput.storage import RetryPolicy
 
@@ -34,7 +36,7 @@ logger = logging.getLogger(__name__)
 class _Pending:
     step: int
     metrics: dict[str, Any]
-    write: Future[Future[UploadResult]]
+    handoff: Handoff
     block_seconds: float
 
 
@@ -48,6 +50,18 @@ class SaveStats:
     last_block_seconds: float = 0.0
     total_block_seconds: float = 0.0
     last_error: str | None = None
+
+
+def _local(value: Any) -> torch.Tensor:
+    return value.to_local() if isinstance(value, DTensor) else value
+
+
+def _all_gather(obj: Any) -> list[Any]:
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
 
 
 def _broadcast(obj: Any, src: int = 0) -> Any:
@@ -69,29 +83,44 @@ class Checkpointer:
     def __init__(self, storage_path: str | None = None, *, keep_last: int = 3,
                  staging_dir: str | None = None, upload_concurrency: int = 8,
                  verify_checksums: bool = False, retry: RetryPolicy | None = None,
-                 uploader: UploadBackend | None = None) -> None:
+                 uploader: Literal["auto", "actor", "thread"] | UploadBackend = "auto") -> None:
         if keep_last < 1:
             raise ConfigError(f"keep_last must be >= 1 (the newest committed checkpoint is never removed), got {keep_last}")
         if upload_concurrency < 1:
             raise ConfigError(f"upload_concurrency must be >= 1, got {upload_concurrency}")
+        if isinstance(uploader, str) and uploader not in ("auto", "actor", "thread"):
+            raise ConfigError(f"uploader must be 'auto', 'actor' or 'thread', got {uploader!r}")
         self._ctx = WorkerContext.detect()
         self.root = self._ctx.storage_root(storage_path)
         self.root.probe()
-        run_key = hashlib.sha1(self.root.uri.encode()).hexdigest()[:16]
-        self.staging = Path(staging_dir) if staging_dir else _env.staging_root()
-        self.staging = self.staging / run_key
+        self._run_key = hashlib.sha1(self.root.uri.encode()).hexdigest()[:16]
+        self.staging = (Path(staging_dir) if staging_dir else _env.staging_root()) / self._run_key
         self.keep_last = keep_last
         self.verify_checksums = verify_checksums
+        self.upload_concurrency = upload_concurrency
         self._retry = retry or RetryPolicy()
-        self._pg = dist.new_group(backend="gloo") if self._distributed() else None
-        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rg-ckpt-write")
-        self._uploader = uploader or ThreadUploader(concurrency=upload_concurrency, policy=self._retry)
-        self._buffers = HostBuffers()
+        self._uploader_choice = uploader
+        self._uploader: UploadBackend | None = None if isinstance(uploader, str) else uploader
+        self._arena: Arena | None = None
+        self._owner_cache: tuple[list[int], dict[str, int]] | None = None
         self._pending: dict[int, _Pending] = {}
+        self._last_step: int | None = None
         self._errors: list[BaseException] = []
         self._closed = False
         self.stats = SaveStats()
         self.last_restore: RestoreInfo | None = None
+
+    def _make_uploader(self) -> UploadBackend:
+        use_actor = self._uploader_choice == "actor"
+        if self._uploader_choice == "auto":
+            import ray  # noqa: PLC0415
+
+            use_actor = ray.is_initialized()
+        if use_actor:
+            from ray_goodput.node._uploader import ActorUploader  # noqa: PLC0415 - needs Ray
+
+            return ActorUploader(concurrency=self.upload_concurrency, policy=self._retry)
+        return ThreadUploader(concurrency=self.upload_concurrency, policy=self._retry)
 
     @staticmethod
     def _distributed() -> bool:
@@ -108,60 +137,77 @@ class Checkpointer:
     # ---- save -----------------------------------------------------------------------
 
     def save(self, step: int, state: dict[str, Any], *, metrics: dict[str, Any] | None = None) -> None:
-        """Checkpoint ``state`` as of ``step``. Returns once the state is staged in host memory.
+        """Checkpoint ``state`` as of ``step``. Returns once the state is copied out of the
+        training process's tensors into this rank's snapshot arena and handed off.
 
-        Writing the DCP files, uploading and committing go on in the background; the
-        checkpoint is reported to Ray Train (with ``metrics``) at a later ``save``/``wait``
-        once committed. A failed background save is logged and counted in ``stats``
-        (training goes on, the previous checkpoint stays the recovery point) and raised by
-        :meth:`wait`.
+        Writing DCP files, uploading and committing go on in the node's uploader, which
+        outlives this worker. The checkpoint is reported to Ray Train (with ``metrics``) at
+        a later ``save``/``wait`` once committed. A failed background save is logged and
+        counted in ``stats`` (training goes on; the previous checkpoint stays the recovery
+        point) and raised by :meth:`wait`. Collective: every rank saves the same steps.
         """
         self._check_open()
         if not isinstance(step, int) or step < 0:
             raise ConfigError(f"step must be a non-negative int, got {step!r}")
-        if self._pending and step <= max(self._pending):
-            raise ConfigError(f"step {step} is not after the last saved step {max(self._pending)}")
+        if self._last_step is not None and step <= self._last_step:
+            raise ConfigError(f"step {step} is not after the last saved step {self._last_step}")
         self._report_committed(block=False)
-        self._wait_staged()
+        self._wait_released()
         start = time.perf_counter()
-        roles = _state.classify(state)
-        snapshot = self._buffers.snapshot(_state.to_state_dict(roles))
-        rng = _state.rng_state_bytes()
+        job = self._snapshot(step, _state.classify(state))
+        handoff = self._submit(job)
         block = time.perf_counter() - start
+        self._last_step = step
         self.stats.saves += 1
         self.stats.last_block_seconds = block
         self.stats.total_block_seconds += block
-        write = self._writer.submit(self._write_and_hand_off, step, snapshot, rng)
-        self._pending[step] = _Pending(step=step, metrics=dict(metrics or {}), write=write,
+        self._pending[step] = _Pending(step=step, metrics=dict(metrics or {}), handoff=handoff,
                                        block_seconds=block)
 
-    def _write_and_hand_off(self, step: int, snapshot: dict[str, Any], rng: bytes) -> Future[UploadResult]:
-        local = self.staging / _layout.step_dir(step)
-        if self.rank == 0 or not local.exists():
-            shutil.rmtree(local, ignore_errors=True)
-        local.mkdir(parents=True, exist_ok=True)
-        writer = FileSystemWriter(local, single_file_per_rank=True, sync_files=False,
-                                  thread_count=1, overwrite=True)
-        dcp.save(snapshot, storage_writer=writer, process_group=self._pg,
-                 no_dist=not self._distributed())
-        extras = local / _layout.extras_file(self.rank)
-        extras.parent.mkdir(parents=True, exist_ok=True)
-        extras.write_bytes(rng)
-        names = _layout.dcp_files_of_rank([p.name for p in local.iterdir()], self.rank)
-        if self.rank == 0:
-            names.append(_layout.DCP_METADATA)
-        names.append(_layout.extras_file(self.rank))
-        job = UploadJob(root=self.root, step=step, rank=self.rank, world_size=self.world_size,
-                        local_dir=str(local), names=tuple(names), keep_last=self.keep_last)
+    def _snapshot(self, step: int, roles: _state._Roles) -> ShardJob:
+        flat, mappings = flatten_state_dict(_state.to_state_dict(roles))
+        leaves = {fqn: _plan.describe(value) for fqn, value in flat.items()}
+        keys = _plan.local_keys(leaves, self._owners(leaves), self.rank)
+        tensors = {k: _local(flat[k]) for k in keys if leaves[k].kind != _plan.OBJECT}
+        objects = {k: pickle.dumps(flat[k]) for k in keys if leaves[k].kind == _plan.OBJECT}
+        arena = self._arena_for(sum(t.numel() * t.element_size() for t in tensors.values()))
+        slots = arena.snapshot(tensors)
+        return ShardJob(root=self.root, step=step, rank=self.rank, world_size=self.world_size,
+                        arena_path=str(arena.path), slots=tuple(slots), objects=objects,
+                        leaves={k: leaves[k] for k in keys}, mappings=mappings,
+                        rng=_state.rng_state_bytes(),
+                        local_dir=str(self.staging / _layout.step_dir(step)),
+                        keep_last=self.keep_last, owner_pid=os.getpid(),
+                        num_bytes=sum(s.nbytes for s in slots))
+
+    def _owners(self, leaves: dict[str, _plan.Leaf]) -> dict[str, int]:
+        """Owner of each replicated leaf; exchanged across ranks only when a structure changes."""
+        sig = _plan.signature(leaves)
+        sigs = _all_gather(sig)
+        if self._owner_cache is not None and self._owner_cache[0] == sigs:
+            return self._owner_cache[1]
+        owners = _plan.assign_owners(_all_gather(leaves))
+        self._owner_cache = (sigs, owners)
+        return owners
+
+    def _arena_for(self, need_bytes: int) -> Arena:
+        if self._arena is None:
+            base = pick_dir(self.staging, need_bytes) / self._run_key
+            self._arena = Arena(base / f"rank-{self.rank:05d}-{os.getpid()}.arena")
+        return self._arena
+
+    def _submit(self, job: ShardJob) -> Handoff:
+        if self._uploader is None:
+            self._uploader = self._make_uploader()
         return self._uploader.submit(job)
 
-    def _wait_staged(self) -> None:
-        """At most one save in flight per rank: the previous local write must be done."""
+    def _wait_released(self) -> None:
+        """At most one save in flight per rank: the previous snapshot must be written out."""
         if self._pending:
             last = self._pending[max(self._pending)]
             try:
-                last.write.result()
-            except (Exception, CheckpointException) as exc:  # noqa: BLE001 - recorded, surfaced by wait()
+                last.handoff.released.result()
+            except (Exception, CheckpointException) as exc:  # noqa: BLE001 - surfaced by wait()
                 self._record_failure(last.step, exc)
 
     def _record_failure(self, step: int, exc: BaseException) -> None:
@@ -176,13 +222,10 @@ class Checkpointer:
     def _outcome(self, pending: _Pending, block: bool) -> bool | None:
         """True when this rank's part of ``pending`` is durable, False when it failed,
         None when still running (only with ``block=False``)."""
-        if not block and not pending.write.done():
+        if not block and not pending.handoff.durable.done():
             return None
         try:
-            upload = pending.write.result()
-            if not block and not upload.done():
-                return None
-            upload.result()
+            pending.handoff.durable.result()
             return True
         except (Exception, CheckpointException) as exc:  # noqa: BLE001
             self._record_failure(pending.step, exc)
@@ -253,7 +296,7 @@ class Checkpointer:
         manifest = Manifest.from_bytes(chosen[1])
         self.last_restore = load_checkpoint(
             state, root=self.root, manifest=manifest, staging=self.staging, rank=self.rank,
-            world_size=self.world_size, process_group=self._pg)
+            world_size=self.world_size)
         return manifest.step
 
     # ---- lifecycle ------------------------------------------------------------------------
@@ -270,10 +313,10 @@ class Checkpointer:
             self.wait()
         finally:
             self._closed = True
-            self._writer.shutdown(wait=True)
-            self._uploader.close()
-            if self._pg is not None:
-                dist.destroy_process_group(self._pg)
+            if self._uploader is not None:
+                self._uploader.close()
+            if self._arena is not None:
+                self._arena.close()
 
     def __enter__(self) -> Checkpointer:
         return self

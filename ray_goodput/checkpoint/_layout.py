@@ -36,9 +36,3 @@ def rank_marker(rank: int) -> str:
 def extras_file(rank: int) -> str:
     """Per-rank file of RNG states (they differ per rank, so they are not in DCP)."""
     return f"extras/rank-{rank:05d}.pkl"
-
-
-def dcp_files_of_rank(names: list[str], rank: int) -> list[str]:
-    """The DCP data files written by ``rank`` (FileSystemWriter names them ``__<rank>_<i>.distcp``)."""
-    prefix = f"__{rank}_"
-    return sorted(n for n in names if n.startswith(prefix) and n.endswith(".distcp"))

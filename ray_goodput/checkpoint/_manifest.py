@@ -10,9 +10,14 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import threading
+import zlib
+from pathlib import Path
 from dataclasses import dataclass, field
 
 from ray_goodput.checkpoint import _layout
+from ray_goodput.checkpoint._parts import merge_parts, part_file
 from ray_goodput.errors import CheckpointCorruptError
 from ray_goodput.storage import FileEntry, StorageLocation, list_dir, read_bytes, write_bytes
 
@@ -105,11 +110,26 @@ def read_manifest(step_loc: StorageLocation) -> Manifest | None:
         return None
 
 
-def try_commit(step_loc: StorageLocation, step: int, world_size: int) -> Manifest | None:
-    """Write ``COMMITTED`` if every rank of ``world_size`` is durable; idempotent.
+def _write_dcp_metadata(step_loc: StorageLocation, step: int, world_size: int,
+                        local_dir: Path | None) -> FileEntry:
+    """Merge the ranks' metadata parts into DCP's ``.metadata``; written before COMMITTED
+    (and into the node-local staged copy, when there is one, for local-first restore)."""
+    parts = [read_bytes(step_loc, part_file(rank)) for rank in range(world_size)]
+    data = merge_parts(parts, step)
+    write_bytes(step_loc, _layout.DCP_METADATA, data)
+    if local_dir is not None and local_dir.is_dir():
+        tmp = local_dir / f".metadata.tmp-{os.getpid()}-{threading.get_ident()}"
+        tmp.write_bytes(data)
+        os.replace(tmp, local_dir / _layout.DCP_METADATA)
+    return FileEntry(name=_layout.DCP_METADATA, size=len(data), crc32=zlib.crc32(data))
+
+
+def try_commit(step_loc: StorageLocation, step: int, world_size: int,
+               local_dir: Path | None = None) -> Manifest | None:
+    """Write ``.metadata`` then ``COMMITTED`` if every rank of ``world_size`` is durable.
 
     Returns the manifest when the checkpoint is (now or already) committed, None when
-    ranks are still missing. Writers racing here write byte-identical manifests.
+    ranks are still missing. Idempotent: writers racing here write byte-identical files.
     """
     existing = read_manifest(step_loc)
     if existing is not None:
@@ -117,11 +137,9 @@ def try_commit(step_loc: StorageLocation, step: int, world_size: int) -> Manifes
     markers = {m.rank: m for m in read_rank_markers(step_loc) if m.step == step}
     if set(markers) != set(range(world_size)):
         return None
-    files = sorted((f for m in markers.values() for f in m.files), key=lambda f: f.name)
-    if not any(f.name == _layout.DCP_METADATA for f in files):
-        logger.warning("step %d: every rank is durable but DCP %s is missing; not committing",
-                       step, _layout.DCP_METADATA)
-        return None
+    files = [f for m in markers.values() for f in m.files]
+    files.append(_write_dcp_metadata(step_loc, step, world_size, local_dir))
+    files.sort(key=lambda f: f.name)
     manifest = Manifest(step=step, world_size=world_size, files=tuple(files),
                         created=max(m.created for m in markers.values()))
     write_bytes(step_loc, _layout.COMMITTED, manifest.to_bytes())

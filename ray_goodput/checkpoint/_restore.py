@@ -54,8 +54,7 @@ def _load_rng(step_loc: StorageLocation, local_dir: Path, local: set[str], rank:
 
 
 def load_checkpoint(state: dict[str, Any], *, root: StorageLocation, manifest: Manifest,
-                    staging: Path, rank: int, world_size: int,
-                    process_group: dist.ProcessGroup | None) -> RestoreInfo:
+                    staging: Path, rank: int, world_size: int) -> RestoreInfo:
     """Load ``manifest``'s checkpoint into ``state`` (in place). Collective across ranks.
 
     RNG states are per rank and only meaningful for the world size that saved them:
@@ -69,7 +68,7 @@ def load_checkpoint(state: dict[str, Any], *, root: StorageLocation, manifest: M
     template = _state.to_state_dict(roles)
     reader = TieredReader(step_loc, local_dir, local)
     try:
-        dcp.load(template, storage_reader=reader, process_group=process_group,
+        dcp.load(template, storage_reader=reader,
                  no_dist=not (dist.is_initialized() and dist.get_world_size() > 1))
     except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
         text = f"{exc} {getattr(exc, 'failures', '')}".lower()

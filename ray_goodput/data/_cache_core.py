@@ -29,6 +29,7 @@ from ray_goodput.storage import RetryPolicy
 
 logger = logging.getLogger(__name__)
 _MAX_ERRORS = 5
+_SWEEP_INTERVAL_S = 60.0
 
 
 class CacheCore:
@@ -58,8 +59,9 @@ class CacheCore:
         logger.info("node cache at %s: %d files, %d/%d bytes", self.layout.root,
                     len(self._lru), self._bytes, self.capacity)
 
-    def _scan(self) -> None:
-        """Index the files a previous actor left; delete temps of dead writers."""
+    def _scan(self, index: bool = True) -> None:
+        """Delete temps of dead writers (a killed fetch); with ``index``, also index the
+        files a previous actor left."""
         found = []
         for sub in (self.layout.root / "data").iterdir():
             for entry in os.scandir(sub):
@@ -67,12 +69,14 @@ class CacheCore:
                 if pid is not None:
                     if not pid_alive(pid):
                         Path(entry.path).unlink(missing_ok=True)
-                elif not entry.name.startswith("."):
+                elif index and not entry.name.startswith("."):
                     st = entry.stat()
                     found.append((st.st_mtime, entry.name, st.st_size))
-        for _, key, size in sorted(found):
-            self._add(key, size)
-        self._make_room(0, keep=None)
+        self._last_sweep = time.monotonic()
+        with self._lock:
+            for _, key, size in sorted(found):
+                self._add(key, size)
+            self._make_room(0, keep=None)
 
     def _add(self, key: str, size: int) -> None:
         self._bytes += size - self._lru.get(key, 0)
@@ -170,6 +174,8 @@ class CacheCore:
 
     def maintain(self) -> None:
         """Apply readers' journals (hits, misses, their fetches) and enforce capacity."""
+        if time.monotonic() - self._last_sweep > _SWEEP_INTERVAL_S:
+            self._scan(index=False)  # temps of loader workers killed mid-fetch
         hits, misses, fetched = self._journal.poll()
         with self._lock:
             self.counts["hits"] += hits

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -36,7 +37,7 @@ class CachedDataset(torch.utils.data.Dataset):
         self._retry = retry or RetryPolicy()
         self._reader: CacheReader | DirectReader | None = None
 
-    @property
+    @functools.cached_property
     def fingerprint(self) -> int:
         """63-bit int naming the samples of this dataset (saved in loader states)."""
         return self.files.fingerprint()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -67,7 +68,7 @@ class ParquetDataset(CachedDataset):
             raise DataError(f"Parquet source {source!r} has no rows")
         self._decoded: OrderedDict[int, pa.Table] = OrderedDict()
 
-    @property
+    @functools.cached_property
     def fingerprint(self) -> int:
         return self.files.fingerprint(self._block_rows)
 

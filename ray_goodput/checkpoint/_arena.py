@@ -1,0 +1,93 @@
+"""A per-rank snapshot arena: one memory-mapped file that outlives the worker process.
+
+``save()`` copies tensors into the arena (a memcpy, or a device-to-host copy on GPU) and
+returns; the node's uploader maps the same file and writes DCP files from it. If the
+worker is killed right after ``save()`` returned, the snapshot is still there.
+The file lives in /dev/shm when it has room, else in the staging directory.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+_ALIGN = 64
+
+
+@dataclass(frozen=True)
+class TensorSlot:
+    """Where one tensor lives in an arena. ``offset``/``nbytes`` in bytes."""
+
+    fqn: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+def pick_dir(staging: Path, need_bytes: int) -> Path:
+    """/dev/shm when it has twice ``need_bytes`` free, else ``staging``."""
+    shm = Path("/dev/shm")
+    if shm.is_dir() and shutil.disk_usage(shm).free > 2 * need_bytes:
+        return shm / "ray_goodput"
+    return staging
+
+
+def _u8(path: Path, size: int, mode: str) -> torch.Tensor:
+    mm = np.memmap(path, dtype=np.uint8, mode=mode, shape=(max(size, 1),))
+    return torch.from_numpy(mm)
+
+
+def _view(buf: torch.Tensor, slot: TensorSlot) -> torch.Tensor:
+    return buf[slot.offset:slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)
+
+
+class Arena:
+    """Writer side: reusable, grows when the state grows. Not thread-safe."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._buf: torch.Tensor | None = None
+        self.size = 0
+
+    def _ensure(self, size: int) -> torch.Tensor:
+        if self._buf is None or size > self.size:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.path, "ab") as f:
+                f.truncate(size)
+            self._buf, self.size = _u8(self.path, size, "r+"), size
+        return self._buf
+
+    def snapshot(self, tensors: dict[str, torch.Tensor]) -> list[TensorSlot]:
+        """Copy ``tensors`` into the arena; blocks until the copy is complete."""
+        slots, offset = [], 0
+        for fqn, t in tensors.items():
+            nbytes = t.numel() * t.element_size()
+            slots.append(TensorSlot(fqn, t.dtype, tuple(t.shape), offset, nbytes))
+            offset += -(-nbytes // _ALIGN) * _ALIGN
+        buf = self._ensure(offset)
+        on_gpu = False
+        for slot, t in zip(slots, tensors.values()):
+            on_gpu |= t.device.type == "cuda"
+            _view(buf, slot).copy_(t.detach(), non_blocking=t.device.type == "cuda")
+        if on_gpu:
+            torch.cuda.synchronize()
+        return slots
+
+    def close(self) -> None:
+        self._buf = None
+        self.path.unlink(missing_ok=True)
+
+
+def open_slots(path: str | os.PathLike, slots: list[TensorSlot]) -> dict[str, torch.Tensor]:
+    """Reader side: tensors viewing the arena (no copy). Keep the file until done."""
+    size = max((s.offset + s.nbytes for s in slots), default=0)
+    buf = _u8(Path(path), size, "r+")
+    return {s.fqn: _view(buf, s) for s in slots}

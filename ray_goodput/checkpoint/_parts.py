@@ -1,0 +1,111 @@
+"""Per-rank DCP parts written without collectives, merged into one DCP ``.metadata``.
+
+Each rank's leaves are written by DCP in single-process mode (so it can run in the node
+uploader, after the worker has moved on or died). Its metadata is then rewritten as if
+the collective planner had produced it: the data file gets the rank's name
+(``__<rank>_0.distcp``) and DTensor chunks get their global size and offsets. The
+committer merges the ranks' parts into the ``.metadata`` that any DCP reader, at any
+world size, loads (resharding included).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+import pickle
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorStorageMetadata,
+)
+
+from ray_goodput.checkpoint._plan import SHARD, Leaf
+
+
+def data_file(rank: int) -> str:
+    return f"__{rank}_0.distcp"
+
+
+def part_file(rank: int) -> str:
+    return f"parts/metadata-rank-{rank:05d}.pkl"
+
+
+def _globalize(meta: Metadata, rank: int, leaves: dict[str, Leaf], mappings: dict) -> Metadata:
+    sdm = dict(meta.state_dict_metadata)
+    storage: dict[MetadataIndex, Any] = {}
+    for index, info in meta.storage_data.items():
+        leaf = leaves.get(index.fqn)
+        if leaf is not None and leaf.kind == SHARD:
+            index = MetadataIndex(index.fqn, torch.Size(leaf.global_offset))
+        storage[index] = dataclasses.replace(info, relative_path=data_file(rank))
+    for fqn, md in sdm.items():
+        leaf = leaves.get(fqn)
+        if isinstance(md, TensorStorageMetadata) and leaf is not None and leaf.kind == SHARD:
+            chunk = ChunkStorageMetadata(offsets=torch.Size(leaf.global_offset), sizes=md.size)
+            sdm[fqn] = TensorStorageMetadata(md.properties, torch.Size(leaf.global_size), [chunk])
+    return Metadata(state_dict_metadata=sdm, planner_data=mappings,
+                    storage_data=storage, storage_meta=None, version=meta.version)
+
+
+def write_part(flat: dict[str, Any], leaves: dict[str, Leaf], mappings: dict[str, Any],
+               rank: int, out_dir: Path) -> list[str]:
+    """DCP-write ``flat`` (this rank's leaves) into ``out_dir``; returns the file names.
+
+    ``mappings`` is DCP's flatten mapping of the rank's whole state dict.
+    """
+    tmp = out_dir / f".part-{rank}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    writer = FileSystemWriter(tmp, single_file_per_rank=True, sync_files=False, thread_count=1)
+    dcp.save(flat, storage_writer=writer, no_dist=True,
+             planner=DefaultSavePlanner(flatten_state_dict=False))
+    with open(tmp / ".metadata", "rb") as f:
+        meta = pickle.load(f)  # noqa: S301 - written just now by DCP
+    os.replace(tmp / data_file(0), out_dir / data_file(rank))
+    (out_dir / "parts").mkdir(exist_ok=True)
+    with open(out_dir / part_file(rank), "wb") as f:
+        pickle.dump(_globalize(meta, rank, leaves, mappings), f)
+    shutil.rmtree(tmp, ignore_errors=True)
+    return [data_file(rank), part_file(rank)]
+
+
+def merge_parts(parts: list[bytes], step: int) -> bytes:
+    """The global DCP ``.metadata`` (pickled) of the ranks' parts, in rank order.
+
+    Deterministic: racing committers write identical bytes.
+    """
+    sdm: dict[str, Any] = {}
+    storage: dict[MetadataIndex, Any] = {}
+    mappings: dict[str, Any] = {}
+    version = None
+    for raw in parts:
+        meta: Metadata = pickle.loads(raw)  # noqa: S301 - parts of our own checkpoint
+        version = version or meta.version
+        for fqn, path in (meta.planner_data or {}).items():
+            mappings.setdefault(fqn, path)
+        for fqn, md in meta.state_dict_metadata.items():
+            have = sdm.get(fqn)
+            if have is None:
+                sdm[fqn] = md if isinstance(md, BytesStorageMetadata) else \
+                    TensorStorageMetadata(md.properties, md.size, list(md.chunks))
+            elif isinstance(have, TensorStorageMetadata):
+                known = {tuple(c.offsets) for c in have.chunks}
+                have.chunks.extend(c for c in md.chunks if tuple(c.offsets) not in known)
+        for index, info in meta.storage_data.items():
+            storage.setdefault(index, info)
+    merged = Metadata(state_dict_metadata=sdm, planner_data=mappings, storage_data=storage,
+                      storage_meta=StorageMeta(checkpoint_id=None, save_id=f"step-{step}"),
+                      version=version)
+    out = io.BytesIO()
+    pickle.dump(merged, out)
+    return out.getvalue()

@@ -1,0 +1,221 @@
+"""CheckpointUploader: one per node, it turns staged snapshots into committed checkpoints.
+
+Workers hand it a :class:`ShardJob` and go back to training. It writes the rank's DCP
+files into the node-local staging dir, uploads them with parallel streams and retries,
+declares the rank durable and commits when it sees the last rank. It is a detached,
+named actor (``uploader:<node_id>`` in namespace ``ray_goodput``) so it survives the
+worker that handed it a job, and it exits once no live worker on its node uses it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from ray_goodput.checkpoint._backends import Handoff
+from ray_goodput.checkpoint._job import ShardJob, ShardResult, run_shard_job
+from ray_goodput.node import _services
+from ray_goodput.node._metrics import UploaderMetrics
+from ray_goodput.storage import RetryPolicy
+
+logger = logging.getLogger(__name__)
+
+KIND = "uploader"
+# Exit this long after the last client closed cleanly, or after the last one died
+# (long enough for Ray Train to restart the worker group and reconnect).
+_GRACE_AFTER_CLOSE_S = 2.0
+_GRACE_AFTER_DEATH_S = 30.0
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+@dataclass
+class _JobState:
+    job: ShardJob
+    released: threading.Event = field(default_factory=threading.Event)
+    done: threading.Event = field(default_factory=threading.Event)
+    result: ShardResult | None = None
+    error: BaseException | None = None
+
+
+class _Uploader:
+    """The actor's body (kept a plain class so its logic reads without Ray)."""
+
+    def __init__(self, node_id: str, concurrency: int, policy: RetryPolicy) -> None:
+        self.node_id = node_id
+        self._concurrency = concurrency
+        self._policy = policy
+        self._lock = threading.Lock()
+        self._jobs: dict[str, _JobState] = {}
+        self._lanes: dict[tuple[str, int], ThreadPoolExecutor] = {}  # FIFO per (run, rank)
+        self._clients: set[int] = set()
+        self._clean_close = False
+        self._idle_since = time.monotonic()
+        self._metrics = UploaderMetrics(node_id)
+        self._stats: dict[str, Any] = {"jobs_done": 0, "jobs_failed": 0, "bytes_uploaded": 0,
+                                       "upload_seconds": 0.0, "last_error": None}
+        threading.Thread(target=self._watch, name="rg-uploader-watch", daemon=True).start()
+
+    # -- client side API --
+    def register(self, pid: int) -> str:
+        with self._lock:
+            self._clients.add(pid)
+            self._clean_close = False
+        return self.node_id
+
+    def unregister(self, pid: int) -> None:
+        with self._lock:
+            self._clients.discard(pid)
+            self._clean_close = not self._clients
+        self._idle_since = time.monotonic()
+
+    def submit(self, job: ShardJob) -> None:
+        """Accept a job (returns at once); from here on it no longer needs its worker."""
+        state = _JobState(job)
+        lane_key = (job.local_dir.rsplit("/", 1)[0], job.rank)
+        with self._lock:
+            self._jobs[job.key] = state
+            lane = self._lanes.setdefault(lane_key, ThreadPoolExecutor(1, thread_name_prefix="rg-lane"))
+        self._metrics.queued(job.num_bytes, +1)
+        lane.submit(self._run, state)
+
+    def wait_released(self, key: str) -> None:
+        state = self._jobs[key]
+        while not (state.released.wait(1.0) or state.done.is_set()):
+            pass
+        if not state.released.is_set() and state.error is not None:
+            raise state.error
+
+    def wait_durable(self, key: str) -> ShardResult:
+        state = self._jobs[key]
+        state.done.wait()
+        with self._lock:
+            self._jobs.pop(key, None)
+        if state.error is not None:
+            raise state.error
+        return state.result
+
+    # -- work --
+    def _run(self, state: _JobState) -> None:
+        job = state.job
+        try:
+            state.result = run_shard_job(job, concurrency=self._concurrency, policy=self._policy,
+                                         on_released=lambda: self._released(state))
+            self._account(state.result)
+        except BaseException as exc:  # noqa: BLE001 - reported to the worker and in stats
+            state.error = exc
+            self._stats["jobs_failed"] += 1
+            self._stats["last_error"] = f"step {job.step} rank {job.rank}: {type(exc).__name__}: {exc}"
+            self._metrics.failed()
+            logger.error("upload of step %d rank %d failed: %s", job.step, job.rank, exc)
+            self._released(state)
+        finally:
+            self._metrics.queued(-job.num_bytes, -1)
+            state.done.set()
+            self._idle_since = time.monotonic()
+
+    def _released(self, state: _JobState) -> None:
+        state.released.set()
+        if not _pid_alive(state.job.owner_pid):  # its worker died: nobody else frees the arena
+            Path(state.job.arena_path).unlink(missing_ok=True)
+
+    def _account(self, result: ShardResult) -> None:
+        self._stats["jobs_done"] += 1
+        self._stats["bytes_uploaded"] += result.num_bytes
+        self._stats["upload_seconds"] += result.upload_seconds
+        self._metrics.uploaded(result.num_bytes, result.upload_seconds)
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            pending = [s.job for s in self._jobs.values() if not s.done.is_set()]
+        secs = self._stats["upload_seconds"]
+        return {"node_id": self.node_id, "queue": len(pending),
+                "bytes_pending": sum(j.num_bytes for j in pending),
+                "bytes_uploaded": self._stats["bytes_uploaded"],
+                "throughput_mb_s": self._stats["bytes_uploaded"] / secs / 1e6 if secs else 0.0,
+                "jobs_done": self._stats["jobs_done"], "jobs_failed": self._stats["jobs_failed"],
+                "last_error": self._stats["last_error"], "clients": len(self._clients)}
+
+    # -- lifetime --
+    def busy(self) -> bool:
+        with self._lock:
+            return any(not s.done.is_set() for s in self._jobs.values())
+
+    def _live_clients(self) -> int:
+        with self._lock:
+            self._clients = {pid for pid in self._clients if _pid_alive(pid)}
+            return len(self._clients)
+
+    def _watch(self) -> None:
+        """Exit once idle with no live client for a while (its run ended or died)."""
+        while True:
+            time.sleep(1.0)
+            if self.busy() or self._live_clients():
+                self._idle_since = time.monotonic()
+                continue
+            grace = _GRACE_AFTER_CLOSE_S if self._clean_close else _GRACE_AFTER_DEATH_S
+            if time.monotonic() - self._idle_since > grace:
+                logger.info("uploader on node %s: idle with no live client; exiting", self.node_id)
+                ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
+                return
+
+    def drain_and_exit(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.busy() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        ray.actor.exit_actor()
+
+
+CheckpointUploader = ray.remote(_Uploader)
+
+
+class ActorUploader:
+    """Worker-side client of this node's CheckpointUploader (created on first use)."""
+
+    def __init__(self, *, concurrency: int, policy: RetryPolicy) -> None:
+        self._args = (concurrency, policy)
+        self._actor = None
+
+    def _get(self, fresh: bool = False) -> Any:
+        if self._actor is None or fresh:
+            node_id = _services.current_node_id()
+            self._actor = _services.get_or_create(CheckpointUploader, KIND, node_id, *self._args,
+                                                  node_id=node_id, max_concurrency=64)
+            ray.get(self._actor.register.remote(os.getpid()))
+        return self._actor
+
+    def submit(self, job: ShardJob) -> Handoff:
+        try:
+            actor = self._get()
+            ray.get(actor.submit.remote(job))
+        except ray.exceptions.RayActorError:
+            # The uploader died (killed, or exiting as idle): a new one takes the job.
+            actor = self._get(fresh=True)
+            ray.get(actor.submit.remote(job))
+        released: Future = actor.wait_released.remote(job.key).future()
+        durable: Future = actor.wait_durable.remote(job.key).future()
+        return Handoff(released=released, durable=durable)
+
+    def close(self) -> None:
+        if self._actor is not None:
+            try:
+                ray.get(self._actor.unregister.remote(os.getpid()), timeout=30)
+            except Exception as exc:  # noqa: BLE001 - it may be gone already
+                logger.debug("uploader unregister failed: %s", exc)
+            self._actor = None
