@@ -26,7 +26,7 @@ from ray_goodput.checkpoint._job import ShardJob
 from ray_goodput.checkpoint._manifest import Manifest, read_manifest
 from ray_goodput.checkpoint._restore import RestoreInfo, load_checkpoint
 from ray_goodput.checkpoint._train_context import WorkerContext, report_checkpoint
-from ray_goodput.errors import CheckpointError, ConfigError
+from ray_goodput.errors import CheckpointCorruptError, CheckpointError, ConfigError
 from ray_goodput.storage import RetryPolicy
 
 logger = logging.getLogger(__name__)
@@ -286,18 +286,25 @@ class Checkpointer:
         self._check_open()
         if self._pending:
             self.wait()
-        chosen = None
-        if self.rank == 0:
-            found = _catalog.newest_valid(self.root, checksums=self.verify_checksums)
-            chosen = (found[1].step, found[1].to_bytes()) if found else None
-        chosen = _broadcast(chosen)
-        if chosen is None:
-            return None
-        manifest = Manifest.from_bytes(chosen[1])
-        self.last_restore = load_checkpoint(
-            state, root=self.root, manifest=manifest, staging=self.staging, rank=self.rank,
-            world_size=self.world_size)
-        return manifest.step
+        max_step: int | None = None
+        while True:
+            chosen = None
+            if self.rank == 0:
+                found = _catalog.newest_valid(self.root, checksums=self.verify_checksums,
+                                              max_step=max_step)
+                chosen = found[1].to_bytes() if found else None
+            chosen = _broadcast(chosen)
+            if chosen is None:
+                return None
+            manifest = Manifest.from_bytes(chosen)
+            try:
+                self.last_restore = load_checkpoint(
+                    state, root=self.root, manifest=manifest, staging=self.staging,
+                    rank=self.rank, world_size=self.world_size, policy=self._retry)
+                return manifest.step
+            except CheckpointCorruptError as exc:  # every rank sees it: DCP gathers failures
+                logger.warning("checkpoint step %d is damaged (%s); falling back", manifest.step, exc)
+                max_step = manifest.step - 1
 
     # ---- lifecycle ------------------------------------------------------------------------
 

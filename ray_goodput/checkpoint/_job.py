@@ -8,17 +8,21 @@ from __future__ import annotations
 
 import logging
 import pickle
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from torch.distributed.checkpoint.api import CheckpointException
+
 from ray_goodput.checkpoint import _catalog, _layout
 from ray_goodput.checkpoint._arena import TensorSlot, open_slots
 from ray_goodput.checkpoint._manifest import RankMarker, try_commit, write_rank_marker
 from ray_goodput.checkpoint._parts import write_part
 from ray_goodput.checkpoint._plan import Leaf
+from ray_goodput.errors import CheckpointError
 from ray_goodput.storage import RetryPolicy, StorageLocation, upload_files
 
 logger = logging.getLogger(__name__)
@@ -64,7 +68,17 @@ def write_local(job: ShardJob) -> list[str]:
     out.mkdir(parents=True, exist_ok=True)
     flat: dict[str, Any] = open_slots(job.arena_path, list(job.slots)) if job.slots else {}
     flat.update({fqn: pickle.loads(raw) for fqn, raw in job.objects.items()})  # noqa: S301
-    names = write_part(flat, job.leaves, job.mappings, job.rank, out)
+    try:
+        names = write_part(flat, job.leaves, job.mappings, job.rank, out)
+    except (Exception, CheckpointException) as exc:
+        free = shutil.disk_usage(out).free
+        if free < job.num_bytes * 1.1 or "No space left" in str(exc):
+            raise CheckpointError(
+                f"staging dir {out} is out of space ({free} bytes free, the shard needs "
+                f"~{job.num_bytes}): set Checkpointer(staging_dir=...) or "
+                f"RAY_GOODPUT_STAGING_DIR to a larger local disk (No space left on device)"
+            ) from exc
+        raise
     extras = out / _layout.extras_file(job.rank)
     extras.parent.mkdir(parents=True, exist_ok=True)
     extras.write_bytes(job.rng)

@@ -66,16 +66,18 @@ def write_part(flat: dict[str, Any], leaves: dict[str, Leaf], mappings: dict[str
     """
     tmp = out_dir / f".part-{rank}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    writer = FileSystemWriter(tmp, single_file_per_rank=True, sync_files=False, thread_count=1)
-    dcp.save(flat, storage_writer=writer, no_dist=True,
-             planner=DefaultSavePlanner(flatten_state_dict=False))
-    with open(tmp / ".metadata", "rb") as f:
-        meta = pickle.load(f)  # noqa: S301 - written just now by DCP
-    os.replace(tmp / data_file(0), out_dir / data_file(rank))
-    (out_dir / "parts").mkdir(exist_ok=True)
-    with open(out_dir / part_file(rank), "wb") as f:
-        pickle.dump(_globalize(meta, rank, leaves, mappings), f)
-    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        writer = FileSystemWriter(tmp, single_file_per_rank=True, sync_files=False, thread_count=1)
+        dcp.save(flat, storage_writer=writer, no_dist=True,
+                 planner=DefaultSavePlanner(flatten_state_dict=False))
+        with open(tmp / ".metadata", "rb") as f:
+            meta = pickle.load(f)  # noqa: S301 - written just now by DCP
+        os.replace(tmp / data_file(0), out_dir / data_file(rank))
+        (out_dir / "parts").mkdir(exist_ok=True)
+        with open(out_dir / part_file(rank), "wb") as f:
+            pickle.dump(_globalize(meta, rank, leaves, mappings), f)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # a failed write must not keep eating the disk
     return [data_file(rank), part_file(rank)]
 
 

@@ -1,6 +1,6 @@
 """A DCP StorageReader that reads each file from the node-local staged copy when that
-copy matches the manifest, and straight from remote storage otherwise (ranged reads,
-no full download)."""
+copy matches the manifest, and otherwise first downloads it there (parallel-safe,
+atomic, retried, checked against the manifest's size and CRC32)."""
 
 from __future__ import annotations
 
@@ -13,32 +13,45 @@ from typing import IO, Any
 
 from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemReader
 
-from ray_goodput.storage import StorageLocation
+from ray_goodput.errors import CheckpointCorruptError
+from ray_goodput.storage import FileEntry, RetryPolicy, StorageLocation, download_file
 
 
 class _TieredFs(FileSystemBase):
     """Read-only view of a checkpoint directory: local files first, then remote."""
 
-    def __init__(self, remote: StorageLocation, local_dir: Path | None, local_names: set[str]):
+    def __init__(self, remote: StorageLocation, local_dir: Path, local_names: set[str],
+                 entries: dict[str, FileEntry], policy: RetryPolicy):
         self.remote = remote
         self.local_dir = local_dir
-        self.local_names = local_names
+        self.local_names = set(local_names)
+        self.entries = entries
+        self.policy = policy
         self.local_reads = 0
         self.remote_reads = 0
+
+    def _fetch(self, name: str) -> None:
+        got = download_file(self.remote, name, self.local_dir / name, self.policy)
+        want = self.entries.get(name)
+        if want is not None and (got.size, got.crc32) != (want.size, want.crc32):
+            (self.local_dir / name).unlink(missing_ok=True)
+            raise CheckpointCorruptError(
+                f"{self.remote.uri}/{name}: {got.size} bytes crc32={got.crc32:#x}, manifest "
+                f"says {want.size} bytes crc32={want.crc32:#x}")
+        self.local_names.add(name)
 
     @contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[IO[bytes], None, None]:
         if "r" not in mode:
             raise PermissionError("checkpoint reader is read-only")
         name = str(path)
-        if self.local_dir is not None and name in self.local_names:
+        if name in self.local_names:
             self.local_reads += 1
-            with open(self.local_dir / name, "rb") as f:
-                yield f
-            return
-        self.remote_reads += 1
-        with self.remote.fs.open_input_file(self.remote.join(name)) as f:
-            yield f  # pyarrow files support seek/tell/read, which DCP's file views need
+        else:
+            self.remote_reads += 1
+            self._fetch(name)
+        with open(self.local_dir / name, "rb") as f:
+            yield f
 
     def concat_path(self, path: str | os.PathLike, suffix: str) -> str:
         return posixpath.join(str(path), suffix) if str(path) else suffix
@@ -58,7 +71,7 @@ class _TieredFs(FileSystemBase):
 
     def exists(self, path: str | os.PathLike) -> bool:
         name = str(path)
-        if self.local_dir is not None and name in self.local_names:
+        if name in self.local_names:
             return True
         return self.remote.fs.get_file_info(self.remote.join(name)).type.name != "NotFound"
 
@@ -69,9 +82,10 @@ class _TieredFs(FileSystemBase):
 class TieredReader(FileSystemReader):
     """FileSystemReader over :class:`_TieredFs`."""
 
-    def __init__(self, remote: StorageLocation, local_dir: Path | None, local_names: set[str]):
+    def __init__(self, remote: StorageLocation, local_dir: Path, local_names: set[str],
+                 entries: dict[str, FileEntry], policy: RetryPolicy):
         super().__init__(path="")
-        self.fs = _TieredFs(remote, local_dir, local_names)
+        self.fs = _TieredFs(remote, local_dir, local_names, entries, policy)
         self.path = ""
 
     @property

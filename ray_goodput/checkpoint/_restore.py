@@ -15,8 +15,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from ray_goodput.checkpoint import _catalog, _layout, _state
 from ray_goodput.checkpoint._manifest import Manifest
 from ray_goodput.checkpoint._reader import TieredReader
-from ray_goodput.errors import StateMismatchError
-from ray_goodput.storage import StorageLocation, file_crc32, read_bytes
+from ray_goodput.errors import CheckpointCorruptError, StateMismatchError
+from ray_goodput.storage import RetryPolicy, StorageLocation, file_crc32
 
 logger = logging.getLogger(__name__)
 
@@ -47,14 +47,14 @@ def verified_local_copy(local_dir: Path, manifest: Manifest) -> set[str]:
     return good
 
 
-def _load_rng(step_loc: StorageLocation, local_dir: Path, local: set[str], rank: int) -> None:
-    name = _layout.extras_file(rank)
-    data = (local_dir / name).read_bytes() if name in local else read_bytes(step_loc, name)
-    _state.restore_rng(data)
+def _load_rng(reader: TieredReader, rank: int) -> None:
+    with reader.fs.create_stream(_layout.extras_file(rank), "rb") as f:
+        _state.restore_rng(f.read())
 
 
 def load_checkpoint(state: dict[str, Any], *, root: StorageLocation, manifest: Manifest,
-                    staging: Path, rank: int, world_size: int) -> RestoreInfo:
+                    staging: Path, rank: int, world_size: int,
+                    policy: RetryPolicy) -> RestoreInfo:
     """Load ``manifest``'s checkpoint into ``state`` (in place). Collective across ranks.
 
     RNG states are per rank and only meaningful for the world size that saved them:
@@ -64,14 +64,17 @@ def load_checkpoint(state: dict[str, Any], *, root: StorageLocation, manifest: M
     step_loc = _catalog.step_location(root, manifest.step)
     local_dir = staging / _layout.step_dir(manifest.step)
     local = verified_local_copy(local_dir, manifest) if local_dir.is_dir() else set()
+    local_dir.mkdir(parents=True, exist_ok=True)
     roles = _state.classify(state)
     template = _state.to_state_dict(roles)
-    reader = TieredReader(step_loc, local_dir, local)
+    reader = TieredReader(step_loc, local_dir, local, {f.name: f for f in manifest.files}, policy)
     try:
         dcp.load(template, storage_reader=reader,
                  no_dist=not (dist.is_initialized() and dist.get_world_size() > 1))
     except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
         text = f"{exc} {getattr(exc, 'failures', '')}".lower()
+        if "checkpointcorrupterror" in text:
+            raise CheckpointCorruptError(f"checkpoint step {manifest.step} is damaged: {exc}") from exc
         if "missing key" in text or "size mismatch" in text or "shape mismatch" in text:
             raise StateMismatchError(
                 f"checkpoint step {manifest.step} at {step_loc.uri} does not match the state "
@@ -82,7 +85,7 @@ def load_checkpoint(state: dict[str, Any], *, root: StorageLocation, manifest: M
     _state.apply_state_dict(roles, template, state)
     same_world = manifest.world_size == world_size
     if same_world:
-        _load_rng(step_loc, local_dir, local, rank)
+        _load_rng(reader, rank)
     else:
         logger.info("world size changed %d -> %d: per-rank RNG states not restored",
                     manifest.world_size, world_size)

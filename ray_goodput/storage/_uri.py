@@ -54,25 +54,34 @@ class StorageLocation:
     def is_local(self) -> bool:
         return isinstance(self.fs, pafs.LocalFileSystem)
 
+    def _write(self, path: str, data: bytes) -> None:
+        with self.fs.open_output_stream(path) as out:
+            out.write(data)
+
+    def _read(self, path: str) -> bytes:
+        with self.fs.open_input_file(path) as inp:
+            return inp.read()
+
     def probe(self) -> None:
         """Write, read back and delete a small object under the root.
 
         Raises StorageError naming the URI and the cause when storage is unreachable,
         refuses credentials or is read-only. Call it early: at start, not at the first save.
         """
+        from ray_goodput.storage._retry import RetryPolicy  # noqa: PLC0415 - import cycle
+
         path = self.join(f".ray_goodput_probe-{uuid.uuid4().hex}")
         payload = b"ray_goodput probe"
+        retry = RetryPolicy(attempts=3, initial_delay=0.2, max_delay=1.0)
         try:
-            self.fs.create_dir(self.root, recursive=True)
-            with self.fs.open_output_stream(path) as out:
-                out.write(payload)
-            with self.fs.open_input_file(path) as inp:
-                back = inp.read()
-            self.fs.delete_file(path)
+            retry.call("probe mkdir", lambda: self.fs.create_dir(self.root, recursive=True))
+            retry.call("probe write", lambda: self._write(path, payload))
+            back = retry.call("probe read", lambda: self._read(path))
+            retry.call("probe delete", lambda: self.fs.delete_file(path))
         except Exception as exc:  # noqa: BLE001 - any failure here means unusable storage
             raise StorageError(
                 f"storage {self.uri!r} is not usable: a probe write/read failed with "
-                f"{type(exc).__name__}: {exc}. Check the URI, that the bucket or directory "
+                f"{type(exc.__cause__ or exc).__name__}: {exc.__cause__ or exc}. Check the URI, that the bucket or directory "
                 "exists and is writable, the credentials (e.g. AWS_ACCESS_KEY_ID) and, for a "
                 f"custom S3 endpoint, '?endpoint_override=host:port&scheme=http' or "
                 f"{_env.S3_ENDPOINT_VAR}."
