@@ -83,7 +83,7 @@ class CountingProxy:
 
 @pytest.fixture(scope="module", autouse=True)
 def ray_cluster():
-    ray.init(num_cpus=4, include_dashboard=False,
+    ray.init(address="local", num_cpus=4, include_dashboard=False,
              runtime_env={"env_vars": {"PYTHONPATH": ROOT}})
     yield
     ray.shutdown()
@@ -233,9 +233,10 @@ def test_status_reports_each_node_and_hit_rate(s3_server, tmp_path):
 
 
 def test_cache_exits_when_its_job_is_gone(tmp_path):
+    address = ray.get_runtime_context().gcs_address  # this test's cluster, not any other
     script = (f"import ray\nfrom ray_goodput.data import CacheConfig\n"
               f"from ray_goodput.node._cache import get_cache\n"
-              f"ray.init(address='auto', namespace='x')\n"
+              f"ray.init(address={address!r}, namespace='x')\n"
               f"h = get_cache(CacheConfig(directory={str(tmp_path)!r}))\n"
               f"print(ray.get(h.describe.remote())['directory'])\n")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,

@@ -22,7 +22,7 @@ N, BATCH, STEPS_BEFORE = 62, 4, 3
 
 @pytest.fixture(scope="module", autouse=True)
 def ray_cluster():
-    ray.init(num_cpus=4, include_dashboard=False,
+    ray.init(address="local", num_cpus=4, include_dashboard=False,
              runtime_env={"env_vars": {"PYTHONPATH": ROOT}})
     yield
     _services.shutdown("cache", drain_timeout_s=10)

@@ -52,6 +52,29 @@ class SaveStats:
     last_error: str | None = None
 
 
+class _NoMetric:
+    def inc(self, value: float = 1.0) -> None:
+        pass
+
+
+_FAILED_SAVES: Any = None
+
+
+def _failure_metric() -> Any:
+    """Counter ``ray_goodput_checkpoint_failed_saves`` (a no-op outside Ray)."""
+    global _FAILED_SAVES  # noqa: PLW0603 - one metric per process
+    if _FAILED_SAVES is None:
+        try:
+            import ray  # noqa: PLC0415
+            from ray.util.metrics import Counter  # noqa: PLC0415
+
+            _FAILED_SAVES = Counter("ray_goodput_checkpoint_failed_saves",
+                                    "checkpoint saves that failed") if ray.is_initialized() else _NoMetric()
+        except Exception:  # noqa: BLE001 - metrics must never break a save
+            _FAILED_SAVES = _NoMetric()
+    return _FAILED_SAVES
+
+
 def _local(value: Any) -> torch.Tensor:
     return value.to_local() if isinstance(value, DTensor) else value
 
@@ -218,6 +241,7 @@ class Checkpointer:
         self.stats.last_error = f"step {step}: {type(exc).__name__}: {exc}"
         logger.error("checkpoint of step %d failed; the previous committed checkpoint stays the "
                      "recovery point: %s", step, exc)
+        _failure_metric().inc(1)
 
     def _outcome(self, pending: _Pending, block: bool) -> bool | None:
         """True when this rank's part of ``pending`` is durable, False when it failed,

@@ -50,6 +50,10 @@ class CacheLayout:
     def data_path(self, key: str) -> Path:
         return self.root / "data" / key[:2] / key
 
+    def data_file(self, key: str) -> str:
+        """``data_path`` as a str, built without pathlib (hot path: once per sample)."""
+        return f"{self.root}/data/{key[:2]}/{key}"
+
     def lock_path(self, key: str) -> Path:
         return self.root / "locks" / f"{int(key[:6], 16) % LOCK_STRIPES:03x}.lock"
 

@@ -39,7 +39,7 @@ class CacheReader:
         An open file stays readable if it is evicted meanwhile; one evicted between the
         fetch and the open is fetched again."""
         key = CacheLayout.key(files.ident, files.paths[i])
-        path = self.layout.data_path(key)
+        path = self.layout.data_file(key)
         for attempt in range(_EVICTION_RACE_RETRIES):
             try:
                 f = open(path, "rb")

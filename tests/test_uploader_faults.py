@@ -1,0 +1,153 @@
+"""The node uploader under real faults on a real multi-node Ray cluster (one machine):
+a worker SIGKILLed right after save() returned, the uploader killed mid-upload, and no
+uploader left behind after a run ends."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import ray
+import torch
+from ray.cluster_utils import Cluster
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from ray_goodput import Checkpointer, CheckpointError, list_checkpoints
+from ray_goodput.node import _services
+from ray_goodput.node._uploader import KIND
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
+    c.add_node(num_cpus=2)
+    ray.init(address=c.address, log_to_driver=False)
+    c.wait_for_nodes()
+    yield c
+    ray.shutdown()
+    c.shutdown()
+
+
+def _big_state(seed: int) -> dict:
+    torch.manual_seed(seed)
+    return {"model": torch.nn.Sequential(torch.nn.Linear(2048, 2048), torch.nn.Linear(2048, 2048))}
+
+
+@ray.remote(num_cpus=0)
+class Worker:
+    """A training process with a Checkpointer (world size 1) on a chosen node."""
+
+    def __init__(self, uri: str, seed: int) -> None:
+        self.state = _big_state(seed)
+        self.ckpt = Checkpointer(uri, uploader="actor", keep_last=5)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def save(self, step: int) -> float:
+        self.ckpt.save(step, self.state)
+        return self.ckpt.stats.last_block_seconds
+
+    def save_and_die(self, step: int) -> None:
+        from ray_goodput.checkpoint._catalog import step_location
+        from ray_goodput.checkpoint._manifest import read_manifest
+        from ray_goodput.testing import kill_self
+
+        self.ckpt.save(step, self.state)
+        if read_manifest(step_location(self.ckpt.root, step)) is not None:
+            raise AssertionError("committed before the kill: the test would prove nothing")
+        kill_self()
+
+    def wait(self) -> list[int]:
+        self.ckpt.wait()
+        return self.ckpt.stats.committed
+
+    def restore(self) -> tuple[int | None, list]:
+        step = self.ckpt.restore(self.state)
+        return step, [t.clone() for t in self.state["model"].state_dict().values()]
+
+    def close(self) -> None:
+        self.ckpt.close()
+
+
+def _on(node_id: str):
+    return Worker.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False))
+
+
+def _other_node(cluster) -> str:
+    head = ray.get_runtime_context().get_node_id()
+    return next(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] != head)
+
+
+def _wait_committed(uri: str, step: int, timeout: float = 120) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if any(i.step == step and i.committed for i in list_checkpoints(uri)):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"step {step} never committed: {list_checkpoints(uri)}")
+
+
+def test_worker_killed_right_after_save_still_commits(cluster, s3_server):
+    uri = s3_server.bucket_uri("killed-worker")
+    node = _other_node(cluster)
+    worker = _on(node).remote(uri, seed=1)
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(worker.save_and_die.remote(5))
+    _wait_committed(uri, 5)
+    # The uploader is on the worker's node and shows in the state API (the dashboard's source).
+    from ray.util.state import list_actors
+
+    names = {a.name for a in list_actors(filters=[("state", "=", "ALIVE")])}
+    assert _services.actor_name(KIND, node) in names
+    reader = _on(node).remote(uri, seed=2)
+    step, tensors = ray.get(reader.restore.remote())
+    assert step == 5
+    expected = _big_state(1)["model"].state_dict().values()
+    assert all(torch.equal(a, b) for a, b in zip(tensors, expected))
+    ray.get(reader.close.remote())
+
+
+def test_uploader_killed_mid_upload(cluster, s3_server):
+    uri = s3_server.bucket_uri("killed-uploader")
+    node = _other_node(cluster)
+    worker = _on(node).remote(uri, seed=3)
+    ray.get(worker.save.remote(1))
+    assert ray.get(worker.wait.remote()) == [1]
+    uploader = _services.find(KIND)[node]
+    ray.get(worker.save.remote(2))
+    deadline = time.time() + 30
+    while ray.get(uploader.stats.remote())["queue"] == 0 and time.time() < deadline:
+        time.sleep(0.01)
+    ray.kill(uploader, no_restart=True)
+    with pytest.raises(CheckpointError):
+        ray.get(worker.wait.remote())
+    assert [(i.step, i.committed) for i in list_checkpoints(uri) if i.committed] == [(1, True)]
+    ray.get(worker.save.remote(3))  # a new uploader is created and takes it
+    assert 3 in ray.get(worker.wait.remote())
+    assert [i.step for i in list_checkpoints(uri) if i.committed] == [1, 3]
+    step, _ = ray.get(worker.restore.remote())
+    assert step == 3
+    ray.get(worker.close.remote())
+
+
+def test_status_then_uploader_exits_when_its_clients_close(cluster, tmp_path):
+    uri = str(tmp_path / "root")
+    node = _other_node(cluster)
+    worker = _on(node).remote(uri, seed=4)
+    ray.get(worker.save.remote(1))
+    assert ray.get(worker.wait.remote()) == [1]
+    assert node in _services.find(KIND)
+    status = subprocess.run([sys.executable, "-m", "ray_goodput.cli", "status", "--address", cluster.address],
+                            capture_output=True, text=True, timeout=120)
+    assert status.returncode == 0, status.stderr
+    line = next(ln for ln in status.stdout.splitlines() if node[:12] in ln)
+    assert "queue 0" in line and "uploaded 33.6 MB" in line and "last error: -" in line, status.stdout
+    ray.get(worker.close.remote())
+    deadline = time.time() + 30
+    while node in _services.find(KIND) and time.time() < deadline:
+        time.sleep(0.2)
+    assert node not in _services.find(KIND)
