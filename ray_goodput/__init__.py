@@ -7,6 +7,7 @@ from ray_goodput.checkpoint import (
     RestoreInfo,
     list_checkpoints,
 )
+from ray_goodput.goodput import GoodputCallback, record_end, record_step
 from ray_goodput.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -24,10 +25,13 @@ __all__ = [
     "CheckpointInfo",
     "Checkpointer",
     "ConfigError",
+    "GoodputCallback",
     "GoodputError",
     "Manifest",
     "RestoreInfo",
     "StateMismatchError",
     "StorageError",
     "list_checkpoints",
+    "record_end",
+    "record_step",
 ]

@@ -79,6 +79,30 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    import mlflow  # noqa: PLC0415
+
+    from ray_goodput.goodput._ledger import BUCKETS  # noqa: PLC0415
+
+    client = mlflow.MlflowClient(tracking_uri=args.tracking_uri)
+    exp = client.get_experiment_by_name(args.experiment)
+    runs = client.search_runs([exp.experiment_id], filter_string=f"tags.mlflow.runName = '{args.run}'",
+                              order_by=["attributes.start_time DESC"]) if exp else []
+    if not runs:
+        _out(f"no MLflow run named {args.run!r} in experiment {args.experiment!r} at {args.tracking_uri}")
+        return 2
+    m = runs[0].data.metrics
+    total = m.get("goodput/total_s", 0.0) or 1.0
+    _out(f"run {args.run} ({runs[0].info.status}): goodput {m.get('goodput/goodput', 0):.1%} "
+         f"of {m.get('goodput/total_s', 0):.1f}s, {m.get('goodput/failures', 0):.0f} failure(s), "
+         f"{m.get('goodput/steps_lost', 0):.0f} steps lost")
+    _out(f"{'BUCKET':<18}{'SECONDS':>10}{'SHARE':>9}")
+    for bucket in BUCKETS:
+        value = m.get(f"goodput/{bucket}_s", 0.0)
+        _out(f"{bucket:<18}{value:>10.1f}{value / total:>9.1%}")
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from ray_goodput.demo import main as demo_main  # noqa: PLC0415
 
@@ -98,6 +122,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("status", help="per-node uploader and cache actors of a running cluster")
     p.add_argument("--address", default="auto", help="Ray cluster address (default: auto)")
     p.set_defaults(fn=cmd_status)
+    p = sub.add_parser("report", help="goodput breakdown of a run, from MLflow")
+    p.add_argument("run", help="the Ray Train run name (RunConfig.name)")
+    p.add_argument("--tracking-uri", default="sqlite:///mlflow.db")
+    p.add_argument("--experiment", default="ray_goodput")
+    p.set_defaults(fn=cmd_report)
     p = sub.add_parser("demo", help="run the quickstart: train, inject a failure, resume")
     p.add_argument("extra", nargs=argparse.REMAINDER)
     p.set_defaults(fn=cmd_demo)

@@ -39,7 +39,7 @@ def train_loop(config: dict[str, Any]) -> None:
     import ray.train
     from ray.train.torch import prepare_model
 
-    from ray_goodput import Checkpointer
+    from ray_goodput import Checkpointer, record_step
     from ray_goodput.testing import FailAt
 
     ctx = ray.train.get_context()
@@ -66,6 +66,7 @@ def train_loop(config: dict[str, Any]) -> None:
             if rank == 0:
                 history["last_step"] = step
                 progress.write_text(json.dumps(history))
+            record_step(step)  # one call per step feeds the goodput ledger (no barrier)
             if step % config["every"] == 0:
                 ckpt.save(step, state, metrics={"loss": loss.item()})
             fault.maybe_fail(step, rank)
@@ -77,10 +78,13 @@ def run(root: Path, *, steps: int = 60, every: int = 10, fail_at: int = 35) -> d
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
+    from ray_goodput import GoodputCallback
+
     root = root.resolve()
     name = f"quickstart-{time.strftime('%Y%m%d-%H%M%S')}"
     marker_dir = root / name / "_demo"
     marker_dir.mkdir(parents=True, exist_ok=True)
+    tracking_uri = f"sqlite:///{root}/mlflow.db"
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
     if not ray.is_initialized():
         # Worker logs stay in Ray's log files; the demo prints its own summary.
@@ -92,12 +96,16 @@ def run(root: Path, *, steps: int = 60, every: int = 10, fail_at: int = 35) -> d
                            "marker_dir": str(marker_dir)},
         scaling_config=ScalingConfig(num_workers=2, use_gpu=False),
         run_config=RunConfig(name=name, storage_path=str(root),
-                             failure_config=FailureConfig(max_failures=2)),
+                             failure_config=FailureConfig(max_failures=2),
+                             callbacks=[GoodputCallback(tracking_uri=tracking_uri)]),
     )
     started = time.monotonic()
     result = trainer.fit()
     history = json.loads((marker_dir / "progress.json").read_text())
-    return {"run_dir": str(root / name), "wall_s": time.monotonic() - started,
+    goodput_file = root / name / "goodput" / "summary.json"
+    return {"run_dir": str(root / name), "wall_s": time.monotonic() - started, "name": name,
+            "tracking_uri": tracking_uri,
+            "goodput": json.loads(goodput_file.read_text()) if goodput_file.exists() else None,
             "resumes": history.get("resumes", []), "last_step": history.get("last_step"),
             "checkpoint": result.checkpoint.path if result.checkpoint else None,
             "metrics": result.metrics}
@@ -119,4 +127,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         w(f"resumed from committed checkpoint step {r['from_step']}; steps lost: {r['lost']}\n")
     w(f"final checkpoint: {out['checkpoint']}\n")
     w(f"inspect it: ray-goodput ls {out['run_dir']}\n")
+    g = out["goodput"]
+    if g:
+        w(f"goodput {g['goodput']:.1%} of {g['total_s']:.1f}s wall time; "
+          f"{g['failures']} failure(s), {g['steps_lost']} steps lost and redone\n")
+        for bucket, seconds in g["seconds"].items():
+            w(f"  {bucket:<17} {seconds:7.1f}s  {seconds / g['total_s']:6.1%}\n")
+        w(f"MLflow (run {out['name']!r}, with chart goodput_breakdown.png): {out['tracking_uri']}\n")
+        w(f"  ray-goodput report {out['name']} --tracking-uri {out['tracking_uri']}\n")
     return 0

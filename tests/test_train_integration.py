@@ -22,9 +22,17 @@ def ray_local():
 
 
 def test_quickstart_resumes_from_last_committed(ray_local, tmp_path):
+    import subprocess
+    import sys
+    import time as _time
+
+    import mlflow
+
     from ray_goodput.demo import run
 
+    started = _time.time()
     out = run(tmp_path, steps=40, every=10, fail_at=25)
+    wall = _time.time() - started
     assert out["last_step"] == 40
     assert len(out["resumes"]) == 1
     resume = out["resumes"][0]
@@ -33,6 +41,26 @@ def test_quickstart_resumes_from_last_committed(ray_local, tmp_path):
     # Result.checkpoint is the newest committed checkpoint, in place (NO_UPLOAD).
     assert out["checkpoint"].endswith("checkpoints/step-000000040") and 40 in committed
     assert max(committed) == 40 and len(committed) <= 2  # keep_last=2
+
+    # The goodput ledger adds up and matches what actually happened.
+    g = out["goodput"]
+    assert g["finished"] and g["attempts"] == 2 and g["failures"] >= 1
+    assert abs(sum(g["seconds"].values()) - g["total_s"]) <= 0.01 * g["total_s"]
+    assert 0.5 * wall < g["total_s"] <= wall  # job start to the last event, within fit()
+    assert g["steps_lost"] == resume["lost"] and g["steps_kept"] == 40
+    assert g["seconds"]["productive"] > 0 and g["seconds"]["restart_downtime"] > 0
+    assert g["seconds"]["lost"] > 0 and g["seconds"]["restore"] > 0
+    # One MLflow run with the breakdown and its chart; `ray-goodput report` reads it back.
+    client = mlflow.MlflowClient(tracking_uri=out["tracking_uri"])
+    exp = client.get_experiment_by_name("ray_goodput")
+    (mrun,) = client.search_runs([exp.experiment_id], filter_string=f"tags.mlflow.runName = '{out['name']}'")
+    assert mrun.info.status == "FINISHED"
+    assert mrun.data.metrics["goodput/steps_lost"] == g["steps_lost"]
+    assert {a.path for a in client.list_artifacts(mrun.info.run_id)} >= {"goodput_breakdown.png", "goodput_summary.json"}
+    assert "failure_1" in mrun.data.tags
+    report = subprocess.run([sys.executable, "-m", "ray_goodput.cli", "report", out["name"],
+                             "--tracking-uri", out["tracking_uri"]], capture_output=True, text=True, timeout=120)
+    assert report.returncode == 0 and "restart_downtime" in report.stdout, report.stdout + report.stderr
 
 
 def _s3_loop(config):

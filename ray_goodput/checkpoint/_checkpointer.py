@@ -27,6 +27,7 @@ from ray_goodput.checkpoint._manifest import Manifest, read_manifest
 from ray_goodput.checkpoint._restore import RestoreInfo, load_checkpoint
 from ray_goodput.checkpoint._train_context import WorkerContext, report_checkpoint
 from ray_goodput.errors import CheckpointCorruptError, CheckpointError, ConfigError
+from ray_goodput.goodput._recorder import get_recorder
 from ray_goodput.storage import RetryPolicy
 
 logger = logging.getLogger(__name__)
@@ -132,6 +133,11 @@ class Checkpointer:
         self._closed = False
         self.stats = SaveStats()
         self.last_restore: RestoreInfo | None = None
+        self._recorder = get_recorder()
+        if self._uploader is None and self._uploader_choice != "thread":
+            self._uploader = self._make_uploader()
+            if hasattr(self._uploader, "start"):
+                self._uploader.start()
 
     def _make_uploader(self) -> UploadBackend:
         use_actor = self._uploader_choice == "actor"
@@ -174,9 +180,9 @@ class Checkpointer:
             raise ConfigError(f"step must be a non-negative int, got {step!r}")
         if self._last_step is not None and step <= self._last_step:
             raise ConfigError(f"step {step} is not after the last saved step {self._last_step}")
+        start = time.perf_counter()  # the loop is blocked for the whole call
         self._report_committed(block=False)
         self._wait_released()
-        start = time.perf_counter()
         job = self._snapshot(step, _state.classify(state))
         handoff = self._submit(job)
         block = time.perf_counter() - start
@@ -184,6 +190,8 @@ class Checkpointer:
         self.stats.saves += 1
         self.stats.last_block_seconds = block
         self.stats.total_block_seconds += block
+        self._recorder.add_checkpoint_stall(block)
+        self._recorder.step(step, explicit=False)
         self._pending[step] = _Pending(step=step, metrics=dict(metrics or {}), handoff=handoff,
                                        block_seconds=block)
 
@@ -310,6 +318,7 @@ class Checkpointer:
         self._check_open()
         if self._pending:
             self.wait()
+        t0 = time.time()
         max_step: int | None = None
         while True:
             chosen = None
@@ -319,12 +328,15 @@ class Checkpointer:
                 chosen = found[1].to_bytes() if found else None
             chosen = _broadcast(chosen)
             if chosen is None:
+                self._recorder.restored(None, t0, time.time())
                 return None
             manifest = Manifest.from_bytes(chosen)
             try:
                 self.last_restore = load_checkpoint(
                     state, root=self.root, manifest=manifest, staging=self.staging,
                     rank=self.rank, world_size=self.world_size, policy=self._retry)
+                self._recorder.restored(manifest.step, t0, time.time())
+                self._last_step = manifest.step
                 return manifest.step
             except CheckpointCorruptError as exc:  # every rank sees it: DCP gathers failures
                 logger.warning("checkpoint step %d is damaged (%s); falling back", manifest.step, exc)
@@ -340,8 +352,15 @@ class Checkpointer:
         """Wait for every save (raising its error, if any), then release threads and groups."""
         if self._closed:
             return
+        self._recorder.end()
         try:
             self.wait()
+            if self._ctx.in_ray_train:
+                # A last report, so the goodput callback sees the end even when no
+                # checkpoint committed since the previous report.
+                import ray.train  # noqa: PLC0415
+
+                ray.train.report({"step": self._last_step, "ray_goodput_closed": 1})
         finally:
             self._closed = True
             if self._uploader is not None:

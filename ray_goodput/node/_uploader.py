@@ -191,13 +191,20 @@ class ActorUploader:
     def __init__(self, *, concurrency: int, policy: RetryPolicy) -> None:
         self._args = (concurrency, policy)
         self._actor = None
+        self._registered = None
+
+    def start(self) -> None:
+        """Find or create this node's uploader without waiting for it (it starts while the
+        worker builds its model and restores)."""
+        node_id = _services.current_node_id()
+        self._actor = _services.get_or_create(CheckpointUploader, KIND, node_id, *self._args,
+                                              node_id=node_id, max_concurrency=64)
+        self._registered = self._actor.register.remote(os.getpid())
 
     def _get(self, fresh: bool = False) -> Any:
         if self._actor is None or fresh:
-            node_id = _services.current_node_id()
-            self._actor = _services.get_or_create(CheckpointUploader, KIND, node_id, *self._args,
-                                                  node_id=node_id, max_concurrency=64)
-            ray.get(self._actor.register.remote(os.getpid()))
+            self.start()
+        ray.get(self._registered)
         return self._actor
 
     def submit(self, job: ShardJob) -> Handoff:

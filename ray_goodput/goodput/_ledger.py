@@ -1,0 +1,110 @@
+"""The goodput ledger: every second of a job in exactly one bucket. Pure functions.
+
+Input: each attempt's events (one attempt = one worker-group run, as recorded by rank 0).
+Buckets (named after the ml-goodput-measurement taxonomy where they match):
+
+- ``productive``: steps whose results were kept,
+- ``lost``: steps computed after the checkpoint the next attempt resumed from (redone),
+- ``checkpoint_stall``: the loop blocked by ``Checkpointer.save``,
+- ``data_stall``: the loop waiting for a batch,
+- ``restore``: loading a checkpoint,
+- ``restart_downtime``: from an attempt's last sign of life to the next attempt's first
+  step (detection, teardown, rescheduling, process and model setup),
+- ``startup``: from job start to the first attempt's first step,
+- ``other``: everything else (e.g. waiting for uploads at the end, evaluation).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+BUCKETS = ("productive", "lost", "checkpoint_stall", "data_stall", "restore",
+           "restart_downtime", "startup", "other")
+BADPUT = BUCKETS[1:]
+
+
+@dataclass
+class Ledger:
+    """Seconds per bucket; ``total`` is job wall time (``end - start``)."""
+
+    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(BUCKETS, 0.0))
+    start: float = 0.0
+    end: float = 0.0
+    attempts: int = 0
+    failures: int = 0
+    steps_kept: int = 0
+    steps_lost: int = 0
+    finished: bool = False
+
+    @property
+    def total(self) -> float:
+        return self.end - self.start
+
+    @property
+    def goodput(self) -> float:
+        return self.seconds["productive"] / self.total if self.total > 0 else 0.0
+
+    def as_metrics(self) -> dict[str, float]:
+        out = {f"goodput/{k}_s": v for k, v in self.seconds.items()}
+        out.update({"goodput/goodput": self.goodput, "goodput/total_s": self.total,
+                    "goodput/attempts": self.attempts, "goodput/failures": self.failures,
+                    "goodput/steps_kept": self.steps_kept, "goodput/steps_lost": self.steps_lost})
+        return out
+
+
+def _restored(events: list[dict[str, Any]]) -> int:
+    return next(((e.get("step") or 0) for e in events if e["e"] == "restore"), 0)
+
+
+def _first_progress(events: list[dict[str, Any]]) -> float | None:
+    return next((e["t0"] for e in events if e["e"] == "step"), None)
+
+
+def _account_steps(ledger: Ledger, events: list[dict[str, Any]], keep_upto: int | None) -> int:
+    """Add an attempt's steps; returns the last step it reached."""
+    last = 0
+    for e in events:
+        if e["e"] != "step":
+            continue
+        fetch, ckpt = e.get("fetch", 0.0), e.get("ckpt", 0.0)
+        work = max(0.0, e["t"] - e["t0"] - fetch - ckpt)
+        n = max(1, int(e.get("n", 1)))
+        first = e["step"] - n + 1
+        kept_steps = n if keep_upto is None else max(0, min(n, keep_upto - first + 1))
+        ledger.seconds["productive"] += work * kept_steps / n
+        ledger.seconds["lost"] += work * (n - kept_steps) / n
+        ledger.seconds["data_stall"] += fetch
+        ledger.seconds["checkpoint_stall"] += ckpt
+        last = e["step"]
+    return last
+
+
+def compute(attempts: list[list[dict[str, Any]]], *, job_start: float | None = None,
+            job_end: float | None = None) -> Ledger:
+    """The ledger of a job from its attempts' events (each list sorted by time)."""
+    attempts = sorted((a for a in attempts if a), key=lambda a: a[0]["t"])
+    ledger = Ledger(attempts=len(attempts), failures=max(0, len(attempts) - 1))
+    if not attempts:
+        return ledger
+    ledger.start = min(job_start or attempts[0][0]["t"], attempts[0][0]["t"])
+    ledger.end = max(job_end or 0.0, attempts[-1][-1]["t"])
+    ledger.finished = any(e["e"] == "end" for e in attempts[-1])
+    prev_end = ledger.start
+    for i, events in enumerate(attempts):
+        nxt = attempts[i + 1] if i + 1 < len(attempts) else None
+        keep_upto = _restored(nxt) if nxt is not None else None
+        restore = sum(e["t"] - e["t0"] for e in events if e["e"] == "restore")
+        ledger.seconds["restore"] += restore
+        first = _first_progress(events) or events[-1]["t"]
+        # From the previous attempt's last sign of life to this one's first step, less the restore.
+        gap = max(0.0, first - prev_end - restore)
+        ledger.seconds["startup" if i == 0 else "restart_downtime"] += gap
+        last = _account_steps(ledger, events, keep_upto)
+        if nxt is not None:
+            ledger.steps_lost += max(0, last - keep_upto)
+        else:
+            ledger.steps_kept = last
+        prev_end = events[-1]["t"]
+    ledger.seconds["other"] = max(0.0, ledger.total - sum(v for k, v in ledger.seconds.items() if k != "other"))
+    return ledger

@@ -1,0 +1,119 @@
+"""Per-process step recorder: what the training loop feeds the goodput ledger.
+
+The Checkpointer and the data loader feed it automatically; a loop of your own calls
+:func:`record_step` once per step. Recording is an in-memory update plus one local
+``write()`` (or a buffered append on object stores): no barrier, no round trip.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from ray_goodput.goodput._events import EventLog
+from ray_goodput.storage import StorageLocation
+
+logger = logging.getLogger(__name__)
+
+
+class StepRecorder:
+    """Turns step boundaries, stalls and restores into events of an :class:`EventLog`.
+
+    ``log`` is None on ranks other than 0 (their timeline is rank 0's) and outside Ray
+    Train; then every method is a cheap no-op.
+    """
+
+    def __init__(self, log: EventLog | None) -> None:
+        self.log = log
+        self._lock = threading.Lock()
+        self._mark = time.time()
+        self._last_step: int | None = None
+        self._fetch = 0.0
+        self._ckpt = 0.0
+        self.explicit = False
+
+    def add_fetch(self, seconds: float) -> None:
+        """Time the loop waited for a batch (data stall), counted in the current step."""
+        with self._lock:
+            self._fetch += seconds
+
+    def add_checkpoint_stall(self, seconds: float) -> None:
+        """Time the loop was blocked by a checkpoint save, counted in the current step."""
+        with self._lock:
+            self._ckpt += seconds
+
+    def restored(self, step: int | None, t0: float, t1: float) -> None:
+        """A restore took [t0, t1] and resumed after ``step`` (None: from scratch)."""
+        with self._lock:
+            self._last_step, self._mark = step, t1
+            self._fetch = self._ckpt = 0.0
+        if self.log is not None:
+            self.log.emit("restore", step=step, t0=t0, t=t1)
+
+    def step(self, step: int, *, fetch_seconds: float = 0.0, explicit: bool = True) -> None:
+        """Step ``step`` just finished: everything since the previous mark belongs to it."""
+        now = time.time()
+        with self._lock:
+            if explicit:
+                self.explicit = True
+            elif self.explicit:
+                return  # the loop records its own steps; don't double count
+            prev = self._last_step if self._last_step is not None else 0
+            event = {"step": step, "n": max(1, step - prev), "t0": self._mark, "t": now,
+                     "fetch": self._fetch + fetch_seconds, "ckpt": self._ckpt}
+            self._mark, self._last_step = now, step
+            self._fetch = self._ckpt = 0.0
+        if self.log is not None:
+            self.log.emit("step", **event)
+
+    def end(self) -> None:
+        """The training function finished cleanly."""
+        if self.log is not None:
+            self.log.emit("end")
+            self.log.flush()
+
+
+_RECORDER: StepRecorder | None = None
+_RECORDER_LOCK = threading.Lock()
+
+
+def _make() -> StepRecorder:
+    try:
+        import ray.train  # noqa: PLC0415
+
+        ctx = ray.train.get_context()
+        rank, world = ctx.get_world_rank(), ctx.get_world_size()
+        storage = ctx.get_storage()
+    except Exception:  # noqa: BLE001 - not in a Ray Train worker: nothing to feed
+        return StepRecorder(None)
+    if rank != 0:
+        return StepRecorder(None)
+    fs = storage.storage_filesystem
+    root = StorageLocation(uri=storage.experiment_fs_path, fs=fs, root=storage.experiment_fs_path)
+    try:
+        return StepRecorder(EventLog(root, rank=rank, world_size=world))
+    except Exception as exc:  # noqa: BLE001 - accounting must never break training
+        logger.warning("goodput events disabled: %s", exc)
+        return StepRecorder(None)
+
+
+def get_recorder() -> StepRecorder:
+    """This process's recorder (created on first use)."""
+    global _RECORDER  # noqa: PLW0603 - one per process, like the Ray Train context
+    with _RECORDER_LOCK:
+        if _RECORDER is None:
+            _RECORDER = _make()
+        return _RECORDER
+
+
+def record_step(step: int, *, fetch_seconds: float = 0.0) -> None:
+    """Record that training step ``step`` finished; call once per step, on every rank
+    (only rank 0's record is kept). ``fetch_seconds``: time this step waited for data,
+    if your loader is not ``ray_goodput.data.DataLoader`` (which reports it itself)."""
+    get_recorder().step(step, fetch_seconds=fetch_seconds)
+
+
+def record_end() -> None:
+    """Mark the clean end of the training function (``Checkpointer.close`` does it)."""
+    get_recorder().end()

@@ -1,0 +1,78 @@
+"""The goodput ledger as pure functions: every second in exactly one bucket."""
+
+from __future__ import annotations
+
+import pytest
+
+from ray_goodput.goodput import BUCKETS, compute
+
+
+def _attempt(start, restored, steps, *, restore_s=1.0, step_s=1.0, fetch=0.1, ckpt=0.0, end=False):
+    """Events of one attempt: start, restore, then `steps` (from restored+1), each step_s long."""
+    t = start + 2.0  # process + model setup
+    events = [{"e": "start", "t": start}, {"e": "restore", "step": restored, "t0": t, "t": t + restore_s}]
+    t += restore_s
+    for step in range(restored + 1, restored + 1 + steps):
+        events.append({"e": "step", "step": step, "n": 1, "t0": t, "t": t + step_s, "fetch": fetch, "ckpt": ckpt})
+        t += step_s
+    if end:
+        events.append({"e": "end", "t": t + 0.5})
+    return events
+
+
+def test_no_failure():
+    a = _attempt(100.0, 0, 10, end=True)
+    ledger = compute([a], job_start=95.0)
+    assert ledger.total == pytest.approx(a[-1]["t"] - 95.0)
+    assert sum(ledger.seconds.values()) == pytest.approx(ledger.total)
+    assert ledger.seconds["startup"] == pytest.approx(5.0 + 2.0)
+    assert ledger.seconds["restore"] == pytest.approx(1.0)
+    assert ledger.seconds["productive"] == pytest.approx(10 * 0.9)
+    assert ledger.seconds["data_stall"] == pytest.approx(10 * 0.1)
+    assert ledger.seconds["lost"] == 0 and ledger.steps_lost == 0 and ledger.steps_kept == 10
+    assert ledger.finished and ledger.failures == 0
+
+
+def test_failure_splits_kept_lost_and_downtime():
+    first = _attempt(100.0, 0, 15)                 # reached step 15, died
+    second = _attempt(first[-1]["t"] + 6.0, 10, 10, end=True)  # resumed from 10
+    ledger = compute([second, first], job_start=100.0)  # order does not matter
+    assert ledger.attempts == 2 and ledger.failures == 1
+    assert ledger.steps_lost == 5 and ledger.steps_kept == 20
+    assert ledger.seconds["lost"] == pytest.approx(5 * 0.9)
+    assert ledger.seconds["productive"] == pytest.approx(20 * 0.9)
+    assert ledger.seconds["restart_downtime"] == pytest.approx(6.0 + 2.0)
+    assert ledger.seconds["restore"] == pytest.approx(2.0)
+    assert sum(ledger.seconds.values()) == pytest.approx(ledger.total)
+    assert ledger.goodput == pytest.approx(18.0 / ledger.total)
+
+
+def test_coarse_events_are_split_at_the_resume_point():
+    first = [{"e": "start", "t": 0.0},
+             {"e": "step", "step": 10, "n": 10, "t0": 1.0, "t": 11.0, "fetch": 0.0, "ckpt": 0.5},
+             {"e": "step", "step": 20, "n": 10, "t0": 11.0, "t": 21.0, "fetch": 0.0, "ckpt": 0.0}]
+    second = [{"e": "start", "t": 25.0}, {"e": "restore", "step": 14, "t0": 26.0, "t": 27.0},
+              {"e": "step", "step": 20, "n": 6, "t0": 27.0, "t": 33.0, "fetch": 0.0, "ckpt": 0.0}]
+    ledger = compute([first, second])
+    assert ledger.seconds["lost"] == pytest.approx(6.0)  # steps 15..20 of the first attempt
+    assert ledger.seconds["productive"] == pytest.approx(9.5 + 4.0 + 6.0)
+    assert ledger.seconds["checkpoint_stall"] == pytest.approx(0.5)
+    assert ledger.steps_lost == 6
+
+
+@pytest.mark.parametrize("n_attempts", [1, 2, 3, 5])
+def test_buckets_always_sum_to_total(n_attempts):
+    attempts, t, restored = [], 0.0, 0
+    for i in range(n_attempts):
+        a = _attempt(t, restored, 7 + i, ckpt=0.05, end=i == n_attempts - 1)
+        attempts.append(a)
+        t = a[-1]["t"] + 3.0
+        restored += 4
+    ledger = compute(attempts, job_start=-2.0)
+    assert set(ledger.seconds) == set(BUCKETS)
+    assert all(v >= 0 for v in ledger.seconds.values())
+    assert sum(ledger.seconds.values()) == pytest.approx(ledger.total)
+
+
+def test_empty():
+    assert compute([]).total == 0 and compute([]).goodput == 0
