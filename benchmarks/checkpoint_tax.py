@@ -3,7 +3,7 @@
 Compares, on 2 ranks of a Ray Train ``TorchTrainer`` (gloo on CPU, FSDP2-sharded state so
 each rank holds its own distinct shard of model + AdamW state):
 
-  * ``torch.save`` of the gathered full state on rank 0 (S3: into a pyarrow output stream)
+  * ``torch.save`` of the gathered full state on rank 0 (S3: to a local file, then uploaded)
   * DCP ``dcp.save`` (S3: DCP into a local dir, then each rank uploads its files)
   * DCP ``dcp.async_save`` (thread executor; S3: a per-rank background thread waits for
     the DCP future, then uploads the rank's files)
@@ -25,7 +25,7 @@ and its own Ray. Prints a markdown table.
 
     python benchmarks/checkpoint_tax.py                         # defaults: 256 MB/rank, 3 saves
     python benchmarks/checkpoint_tax.py --mb-per-rank 64 --saves 2   # quick mode
-    python benchmarks/checkpoint_tax.py --device cuda --params 1.2e9 --storage local
+    python benchmarks/checkpoint_tax.py --device cuda --params 1e9 --storage local
 
 ``--device cuda``: a >=1B-parameter model with bf16 weights, fp32 master weights and fp32
 AdamW state (14 bytes/parameter), one rank per GPU (at most 2; one rank on a 1-GPU
@@ -328,7 +328,7 @@ def train_loop(cfg: dict) -> None:  # noqa: C901, PLR0915 - one benchmark, read 
             record("d2h_pinned", allmax(el_pin), None)
 
     def m_upload_floor(i: int) -> None:
-        src = tensors if dev == "cpu" else warm  # host bytes of the rank's state
+        src = tensors if dev == "cpu" else pinned  # host bytes of the rank's state
         dest_dir = f"{base}/floor-{i}"
         if cfg["storage"] == "local":
             fs.create_dir(dest_dir, recursive=True)
@@ -349,8 +349,13 @@ def train_loop(cfg: dict) -> None:  # noqa: C901, PLR0915 - one benchmark, read 
         if rank == 0:
             obj = {"model": msd, "optim": osd}
             if cfg["storage"] == "s3":
-                with fs.open_output_stream(f"{dest_dir}/model.pt") as out:
-                    torch.save(obj, out)
+                # torch.save straight into a pyarrow S3 stream hands pyarrow writes larger than
+                # its part size; moto 5.2.5 then fails CompleteMultipartUpload (INTERNAL_FAILURE)
+                # now and then. So: torch.save to a local file, then upload it in 8 MiB writes.
+                tmp = stage / f"torch-save-{i}.pt"
+                torch.save(obj, tmp)
+                _upload_file(fs, tmp, f"{dest_dir}/model.pt")
+                tmp.unlink()
             else:
                 torch.save(obj, f"{dest_dir}/model.pt")
         del msd, osd
@@ -449,9 +454,13 @@ def train_loop(cfg: dict) -> None:  # noqa: C901, PLR0915 - one benchmark, read 
             while not rg_committed(rg_step[0]):
                 time.sleep(poll)
             durable = time.perf_counter() - t0
+        # Diagnostics: this rank's local DCP write and upload seconds, from the uploader.
+        res = ckpt._pending[rg_step[0]].handoff.durable.result()  # noqa: SLF001 - report only
         ckpt.wait()
         record("rg", allmax(block), allmax(durable))
         record("rg_wall", allmax(wall), None)
+        record("rg_write", allmax(res.write_seconds), None)
+        record("rg_upload", allmax(res.upload_seconds), None)
 
     fns = {"torch_save": m_torch_save, "dcp_sync": m_dcp_sync, "dcp_async": m_dcp_async,
            "rt_sync": lambda i: m_rt(i, CheckpointUploadMode.SYNC),
@@ -474,8 +483,8 @@ def train_loop(cfg: dict) -> None:  # noqa: C901, PLR0915 - one benchmark, read 
     # ---- step slowdown while a ray_goodput save is written/uploaded ----------------
     slow: dict[str, Any] = {}
     if "rg" in cfg["methods"] and cfg["slowdown_rounds"] > 0:
-        width = 1024
-        x = torch.randn(256, width, device=dev)
+        width = 1024 if dev == "cpu" else 8192
+        x = torch.randn(256 if dev == "cpu" else 8192, width, device=dev)
         flag = torch.zeros(1)
 
         def make(n):
@@ -502,29 +511,47 @@ def train_loop(cfg: dict) -> None:  # noqa: C901, PLR0915 - one benchmark, read 
         ws = make(int(n.item()))
         for _ in range(3):
             compute_step(ws)
-        base_t, during_t, after_t, counts = [], [], [], []
-        for _ in range(cfg["slowdown_rounds"]):
+        def steps_while(busy) -> list[float]:
+            """Compute steps until ``busy()`` is False on every rank (checked between steps)."""
+            times = []
+            while True:
+                times.append(compute_step(ws))
+                f = torch.tensor([0.0 if busy() else 1.0])
+                dist.all_reduce(f, op=dist.ReduceOp.MIN)
+                if f.item() == 1.0:
+                    return times
+
+        base_t, during_t, floor_t, after_t, counts, floor_counts = [], [], [], [], [], []
+        for r in range(cfg["slowdown_rounds"]):
             dist.barrier()
             base_t += [compute_step(ws) for _ in range(10)]
+            # (1) a ray_goodput save in flight (local DCP write + upload + commit)
             rg_save()
-            k = 0
-            while True:
-                during_t.append(compute_step(ws))
-                k += 1
-                if rank == 0:
-                    flag[0] = 1.0 if rg_committed(rg_step[0]) else 0.0
-                dist.broadcast(flag, 0)
-                if flag.item() == 1.0:
-                    break
-            counts.append(k)
+            step = rg_step[0]
+            times = steps_while(lambda: rank == 0 and not rg_committed(step))
+            during_t += times
+            counts.append(len(times))
             ckpt.wait()
+            # (2) reference: a plain pyarrow upload of the same bytes in a background thread
+            dest_dir = f"{base}/slow-floor-{r}"
+            if cfg["storage"] == "local":
+                fs.create_dir(dest_dir, recursive=True)
+            src = tensors if dev == "cpu" else pinned
+            dist.barrier()
+            th = threading.Thread(target=_write_views,
+                                  args=(fs, f"{dest_dir}/rank-{rank}.bin", [_byte_view(t) for t in src]))
+            th.start()
+            times = steps_while(th.is_alive)
+            th.join()
+            floor_t += times
+            floor_counts.append(len(times))
+            rm_remote(dest_dir)
             after_t += [compute_step(ws) for _ in range(5)]
         gathered: list[Any] = [None] * world
-        dist.all_gather_object(gathered, {"base": base_t, "during": during_t, "after": after_t})
-        slow = {"layers": int(n.item()), "steps_during": counts,
-                "base": [v for g in gathered for v in g["base"]],
-                "during": [v for g in gathered for v in g["during"]],
-                "after": [v for g in gathered for v in g["after"]]}
+        dist.all_gather_object(gathered, {"base": base_t, "during": during_t, "floor": floor_t,
+                                          "after": after_t})
+        slow = {"layers": int(n.item()), "steps_during": counts, "steps_floor": floor_counts,
+                **{k: [v for g in gathered for v in g[k]] for k in ("base", "during", "floor", "after")}}
     arena = str(ckpt._arena.path) if ckpt._arena is not None else None  # noqa: SLF001 - report only
     ckpt.close()
     if stager is not None:
@@ -550,8 +577,8 @@ def _f(x: float | None, fmt: str = "{:.2f}") -> str:
 
 def render(runs: list[dict], args) -> str:
     lines = ["| method | storage | blocked s (median) | durable s (median) | blocked / copy floor "
-             "| durable / upload floor | torch.save rank-0 blocked / ray_goodput blocked |",
-             "|---|---|---|---|---|---|---|"]
+             "| durable / upload floor | torch.save rank-0 blocked / ray_goodput blocked | 1st save blocked s |",
+             "|---|---|---|---|---|---|---|---|"]
     verdict = []
     for run in runs:
         res, st = run["results"], run["storage"]
@@ -568,7 +595,8 @@ def render(runs: list[dict], args) -> str:
             rd = d / up_floor if d is not None and up_floor else None
             rt = b / rg_block if key == "torch_save" and b is not None and rg_block else None
             lines.append(f"| {LABELS[key]} | {st} | {_f(b)} | {_f(d)} | {_f(rb, '{:.1f}×')} "
-                         f"| {_f(rd, '{:.2f}×')} | {_f(rt, '{:.2f}×' if rt is not None and rt < 10 else '{:.0f}×')} |")
+                         f"| {_f(rd, '{:.2f}×')} | {_f(rt, '{:.2f}×' if rt is not None and rt < 10 else '{:.0f}×')} "
+                         f"| {_f(res[key]['blocked'][0] if res[key]['blocked'] else None)} |")
         if "rg" in med and copy_floor:
             r = med["rg"][0] / copy_floor
             verdict.append(f"- {st}: ray_goodput blocking {med['rg'][0]:.2f} s = {r:.2f}× copy floor "
@@ -581,6 +609,16 @@ def render(runs: list[dict], args) -> str:
             r = med["torch_save"][0] / rg_block
             verdict.append(f"- s3: rank-0 torch.save blocks {med['torch_save'][0]:.2f} s = {r:.0f}× ray_goodput "
                            f"blocking → target ≥ 10×: {'MET' if r >= 10 else 'NOT met'}")
+        if "copy_warm" in med and args.device == "cuda":
+            gb = max(run["rank_bytes"]) / 1e9
+            bw = {k: gb / med[k][0] for k in ("copy_floor", "copy_warm", "d2h_pinned", "rg") if k in med}
+            verdict.append(f"- {st}: D2H of {gb:.1f} GB/rank: fresh pageable {bw.get('copy_floor', 0):.1f} GB/s, "
+                           f"preallocated pageable {bw.get('copy_warm', 0):.1f} GB/s, pinned "
+                           f"{bw.get('d2h_pinned', 0):.1f} GB/s; ray_goodput staging (blocked) "
+                           f"{med.get('rg', (0,))[0]:.2f} s = {bw.get('rg', 0):.1f} GB/s into arena {run.get('arena')}")
+        if "rg_write" in med:
+            verdict.append(f"- {st}: ray_goodput background phases (median, slowest rank): local DCP write "
+                           f"{med['rg_write'][0]:.2f} s, upload+marker+commit {med['rg_upload'][0]:.2f} s")
         sl = run.get("slowdown") or {}
         if sl.get("base") and sl.get("during"):
             b, d = _med(sl["base"]), _med(sl["during"])
@@ -591,8 +629,13 @@ def render(runs: list[dict], args) -> str:
                 f"after {(_med(sl['after']) or 0) * 1e3:.0f} ms; {sum(sl['steps_during'])} steps × {run['world']} "
                 f"ranks during {len(sl['steps_during'])} uploads) → target ≤ 10%: "
                 f"{'MET' if pct <= 10 else 'NOT met'}")
+        if sl.get("floor") and sl.get("base"):
+            f, b = _med(sl["floor"]), _med(sl["base"])
+            verdict.append(f"- {st}: reference, steps during a plain pyarrow upload of the same bytes (no "
+                           f"ray_goodput): median {f * 1e3:.0f} ms ({(f / b - 1) * 100:+.0f}%)")
     sizes = ", ".join(f"{r['storage']}: {[round(b / 2**20) for b in r['rank_bytes']]} MiB/rank" for r in runs)
-    head = [f"State per rank ({sizes}); {args.saves} saves per method (median), 2 ranks, device {args.device}."]
+    head = [f"State per rank ({sizes}); {args.saves} saves per method (median over all saves, the first "
+            f"one included), {runs[0]['world'] if runs else '?'} ranks, device {args.device}."]
     return "\n".join(head + [""] + lines + [""] + verdict)
 
 
@@ -609,7 +652,7 @@ def main() -> None:
     ap.add_argument("--saves", type=int, default=3, help="saves per method (median reported)")
     ap.add_argument("--storage", choices=["local", "s3", "both"], default="both")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    ap.add_argument("--params", type=float, default=1.2e9, help="CUDA: parameters (bf16 + fp32 master + AdamW)")
+    ap.add_argument("--params", type=float, default=1.0e9, help="CUDA: parameters (bf16 + fp32 master + AdamW)")
     ap.add_argument("--methods", default=None, help=f"comma list of {CPU_METHODS}")
     ap.add_argument("--slowdown-rounds", type=int, default=2, help="ray_goodput saves with steps running")
     ap.add_argument("--step-ms", type=float, default=100.0, help="compute step length to calibrate to")
@@ -641,7 +684,7 @@ def main() -> None:
     try:
         if "s3" in storages:
             moto, endpoint = start_moto()
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=True,
+        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=True,
                  object_store_memory=512 << 20, runtime_env={"env_vars": env})
         for st in storages:
             out = work / f"result-{st}.json"

@@ -60,6 +60,9 @@ class CountingProxy:
                         self.send_header(k, v)
                 length = resp.getheader("Content-Length") if self.command == "HEAD" else None
                 self.send_header("Content-Length", length or str(len(data)))
+                # One request per connection: with keep-alive, an S3 client that timed out
+                # (3 s under load) was seen reading the late answer as the next one's body.
+                self.send_header("Connection", "close")
                 self.end_headers()
                 if proxy.stall_path and path.endswith(proxy.stall_path) and self.command == "GET":
                     self.wfile.write(data[: len(data) // 4])

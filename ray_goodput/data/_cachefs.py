@@ -22,6 +22,7 @@ import fcntl
 import hashlib
 import itertools
 import os
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -86,15 +87,43 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+# Lock fds open in this process. A forked child (a DataLoader worker) inherits them, and
+# a flock lives as long as any copy of its fd: the child must close its copies, or a
+# lock that a thread of the parent held at fork time is never released. ``_fds_lock``
+# makes open+register and unregister+close atomic with respect to fork.
+_held_fds: set[int] = set()
+_fds_lock = threading.Lock()
+
+
+def _after_fork_in_child() -> None:
+    global _fds_lock
+    _fds_lock = threading.Lock()
+    for fd in list(_held_fds):
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _held_fds.clear()
+
+
+os.register_at_fork(before=lambda: _fds_lock.acquire(),
+                    after_in_parent=lambda: _fds_lock.release(),
+                    after_in_child=_after_fork_in_child)
+
+
 @contextmanager
 def _flock(path: Path):
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    with _fds_lock:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        _held_fds.add(fd)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)  # released by the kernel if this process dies
         yield
     finally:
-        os.close(fd)
+        with _fds_lock:
+            _held_fds.discard(fd)
+            os.close(fd)
 
 
 def _copy_in(fs: pafs.FileSystem, src: str, dest: Path, max_bytes: int,

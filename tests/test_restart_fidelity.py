@@ -1,0 +1,209 @@
+"""Restart fidelity, the flagship test: a run with injected failures — SIGKILLs at steps,
+one while an upload is in flight, and a node removed so the run resumes on fewer
+workers — ends with the same weights, bit for bit, as a run without failures that
+follows the same schedule of world sizes; and every sample of every epoch is seen
+exactly once by the kept steps."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+from ray.cluster_utils import Cluster
+
+from ray_goodput import list_checkpoints
+from ray_goodput.testing import FailAt
+
+SAMPLES, BATCH, EVERY, STEPS, NODE_LOSS_STEP = 48, 4, 4, 30, 18
+
+
+def _features(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    grid = torch.arange(1, 9, dtype=torch.float64)
+    x = torch.sin(ids.double()[:, None] * grid / 7.0)
+    return x, torch.cos(ids.double() / 5.0)[:, None]
+
+
+def _decode(data: bytes) -> int:
+    return int(data)
+
+
+def _loop(config: dict) -> None:
+    import ray.train
+    from ray.train.torch import prepare_model
+
+    from ray_goodput import Checkpointer, list_checkpoints, record_step
+    from ray_goodput.data import DataLoader, FileDataset
+
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    torch.manual_seed(0)
+    model = prepare_model(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(),
+                                              torch.nn.Linear(16, 1)).double())
+    optim = torch.optim.Adam(model.parameters(), lr=0.01)
+    loader = DataLoader(FileDataset(config["data"], decode=_decode, seed=3, cache=None),
+                        batch_size=BATCH, num_workers=0)
+    out = Path(config["out"])
+    state = {"model": model, "optim": optim, "loader": loader}
+    with Checkpointer(config["uri"], keep_last=20) as ckpt:
+        newest = max((i.step for i in list_checkpoints(config["uri"]) if i.committed), default=None)
+        step = ckpt.restore(state) or 0
+        tag = f"{time.time():.6f}-{os.getpid()}"
+        if rank == 0:
+            (out / f"attempt-{tag}.json").write_text(json.dumps(
+                {"world": world, "restored": step, "newest_committed": newest}))
+        records = open(out / f"records-{tag}-rank{rank}.jsonl", "a", buffering=1)
+        faults = [FailAt(**f) for f in config["faults"]]
+        while step < config["steps"]:
+            for ids in loader:
+                step += 1
+                x, y = _features(ids)
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                optim.zero_grad()
+                loss.backward()
+                optim.step()
+                records.write(json.dumps({"step": step, "rank": rank, "epoch": loader.epoch,
+                                          "ids": ids.tolist()}) + "\n")
+                record_step(step)
+                if step % EVERY == 0:
+                    ckpt.save(step, state)
+                for fault in faults:  # after save: one of them kills with an upload in flight
+                    fault.maybe_fail(step, rank)
+                if config.get("node_loss") and world == 2 and step >= NODE_LOSS_STEP:
+                    if rank == 1 and step == NODE_LOSS_STEP:
+                        (out / "trigger").write_text(ray.get_runtime_context().get_node_id())
+                    time.sleep(1.0)  # give the test time to pull the node
+                if step == config["steps"]:
+                    break
+    if rank == 0:
+        module = model.module if hasattr(model, "module") else model
+        torch.save(module.state_dict(), out / f"final-{config['steps']}.pt")
+
+
+def _fit(cluster_nodes, config, workers, name, storage, on_trigger=None):
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from ray_goodput import GoodputCallback
+
+    trainer = TorchTrainer(
+        _loop, train_loop_config=config,
+        scaling_config=ScalingConfig(num_workers=workers, resources_per_worker={"CPU": 1, "slot": 1}),
+        run_config=RunConfig(name=name, storage_path=storage,
+                             failure_config=FailureConfig(max_failures=5),
+                             callbacks=[GoodputCallback(tracking_uri=f"sqlite:///{storage}/mlflow.db")]),
+    )
+    if on_trigger is None:
+        return trainer.fit()
+    box: dict = {}
+    thread = threading.Thread(target=lambda: box.update(result=trainer.fit()))
+    thread.start()
+    trigger = Path(config["out"]) / "trigger"
+    deadline = time.time() + 400
+    while not trigger.exists() and time.time() < deadline:
+        time.sleep(0.05)
+    on_trigger(trigger.read_text())
+    thread.join(timeout=600)
+    assert not thread.is_alive() and "result" in box
+    return box["result"]
+
+
+def _kept_records(out: Path) -> dict[int, dict]:
+    """step -> {"epoch", "ids" (sorted, all ranks)}, from the last attempt that ran the step.
+
+    Files of one attempt (one per rank) start within a second of each other; attempts are
+    many seconds apart (a restart takes longer than that).
+    """
+    files = sorted(out.glob("records-*.jsonl"), key=lambda p: float(p.name.split("-")[1]))
+    groups: list[list[Path]] = []
+    for path in files:
+        t = float(path.name.split("-")[1])
+        if groups and t - float(groups[-1][0].name.split("-")[1]) < 3.0:
+            groups[-1].append(path)
+        else:
+            groups.append([path])
+    kept: dict[int, dict] = {}
+    for group in groups:  # oldest first: a later attempt that redid a step replaces it whole
+        attempt: dict[int, dict] = {}
+        for path in group:
+            for line in path.read_text().splitlines():
+                r = json.loads(line)
+                rec = attempt.setdefault(r["step"], {"epoch": r["epoch"], "ids": []})
+                rec["ids"] = sorted(rec["ids"] + r["ids"])
+        kept.update(attempt)
+    return kept
+
+
+@pytest.mark.timeout(1200)
+def test_interrupted_run_equals_uninterrupted_run(tmp_path, s3_server):
+    data = tmp_path / "data"
+    data.mkdir()
+    for i in range(SAMPLES):
+        (data / f"{i:04d}.txt").write_text(str(i))
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
+    nodes = [cluster.add_node(num_cpus=2, resources={"slot": 1}) for _ in range(2)]
+    ray.init(address=cluster.address, log_to_driver=False,
+             runtime_env={"env_vars": {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.1"}})
+    try:
+        cluster.wait_for_nodes()
+        # 1. With failures: SIGKILL at step 7 (rank 1); SIGKILL right after the save of step
+        #    12 (rank 0, its upload in flight); node of rank 1 removed at step 18.
+        faulty = tmp_path / "faulty"
+        faulty.mkdir()
+        uri = s3_server.bucket_uri("faulty")
+        faults = [dict(step=7, rank=1, marker_dir=str(faulty)), dict(step=12, rank=0, marker_dir=str(faulty))]
+        config = {"data": str(data), "out": str(faulty), "uri": uri, "steps": STEPS,
+                  "faults": faults, "node_loss": True}
+
+        def pull(node_id: str) -> None:
+            cluster.remove_node(next(n for n in nodes if n.node_id == node_id), allow_graceful=False)
+
+        _fit(nodes, config, (1, 2), "faulty", str(tmp_path / "ray"), on_trigger=pull)
+        attempts = [json.loads(p.read_text()) for p in
+                    sorted(faulty.glob("attempt-*.json"), key=lambda p: float(p.name.split("-")[1]))]
+        assert [a["world"] for a in attempts][:3] == [2, 2, 2] and attempts[-1]["world"] == 1
+        assert len(attempts) == 4, attempts
+        for a in attempts:  # every resume took the newest committed checkpoint there was
+            assert a["restored"] == (a["newest_committed"] or 0)
+        resume_1 = attempts[-1]["restored"]
+        assert resume_1 >= 12
+
+        # 2. Reference without failures, same world sizes: 2 workers to resume_1, then 1.
+        cluster.add_node(num_cpus=2, resources={"slot": 1})  # replaces the removed node
+        cluster.wait_for_nodes()
+        ref = tmp_path / "ref"
+        ref.mkdir()
+        ref_uri = s3_server.bucket_uri("ref")
+        base = {"data": str(data), "out": str(ref), "uri": ref_uri, "faults": []}
+        _fit(nodes, {**base, "steps": resume_1}, 2, "ref-a", str(tmp_path / "ray"))
+        _fit(nodes, {**base, "steps": STEPS}, 1, "ref-b", str(tmp_path / "ray"))
+
+        got = torch.load(faulty / f"final-{STEPS}.pt")
+        want = torch.load(ref / f"final-{STEPS}.pt")
+        assert all(torch.equal(got[k], want[k]) for k in want), "weights differ"
+        kept, reference = _kept_records(faulty), _kept_records(ref)
+        assert sorted(kept) == list(range(1, STEPS + 1))
+        assert kept == reference
+        # No sample skipped or repeated: every finished epoch saw each sample exactly once.
+        by_epoch: dict[int, list[int]] = defaultdict(list)
+        for step in range(1, STEPS + 1):
+            by_epoch[kept[step]["epoch"]] += kept[step]["ids"]
+        last = max(by_epoch)
+        assert last >= 2  # the run spans several epochs, and resumed mid-epoch
+        for epoch, ids in by_epoch.items():
+            assert len(ids) == len(set(ids)), f"a sample repeated in epoch {epoch}"
+            if epoch != last:
+                assert sorted(ids) == list(range(SAMPLES)), f"samples skipped in epoch {epoch}"
+        assert [i.world_size for i in list_checkpoints(uri) if i.committed][-1] == 1
+        ledger = json.loads((tmp_path / "ray" / "faulty" / "goodput" / "summary.json").read_text())
+        assert ledger["attempts"] == 4 and ledger["steps_kept"] == STEPS
+        assert abs(sum(ledger["seconds"].values()) - ledger["total_s"]) <= 0.01 * ledger["total_s"]
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
