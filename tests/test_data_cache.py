@@ -242,6 +242,27 @@ def test_killed_mid_download_leaves_no_corrupt_file_and_is_recreated(s3_server, 
         proxy.close()
 
 
+def test_cache_recreated_by_another_rank_gets_file_lists_again(s3_server, tmp_path):
+    blobs = _blobs(4, 100)
+    bucket, prefix = _upload(s3_server, "rr", blobs)
+    cfg = CacheConfig(directory=str(tmp_path))
+    ds = FileDataset(f"s3://{bucket}/{prefix}?endpoint_override={s3_server.endpoint}"
+                     "&scheme=http", cache=cfg)
+    service = CacheService(cfg)
+    fid = service.register(ds.files)
+    _services.shutdown(KIND, drain_timeout_s=10)
+    ray.get(get_cache(cfg).describe.remote())  # another rank starts a new cache first
+    service.prefetch(fid, [0, 1])  # answered -1: unknown file list ...
+    time.sleep(1.0)
+    service.prefetch(fid, [2, 3])  # ... noticed here: registers again and announces
+    layout = CacheLayout(tmp_path)
+    paths = [layout.data_path(CacheLayout.key(ds.files.ident, p)) for p in ds.files.paths]
+    deadline = time.time() + 30
+    while not paths[2].exists() and time.time() < deadline:
+        time.sleep(0.1)
+    assert paths[2].read_bytes() == blobs["f002.bin"]
+
+
 def test_status_reports_each_node_and_hit_rate(s3_server, tmp_path):
     blobs = _blobs(8, 100)
     bucket, prefix = _upload(s3_server, "st", blobs)

@@ -193,3 +193,36 @@ def test_dataset_without_our_loader_and_uncached_reads(files_dir, tmp_path):
     assert any(p.is_file() and p.read_bytes() == b"5" for p in cached)
     plain = FileDataset(str(files_dir), decode=int, cache=None)
     assert sorted(plain[i] for i in range(len(plain))) == list(range(N))
+
+
+def test_forked_worker_does_not_inherit_a_held_fetch_lock(tmp_path):
+    """A prefetch thread holds a lock stripe while the main thread forks loader workers:
+    the child must still get that lock once the parent releases it (no deadlock)."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from ray_goodput.data import _cachefs
+
+    layout = _cachefs.CacheLayout(tmp_path)
+    layout.create()
+    key = "ab" * 16
+    held = threading.Event()
+
+    def holder():
+        with _cachefs._flock(layout.lock_path(key)):
+            held.set()
+            time.sleep(1.0)
+
+    thread = threading.Thread(target=holder)
+    thread.start()
+    held.wait()
+    pid = os.fork()
+    if pid == 0:  # child: a deadlock ends in SIGALRM, i.e. a failing exit status
+        signal.alarm(10)
+        with _cachefs._flock(layout.lock_path(key)):
+            os._exit(0)
+    thread.join()
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0

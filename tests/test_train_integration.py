@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import pytest
 import ray
@@ -91,3 +92,10 @@ def test_custom_s3_storage_reports_pointer_checkpoint(ray_local, tmp_path, s3_se
     with result.checkpoint.as_directory() as d:
         pointer = json.load(open(os.path.join(d, POINTER_FILE)))
     assert pointer["uri"].endswith("checkpoints/step-000000002")
+    # The node uploader used by the run exits on its own once its workers closed.
+    from ray_goodput.node import _services
+
+    deadline = time.time() + 20
+    while _services.find("uploader") and time.time() < deadline:
+        time.sleep(0.2)
+    assert _services.find("uploader") == {}

@@ -94,8 +94,11 @@ class CacheCore:
         return fid
 
     def prefetch(self, fileset_id: int, indices: list[int]) -> int:
-        """Queue downloads of files ``indices`` of a registered FileSet; returns how many."""
-        files = self._filesets[fileset_id]
+        """Queue downloads of files ``indices`` of a registered FileSet; returns how many,
+        or -1 when the FileSet is unknown (this cache was recreated: register again)."""
+        files = self._filesets.get(fileset_id)
+        if files is None:
+            return -1
         queued = 0
         with self._lock:
             for i in indices:

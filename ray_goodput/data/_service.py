@@ -81,13 +81,17 @@ class CacheService:
                                         timeout=0) if self._pending else ([], [])
         for ref in ready:
             try:
-                ray.get(ref)
+                queued = ray.get(ref)
             except ray.exceptions.RayActorError:
                 logger.warning("node cache actor died; recreating it")
                 self._reconnect()
                 return
             except Exception as exc:  # noqa: BLE001 - prefetch is an optimization
                 logger.warning("node cache prefetch failed: %s", exc)
+                continue
+            if queued == -1:  # another rank recreated the cache: it lacks our file lists
+                self._reconnect()
+                return
 
     def _reconnect(self) -> None:
         self._pending = []
