@@ -84,6 +84,10 @@ class Arena:
     def close(self) -> None:
         self._buf = None
         self.path.unlink(missing_ok=True)
+        try:
+            self.path.parent.rmdir()  # the run's arena dir, once its last rank closed
+        except OSError:
+            pass
 
 
 def open_slots(path: str | os.PathLike, slots: list[TensorSlot]) -> dict[str, torch.Tensor]:
