@@ -171,7 +171,7 @@ def main() -> int:
     args = parser.parse_args()
     import ray
 
-    ray.init(num_cpus=4, log_to_driver=False,
+    ray.init(address="local", num_cpus=4, log_to_driver=False,
              runtime_env={"env_vars": {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.1"}})
     root = Path(tempfile.mkdtemp(prefix="goodput-bench-"))
     (root / "data").mkdir()

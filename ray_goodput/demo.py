@@ -88,7 +88,7 @@ def run(root: Path, *, steps: int = 60, every: int = 10, fail_at: int = 35) -> d
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
     if not ray.is_initialized():
         # Worker logs stay in Ray's log files; the demo prints its own summary.
-        ray.init(num_cpus=4, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False,
+        ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False,
                  runtime_env={"env_vars": {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2"}})
     trainer = TorchTrainer(
         train_loop,

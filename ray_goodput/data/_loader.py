@@ -17,6 +17,7 @@ from ray_goodput.data._reader import CacheReader
 from ray_goodput.data._service import CacheService
 from ray_goodput.data._world import resolve_world
 from ray_goodput.errors import ConfigError
+from ray_goodput.goodput._recorder import get_recorder
 
 logger = logging.getLogger(__name__)
 STATE_KEYS = ("epoch", "consumed", "seed", "fingerprint")
@@ -114,6 +115,7 @@ class DataLoader(torch.utils.data.DataLoader):
         start, gb = s.consumed, part.global_batch(s.world, s.batch_size)
         hints = _Hints(self, s.rank_order()) if self._service is not None else None
         inner = super().__iter__()
+        recorder = get_recorder()
         delivered = 0
         while True:
             if hints is not None:
@@ -125,6 +127,7 @@ class DataLoader(torch.utils.data.DataLoader):
                 break
             self.last_fetch_seconds = time.perf_counter() - began
             self.total_fetch_seconds += self.last_fetch_seconds
+            recorder.add_fetch(self.last_fetch_seconds)  # data stall, for the goodput ledger
             self.steps += 1
             delivered += 1
             s.consumed = start + delivered * gb  # == part.consumed_after(start, delivered, ...)
