@@ -66,6 +66,7 @@ def plain_loop(cfg: dict) -> None:
         loader.set_epoch(blob["epoch"])  # the position inside the epoch is lost
     rec.restored(step, t0, time.time())
     _train(cfg, rank, model, optim, loader, step, lambda s: _plain_save(model, optim, loader, s, rank))
+    rec.end()
 
 
 def _plain_save(model, optim, loader, step, rank) -> None:
@@ -158,7 +159,13 @@ def run(kind: str, root: Path, args) -> dict:
     start = time.time()
     trainer.fit()
     wall = time.time() - start
-    ledger = json.loads((root / "runs" / kind / "goodput" / "summary.json").read_text())
+    from ray_goodput.goodput import compute
+    from ray_goodput.goodput._events import read_events
+    from ray_goodput.goodput._report import summary
+    from ray_goodput.storage import resolve
+
+    events = read_events(resolve(str(root / "runs" / kind)))
+    ledger = summary(compute(list(events.values()), job_start=start))
     return {"wall": wall, "ledger": ledger, "repeated": _repeated_samples(markers)}
 
 

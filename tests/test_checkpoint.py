@@ -78,7 +78,7 @@ def test_restore_prefers_verified_local_copy(tmp_path):
         assert ckpt.restore(_state(1)) == 1
         assert ckpt.last_restore.local_files > 0 and ckpt.last_restore.remote_files == 0
     # A local copy that no longer matches the manifest is ignored.
-    local = next((tmp_path / "stage").rglob("__0_0.distcp"))
+    local = next((tmp_path / "stage").rglob("__0_*.distcp"))
     local.write_bytes(b"garbage")
     fresh = _state(2)
     with Checkpointer(root, staging_dir=stage) as ckpt:
@@ -107,7 +107,8 @@ def test_retention_keeps_last_and_never_the_newest(tmp_path):
 
 def _damage(root: str, step: int, how: str) -> None:
     loc = _catalog.step_location(resolve(root), step)
-    path = loc.join("__0_0.distcp")
+    (shard,) = [i.path for i in list_dir(loc) if i.path.rsplit("/", 1)[-1].startswith("__0_")]
+    path = shard
     if how == "delete":
         loc.fs.delete_file(path)
         return
@@ -196,8 +197,8 @@ def _crash_between_shards(rank: int, world: int, root: str, stage: str) -> None:
         ckpt._uploader = _DieBeforeUpload()
     ckpt.save(20, state)
     if rank == 0:  # its shard lands; it must never commit without rank 1's
-        marker = _catalog.step_location(resolve(root), 20).join(_layout.rank_marker(0))
-        while resolve(root).fs.get_file_info(marker).type.name == "NotFound":
+        step_loc = _catalog.step_location(resolve(root), 20)
+        while not list_dir(step_loc, _layout.RANKS_DIR):
             time.sleep(0.05)
         kill_self()  # the rest of the job is gone too
     time.sleep(60)
@@ -219,6 +220,40 @@ def test_crash_between_shards_is_never_restored_and_is_collected(tmp_path):
     assert infos == {10: True, 20: False}
     names = {i.path.rsplit("/", 1)[-1] for i in list_dir(_catalog.step_location(resolve(root), 20),
                                                          recursive=True)}
-    assert "__0_0.distcp" in names and "__1_0.distcp" not in names
+    assert any(n.startswith("__0_") for n in names) and not any(n.startswith("__1_") for n in names)
     assert run_world(_restore_then_save, 2, root, stage) == [10, 10]
     assert {i.step: i.committed for i in list_checkpoints(root)} == {10: True, 30: True}
+
+
+def test_a_step_saved_again_after_a_restart_never_mixes_with_the_old_save(tmp_path):
+    """An earlier attempt left step 2 half-written (one rank durable); the new attempt
+    saves step 2 again: the stale rank's files must not be combined with the new ones."""
+    from ray_goodput.checkpoint._manifest import RankMarker, write_rank_marker
+    from ray_goodput.storage import FileEntry
+
+    root = str(tmp_path / "root")
+    step_loc = _catalog.step_location(resolve(root), 2)
+    write_rank_marker(step_loc, RankMarker(step=2, rank=0, world_size=1, created=1.0, nonce="stale",
+                                           files=(FileEntry("__0_stale.distcp", 3, 0),)))
+    state = _state(0)
+    with Checkpointer(root, staging_dir=str(tmp_path / "s")) as ckpt:
+        ckpt.save(2, state)
+        ckpt.wait()
+    manifest = _catalog.read_manifest(step_loc)
+    assert manifest.nonce != "stale" and not any("stale" in f.name for f in manifest.files)
+    fresh = _state(9)
+    with Checkpointer(root, staging_dir=str(tmp_path / "other")) as ckpt:
+        assert ckpt.restore(fresh) == 2
+    assert torch.equal(fresh["model"][0].weight, state["model"][0].weight)
+
+
+def test_torn_commit_marker_is_not_a_commit(tmp_path):
+    root = str(tmp_path / "root")
+    with Checkpointer(root, staging_dir=str(tmp_path / "s"), keep_last=5) as ckpt:
+        for step in (1, 2):
+            ckpt.save(step, _state(step))
+            ckpt.wait()
+    (tmp_path / "root/checkpoints/step-000000002/COMMITTED").write_text('{"step": 2, "wor')
+    assert [(i.step, i.committed) for i in list_checkpoints(root)] == [(1, True), (2, False)]
+    with Checkpointer(root, staging_dir=str(tmp_path / "other")) as ckpt:
+        assert ckpt.restore(_state(7)) == 1

@@ -30,7 +30,7 @@ def test_ls_and_verify(tmp_path):
                                                     ["15", "uncommitted"]]
     ok = _cli("verify", root)
     assert ok.returncode == 0 and "step 10: ok" in ok.stdout, ok.stdout
-    shard = tmp_path / "root/checkpoints/step-000000010/__0_0.distcp"
+    (shard,) = (tmp_path / "root/checkpoints/step-000000010").glob("__0_*.distcp")
     data = bytearray(shard.read_bytes())
     data[100] ^= 0xFF
     shard.write_bytes(bytes(data))

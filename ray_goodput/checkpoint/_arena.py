@@ -40,6 +40,19 @@ def pick_dir(staging: Path, need_bytes: int) -> Path:
     return staging
 
 
+def sweep_dead(directory: Path) -> None:
+    """Remove arenas of processes that died (a killed worker cannot remove its own)."""
+    for path in directory.glob("rank-*-*.arena") if directory.is_dir() else []:
+        try:
+            pid = int(path.stem.rsplit("-", 1)[1])
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            path.unlink(missing_ok=True)
+            logger.info("removed the snapshot arena of dead process %d", pid)
+        except (ValueError, PermissionError):
+            continue
+
+
 def _u8(path: Path, size: int, mode: str) -> torch.Tensor:
     mm = np.memmap(path, dtype=np.uint8, mode=mode, shape=(max(size, 1),))
     return torch.from_numpy(mm)

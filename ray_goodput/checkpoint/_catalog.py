@@ -52,10 +52,21 @@ def _dir_bytes(loc: StorageLocation) -> int:
 
 def finish_orphan(step_loc: StorageLocation, step: int) -> Manifest | None:
     """Commit a checkpoint whose ranks are all durable but whose committer was lost."""
-    markers = read_rank_markers(step_loc)
-    if not markers:
+    saves = {(m.nonce, m.world_size) for m in read_rank_markers(step_loc)}
+    for nonce, world_size in sorted(saves):
+        manifest = try_commit(step_loc, step, world_size, nonce)
+        if manifest is not None:
+            return manifest
+    return None
+
+
+def _manifest_or_none(loc: StorageLocation) -> Manifest | None:
+    """The manifest, or None when absent or unreadable (a torn write is not a commit)."""
+    try:
+        return read_manifest(loc)
+    except CheckpointCorruptError as exc:
+        logger.warning("%s: %s", loc.uri, exc)
         return None
-    return try_commit(step_loc, step, markers[0].world_size)
 
 
 def list_checkpoints(storage_path: str | StorageLocation) -> list[CheckpointInfo]:
@@ -64,7 +75,7 @@ def list_checkpoints(storage_path: str | StorageLocation) -> list[CheckpointInfo
     out = []
     for step, _ in _step_dirs(ckpts):
         loc = ckpts.child(_layout.step_dir(step))
-        manifest = read_manifest(loc)
+        manifest = _manifest_or_none(loc)
         out.append(CheckpointInfo(
             step=step, uri=loc.uri, committed=manifest is not None,
             world_size=manifest.world_size if manifest else None,
@@ -137,7 +148,7 @@ def apply_retention(root: str | StorageLocation, keep_last: int) -> list[int]:
     """
     ckpts = checkpoints_location(root)
     dirs = _step_dirs(ckpts)
-    committed = [s for s, _ in dirs if read_manifest(ckpts.child(_layout.step_dir(s))) is not None]
+    committed = [s for s, _ in dirs if _manifest_or_none(ckpts.child(_layout.step_dir(s))) is not None]
     if not committed:
         return []
     keep = set(committed[-max(1, keep_last):])

@@ -8,6 +8,7 @@ import os
 import pickle
 import shutil
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -20,7 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from ray_goodput import _env
 from ray_goodput.checkpoint import _catalog, _layout, _plan, _state
-from ray_goodput.checkpoint._arena import Arena, pick_dir
+from ray_goodput.checkpoint._arena import Arena, pick_dir, sweep_dead
 from ray_goodput.checkpoint._backends import Handoff, ThreadUploader, UploadBackend
 from ray_goodput.checkpoint._job import ShardJob
 from ray_goodput.checkpoint._manifest import Manifest, read_manifest
@@ -196,6 +197,7 @@ class Checkpointer:
                                        block_seconds=block)
 
     def _snapshot(self, step: int, roles: _state._Roles) -> ShardJob:
+        nonce = _broadcast(uuid.uuid4().hex[:12])  # one id per save, shared by its ranks
         flat, mappings = flatten_state_dict(_state.to_state_dict(roles))
         leaves = {fqn: _plan.describe(value) for fqn, value in flat.items()}
         keys = _plan.local_keys(leaves, self._owners(leaves), self.rank)
@@ -208,7 +210,7 @@ class Checkpointer:
                         leaves={k: leaves[k] for k in keys}, mappings=mappings,
                         rng=_state.rng_state_bytes(),
                         local_dir=str(self.staging / _layout.step_dir(step)),
-                        keep_last=self.keep_last, owner_pid=os.getpid(),
+                        keep_last=self.keep_last, owner_pid=os.getpid(), nonce=nonce,
                         num_bytes=sum(s.nbytes for s in slots))
 
     def _owners(self, leaves: dict[str, _plan.Leaf]) -> dict[str, int]:
@@ -224,6 +226,7 @@ class Checkpointer:
     def _arena_for(self, need_bytes: int) -> Arena:
         if self._arena is None:
             base = pick_dir(self.staging, need_bytes) / self._run_key
+            sweep_dead(base)
             self._arena = Arena(base / f"rank-{self.rank:05d}-{os.getpid()}.arena")
         return self._arena
 
@@ -279,7 +282,7 @@ class Checkpointer:
             self.stats.committed.append(step)
             if self._ctx.in_ray_train:
                 report_checkpoint(self._ctx, _catalog.step_location(self.root, step),
-                                  {**self._pending[step].metrics, "step": step})
+                                  {**getattr(self._pending.get(step), "metrics", {}), "step": step})
         newest = max(committed, default=None)
         for step, ok in outcomes.items():
             if step in committed or ok is False or (block and ok is not None) or \
@@ -316,8 +319,7 @@ class Checkpointer:
         or None when there is none. Collective. Damaged checkpoints are skipped with a
         warning. The world size may differ from the one that saved it (DCP resharding)."""
         self._check_open()
-        if self._pending:
-            self.wait()
+        self.wait()  # collective: called on every rank, whatever each one has pending
         t0 = time.time()
         max_step: int | None = None
         while True:
@@ -371,5 +373,14 @@ class Checkpointer:
     def __enter__(self) -> Checkpointer:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        # Unwinding an error: no collectives (the other ranks may be elsewhere and would
+        # hang), no end-of-run record; release what this process holds and re-raise.
+        self._closed = True
+        if self._uploader is not None:
+            self._uploader.close()
+        if self._arena is not None:
+            self._arena.close()

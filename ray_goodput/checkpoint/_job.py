@@ -6,6 +6,7 @@ or in a thread of the worker (plain torch.distributed), so both commit identical
 
 from __future__ import annotations
 
+import errno
 import logging
 import pickle
 import shutil
@@ -45,6 +46,7 @@ class ShardJob:
     local_dir: str                     # node-local staging directory of this step
     keep_last: int
     owner_pid: int
+    nonce: str
     num_bytes: int = field(default=0)
 
     @property
@@ -62,6 +64,16 @@ class ShardResult:
     committed: bool
 
 
+def _out_of_space(exc: BaseException) -> bool:
+    """ENOSPC anywhere in the cause chain (DCP and torch's zip writer wrap it)."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if getattr(seen, "errno", None) == errno.ENOSPC or "No space left" in str(seen):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
 def write_local(job: ShardJob) -> list[str]:
     """DCP-write the snapshot into the staging dir; after this the arena may be reused."""
     out = Path(job.local_dir)
@@ -69,20 +81,20 @@ def write_local(job: ShardJob) -> list[str]:
     flat: dict[str, Any] = open_slots(job.arena_path, list(job.slots)) if job.slots else {}
     flat.update({fqn: pickle.loads(raw) for fqn, raw in job.objects.items()})  # noqa: S301
     try:
-        names = write_part(flat, job.leaves, job.mappings, job.rank, out)
+        names = write_part(flat, job.leaves, job.mappings, job.rank, job.nonce, out)
     except (Exception, CheckpointException) as exc:
         free = shutil.disk_usage(out).free
-        if free < job.num_bytes * 1.1 or "No space left" in str(exc):
+        if _out_of_space(exc):
             raise CheckpointError(
                 f"staging dir {out} is out of space ({free} bytes free, the shard needs "
                 f"~{job.num_bytes}): set Checkpointer(staging_dir=...) or "
                 f"RAY_GOODPUT_STAGING_DIR to a larger local disk (No space left on device)"
             ) from exc
         raise
-    extras = out / _layout.extras_file(job.rank)
+    extras = out / _layout.extras_file(job.rank, job.nonce)
     extras.parent.mkdir(parents=True, exist_ok=True)
     extras.write_bytes(job.rng)
-    return [*names, _layout.extras_file(job.rank)]
+    return [*names, _layout.extras_file(job.rank, job.nonce)]
 
 
 def upload_and_commit(job: ShardJob, names: list[str], *, concurrency: int,
@@ -96,10 +108,17 @@ def upload_and_commit(job: ShardJob, names: list[str], *, concurrency: int,
     files = [(Path(job.local_dir) / n, n) for n in names]
     entries = upload_files(files, step_loc, concurrency=concurrency, policy=policy)
     write_rank_marker(step_loc, RankMarker(step=job.step, rank=job.rank, world_size=job.world_size,
-                                           files=tuple(entries), created=time.time()))
-    committed = try_commit(step_loc, job.step, job.world_size, Path(job.local_dir)) is not None
+                                           files=tuple(entries), created=time.time(), nonce=job.nonce))
+    manifest = try_commit(step_loc, job.step, job.world_size, job.nonce, Path(job.local_dir))
+    if manifest is not None and manifest.nonce != job.nonce:
+        logger.warning("step %d was already committed by an earlier attempt; keeping that one",
+                       job.step)
+    committed = manifest is not None
     if committed:
-        _catalog.apply_retention(job.root, job.keep_last)
+        try:
+            _catalog.apply_retention(job.root, job.keep_last)
+        except Exception as exc:  # noqa: BLE001 - the save is committed; retention retries next time
+            logger.warning("retention after step %d failed: %s", job.step, exc)
     return sum(e.size for e in entries), committed
 
 

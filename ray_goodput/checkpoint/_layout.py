@@ -28,11 +28,14 @@ def parse_step(name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def rank_marker(rank: int) -> str:
+# Every file of a save carries the save's nonce (shared by its ranks): a step saved again
+# after a restart never overwrites, nor mixes with, the files of an earlier save of it.
+
+def rank_marker(rank: int, nonce: str) -> str:
     """Path of rank ``rank``'s durability marker inside a step directory."""
-    return f"{RANKS_DIR}/rank-{rank:05d}.json"
+    return f"{RANKS_DIR}/rank-{rank:05d}-{nonce}.json"
 
 
-def extras_file(rank: int) -> str:
+def extras_file(rank: int, nonce: str) -> str:
     """Per-rank file of RNG states (they differ per rank, so they are not in DCP)."""
-    return f"extras/rank-{rank:05d}.pkl"
+    return f"extras/rank-{rank:05d}-{nonce}.pkl"

@@ -35,11 +35,12 @@ class RankMarker:
     world_size: int
     files: tuple[FileEntry, ...]
     created: float
+    nonce: str
 
     def to_bytes(self) -> bytes:
         return json.dumps({
             "step": self.step, "rank": self.rank, "world_size": self.world_size,
-            "created": self.created, "files": [f.to_json() for f in self.files],
+            "created": self.created, "nonce": self.nonce, "files": [f.to_json() for f in self.files],
         }).encode()
 
     @staticmethod
@@ -47,6 +48,7 @@ class RankMarker:
         d = json.loads(data)
         return RankMarker(step=int(d["step"]), rank=int(d["rank"]),
                           world_size=int(d["world_size"]), created=float(d["created"]),
+                          nonce=str(d["nonce"]),
                           files=tuple(FileEntry.from_json(f) for f in d["files"]))
 
 
@@ -58,6 +60,7 @@ class Manifest:
     world_size: int
     files: tuple[FileEntry, ...]
     created: float
+    nonce: str = ""
     format_version: int = FORMAT_VERSION
     extra: dict = field(default_factory=dict, compare=False)
 
@@ -71,7 +74,7 @@ class Manifest:
     def to_bytes(self) -> bytes:
         return json.dumps({
             "format_version": self.format_version, "step": self.step,
-            "world_size": self.world_size, "created": self.created,
+            "world_size": self.world_size, "created": self.created, "nonce": self.nonce,
             "total_bytes": self.total_bytes, "files": [f.to_json() for f in self.files],
         }, indent=1).encode()
 
@@ -80,7 +83,7 @@ class Manifest:
         try:
             d = json.loads(data)
             return Manifest(step=int(d["step"]), world_size=int(d["world_size"]),
-                            created=float(d["created"]),
+                            created=float(d["created"]), nonce=str(d.get("nonce", "")),
                             format_version=int(d.get("format_version", 1)),
                             files=tuple(FileEntry.from_json(f) for f in d["files"]))
         except (ValueError, KeyError, TypeError) as exc:
@@ -89,7 +92,7 @@ class Manifest:
 
 def write_rank_marker(step_loc: StorageLocation, marker: RankMarker) -> None:
     """Declare ``marker.files`` durable. Call only after every one of them is uploaded."""
-    write_bytes(step_loc, _layout.rank_marker(marker.rank), marker.to_bytes())
+    write_bytes(step_loc, _layout.rank_marker(marker.rank, marker.nonce), marker.to_bytes())
 
 
 def read_rank_markers(step_loc: StorageLocation) -> list[RankMarker]:
@@ -98,7 +101,10 @@ def read_rank_markers(step_loc: StorageLocation) -> list[RankMarker]:
     for info in list_dir(step_loc, _layout.RANKS_DIR):
         name = info.path.rsplit("/", 1)[-1]
         if name.endswith(".json"):
-            markers.append(RankMarker.from_bytes(read_bytes(step_loc, f"{_layout.RANKS_DIR}/{name}")))
+            try:
+                markers.append(RankMarker.from_bytes(read_bytes(step_loc, f"{_layout.RANKS_DIR}/{name}")))
+            except (ValueError, KeyError, TypeError, FileNotFoundError):
+                logger.warning("ignoring unreadable rank marker %s/%s", step_loc.uri, name)
     return markers
 
 
@@ -110,11 +116,11 @@ def read_manifest(step_loc: StorageLocation) -> Manifest | None:
         return None
 
 
-def _write_dcp_metadata(step_loc: StorageLocation, step: int, world_size: int,
+def _write_dcp_metadata(step_loc: StorageLocation, step: int, world_size: int, nonce: str,
                         local_dir: Path | None) -> FileEntry:
     """Merge the ranks' metadata parts into DCP's ``.metadata``; written before COMMITTED
     (and into the node-local staged copy, when there is one, for local-first restore)."""
-    parts = [read_bytes(step_loc, part_file(rank)) for rank in range(world_size)]
+    parts = [read_bytes(step_loc, part_file(rank, nonce)) for rank in range(world_size)]
     data = merge_parts(parts, step)
     write_bytes(step_loc, _layout.DCP_METADATA, data)
     if local_dir is not None and local_dir.is_dir():
@@ -124,7 +130,7 @@ def _write_dcp_metadata(step_loc: StorageLocation, step: int, world_size: int,
     return FileEntry(name=_layout.DCP_METADATA, size=len(data), crc32=zlib.crc32(data))
 
 
-def try_commit(step_loc: StorageLocation, step: int, world_size: int,
+def try_commit(step_loc: StorageLocation, step: int, world_size: int, nonce: str,
                local_dir: Path | None = None) -> Manifest | None:
     """Write ``.metadata`` then ``COMMITTED`` if every rank of ``world_size`` is durable.
 
@@ -134,13 +140,14 @@ def try_commit(step_loc: StorageLocation, step: int, world_size: int,
     existing = read_manifest(step_loc)
     if existing is not None:
         return existing
-    markers = {m.rank: m for m in read_rank_markers(step_loc) if m.step == step}
+    markers = {m.rank: m for m in read_rank_markers(step_loc)
+               if m.step == step and m.nonce == nonce and m.world_size == world_size}
     if set(markers) != set(range(world_size)):
         return None
     files = [f for m in markers.values() for f in m.files]
-    files.append(_write_dcp_metadata(step_loc, step, world_size, local_dir))
+    files.append(_write_dcp_metadata(step_loc, step, world_size, nonce, local_dir))
     files.sort(key=lambda f: f.name)
-    manifest = Manifest(step=step, world_size=world_size, files=tuple(files),
+    manifest = Manifest(step=step, world_size=world_size, files=tuple(files), nonce=nonce,
                         created=max(m.created for m in markers.values()))
     write_bytes(step_loc, _layout.COMMITTED, manifest.to_bytes())
     logger.info("committed checkpoint step %d (%d files, %d bytes) at %s",

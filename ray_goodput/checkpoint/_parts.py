@@ -33,22 +33,23 @@ from torch.distributed.checkpoint.metadata import (
 from ray_goodput.checkpoint._plan import SHARD, Leaf
 
 
-def data_file(rank: int) -> str:
-    return f"__{rank}_0.distcp"
+def data_file(rank: int, nonce: str) -> str:
+    return f"__{rank}_{nonce}.distcp"
 
 
-def part_file(rank: int) -> str:
-    return f"parts/metadata-rank-{rank:05d}.pkl"
+def part_file(rank: int, nonce: str) -> str:
+    return f"parts/metadata-rank-{rank:05d}-{nonce}.pkl"
 
 
-def _globalize(meta: Metadata, rank: int, leaves: dict[str, Leaf], mappings: dict) -> Metadata:
+def _globalize(meta: Metadata, rank: int, nonce: str, leaves: dict[str, Leaf],
+               mappings: dict) -> Metadata:
     sdm = dict(meta.state_dict_metadata)
     storage: dict[MetadataIndex, Any] = {}
     for index, info in meta.storage_data.items():
         leaf = leaves.get(index.fqn)
         if leaf is not None and leaf.kind == SHARD:
             index = MetadataIndex(index.fqn, torch.Size(leaf.global_offset))
-        storage[index] = dataclasses.replace(info, relative_path=data_file(rank))
+        storage[index] = dataclasses.replace(info, relative_path=data_file(rank, nonce))
     for fqn, md in sdm.items():
         leaf = leaves.get(fqn)
         if isinstance(md, TensorStorageMetadata) and leaf is not None and leaf.kind == SHARD:
@@ -59,7 +60,7 @@ def _globalize(meta: Metadata, rank: int, leaves: dict[str, Leaf], mappings: dic
 
 
 def write_part(flat: dict[str, Any], leaves: dict[str, Leaf], mappings: dict[str, Any],
-               rank: int, out_dir: Path) -> list[str]:
+               rank: int, nonce: str, out_dir: Path) -> list[str]:
     """DCP-write ``flat`` (this rank's leaves) into ``out_dir``; returns the file names.
 
     ``mappings`` is DCP's flatten mapping of the rank's whole state dict.
@@ -72,13 +73,13 @@ def write_part(flat: dict[str, Any], leaves: dict[str, Leaf], mappings: dict[str
                  planner=DefaultSavePlanner(flatten_state_dict=False))
         with open(tmp / ".metadata", "rb") as f:
             meta = pickle.load(f)  # noqa: S301 - written just now by DCP
-        os.replace(tmp / data_file(0), out_dir / data_file(rank))
+        os.replace(tmp / "__0_0.distcp", out_dir / data_file(rank, nonce))  # DCP's own name
         (out_dir / "parts").mkdir(exist_ok=True)
-        with open(out_dir / part_file(rank), "wb") as f:
-            pickle.dump(_globalize(meta, rank, leaves, mappings), f)
+        with open(out_dir / part_file(rank, nonce), "wb") as f:
+            pickle.dump(_globalize(meta, rank, nonce, leaves, mappings), f)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # a failed write must not keep eating the disk
-    return [data_file(rank), part_file(rank)]
+    return [data_file(rank, nonce), part_file(rank, nonce)]
 
 
 def merge_parts(parts: list[bytes], step: int) -> bytes:

@@ -47,8 +47,8 @@ def verified_local_copy(local_dir: Path, manifest: Manifest) -> set[str]:
     return good
 
 
-def _load_rng(reader: TieredReader, rank: int) -> None:
-    with reader.fs.create_stream(_layout.extras_file(rank), "rb") as f:
+def _load_rng(reader: TieredReader, rank: int, nonce: str) -> None:
+    with reader.fs.create_stream(_layout.extras_file(rank, nonce), "rb") as f:
         _state.restore_rng(f.read())
 
 
@@ -85,7 +85,7 @@ def load_checkpoint(state: dict[str, Any], *, root: StorageLocation, manifest: M
     _state.apply_state_dict(roles, template, state)
     same_world = manifest.world_size == world_size
     if same_world:
-        _load_rng(reader, rank)
+        _load_rng(reader, rank, manifest.nonce)
     else:
         logger.info("world size changed %d -> %d: per-rank RNG states not restored",
                     manifest.world_size, world_size)

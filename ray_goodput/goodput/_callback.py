@@ -123,13 +123,13 @@ class GoodputCallback(UserCallback):
 
     def after_exception(self, run_context: Any, worker_exceptions: dict[int, Exception]) -> None:
         self._root(run_context)  # names the MLflow run before its first entry
-        for rank, exc in worker_exceptions.items():
-            text = f"rank {rank}: {type(exc).__name__}: {exc}"
-            self._failures.append(text)
+        texts = [f"rank {rank}: {type(exc).__name__}: {exc}" for rank, exc in worker_exceptions.items()]
+        self._failures.append("; ".join(texts))  # one worker-group failure, however many ranks
+        for exc, text in zip(worker_exceptions.values(), texts):
             if _not_retryable(exc):
                 logger.error("NOT RETRYABLE (a restart will fail the same way; fix the cause "
                              "and start a new run): %s", text)
-            self._worker().put(("log_failure", (len(self._failures), text), None))
+        self._worker().put(("log_failure", (len(self._failures), self._failures[-1]), None))
 
 
 def _not_retryable(exc: BaseException) -> bool:

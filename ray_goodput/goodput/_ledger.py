@@ -104,7 +104,7 @@ def compute(attempts: list[list[dict[str, Any]]], *, job_start: float | None = N
         if nxt is not None:
             ledger.steps_lost += max(0, last - keep_upto)
         else:
-            ledger.steps_kept = last
+            ledger.steps_kept = max(last, _restored(events))
         prev_end = events[-1]["t"]
     ledger.seconds["other"] = max(0.0, ledger.total - sum(v for k, v in ledger.seconds.items() if k != "other"))
     return ledger

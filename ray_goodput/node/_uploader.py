@@ -111,7 +111,9 @@ class _Uploader:
         lane.submit(self._run, state)
 
     def wait_released(self, key: str) -> None:
-        state = self._jobs[key]
+        state = self._jobs.get(key)
+        if state is None:  # wait_durable already collected it: the job is over
+            return
         while not (state.released.wait(1.0) or state.done.is_set()):
             pass
         if not state.released.is_set() and state.error is not None:
@@ -135,8 +137,9 @@ class _Uploader:
             self._account(state.result)
         except BaseException as exc:  # noqa: BLE001 - reported to the worker and in stats
             state.error = exc
-            self._stats["jobs_failed"] += 1
-            self._stats["last_error"] = f"step {job.step} rank {job.rank}: {type(exc).__name__}: {exc}"
+            with self._lock:
+                self._stats["jobs_failed"] += 1
+                self._stats["last_error"] = f"step {job.step} rank {job.rank}: {type(exc).__name__}: {exc}"
             self._metrics.failed()
             logger.error("upload of step %d rank %d failed: %s", job.step, job.rank, exc)
             self._released(state)
@@ -151,9 +154,10 @@ class _Uploader:
             Path(state.job.arena_path).unlink(missing_ok=True)
 
     def _account(self, result: ShardResult) -> None:
-        self._stats["jobs_done"] += 1
-        self._stats["bytes_uploaded"] += result.num_bytes
-        self._stats["upload_seconds"] += result.upload_seconds
+        with self._lock:
+            self._stats["jobs_done"] += 1
+            self._stats["bytes_uploaded"] += result.num_bytes
+            self._stats["upload_seconds"] += result.upload_seconds
         self._metrics.uploaded(result.num_bytes, result.upload_seconds)
 
     def stats(self) -> dict[str, Any]:

@@ -24,6 +24,10 @@ _PERMANENT_MARKERS = (
     "NoSuchBucket",
     "NO_SUCH_BUCKET",
     "Forbidden",
+    "PERMISSION_DENIED",
+    "HTTP status 403",
+    "HTTP status 404",
+    "No space left on device",
 )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import posixpath
+import threading
 import zlib
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -125,10 +126,16 @@ def write_bytes(loc: StorageLocation, name: str, data: bytes,
     dest = loc.join(name)
 
     def _write() -> None:
-        if loc.is_local:
-            loc.fs.create_dir(posixpath.dirname(dest), recursive=True)
-        with loc.fs.open_output_stream(dest) as out:
+        if not loc.is_local:
+            with loc.fs.open_output_stream(dest) as out:  # an object appears whole or not at all
+                out.write(data)
+            return
+        # A file system shows partial writes: write aside, then rename into place.
+        loc.fs.create_dir(posixpath.dirname(dest), recursive=True)
+        tmp = f"{dest}.tmp-{os.getpid()}-{threading.get_ident()}"
+        with loc.fs.open_output_stream(tmp) as out:
             out.write(data)
+        loc.fs.move(tmp, dest)
 
     policy.call(f"write of {loc.uri}/{name}", _write)
 

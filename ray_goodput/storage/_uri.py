@@ -48,7 +48,9 @@ class StorageLocation:
     def child(self, *parts: str) -> StorageLocation:
         """The location of a subdirectory, keeping the same filesystem."""
         sub = "/".join(p.strip("/") for p in parts)
-        return StorageLocation(uri=f"{self.uri.rstrip('/')}/{sub}", fs=self.fs, root=self.join(sub))
+        split = urlsplit(self.uri)  # keep ?endpoint_override=... at the end of the URI
+        uri = urlunsplit(split._replace(path=f"{split.path.rstrip('/')}/{sub}"))
+        return StorageLocation(uri=uri, fs=self.fs, root=self.join(sub))
 
     @property
     def is_local(self) -> bool:
