@@ -91,7 +91,10 @@ def test_custom_s3_storage_reports_pointer_checkpoint(ray_local, tmp_path, s3_se
     assert [(i.step, i.committed, i.world_size) for i in list_checkpoints(uri)] == [(1, True, 2), (2, True, 2)]
     with result.checkpoint.as_directory() as d:
         pointer = json.load(open(os.path.join(d, POINTER_FILE)))
-    assert pointer["uri"].endswith("checkpoints/step-000000002")
+    from urllib.parse import urlsplit
+
+    assert urlsplit(pointer["uri"]).path.endswith("custom/checkpoints/step-000000002")
+    assert "endpoint_override=" in pointer["uri"]  # the URI still reaches the custom endpoint
     # The node uploader used by the run exits on its own once its workers closed.
     from ray_goodput.node import _services
 
