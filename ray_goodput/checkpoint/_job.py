@@ -66,11 +66,15 @@ class ShardResult:
 
 def _out_of_space(exc: BaseException) -> bool:
     """ENOSPC anywhere in the cause chain (DCP and torch's zip writer wrap it)."""
-    seen: BaseException | None = exc
-    while seen is not None:
+    todo: list[BaseException] = [exc]
+    while todo:
+        seen = todo.pop()
         if getattr(seen, "errno", None) == errno.ENOSPC or "No space left" in str(seen):
             return True
-        seen = seen.__cause__ or seen.__context__
+        todo += [e for e in (seen.__cause__, seen.__context__) if e is not None]
+        # DCP's CheckpointException carries each rank's error in ``failures``.
+        todo += [f[0] if isinstance(f, tuple) else f for f in getattr(seen, "failures", {}).values()
+                 if isinstance(f, (tuple, BaseException))]
     return False
 
 
@@ -84,7 +88,8 @@ def write_local(job: ShardJob) -> list[str]:
         names = write_part(flat, job.leaves, job.mappings, job.rank, job.nonce, out)
     except (Exception, CheckpointException) as exc:
         free = shutil.disk_usage(out).free
-        if _out_of_space(exc):
+        # torch's zip writer can turn ENOSPC into "unexpected pos": go by free space too.
+        if _out_of_space(exc) or free < job.num_bytes * 1.1:
             raise CheckpointError(
                 f"staging dir {out} is out of space ({free} bytes free, the shard needs "
                 f"~{job.num_bytes}): set Checkpointer(staging_dir=...) or "
