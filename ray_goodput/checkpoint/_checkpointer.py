@@ -285,6 +285,10 @@ class Checkpointer:
                                   {**getattr(self._pending.get(step), "metrics", {}), "step": step})
         newest = max(committed, default=None)
         for step, ok in outcomes.items():
+            if block and step not in committed and ok is not False:
+                # Durable here, yet no commit: another rank failed it. Every rank says so.
+                self._record_failure(step, CheckpointError(
+                    f"step {step} did not commit (a rank's part never became durable)"))
             if step in committed or ok is False or (block and ok is not None) or \
                     (newest is not None and step < newest and ok is not None):
                 self._pending.pop(step, None)
@@ -292,8 +296,13 @@ class Checkpointer:
             self._drop_local_copies(before=newest)
 
     def _committed_manifest(self, step: int) -> Manifest | None:
+        """Rank 0's view; never raises (the other ranks wait for it in a broadcast)."""
         step_loc = _catalog.step_location(self.root, step)
-        return read_manifest(step_loc) or _catalog.finish_orphan(step_loc, step)
+        try:
+            return read_manifest(step_loc) or _catalog.finish_orphan(step_loc, step)
+        except Exception as exc:  # noqa: BLE001 - a torn or unreachable manifest is "not committed"
+            logger.warning("cannot read the commit of step %d: %s", step, exc)
+            return None
 
     def _drop_local_copies(self, before: int) -> None:
         if not self.staging.exists():
