@@ -41,17 +41,15 @@ import json
 import math
 import os
 import shutil
-import socket
 import statistics
 import subprocess
-import sys
 import tempfile
 import threading
 import time
-import urllib.request
 import uuid
 from pathlib import Path
 from typing import Any
+from ray_goodput.testing._s3 import start_moto_server
 
 os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
 os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
@@ -78,20 +76,9 @@ LABELS = {
 
 # ----------------------------------------------------------------------------- driver helpers
 
+
 def start_moto() -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    for _ in range(150):
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/moto-api/", timeout=1)
-            return proc, f"127.0.0.1:{port}"
-        except Exception:  # noqa: BLE001 - not up yet
-            time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError("moto server did not start")
+    return start_moto_server()
 
 
 def s3fs(endpoint: str):

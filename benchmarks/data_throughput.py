@@ -12,12 +12,10 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -30,6 +28,7 @@ import torch.utils.data
 
 from ray_goodput.data import CacheConfig, DataLoader, FileDataset, ParquetDataset
 from ray_goodput.node import _services
+from ray_goodput.testing._s3 import start_moto_server
 
 os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
 os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
@@ -37,20 +36,9 @@ os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
 os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
 
 
+
 def start_moto() -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p",
-                             str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    for _ in range(150):
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/moto-api/", timeout=1)
-            return proc, f"127.0.0.1:{port}"
-        except Exception:  # noqa: BLE001 - not up yet
-            time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError("moto server did not start")
+    return start_moto_server()
 
 
 def write_files(fs: pafs.FileSystem, bucket: str, local: Path, n: int, size: int) -> None:

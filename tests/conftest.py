@@ -4,10 +4,6 @@ from __future__ import annotations
 
 import os
 import socket
-import subprocess
-import sys
-import time
-import urllib.request
 import uuid
 
 import pytest
@@ -29,21 +25,9 @@ class S3Server:
     """moto's S3 server in a subprocess, on a free loopback port."""
 
     def __init__(self) -> None:
-        self.port = free_port()
-        self.endpoint = f"127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )
-        deadline = time.time() + 30
-        while time.time() < deadline:
-            try:
-                urllib.request.urlopen(f"http://{self.endpoint}/moto-api/", timeout=1)
-                return
-            except Exception:  # noqa: BLE001 - not up yet
-                time.sleep(0.2)
-        self.proc.kill()
-        raise RuntimeError("moto server did not start")
+        from ray_goodput.testing._s3 import start_moto_server
+
+        self.proc, self.endpoint = start_moto_server()
 
     def bucket_uri(self, prefix: str = "") -> str:
         """A fresh bucket; returns an s3:// URI with the endpoint override."""
