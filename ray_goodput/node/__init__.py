@@ -1,1 +1,0 @@
-"""Per-node service actors: checkpoint uploader and data cache."""

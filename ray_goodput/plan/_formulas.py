@@ -1,0 +1,148 @@
+"""Closed forms for planning checkpoints: failure odds, MTBF, the optimal interval, goodput.
+
+The model (the same one :mod:`ray_goodput.plan._simulate` runs event by event):
+
+- Each GPU fails independently at a constant rate, ``AFR`` failures per GPU-year, so the
+  job (which stops when any of its ``N`` GPUs fails) sees a Poisson process of rate
+  ``lambda = N * AFR / 8760`` per hour and ``M = 1 / lambda`` is the job MTBF.
+- A run alternates ``tau`` seconds of compute (a whole number of steps) and a save that
+  blocks the loop for ``delta`` seconds. A save becomes a recovery point ``D`` seconds after
+  it started (``D >= delta``: ``D = delta`` for a synchronous save, more for an async one
+  that keeps uploading after the loop resumed). Uploads of successive saves overlap.
+- A failure loses the compute done since the newest *durable* checkpoint, then costs ``R``
+  (restart: detection, rescheduling, process setup) and ``Tr`` (restore). A failure during
+  the restart or the restore starts both over; the lost progress stays lost once.
+
+Under that model the expected share of wall time per bucket has an exact closed form
+(renewal-reward over the segments between failures, ``x = tau + delta``)::
+
+    productive = tau * exp(-(D - delta)/M) / (M * exp((R + Tr)/M) * (exp(x/M) - 1))
+
+which for ``D = delta`` is Daly's (2006) expected efficiency. To first order in ``1/M``::
+
+    1 - goodput ~= delta/x + (tau/2 + tau*(D - delta)/x + R + Tr) / M
+
+What it ignores: failures that are not independent or not memoryless (infant mortality,
+a bad node that fails again), time between a failure and its detection beyond what ``R``
+holds, storage bandwidth shared by overlapping uploads (``D`` is taken as fixed), the
+slowdown of steps while a background upload runs, startup and the end of the run.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ray_goodput.errors import ConfigError
+
+HOURS_PER_YEAR = 8760.0
+
+
+def _positive(name: str, value: float, *, zero_ok: bool = False) -> float:
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name} must be a number, got {value!r}") from None
+    if math.isnan(value) or math.isinf(value) or value < 0 or (value == 0 and not zero_ok):
+        bound = ">= 0" if zero_ok else "> 0"
+        raise ConfigError(f"{name} must be a finite number {bound}, got {value!r}")
+    return value
+
+
+def _gpus(gpus: int) -> int:
+    if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
+        raise ConfigError(f"gpus must be an int >= 1, got {gpus!r}")
+    return gpus
+
+
+def failure_probability(gpus: int, hours: float, afr: float = 0.01) -> float:
+    """P(at least one failure) over ``hours`` of a job on ``gpus`` GPUs.
+
+    ``P = 1 - exp(-N * AFR * T)`` with ``T = hours / 8760`` in years and ``afr`` the
+    annualized failure rate of one GPU (0.01 = 1%). Example: 256 GPUs for 30 days at 1%
+    gives 19%, 1,024 GPUs 57%.
+    """
+    n, t, a = _gpus(gpus), _positive("hours", hours, zero_ok=True), _positive("afr", afr)
+    return 1.0 - math.exp(-n * a * t / HOURS_PER_YEAR)
+
+
+def mtbf_hours(gpus: int, afr: float = 0.01) -> float:
+    """Mean hours between failures of the whole job: ``8760 / (N * AFR)``."""
+    return HOURS_PER_YEAR / (_gpus(gpus) * _positive("afr", afr))
+
+
+def afr_from_mtbf(gpus: int, mtbf_h: float) -> float:
+    """The per-GPU annualized failure rate a measured job MTBF implies: ``8760 / (N * M)``."""
+    return HOURS_PER_YEAR / (_gpus(gpus) * _positive("mtbf_hours", mtbf_h))
+
+
+def young_interval_s(save_s: float, mtbf_s: float) -> float:
+    """Young's (1974) first-order optimal compute time between saves: ``sqrt(2 * delta * M)``."""
+    return math.sqrt(2.0 * _positive("save_s", save_s) * _positive("mtbf_s", mtbf_s))
+
+
+def optimal_interval_s(save_s: float, mtbf_s: float, restart_s: float = 0.0) -> float:
+    """Daly's (2006) higher-order optimal compute time between saves, in seconds.
+
+    For ``delta < 2M``: ``sqrt(2*delta*M) * (1 + sqrt(delta/(2M))/3 + (delta/(2M))/9) - delta``,
+    whose first term is Young's ``sqrt(2*delta*M)``. For ``delta >= 2M`` saving costs more
+    than failures do and the formula gives ``M``: save once per MTBF. ``save_s`` is the time
+    the loop is blocked by a save. ``restart_s`` is checked but, as in Daly's model, does not
+    move the optimum: the restart multiplies the expected run time by ``exp(R/M)`` whatever
+    the interval. Nor does an async save's upload time (see :func:`expected_goodput`).
+    """
+    delta, m = _positive("save_s", save_s), _positive("mtbf_s", mtbf_s)
+    _positive("restart_s", restart_s, zero_ok=True)
+    if delta >= 2.0 * m:
+        return m
+    ratio = delta / (2.0 * m)
+    return math.sqrt(2.0 * delta * m) * (1.0 + math.sqrt(ratio) / 3.0 + ratio / 9.0) - delta
+
+
+def interval_steps(interval_s: float, step_s: float) -> int:
+    """A compute interval as a whole number of steps (nearest, at least 1)."""
+    return max(1, round(_positive("interval_s", interval_s) / _positive("step_s", step_s)))
+
+
+def expected_buckets(step_s: float, save_s: float, interval_s: float, mtbf_s: float,
+                     restart_s: float, restore_s: float, *, durable_s: float | None = None) -> dict[str, float]:
+    """Expected share of wall time in each ledger bucket (they sum to 1) under the module's model.
+
+    ``interval_s`` is compute time between saves, rounded to whole steps of ``step_s``;
+    ``durable_s`` is the time from a save's start until it is a recovery point (default
+    ``save_s``: synchronous). Keys: ``productive``, ``lost``, ``checkpoint_stall``,
+    ``restore``, ``restart_downtime``.
+    """
+    tau = interval_steps(interval_s, step_s) * step_s
+    delta, m = _positive("save_s", save_s, zero_ok=True), _positive("mtbf_s", mtbf_s)
+    r, tr = _positive("restart_s", restart_s, zero_ok=True), _positive("restore_s", restore_s, zero_ok=True)
+    d = delta if durable_s is None else _positive("durable_s", durable_s, zero_ok=True)
+    if d < delta:
+        raise ConfigError(f"durable_s ({d}) must be >= save_s ({delta}): a save is durable after it stops blocking")
+    cycle = 1.0 - math.exp(-(tau + delta) / m)
+    run_s = m  # expected running time of a segment between failures
+    computed = m * (1.0 - math.exp(-tau / m)) / cycle
+    kept = tau * math.exp(-(d - delta) / m) / math.expm1((tau + delta) / m)
+    attempts = math.exp((r + tr) / m)  # expected restart+restore attempts per failure
+    seconds = {"productive": kept, "lost": computed - kept, "checkpoint_stall": run_s - computed,
+               "restart_downtime": attempts * m * -math.expm1(-r / m),
+               "restore": attempts * m * math.exp(-r / m) * -math.expm1(-tr / m)}
+    total = run_s * attempts
+    return {k: v / total for k, v in seconds.items()}
+
+
+def expected_goodput(step_s: float, save_s: float, interval_s: float, mtbf_s: float,
+                     restart_s: float, restore_s: float, *, durable_s: float | None = None) -> float:
+    """Expected productive share of wall time (see the module docstring for the formula)."""
+    return expected_buckets(step_s, save_s, interval_s, mtbf_s, restart_s, restore_s,
+                            durable_s=durable_s)["productive"]
+
+
+def expected_lost_s(step_s: float, save_s: float, interval_s: float, mtbf_s: float,
+                    *, durable_s: float | None = None) -> float:
+    """Expected compute seconds a failure throws away: about ``tau/2 + tau*(D - delta)/(tau + delta)``.
+
+    Exact under the model: compute done in a segment minus what its durable saves kept.
+    """
+    b = expected_buckets(step_s, save_s, interval_s, mtbf_s, 0.0, 0.0, durable_s=durable_s)
+    m = _positive("mtbf_s", mtbf_s)
+    return b["lost"] * m  # one failure per segment of expected length M
