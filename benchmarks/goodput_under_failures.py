@@ -7,6 +7,12 @@ ray_goodput: Checkpointer (async, sharded, committed), DataLoader position in th
 
 Both feed the same ledger (GoodputCallback), so the numbers are comparable.
 Usage: python benchmarks/goodput_under_failures.py [--steps 60 --every 10 --fail-at 23 41]
+
+Each run's measured costs (step, save blocking, time to durable, restore, restart, startup)
+and its failure times go to benchmarks/results/goodput_under_failures.json, in the costs
+schema of ``ray-goodput simulate --costs``. ``--validate [FILE]`` replays those failure
+times through the simulation (ray_goodput.plan.replay) with those costs and prints the
+predicted goodput beside the measured one (done after every run too).
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -166,7 +173,87 @@ def run(kind: str, root: Path, args) -> dict:
 
     events = read_events(resolve(str(root / "runs" / kind)))
     ledger = summary(compute(list(events.values()), job_start=start))
-    return {"wall": wall, "ledger": ledger, "repeated": _repeated_samples(markers)}
+    attempts = sorted((a for a in events.values() if a), key=lambda a: a[0]["t"])
+    measured = _measured(kind, attempts, start, args.every, root / "runs" / kind, ledger)
+    return {"wall": wall, "ledger": ledger, "repeated": _repeated_samples(markers), "measured": measured}
+
+
+def _median(values: list[float], default: float = 0.0) -> float:
+    return statistics.median(values) if values else default
+
+
+def _durable_after_start(attempts: list[list[dict]], every: int, ckpt_root: Path) -> list[float]:
+    """ray_goodput: each committed checkpoint's commit time minus its save's start (the
+    saved step's own event ends right before ``save`` is called)."""
+    from ray_goodput.checkpoint._catalog import list_checkpoints
+
+    started = {e["step"]: e["t"] for a in attempts for e in a if e["e"] == "step" and e["step"] % every == 0}
+    return [c.created - started[c.step] for c in list_checkpoints(str(ckpt_root))
+            if c.committed and c.created and c.step in started]
+
+
+def _measured(kind: str, attempts: list[list[dict]], start: float, every: int, ckpt_root: Path,
+              ledger: dict) -> dict:
+    """Costs in the schema of ray_goodput.plan's costs JSON, plus this run's failure schedule."""
+    steps = [e for a in attempts for e in a if e["e"] == "step"]
+    # Mean compute per kept step, so that the replay's kept work equals the ledger's productive.
+    step_s = ledger["seconds"]["productive"] / max(1, ledger["steps_kept"])
+    blocking = _median([e["ckpt"] for e in steps if e.get("ckpt", 0) > 0])
+    restores = [[e["t"] - e["t0"] for e in a if e["e"] == "restore"] for a in attempts]
+    durable = blocking if kind == "plain" else _median(_durable_after_start(attempts, every, ckpt_root), blocking)
+    failures = max(1, len(attempts) - 1)
+    system = {"name": kind, "step_s": step_s, "save_blocking_s": blocking, "durable_s": max(durable, blocking),
+              "restore_s": _median([r for rs in restores[1:] for r in rs]),
+              "restart_s": ledger["seconds"]["restart_downtime"] / failures, "interval": every * step_s}
+    return {"system": system, "failures_s": [a[-1]["t"] - start for a in attempts[:-1]],
+            "startup_s": ledger["seconds"]["startup"] + sum(restores[0]) if restores else 0.0,
+            "work_s": ledger["seconds"]["productive"], "wall_s": ledger["total_s"],
+            "goodput": ledger["goodput"], "seconds": ledger["seconds"]}
+
+
+RESULTS = Path(__file__).resolve().parent / "results" / "goodput_under_failures.json"
+
+
+def write_results(results: dict, args, path: Path) -> None:
+    """Measured costs (ray-goodput simulate --costs schema) and each run's schedule and ledger."""
+    doc = {"source": f"benchmarks/goodput_under_failures.py, {time.strftime('%Y-%m-%d')}, 2 workers, "
+                     f"local-directory storage, every {args.every} steps",
+           "args": {"steps": args.steps, "every": args.every, "fail_at": args.fail_at, "compute_s": args.compute_s},
+           "systems": [r["measured"]["system"] for r in results.values()],
+           "runs": {k: {kk: v for kk, v in r["measured"].items() if kk != "system"} for k, r in results.items()}}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+
+
+def validate(path: Path) -> list[dict]:
+    """Replay each run's failure times with its measured costs; predicted vs measured."""
+    from ray_goodput.plan._simulate import replay, systems_from_json
+
+    doc = json.loads(path.read_text())
+    rows = []
+    for system in systems_from_json(doc):
+        run = doc["runs"][system.name]
+        sim = replay(system, run["failures_s"], work_s=run["work_s"], startup_s=run["startup_s"])
+        seen = run["seconds"]
+        # The simulation has no data stall and no end-of-run wait ("other"): also compare without them.
+        core = run["wall_s"] - seen.get("other", 0.0) - seen.get("data_stall", 0.0)
+        rows.append({"system": system.name, "measured": run["goodput"], "predicted": sim.goodput,
+                     "measured_core": seen["productive"] / core if core > 0 else 0.0,
+                     "wall_s": run["wall_s"], "sim_wall_s": sim.wall_s, "seen": seen, "sim": sim.seconds})
+    return rows
+
+
+def print_validation(rows: list[dict]) -> None:
+    w = sys.stdout.write
+    w("\nvalidation: ray_goodput.plan.replay with the measured costs and failure times\n\n")
+    w("| system | measured goodput | predicted | measured w/o other+data_stall | wall s (measured / sim) "
+      "| lost s | checkpoint stall s | restore s | restart downtime s | other s |\n")
+    w("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
+    for r in rows:
+        pair = lambda k: f"{r['seen'][k]:.1f} / {r['sim'][k]:.1f}"  # noqa: E731
+        w(f"| {r['system']} | {r['measured']:.1%} | {r['predicted']:.1%} | {r['measured_core']:.1%} | "
+          f"{r['wall_s']:.1f} / {r['sim_wall_s']:.1f} | {pair('lost')} | {pair('checkpoint_stall')} | "
+          f"{pair('restore')} | {pair('restart_downtime')} | {r['seen'].get('other', 0.0):.1f} |\n")
 
 
 def main() -> int:
@@ -175,7 +262,13 @@ def main() -> int:
     parser.add_argument("--every", type=int, default=10)
     parser.add_argument("--fail-at", type=int, nargs="*", default=[23, 41])
     parser.add_argument("--compute-s", type=float, default=0.1)
+    parser.add_argument("--out", type=Path, default=RESULTS, help="where the measured costs go")
+    parser.add_argument("--validate", type=Path, nargs="?", const=RESULTS, default=None,
+                        help="only replay a results file through the simulation (no training)")
     args = parser.parse_args()
+    if args.validate is not None:
+        print_validation(validate(args.validate))
+        return 0
     import ray
 
     ray.init(address="local", num_cpus=4, log_to_driver=False,
@@ -200,6 +293,9 @@ def main() -> int:
     w(f"\nratios ray_goodput / plain: wall {q['wall'] / p['wall']:.2f}x, goodput "
       f"{q['ledger']['goodput'] / max(p['ledger']['goodput'], 1e-9):.2f}x, checkpoint stall "
       f"{q['ledger']['seconds']['checkpoint_stall'] / max(p['ledger']['seconds']['checkpoint_stall'], 1e-9):.2f}x\n")
+    write_results(results, args, args.out)
+    w(f"\nmeasured costs and schedules written to {args.out}\n")
+    print_validation(validate(args.out))
     return 0
 
 
