@@ -1,0 +1,291 @@
+"""Recovery: the driver-side half of fault tolerance, as a Ray Train controller callback.
+
+It runs in the Ray Train controller (Ray 2.60 DeveloperAPI hooks) and does three things:
+
+* **Resume point chosen once.** Before every attempt after the first it finds the newest
+  intact committed checkpoint and hands that step to every worker of the new group
+  (``ray_goodput.runtime._resume``) before the training function starts.
+* **Futile retries stopped.** When a worker raised an error that a restart cannot fix
+  (``ray_goodput.errors.NOT_RETRYABLE``, classified by type after unwrapping Ray's
+  wrappers), Ray's RETRY decision is vetoed: the hook re-raises that error, Ray turns it into
+  a non-retryable ``ControllerError`` and the run ends with it, whatever ``max_failures``.
+* **Unhealthy nodes isolated.** Failures are counted per node (a worker raised or died
+  there, or the node failed its health check before an attempt). A node that reaches
+  ``max_failures_per_node`` gets no worker of this run again: the worker group's label
+  selector excludes it (``ray.io/node-id: "!in(...)"``).
+
+What it decided is kept in ``<root>/recovery/state.json`` (layout in :func:`load_state`)
+for the goodput summary, MLflow and ``ray-goodput status``: the controller runs on a copy of
+the Recovery the user built, so the user's object learns nothing by itself.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any, Callable, Literal
+
+import ray
+from ray.train.v2._internal.exceptions import WorkerHealthCheckFailedError
+from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
+from ray.train.v2.api.exceptions import ControllerError, WorkerGroupError
+
+from ray_goodput.checkpoint._catalog import newest_valid
+from ray_goodput.driver import _health
+from ray_goodput.errors import ConfigError, not_retryable
+from ray_goodput.runtime._resume import ResumeDecision, root_key, run_root, set_decision
+from ray_goodput.storage import StorageLocation, read_bytes, resolve, write_bytes
+
+logger = logging.getLogger(__name__)
+
+#: Ray's built-in node label; a value ``"!in(a,b)"`` keeps bundles off nodes a and b.
+NODE_ID_LABEL = "ray.io/node-id"
+STATE_FILE = "recovery/state.json"
+
+
+def unwrap(exc: BaseException) -> list[BaseException]:
+    """``exc`` and the errors Ray Train wraps in it: each worker's failure, the controller's
+    failure, the actor error behind a failed worker health check."""
+    found, todo = [], [exc]
+    while todo:
+        cur = todo.pop()
+        found.append(cur)
+        if isinstance(cur, WorkerGroupError):
+            todo += list(cur.worker_failures.values())
+        elif isinstance(cur, ControllerError):
+            todo.append(cur.controller_failure)
+        elif isinstance(cur, WorkerHealthCheckFailedError):
+            todo.append(cur.health_check_failure)
+    return found
+
+
+def futile(exc: BaseException) -> BaseException | None:
+    """The error inside ``exc`` that a retry cannot fix, or None."""
+    return next((hit for e in unwrap(exc) if (hit := not_retryable(e)) is not None), None)
+
+
+def _preempted(exc: BaseException) -> bool:
+    return any(getattr(e, "preempted", False) for e in unwrap(exc))
+
+
+class NodeLedger:
+    """Failures per node and the nodes isolated for good (pure bookkeeping)."""
+
+    def __init__(self, max_failures_per_node: int) -> None:
+        self.max_failures = max_failures_per_node
+        self.failures: dict[str, int] = {}
+        self.isolated: list[str] = []
+
+    def record(self, node_id: str) -> bool:
+        """Count one failure of ``node_id``; True when it is newly isolated by it."""
+        self.failures[node_id] = self.failures.get(node_id, 0) + 1
+        if node_id in self.isolated or self.failures[node_id] < self.max_failures:
+            return False
+        self.isolated.append(node_id)
+        return True
+
+
+def worker_resources(scaling_config: Any) -> dict[str, float]:
+    """What one worker asks for, as Ray Train computes it from the public fields."""
+    given = {k: v for k, v in (scaling_config.resources_per_worker or {}).items() if v}
+    if not given:
+        given = {"GPU": 1.0} if scaling_config.use_gpu else {"CPU": 1.0}
+    if scaling_config.use_gpu:
+        given.setdefault("GPU", 1.0)
+    return given
+
+
+def workers_that_fit(node_resources: dict[str, float], per_worker: dict[str, float]) -> int:
+    return int(min(node_resources.get(r, 0.0) // v for r, v in per_worker.items()))
+
+
+class Recovery(ControllerCallback, WorkerGroupCallback):
+    """Driver-side recovery for a Ray Train run; see the module docstring.
+
+    ``health_check``: None, ``"gpu"`` (:func:`ray_goodput.driver._health.gpu_check`) or a
+    function run on every candidate node before each attempt; raising or returning False
+    excludes the node from that attempt and counts as one of its failures.
+    ``storage_path``: where the Checkpointer writes, when not the Ray Train run directory.
+    """
+
+    def __init__(self, *, health_check: Callable[[], object] | Literal["gpu"] | None = None,
+                 max_failures_per_node: int = 2, health_check_timeout_s: float = 120.0,
+                 storage_path: str | None = None) -> None:
+        if health_check == "gpu":
+            health_check = _health.gpu_check
+        if health_check is not None and not callable(health_check):
+            raise ConfigError(f"health_check must be None, 'gpu' or a function, got {health_check!r}")
+        if max_failures_per_node < 1:
+            raise ConfigError(f"max_failures_per_node must be >= 1, got {max_failures_per_node}")
+        if health_check_timeout_s <= 0:
+            raise ConfigError(f"health_check_timeout_s must be > 0, got {health_check_timeout_s}")
+        self.health_check = health_check
+        self.health_check_timeout_s = health_check_timeout_s
+        self.storage_path = storage_path
+        self.ledger = NodeLedger(max_failures_per_node)
+        self.attempt = 0
+        self.attempts: list[dict[str, Any]] = []
+        self.stopped: dict[str, str] | None = None
+        self._root: StorageLocation | None = None
+        self._rank_nodes: dict[int, str] = {}
+        self._counted: set[str] = set()
+        self._stop: BaseException | None = None
+        self._pending_decision: ResumeDecision | None = None
+
+    @property
+    def isolated_nodes(self) -> list[str]:
+        """Nodes that get no worker of this run again, in the order they were isolated."""
+        return list(self.ledger.isolated)
+
+    # -- controller hooks --
+    def after_controller_start(self, train_run_context: Any) -> None:
+        _log_where_ray_train_logs()
+        run_config = train_run_context.run_config
+        self._root = (resolve(self.storage_path) if self.storage_path
+                      else run_root(run_config.storage_context))
+
+    def on_controller_start_worker_group(self, *, scaling_config: Any,
+                                         num_workers: int) -> dict[str, str] | None:
+        self.attempt += 1
+        self._counted = set()
+        decision = self._choose_resume() if self.attempt > 1 else None
+        unhealthy = self._check_health(scaling_config)
+        excluded = sorted(set(self.ledger.isolated) | set(unhealthy))
+        self._warn_if_short(scaling_config, num_workers, excluded)
+        self.attempts.append({"attempt": self.attempt, "resume_step": decision.step if decision else None,
+                              "excluded_nodes": excluded, "unhealthy": unhealthy})
+        self._pending_decision = decision
+        self._save()
+        return self._selector(scaling_config, excluded)
+
+    def before_controller_execute_failure_decision(self, failure_decision: Any) -> None:
+        if self._stop is None or getattr(failure_decision, "value", None) != "RETRY":
+            return
+        error, self._stop = self._stop, None
+        logger.error("attempt %d failed with %s, which a retry cannot fix: stopping the run now "
+                     "instead of retrying (FailureConfig.max_failures is not used). %s",
+                     self.attempt, type(error).__name__, error)
+        self._save()
+        raise error
+
+    def after_controller_finish(self, result: Any) -> None:
+        if self.ledger.isolated:
+            logger.warning("run ended after %d attempt(s); isolated nodes: %s",
+                           self.attempt, ", ".join(self.ledger.isolated))
+        self._save()
+
+    # -- worker group hooks --
+    def after_worker_group_start(self, worker_group: Any) -> None:
+        workers = worker_group.get_workers()
+        self._rank_nodes = {w.distributed_context.world_rank: w.metadata.node_id for w in workers}
+        # Before the training function starts: every rank of this attempt gets the same step.
+        worker_group.execute(set_decision, self._pending_decision)
+
+    def after_worker_group_poll_status(self, worker_group_status: Any) -> None:
+        errors = worker_group_status.errors
+        if not errors:
+            return
+        for rank, exc in sorted(errors.items()):
+            self._count_failure(rank, exc)
+            hit = futile(exc)
+            if hit is not None and self._stop is None:
+                self._stop = hit
+                self.stopped = {"attempt": str(self.attempt), "rank": str(rank),
+                                "error": f"{type(hit).__name__}: {hit}"}
+
+    # -- helpers --
+    def _count_failure(self, rank: int, exc: BaseException) -> None:
+        node = self._rank_nodes.get(rank)
+        if node is None or node in self._counted or _preempted(exc):
+            return
+        self._counted.add(node)  # one failure per node per attempt, however many ranks
+        if self.ledger.record(node):
+            logger.warning("node %s isolated after %d failures (last: rank %d, %s: %s); no worker "
+                           "of this run will be placed there again", node, self.ledger.failures[node],
+                           rank, type(exc).__name__, str(exc).splitlines()[0][:200] if str(exc) else "")
+            self._save()
+
+    def _choose_resume(self) -> ResumeDecision | None:
+        assert self._root is not None, "after_controller_start sets the root"
+        try:
+            found = newest_valid(self._root)
+        except OSError as exc:  # StorageError is an OSError: the workers will look themselves
+            logger.warning("attempt %d: could not list checkpoints under %s (%s); each worker "
+                           "restore will look on its own", self.attempt, self._root.uri, exc)
+            return None
+        step = found[1].step if found else None
+        if step is None:
+            logger.info("attempt %d resumes from scratch: no committed checkpoint under %s",
+                        self.attempt, self._root.uri)
+        else:
+            logger.info("attempt %d resumes from step %d", self.attempt, step)
+        return ResumeDecision(attempt=self.attempt, step=step, root_key=root_key(self._root))
+
+    def _check_health(self, scaling_config: Any) -> dict[str, str]:
+        if self.health_check is None:
+            return {}
+        per_worker = worker_resources(scaling_config)
+        nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] not in self.ledger.isolated
+                 and workers_that_fit(n["Resources"], per_worker) > 0]
+        unhealthy = _health.check_nodes(self.health_check, nodes, self.health_check_timeout_s)
+        for node, reason in sorted(unhealthy.items()):
+            logger.warning("attempt %d: node %s failed its health check (%s); no worker goes "
+                           "there this attempt", self.attempt, node, reason)
+            if self.ledger.record(node):
+                logger.warning("node %s isolated after %d failures; no worker of this run will be "
+                               "placed there again", node, self.ledger.failures[node])
+        return unhealthy
+
+    def _warn_if_short(self, scaling_config: Any, num_workers: int, excluded: list[str]) -> None:
+        if not excluded:
+            return
+        per_worker = worker_resources(scaling_config)
+        room = sum(workers_that_fit(n["Resources"], per_worker) for n in ray.nodes()
+                   if n["Alive"] and n["NodeID"] not in excluded)
+        if room < num_workers:
+            logger.warning("attempt %d: without the excluded nodes (%s) the cluster has room for %d "
+                           "of %d workers; waiting for capacity as Ray does (autoscaler or new nodes)",
+                           self.attempt, ", ".join(excluded), room, num_workers)
+
+    def _selector(self, scaling_config: Any, excluded: list[str]) -> dict[str, str] | None:
+        if not excluded:
+            return None
+        user = scaling_config.label_selector
+        if isinstance(user, list) or NODE_ID_LABEL in (user or {}):
+            logger.warning("ScalingConfig.label_selector is per worker or names %s already; "
+                           "Recovery cannot add its node exclusions to it", NODE_ID_LABEL)
+            return None
+        return {**(user or {}), NODE_ID_LABEL: f"!in({','.join(excluded)})"}
+
+    def state(self) -> dict[str, Any]:
+        return {"attempts": self.attempts, "node_failures": dict(self.ledger.failures),
+                "isolated_nodes": list(self.ledger.isolated), "stopped": self.stopped}
+
+    def _save(self) -> None:
+        if self._root is None:
+            return
+        try:
+            write_bytes(self._root, STATE_FILE, json.dumps(self.state(), indent=1).encode())
+        except OSError as exc:  # a record for people; never a reason to fail the run
+            logger.warning("could not write %s/%s: %s", self._root.uri, STATE_FILE, exc)
+
+
+def _log_where_ray_train_logs() -> None:
+    """In the controller, Ray Train configures only its own logger; without this our INFO
+    lines (``attempt N resumes from step S``) would be dropped by the root logger."""
+    ours, theirs = logging.getLogger("ray_goodput"), logging.getLogger("ray.train")
+    if ours.handlers or not theirs.handlers:
+        return
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(logging.INFO)
+    ours.propagate = False
+
+
+def load_state(root: str | StorageLocation) -> dict[str, Any] | None:
+    """What a Recovery recorded under ``root`` (``attempts``: attempt, resume_step,
+    excluded_nodes, unhealthy; ``node_failures``; ``isolated_nodes``; ``stopped``), or None."""
+    try:
+        return json.loads(read_bytes(resolve(root), STATE_FILE))
+    except FileNotFoundError:
+        return None

@@ -1,0 +1,88 @@
+"""``ray_goodput.TorchTrainer``: Ray's TorchTrainer plus ``callbacks=`` and ``recovery=``.
+
+A subclass, not a wrapper: it stays a ``ray.train.torch.TorchTrainer`` for every isinstance
+check, every argument and method keeps Ray's meaning and documentation, and the only thing
+it changes is what ends up in ``RunConfig.callbacks`` (Ray 2.60 takes callbacks only there).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Callable, Sequence
+
+import ray.train
+import ray.train.torch
+from ray.train.v2.api.callback import RayTrainCallback
+
+from ray_goodput.driver._recovery import Recovery, load_state
+from ray_goodput.errors import ConfigError
+from ray_goodput.runtime._resume import run_root
+from ray_goodput.storage import resolve
+
+logger = logging.getLogger(__name__)
+
+_DEFAULT_RECOVERY: Any = object()  # "a fresh Recovery()", told apart from an explicit None
+
+
+class TorchTrainer(ray.train.torch.TorchTrainer):
+    """Ray's ``TorchTrainer`` with two more keyword arguments.
+
+    ``callbacks``: Ray Train callbacks (e.g. ``GoodputCallback()``), appended to
+    ``RunConfig.callbacks``. ``recovery``: a :class:`Recovery` (default ``Recovery()``, or the
+    one already in the callbacks); ``None`` turns driver-side recovery off. After ``fit``,
+    ``self.recovery`` holds what the controller's copy recorded (``isolated_nodes``...).
+    """
+
+    def __init__(self, train_loop_per_worker: Callable[..., Any], *,
+                 callbacks: Sequence[RayTrainCallback] | None = None,
+                 recovery: Recovery | None = _DEFAULT_RECOVERY,
+                 run_config: ray.train.RunConfig | None = None, **kwargs: Any) -> None:
+        run_config = run_config or ray.train.RunConfig()
+        merged = list(run_config.callbacks or []) + list(callbacks or [])
+        self.recovery = _pick_recovery(merged, recovery)
+        if self.recovery is not None and not any(c is self.recovery for c in merged):
+            merged.append(self.recovery)
+        super().__init__(train_loop_per_worker,
+                         run_config=dataclasses.replace(run_config, callbacks=merged), **kwargs)
+
+    def fit(self) -> ray.train.Result:
+        """Ray's ``fit``; afterwards ``self.recovery`` shows what happened, even on failure."""
+        try:
+            return super().fit()
+        finally:
+            self._refresh_recovery()
+
+    def _refresh_recovery(self) -> None:
+        if self.recovery is None:
+            return
+        root = (resolve(self.recovery.storage_path) if self.recovery.storage_path
+                else run_root(self.run_config.storage_context))
+        try:
+            state = load_state(root)
+        except OSError as exc:
+            logger.warning("could not read the recovery record under %s: %s", root.uri, exc)
+            return
+        if state is not None:
+            self.recovery.attempts = state["attempts"]
+            self.recovery.attempt = len(state["attempts"])
+            self.recovery.ledger.failures = dict(state["node_failures"])
+            self.recovery.ledger.isolated = list(state["isolated_nodes"])
+            self.recovery.stopped = state["stopped"]
+
+
+def _pick_recovery(callbacks: list[Any], recovery: Any) -> Recovery | None:
+    present = [c for c in callbacks if isinstance(c, Recovery)]
+    if len(present) > 1:
+        raise ConfigError("more than one Recovery among the callbacks; keep one")
+    if recovery is _DEFAULT_RECOVERY:
+        return present[0] if present else Recovery()
+    if recovery is not None and not isinstance(recovery, Recovery):
+        raise ConfigError(f"recovery must be a ray_goodput.Recovery or None, got {recovery!r}")
+    if present and recovery is None:
+        raise ConfigError("recovery=None turns recovery off, but a Recovery is in the callbacks; "
+                          "remove one of the two")
+    if present and recovery is not present[0]:
+        raise ConfigError("a Recovery is in the callbacks and another was passed as recovery=; "
+                          "pass it once")
+    return recovery

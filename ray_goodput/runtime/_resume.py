@@ -1,0 +1,84 @@
+"""Worker side of the resume handoff: the step the driver chose for this attempt.
+
+After a failure the driver-side ``Recovery`` picks the resume step once (the newest intact
+committed checkpoint) and pushes a :class:`ResumeDecision` into every worker process of the
+new worker group *before* the training function starts (Ray Train runs worker-group
+callbacks between creating the workers and launching the function). So every rank of an
+attempt holds the same decision without listing storage, and a checkpoint that the dead
+attempt's uploader commits a moment later cannot make ranks disagree.
+
+The decision is a process-global: a Ray Train worker process lives for exactly one attempt,
+so it never carries a stale value into the next one.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from ray_goodput.storage import StorageLocation, resolve
+
+logger = logging.getLogger(__name__)
+
+_lock = threading.Lock()
+_decision: ResumeDecision | None = None
+
+
+@dataclass(frozen=True)
+class ResumeDecision:
+    """What the driver decided for one attempt.
+
+    ``step`` is the checkpoint step to load, or None for "no committed checkpoint: start
+    from scratch". ``root_key`` names the storage root the decision is about (see
+    :func:`root_key`); a Checkpointer on another root must ignore it.
+    """
+
+    attempt: int
+    step: int | None
+    root_key: str
+
+
+def root_key(root: str | StorageLocation) -> str:
+    """A comparable name of a storage root: filesystem type plus path, without the query
+    string (an ``endpoint_override`` spelled differently is still the same bucket)."""
+    loc = resolve(root)
+    return f"{loc.fs.type_name}:{loc.root.rstrip('/')}"
+
+
+def run_root(storage_context: Any) -> StorageLocation:
+    """The Ray Train run directory (``RunConfig.storage_path/name``) of a StorageContext,
+    the default root of both the Checkpointer and the Recovery."""
+    fs = storage_context.storage_filesystem
+    path = storage_context.experiment_fs_path
+    scheme = "" if fs.type_name == "local" else f"{fs.type_name}://"
+    return StorageLocation(uri=f"{scheme}{path}", fs=fs, root=path)
+
+
+def set_decision(decision: ResumeDecision | None) -> None:
+    """Install the driver's decision in this worker process (run by the driver through
+    the worker group before the training function starts)."""
+    global _decision
+    with _lock:
+        _decision = decision
+    if decision is not None:
+        logger.info("attempt %d: the driver chose resume step %s", decision.attempt, decision.step)
+
+
+def resume_decision(root: str | StorageLocation | None = None) -> ResumeDecision | None:
+    """The driver's decision for this attempt, or None when no Recovery decided (the first
+    attempt, or no Recovery in the run): then the caller finds the checkpoint itself.
+
+    With ``root``, a decision made for another storage root is ignored (with a warning):
+    it says nothing about checkpoints under ``root``.
+    """
+    with _lock:
+        decision = _decision
+    if decision is None or root is None:
+        return decision
+    if decision.root_key != root_key(root):
+        logger.warning("the driver chose a resume step for %s, not for %s; pass the same "
+                       "storage_path to Recovery and Checkpointer", decision.root_key, root_key(root))
+        return None
+    return decision
