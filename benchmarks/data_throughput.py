@@ -27,7 +27,7 @@ import ray
 import torch.utils.data
 
 from ray_goodput.data import CacheConfig, DataLoader, FileDataset, ParquetDataset
-from ray_goodput.node import _services
+from ray_goodput.runtime import _services
 from ray_goodput.testing._s3 import start_moto_server
 
 os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")

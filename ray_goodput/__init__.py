@@ -1,37 +1,58 @@
-"""ray_goodput: fast, fault-tolerant PyTorch training on Ray Train."""
+"""ray_goodput: fast, fault-tolerant PyTorch training on Ray Train.
 
-from ray_goodput.checkpoint import (
-    CheckpointInfo,
-    Checkpointer,
-    Manifest,
-    RestoreInfo,
-    list_checkpoints,
-)
-from ray_goodput.goodput import GoodputCallback, record_end, record_step
-from ray_goodput.errors import (
-    CheckpointCorruptError,
-    CheckpointError,
-    ConfigError,
-    GoodputError,
-    StateMismatchError,
-    StorageError,
-)
+The public names below are imported on first use (PEP 562), so ``import ray_goodput.storage``
+or the ``ray-goodput ls`` command do not pay for torch, Ray Train and MLflow.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "CheckpointCorruptError",
-    "CheckpointError",
-    "CheckpointInfo",
-    "Checkpointer",
-    "ConfigError",
-    "GoodputCallback",
-    "GoodputError",
-    "Manifest",
-    "RestoreInfo",
-    "StateMismatchError",
-    "StorageError",
-    "list_checkpoints",
-    "record_end",
-    "record_step",
-]
+# public name -> module that defines it
+_EXPORTS = {
+    "CheckpointInfo": "ray_goodput.checkpoint",
+    "Checkpointer": "ray_goodput.checkpoint",
+    "Manifest": "ray_goodput.checkpoint",
+    "RestoreInfo": "ray_goodput.checkpoint",
+    "list_checkpoints": "ray_goodput.checkpoint",
+    "GoodputCallback": "ray_goodput.driver",
+    "record_end": "ray_goodput.goodput",
+    "record_step": "ray_goodput.goodput",
+    "CacheFullError": "ray_goodput.errors",
+    "CheckpointCorruptError": "ray_goodput.errors",
+    "CheckpointError": "ray_goodput.errors",
+    "ConfigError": "ray_goodput.errors",
+    "DataError": "ray_goodput.errors",
+    "GoodputError": "ray_goodput.errors",
+    "StateMismatchError": "ray_goodput.errors",
+    "StorageError": "ray_goodput.errors",
+    "StorageUnusableError": "ray_goodput.errors",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ray_goodput' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])
+
+
+if TYPE_CHECKING:
+    from ray_goodput.checkpoint import (CheckpointInfo, Checkpointer, Manifest, RestoreInfo,
+                                        list_checkpoints)
+    from ray_goodput.driver import GoodputCallback
+    from ray_goodput.errors import (CacheFullError, CheckpointCorruptError, CheckpointError,
+                                    ConfigError, DataError, GoodputError, StateMismatchError,
+                                    StorageError, StorageUnusableError)
+    from ray_goodput.goodput import record_end, record_step

@@ -21,6 +21,11 @@ class StorageError(GoodputError, OSError):
     """Storage could not be reached, read or written (after retries, where retried)."""
 
 
+class StorageUnusableError(StorageError):
+    """The storage probe at start failed: unreachable endpoint, refused credentials, missing
+    bucket or read-only directory. A retry of the run cannot fix it; change the URI or access."""
+
+
 class CheckpointError(GoodputError, RuntimeError):
     """A checkpoint could not be saved, committed or restored."""
 
@@ -35,3 +40,39 @@ class StateMismatchError(CheckpointError, ValueError):
     Retrying the run cannot fix this: change the model/optimizer or point the
     Checkpointer at another storage path.
     """
+
+
+class DataError(GoodputError, ValueError):
+    """The data source or a loader state cannot be used: empty source, a state saved for
+    another dataset, a world too large for the dataset. The message names the input to fix."""
+
+
+class CacheFullError(StorageError):
+    """The node cache cannot hold a file: it is larger than the cache capacity, or the disk
+    is full even after eviction. Raise ``CacheConfig.capacity_bytes`` or free the disk.
+    A StorageError (an OSError) that retries do not fix, so they are not attempted."""
+
+
+#: Errors that a restart of the run cannot fix: the message says what to change.
+NOT_RETRYABLE: tuple[type[GoodputError], ...] = (ConfigError, StateMismatchError, DataError,
+                                                 StorageUnusableError)
+
+
+def causes(exc: BaseException) -> list[BaseException]:
+    """``exc`` and what it wraps: ``__cause__``/``__context__`` chains and the ``cause``
+    attribute by which Ray's task and worker errors carry the user's exception."""
+    seen: list[BaseException] = []
+    todo = [exc]
+    while todo:
+        cur = todo.pop()
+        if cur is None or any(cur is s for s in seen):
+            continue
+        seen.append(cur)
+        nested = getattr(cur, "cause", None)
+        todo += [e for e in (cur.__cause__, cur.__context__, nested) if isinstance(e, BaseException)]
+    return seen
+
+
+def not_retryable(exc: BaseException) -> BaseException | None:
+    """The error in ``exc``'s chain that a retry cannot fix, classified by type; or None."""
+    return next((e for e in causes(exc) if isinstance(e, NOT_RETRYABLE)), None)

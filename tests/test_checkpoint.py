@@ -13,7 +13,7 @@ import torch
 from ray_goodput import Checkpointer, StorageError, list_checkpoints
 from ray_goodput.checkpoint import _catalog, _layout
 from ray_goodput.errors import ConfigError, StateMismatchError
-from ray_goodput.checkpoint._backends import ThreadUploader
+from ray_goodput.checkpoint._backends import ThreadBackend
 from ray_goodput.checkpoint._job import write_local
 from ray_goodput.storage import RetryPolicy, list_dir, resolve
 from ray_goodput.testing import kill_self, run_world
@@ -137,7 +137,7 @@ def test_damaged_newest_falls_back_to_previous(root, tmp_path, how, caplog):
 
 
 def test_unreachable_storage_fails_at_creation():
-    from tests.conftest import free_port
+    from ray_goodput.testing import free_port
 
     uri = f"s3://bucket/run?endpoint_override=127.0.0.1:{free_port()}&scheme=http"
     with pytest.raises(StorageError, match="not usable"):
@@ -169,7 +169,7 @@ def test_state_mismatch_is_not_retryable(tmp_path):
 
 # ---- a crash between shards (real process killed) ---------------------------------------
 
-class _DieBeforeUpload(ThreadUploader):
+class _DieBeforeUpload(ThreadBackend):
     """Upload backend of a rank that is SIGKILLed after its shard is written locally."""
 
     def __init__(self):

@@ -17,10 +17,10 @@ import pytest
 import ray
 
 from ray_goodput.data import CacheConfig, CacheFullError, DataLoader, FileDataset, cache_status
-from ray_goodput.data._cachefs import CacheLayout
-from ray_goodput.data._service import CacheService
-from ray_goodput.node import _services
-from ray_goodput.node._cache import KIND, get_cache
+from ray_goodput.data._cache_files import CacheLayout
+from ray_goodput.data._cache_client import CacheClient
+from ray_goodput.runtime import _services
+from ray_goodput.data._cache_actor import KIND, get_cache
 
 ROOT = str(Path(__file__).resolve().parents[1])
 
@@ -212,7 +212,7 @@ def test_killed_mid_download_leaves_no_corrupt_file_and_is_recreated(s3_server, 
     try:
         cfg = CacheConfig(directory=str(tmp_path))
         ds = FileDataset(_via(proxy, bucket, prefix), cache=cfg)
-        service = CacheService(cfg)
+        service = CacheClient(cfg)
         fid = service.register(ds.files)
         service.prefetch(fid, [0])
         final = CacheLayout(tmp_path).data_path(CacheLayout.key(ds.files.ident, ds.files.paths[0]))
@@ -248,7 +248,7 @@ def test_cache_recreated_by_another_rank_gets_file_lists_again(s3_server, tmp_pa
     cfg = CacheConfig(directory=str(tmp_path))
     ds = FileDataset(f"s3://{bucket}/{prefix}?endpoint_override={s3_server.endpoint}"
                      "&scheme=http", cache=cfg)
-    service = CacheService(cfg)
+    service = CacheClient(cfg)
     fid = service.register(ds.files)
     _services.shutdown(KIND, drain_timeout_s=10)
     ray.get(get_cache(cfg).describe.remote())  # another rank starts a new cache first
@@ -283,7 +283,7 @@ def test_status_reports_each_node_and_hit_rate(s3_server, tmp_path):
 def test_cache_exits_when_its_job_is_gone(tmp_path):
     address = ray.get_runtime_context().gcs_address  # this test's cluster, not any other
     script = (f"import ray\nfrom ray_goodput.data import CacheConfig\n"
-              f"from ray_goodput.node._cache import get_cache\n"
+              f"from ray_goodput.data._cache_actor import get_cache\n"
               f"ray.init(address={address!r}, namespace='x')\n"
               f"h = get_cache(CacheConfig(directory={str(tmp_path)!r}))\n"
               f"print(ray.get(h.describe.remote())['directory'])\n")

@@ -203,15 +203,15 @@ def test_forked_worker_does_not_inherit_a_held_fetch_lock(tmp_path):
     import threading
     import time
 
-    from ray_goodput.data import _cachefs
+    from ray_goodput.data import _cache_files
 
-    layout = _cachefs.CacheLayout(tmp_path)
+    layout = _cache_files.CacheLayout(tmp_path)
     layout.create()
     key = "ab" * 16
     held = threading.Event()
 
     def holder():
-        with _cachefs._flock(layout.lock_path(key)):
+        with _cache_files._flock(layout.lock_path(key)):
             held.set()
             time.sleep(1.0)
 
@@ -221,7 +221,7 @@ def test_forked_worker_does_not_inherit_a_held_fetch_lock(tmp_path):
     pid = os.fork()
     if pid == 0:  # child: a deadlock ends in SIGALRM, i.e. a failing exit status
         signal.alarm(10)
-        with _cachefs._flock(layout.lock_path(key)):
+        with _cache_files._flock(layout.lock_path(key)):
             os._exit(0)
     thread.join()
     _, status = os.waitpid(pid, 0)

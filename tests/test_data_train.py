@@ -14,7 +14,7 @@ from ray.train.torch import TorchTrainer
 
 from ray_goodput.data import CacheConfig, DataLoader, FileDataset
 from ray_goodput.data import _partition as part
-from ray_goodput.node import _services
+from ray_goodput.runtime import _services
 
 ROOT = str(Path(__file__).resolve().parents[1])
 N, BATCH, STEPS_BEFORE = 62, 4, 3

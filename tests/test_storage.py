@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import time
 import zlib
@@ -9,7 +10,7 @@ import zlib
 import pytest
 
 from ray_goodput import storage
-from ray_goodput.errors import ConfigError, StorageError
+from ray_goodput.errors import ConfigError, StorageError, StorageUnusableError
 
 
 @pytest.fixture(params=["local", "s3"])
@@ -55,12 +56,12 @@ def test_probe_succeeds_on_usable_storage(location):
 
 
 def test_probe_names_uri_when_endpoint_is_down():
-    from tests.conftest import free_port
+    from ray_goodput.testing import free_port
 
     port = free_port()  # nothing listens here
     loc = storage.resolve(f"s3://bucket/x?endpoint_override=127.0.0.1:{port}&scheme=http")
     start = time.monotonic()
-    with pytest.raises(StorageError, match=f"127.0.0.1:{port}.*not usable"):
+    with pytest.raises(StorageUnusableError, match=f"127.0.0.1:{port}.*not usable"):
         loc.probe()
     assert time.monotonic() - start < 120
 
@@ -75,7 +76,7 @@ def test_probe_names_uri_when_directory_is_read_only(tmp_path):
         target = blocker / "sub"
     else:
         target = ro / "sub"
-    with pytest.raises(StorageError, match="not usable"):
+    with pytest.raises(StorageUnusableError, match="not usable"):
         storage.resolve(str(target)).probe()
 
 
@@ -106,11 +107,34 @@ def test_retry_policy_retries_transient_only():
     policy = storage.RetryPolicy(attempts=4, initial_delay=0.01, max_delay=0.02)
     assert policy.call("op", flaky) == "ok" and len(calls) == 3
 
+
+@pytest.mark.parametrize("permanent", [
+    FileNotFoundError(2, "no such key"), PermissionError(13, "denied"),
+    OSError(errno.ENOSPC, "No space left on device"), OSError(errno.EROFS, "read-only")])
+def test_permanent_errors_are_classified_by_type_and_not_retried(permanent):
+    calls = []
+
+    def fail():
+        calls.append(1)
+        raise permanent
+
+    policy = storage.RetryPolicy(attempts=4, initial_delay=0.01, max_delay=0.02)
+    with pytest.raises(StorageError, match="op failed after 1 attempt"):
+        policy.call("op", fail)
+    assert len(calls) == 1
+
+
+def test_untyped_refusal_is_retried_to_the_bound_then_raised_naming_the_attempts():
+    """pyarrow raises S3 refusals (403, missing bucket on write) as a plain OSError with no
+    errno: indistinguishable by type from a reset, so retried a bounded number of times.
+    (Refusals at start are caught by the probe as StorageUnusableError.)"""
+    calls = []
+
     def denied():
         calls.append(1)
         raise OSError("AWS Error ACCESS_DENIED during PutObject")
 
-    calls.clear()
-    with pytest.raises(StorageError, match="op failed after 1 attempt"):
+    policy = storage.RetryPolicy(attempts=3, initial_delay=0.01, max_delay=0.02)
+    with pytest.raises(StorageError, match="op failed after 3 attempt"):
         policy.call("op", denied)
-    assert len(calls) == 1
+    assert len(calls) == 3

@@ -11,7 +11,7 @@ import pytest
 import ray
 
 from ray_goodput import list_checkpoints
-from ray_goodput.checkpoint._train_context import POINTER_FILE
+from ray_goodput.checkpoint._ray_report import POINTER_FILE
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +96,7 @@ def test_custom_s3_storage_reports_pointer_checkpoint(ray_local, tmp_path, s3_se
     assert urlsplit(pointer["uri"]).path.endswith("custom/checkpoints/step-000000002")
     assert "endpoint_override=" in pointer["uri"]  # the URI still reaches the custom endpoint
     # The node uploader used by the run exits on its own once its workers closed.
-    from ray_goodput.node import _services
+    from ray_goodput.runtime import _services
 
     deadline = time.time() + 20
     while _services.find("uploader") and time.time() < deadline:

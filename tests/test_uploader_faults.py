@@ -16,8 +16,8 @@ from ray.cluster_utils import Cluster
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ray_goodput import Checkpointer, CheckpointError, list_checkpoints
-from ray_goodput.node import _services
-from ray_goodput.node._uploader import KIND
+from ray_goodput.runtime import _services
+from ray_goodput.checkpoint._uploader import KIND
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ray_goodput.runtime import pid_alive
+
 logger = logging.getLogger(__name__)
 _ALIGN = 64
 
@@ -45,12 +47,11 @@ def sweep_dead(directory: Path) -> None:
     for path in directory.glob("rank-*-*.arena") if directory.is_dir() else []:
         try:
             pid = int(path.stem.rsplit("-", 1)[1])
-            os.kill(pid, 0)
-        except ProcessLookupError:
+        except ValueError:
+            continue
+        if not pid_alive(pid):
             path.unlink(missing_ok=True)
             logger.info("removed the snapshot arena of dead process %d", pid)
-        except (ValueError, PermissionError):
-            continue
 
 
 def _u8(path: Path, size: int, mode: str) -> torch.Tensor:

@@ -1,4 +1,7 @@
-"""Where a rank's shard job runs: the node's uploader actor, or a thread of the worker."""
+"""Where a rank's shard job runs: an :class:`UploadBackend`.
+
+:class:`ThreadBackend` (here) runs it in a thread of the worker; ``ActorBackend``
+(``_uploader``) hands it to the node's CheckpointUploader actor."""
 
 from __future__ import annotations
 
@@ -28,11 +31,11 @@ class UploadBackend(Protocol):
     def close(self) -> None: ...
 
 
-class ThreadUploader:
+class ThreadBackend:
     """Runs jobs in a background thread of this process, FIFO.
 
-    The job dies with the worker process; under Ray the node actor is used instead so
-    that a save survives the worker that made it.
+    The job dies with the worker process; under Ray the node's CheckpointUploader is
+    used instead, so that a save survives the worker that made it.
     """
 
     def __init__(self, *, concurrency: int, policy: RetryPolicy) -> None:

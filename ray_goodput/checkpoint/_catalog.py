@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import zlib
 from dataclasses import dataclass
 
 import pyarrow.fs as pafs
@@ -11,8 +10,7 @@ import pyarrow.fs as pafs
 from ray_goodput.checkpoint import _layout
 from ray_goodput.checkpoint._manifest import Manifest, read_manifest, read_rank_markers, try_commit
 from ray_goodput.errors import CheckpointCorruptError
-from ray_goodput.storage import StorageLocation, delete_dir, list_dir, resolve
-from ray_goodput.storage._transfer import CHUNK_BYTES
+from ray_goodput.storage import StorageLocation, delete_dir, list_dir, object_crc32, resolve
 
 logger = logging.getLogger(__name__)
 
@@ -99,17 +97,9 @@ def verify(step_loc: StorageLocation, manifest: Manifest, *, checksums: bool) ->
             problems.append(f"{entry.name}: missing")
         elif size != entry.size:
             problems.append(f"{entry.name}: {size} bytes, manifest says {entry.size}")
-        elif checksums and _remote_crc(step_loc, entry.name) != entry.crc32:
+        elif checksums and object_crc32(step_loc, entry.name)[1] != entry.crc32:
             problems.append(f"{entry.name}: checksum mismatch")
     return problems
-
-
-def _remote_crc(loc: StorageLocation, name: str) -> int:
-    crc = 0
-    with loc.fs.open_input_file(loc.join(name)) as inp:
-        while chunk := inp.read(CHUNK_BYTES):
-            crc = zlib.crc32(chunk, crc)
-    return crc
 
 
 def newest_valid(root: str | StorageLocation, *, checksums: bool = False,

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+import ray
+import ray.train
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
@@ -20,15 +22,18 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
 from ray_goodput import _env
-from ray_goodput.checkpoint import _catalog, _layout, _plan, _state
+from ray_goodput.checkpoint import _catalog, _layout, _shard_plan, _state
 from ray_goodput.checkpoint._arena import Arena, pick_dir, sweep_dead
-from ray_goodput.checkpoint._backends import Handoff, ThreadUploader, UploadBackend
+from ray_goodput.checkpoint._backends import Handoff, ThreadBackend, UploadBackend
 from ray_goodput.checkpoint._job import ShardJob
 from ray_goodput.checkpoint._manifest import Manifest, read_manifest
+from ray_goodput.checkpoint._metrics import SaveMetrics
+from ray_goodput.checkpoint._ray_report import report_checkpoint
 from ray_goodput.checkpoint._restore import RestoreInfo, load_checkpoint
-from ray_goodput.checkpoint._train_context import WorkerContext, report_checkpoint
+from ray_goodput.checkpoint._uploader import ActorBackend
 from ray_goodput.errors import CheckpointCorruptError, CheckpointError, ConfigError
-from ray_goodput.goodput._recorder import get_recorder
+from ray_goodput.goodput import get_recorder
+from ray_goodput.runtime import WorkerContext
 from ray_goodput.storage import RetryPolicy
 
 logger = logging.getLogger(__name__)
@@ -52,29 +57,6 @@ class SaveStats:
     last_block_seconds: float = 0.0
     total_block_seconds: float = 0.0
     last_error: str | None = None
-
-
-class _NoMetric:
-    def inc(self, value: float = 1.0) -> None:
-        pass
-
-
-_FAILED_SAVES: Any = None
-
-
-def _failure_metric() -> Any:
-    """Counter ``ray_goodput_checkpoint_failed_saves`` (a no-op outside Ray)."""
-    global _FAILED_SAVES  # noqa: PLW0603 - one metric per process
-    if _FAILED_SAVES is None:
-        try:
-            import ray  # noqa: PLC0415
-            from ray.util.metrics import Counter  # noqa: PLC0415
-
-            _FAILED_SAVES = Counter("ray_goodput_checkpoint_failed_saves",
-                                    "checkpoint saves that failed") if ray.is_initialized() else _NoMetric()
-        except Exception:  # noqa: BLE001 - metrics must never break a save
-            _FAILED_SAVES = _NoMetric()
-    return _FAILED_SAVES
 
 
 def _local(value: Any) -> torch.Tensor:
@@ -135,22 +117,18 @@ class Checkpointer:
         self.stats = SaveStats()
         self.last_restore: RestoreInfo | None = None
         self._recorder = get_recorder()
+        self._metrics = SaveMetrics() if ray.is_initialized() else None
         if self._uploader is None and self._uploader_choice != "thread":
             self._uploader = self._make_uploader()
             if hasattr(self._uploader, "start"):
                 self._uploader.start()
 
     def _make_uploader(self) -> UploadBackend:
-        use_actor = self._uploader_choice == "actor"
-        if self._uploader_choice == "auto":
-            import ray  # noqa: PLC0415
-
-            use_actor = ray.is_initialized()
+        use_actor = self._uploader_choice == "actor" or (
+            self._uploader_choice == "auto" and ray.is_initialized())
         if use_actor:
-            from ray_goodput.node._uploader import ActorUploader  # noqa: PLC0415 - needs Ray
-
-            return ActorUploader(concurrency=self.upload_concurrency, policy=self._retry)
-        return ThreadUploader(concurrency=self.upload_concurrency, policy=self._retry)
+            return ActorBackend(concurrency=self.upload_concurrency, policy=self._retry)
+        return ThreadBackend(concurrency=self.upload_concurrency, policy=self._retry)
 
     @staticmethod
     def _distributed() -> bool:
@@ -199,10 +177,10 @@ class Checkpointer:
     def _snapshot(self, step: int, roles: _state._Roles) -> ShardJob:
         nonce = _broadcast(uuid.uuid4().hex[:12])  # one id per save, shared by its ranks
         flat, mappings = flatten_state_dict(_state.to_state_dict(roles))
-        leaves = {fqn: _plan.describe(value) for fqn, value in flat.items()}
-        keys = _plan.local_keys(leaves, self._owners(leaves), self.rank)
-        tensors = {k: _local(flat[k]) for k in keys if leaves[k].kind != _plan.OBJECT}
-        objects = {k: pickle.dumps(flat[k]) for k in keys if leaves[k].kind == _plan.OBJECT}
+        leaves = {fqn: _shard_plan.describe(value) for fqn, value in flat.items()}
+        keys = _shard_plan.local_keys(leaves, self._owners(leaves), self.rank)
+        tensors = {k: _local(flat[k]) for k in keys if leaves[k].kind != _shard_plan.OBJECT}
+        objects = {k: pickle.dumps(flat[k]) for k in keys if leaves[k].kind == _shard_plan.OBJECT}
         arena = self._arena_for(sum(t.numel() * t.element_size() for t in tensors.values()))
         slots = arena.snapshot(tensors)
         return ShardJob(root=self.root, step=step, rank=self.rank, world_size=self.world_size,
@@ -213,13 +191,13 @@ class Checkpointer:
                         keep_last=self.keep_last, owner_pid=os.getpid(), nonce=nonce,
                         num_bytes=sum(s.nbytes for s in slots))
 
-    def _owners(self, leaves: dict[str, _plan.Leaf]) -> dict[str, int]:
+    def _owners(self, leaves: dict[str, _shard_plan.Leaf]) -> dict[str, int]:
         """Owner of each replicated leaf; exchanged across ranks only when a structure changes."""
-        sig = _plan.signature(leaves)
+        sig = _shard_plan.signature(leaves)
         sigs = _all_gather(sig)
         if self._owner_cache is not None and self._owner_cache[0] == sigs:
             return self._owner_cache[1]
-        owners = _plan.assign_owners(_all_gather(leaves))
+        owners = _shard_plan.assign_owners(_all_gather(leaves))
         self._owner_cache = (sigs, owners)
         return owners
 
@@ -252,7 +230,8 @@ class Checkpointer:
         self.stats.last_error = f"step {step}: {type(exc).__name__}: {exc}"
         logger.error("checkpoint of step %d failed; the previous committed checkpoint stays the "
                      "recovery point: %s", step, exc)
-        _failure_metric().inc(1)
+        if self._metrics is not None:
+            self._metrics.failed()
 
     def _outcome(self, pending: _Pending, block: bool) -> bool | None:
         """True when this rank's part of ``pending`` is durable, False when it failed,
@@ -369,8 +348,6 @@ class Checkpointer:
             if self._ctx.in_ray_train:
                 # A last report, so the goodput callback sees the end even when no
                 # checkpoint committed since the previous report.
-                import ray.train  # noqa: PLC0415
-
                 ray.train.report({"step": self._last_step, "ray_goodput_closed": 1})
         finally:
             self._closed = True

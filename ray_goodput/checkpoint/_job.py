@@ -22,7 +22,7 @@ from ray_goodput.checkpoint import _catalog, _layout
 from ray_goodput.checkpoint._arena import TensorSlot, open_slots
 from ray_goodput.checkpoint._manifest import RankMarker, try_commit, write_rank_marker
 from ray_goodput.checkpoint._parts import write_part
-from ray_goodput.checkpoint._plan import Leaf
+from ray_goodput.checkpoint._shard_plan import Leaf
 from ray_goodput.errors import CheckpointError
 from ray_goodput.storage import RetryPolicy, StorageLocation, upload_files
 
@@ -65,11 +65,12 @@ class ShardResult:
 
 
 def _out_of_space(exc: BaseException) -> bool:
-    """ENOSPC anywhere in the cause chain (DCP and torch's zip writer wrap it)."""
+    """ENOSPC anywhere in the cause chain (DCP and torch's zip writer wrap it; when they
+    hide it entirely, the caller goes by free space)."""
     todo: list[BaseException] = [exc]
     while todo:
         seen = todo.pop()
-        if getattr(seen, "errno", None) == errno.ENOSPC or "No space left" in str(seen):
+        if getattr(seen, "errno", None) == errno.ENOSPC:
             return True
         todo += [e for e in (seen.__cause__, seen.__context__) if e is not None]
         # DCP's CheckpointException carries each rank's error in ``failures``.

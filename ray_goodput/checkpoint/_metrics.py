@@ -1,8 +1,20 @@
-"""Ray metrics of the node services (exported to the Ray dashboard / Prometheus)."""
+"""Ray metrics of the checkpoint component (Ray dashboard / Prometheus): the node uploader's
+queue and throughput, and failed saves as the workers see them."""
 
 from __future__ import annotations
 
 from ray.util import metrics
+
+
+class SaveMetrics:
+    """Worker-side counter ``ray_goodput_checkpoint_failed_saves``."""
+
+    def __init__(self) -> None:
+        self._failed = metrics.Counter("ray_goodput_checkpoint_failed_saves",
+                                       "checkpoint saves that failed")
+
+    def failed(self) -> None:
+        self._failed.inc(1)
 
 
 class UploaderMetrics:

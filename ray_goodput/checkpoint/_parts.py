@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from ray_goodput.checkpoint._plan import SHARD, Leaf
+from ray_goodput.checkpoint._shard_plan import SHARD, Leaf
 
 
 def data_file(rank: int, nonce: str) -> str:

@@ -8,13 +8,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from ray_goodput.checkpoint import _catalog, _layout, _state
 from ray_goodput.checkpoint._manifest import Manifest
-from ray_goodput.checkpoint._reader import TieredReader
+from ray_goodput.checkpoint._tiered_reader import TieredReader
 from ray_goodput.errors import CheckpointCorruptError, StateMismatchError
 from ray_goodput.storage import RetryPolicy, StorageLocation, file_crc32
 
@@ -47,6 +50,32 @@ def verified_local_copy(local_dir: Path, manifest: Manifest) -> set[str]:
     return good
 
 
+def _causes(exc: BaseException) -> list[BaseException]:
+    """``exc`` and, for DCP's CheckpointException, every rank's exception in it."""
+    failures = exc.failures.values() if isinstance(exc, CheckpointException) else ()
+    return [exc, *(f[0] if isinstance(f, tuple) else f for f in failures)]
+
+
+def _check_fits(template: dict[str, Any], metadata: Metadata, step: int, uri: str) -> None:
+    """Raise StateMismatchError when a leaf of ``template`` is missing from the checkpoint
+    or has another global shape (a retry cannot fix that)."""
+    flat, _ = flatten_state_dict(template)
+    saved = metadata.state_dict_metadata
+    for fqn, value in flat.items():
+        entry = saved.get(fqn)
+        problem = None
+        if entry is None:
+            problem = f"it has no {fqn!r}"
+        elif isinstance(value, torch.Tensor) and isinstance(entry, TensorStorageMetadata) \
+                and tuple(entry.size) != tuple(value.shape):
+            problem = f"{fqn!r} is {tuple(entry.size)} there, {tuple(value.shape)} here"
+        if problem is not None:
+            raise StateMismatchError(
+                f"checkpoint step {step} at {uri} does not match the state passed to restore "
+                f"({problem}); a retry cannot fix this: restore into the same model/optimizer "
+                "structure, or use another storage_path")
+
+
 def _load_rng(reader: TieredReader, rank: int, nonce: str) -> None:
     with reader.fs.create_stream(_layout.extras_file(rank, nonce), "rb") as f:
         _state.restore_rng(f.read())
@@ -68,19 +97,13 @@ def load_checkpoint(state: dict[str, Any], *, root: StorageLocation, manifest: M
     roles = _state.classify(state)
     template = _state.to_state_dict(roles)
     reader = TieredReader(step_loc, local_dir, local, {f.name: f for f in manifest.files}, policy)
+    _check_fits(template, reader.read_metadata(), manifest.step, step_loc.uri)
     try:
         dcp.load(template, storage_reader=reader,
                  no_dist=not (dist.is_initialized() and dist.get_world_size() > 1))
     except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
-        text = f"{exc} {getattr(exc, 'failures', '')}".lower()
-        if "checkpointcorrupterror" in text:
+        if any(isinstance(e, CheckpointCorruptError) for e in _causes(exc)):
             raise CheckpointCorruptError(f"checkpoint step {manifest.step} is damaged: {exc}") from exc
-        if "missing key" in text or "size mismatch" in text or "shape mismatch" in text:
-            raise StateMismatchError(
-                f"checkpoint step {manifest.step} at {step_loc.uri} does not match the state "
-                f"passed to restore ({exc}); a retry cannot fix this: restore into the same "
-                "model/optimizer structure, or use another storage_path"
-            ) from exc
         raise
     _state.apply_state_dict(roles, template, state)
     same_world = manifest.world_size == world_size

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata
 
 from ray_goodput.errors import CheckpointCorruptError
 from ray_goodput.storage import FileEntry, RetryPolicy, StorageLocation, download_file
@@ -87,6 +88,13 @@ class TieredReader(FileSystemReader):
         super().__init__(path="")
         self.fs = _TieredFs(remote, local_dir, local_names, entries, policy)
         self.path = ""
+        self._metadata: Metadata | None = None
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """DCP's metadata, read once (restore checks it before DCP reads it again)."""
+        if self._metadata is None:
+            self._metadata = super().read_metadata(*args, **kwargs)
+        return self._metadata
 
     @property
     def local_reads(self) -> int:

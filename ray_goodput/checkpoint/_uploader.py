@@ -1,6 +1,7 @@
-"""CheckpointUploader: one per node, it turns staged snapshots into committed checkpoints.
+"""CheckpointUploader: the node actor that turns snapshots into committed checkpoints.
 
-Workers hand it a :class:`ShardJob` and go back to training. It writes the rank's DCP
+One per node. Workers hand it a :class:`ShardJob` (through :class:`ActorBackend`) and go
+back to training. It writes the rank's DCP
 files into the node-local staging dir, uploads them with parallel streams and retries,
 declares the rank durable and commits when it sees the last rank. It is a detached,
 named actor (``uploader:<node_id>`` in namespace ``ray_goodput``) so it survives the
@@ -25,8 +26,8 @@ import torch
 
 from ray_goodput.checkpoint._backends import Handoff
 from ray_goodput.checkpoint._job import ShardJob, ShardResult, run_shard_job
-from ray_goodput.node import _services
-from ray_goodput.node._metrics import UploaderMetrics
+from ray_goodput.checkpoint._metrics import UploaderMetrics
+from ray_goodput.runtime import _services, pid_alive
 from ray_goodput.storage import RetryPolicy, StorageLocation
 
 logger = logging.getLogger(__name__)
@@ -38,16 +39,6 @@ _GRACE_AFTER_CLOSE_S = 2.0
 _GRACE_AFTER_DEATH_S = 30.0
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-
-
 @dataclass
 class _JobState:
     job: ShardJob
@@ -57,8 +48,8 @@ class _JobState:
     error: BaseException | None = None
 
 
-class _Uploader:
-    """The actor's body (kept a plain class so its logic reads without Ray)."""
+class CheckpointUploader:
+    """The node actor's body: a plain class, made an actor as ``_ACTOR``."""
 
     def __init__(self, node_id: str, concurrency: int, policy: RetryPolicy) -> None:
         # Background work: yield the CPU to the training processes on the same node.
@@ -150,7 +141,7 @@ class _Uploader:
 
     def _released(self, state: _JobState) -> None:
         state.released.set()
-        if not _pid_alive(state.job.owner_pid):  # its worker died: nobody else frees the arena
+        if not pid_alive(state.job.owner_pid):  # its worker died: nobody else frees the arena
             Path(state.job.arena_path).unlink(missing_ok=True)
 
     def _account(self, result: ShardResult) -> None:
@@ -178,7 +169,7 @@ class _Uploader:
 
     def _live_clients(self) -> int:
         with self._lock:
-            self._clients = {pid for pid in self._clients if _pid_alive(pid)}
+            self._clients = {pid for pid in self._clients if pid_alive(pid)}
             return len(self._clients)
 
     def _watch(self) -> None:
@@ -201,11 +192,11 @@ class _Uploader:
         ray.actor.exit_actor()
 
 
-CheckpointUploader = ray.remote(_Uploader)
+_ACTOR = ray.remote(CheckpointUploader)
 
 
-class ActorUploader:
-    """Worker-side client of this node's CheckpointUploader (created on first use)."""
+class ActorBackend:
+    """Runs a rank's shard jobs in its node's CheckpointUploader (found or created)."""
 
     def __init__(self, *, concurrency: int, policy: RetryPolicy) -> None:
         self._args = (concurrency, policy)
@@ -217,7 +208,7 @@ class ActorUploader:
         """Find or create this node's uploader without waiting for it (it starts while the
         worker builds its model and restores)."""
         node_id = _services.current_node_id()
-        self._actor = _services.get_or_create(CheckpointUploader, KIND, node_id, *self._args,
+        self._actor = _services.get_or_create(_ACTOR, KIND, node_id, *self._args,
                                               node_id=node_id, max_concurrency=64)
         self._registered = self._actor.register.remote(os.getpid())
 
@@ -249,3 +240,16 @@ class ActorUploader:
             except Exception as exc:  # noqa: BLE001 - it may be gone already
                 logger.debug("uploader unregister failed: %s", exc)
             self._actor = None
+
+
+def uploader_status(timeout_s: float = 10.0) -> list[dict[str, Any]]:
+    """``stats()`` of every live CheckpointUploader, sorted by node id (with ``error`` set
+    when one did not answer within ``timeout_s``). Needs ``ray.init``."""
+    refs = {node: h.stats.remote() for node, h in _services.find(KIND).items()}
+    out = []
+    for node, ref in sorted(refs.items()):
+        try:
+            out.append(ray.get(ref, timeout=timeout_s))
+        except Exception as exc:  # noqa: BLE001 - report it, keep listing
+            out.append({"node_id": node, "error": f"{type(exc).__name__}: {exc}"})
+    return out

@@ -1,29 +1,17 @@
-"""``ray-goodput status``: what each node's uploader and cache are doing."""
+"""``ray-goodput status``: what each node's uploader and cache are doing, one line each."""
 
 from __future__ import annotations
 
+import argparse
 import logging
+import sys
 
 import ray
 
-from ray_goodput.node import _services
+from ray_goodput.checkpoint._uploader import uploader_status
+from ray_goodput.data import cache_status
 
 logger = logging.getLogger(__name__)
-
-
-def uploader_status(timeout_s: float = 10.0) -> list[dict]:
-    """``stats()`` of every live CheckpointUploader, sorted by node id (``error`` when it did
-    not answer in ``timeout_s``). Needs ``ray.init``."""
-    from ray_goodput.node._uploader import KIND  # noqa: PLC0415 - import cycle
-
-    refs = {node: h.stats.remote() for node, h in _services.find(KIND).items()}
-    out = []
-    for node, ref in sorted(refs.items()):
-        try:
-            out.append(ray.get(ref, timeout=timeout_s))
-        except Exception as exc:  # noqa: BLE001 - report it, keep listing
-            out.append({"node_id": node, "error": f"{type(exc).__name__}: {exc}"})
-    return out
 
 
 def _mb(n: float) -> str:
@@ -32,8 +20,6 @@ def _mb(n: float) -> str:
 
 def status_lines(address: str = "auto") -> list[str]:
     """Human-readable lines for every node's uploader and cache."""
-    from ray_goodput.data import cache_status  # noqa: PLC0415
-
     if not ray.is_initialized():
         ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)
     lines = ["uploaders:"]
@@ -56,3 +42,9 @@ def status_lines(address: str = "auto") -> list[str]:
         lines.append(f"  node {c['node_id'][:12]}  used {_mb(c['bytes_used'])} / {_mb(c['capacity_bytes'])}"
                      f"  files {c['files']}  hit rate {c['hit_rate']:.0%}  evictions {c['evictions']}")
     return lines
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    for line in status_lines(args.address):
+        sys.stdout.write(line + "\n")
+    return 0

@@ -6,12 +6,12 @@
     for batch in loader: ...; saved = loader.state_dict()
 """
 
+from ray_goodput.data._cache_actor import cache_status
 from ray_goodput.data._config import CacheConfig
 from ray_goodput.data._datasets import CachedDataset, FileDataset
-from ray_goodput.data._errors import CacheFullError, DataError
+from ray_goodput.errors import CacheFullError, DataError
 from ray_goodput.data._loader import DataLoader
 from ray_goodput.data._parquet import ParquetDataset
-from ray_goodput.data._status import cache_status
 
 __all__ = [
     "CacheConfig",

@@ -1,6 +1,6 @@
 """NodeCache: the per-node data cache actor (named ``cache:<node_id>``, detached).
 
-A thin Ray shell around :class:`ray_goodput.data._cache_core.CacheCore`: it adds Ray
+A thin Ray shell around :class:`~ray_goodput.data._cache_keeper.CacheKeeper`: it adds Ray
 metrics, a once-a-second maintenance thread, and its own exit when the job that created
 it is gone. Training processes call it only to announce files (``prefetch``, fire and
 forget); cache hits never reach it.
@@ -13,47 +13,20 @@ import threading
 import time
 
 import ray
-from ray.util import metrics
 
-from ray_goodput.data._cache_core import CacheCore
+from ray_goodput.data._cache_keeper import CacheKeeper
 from ray_goodput.data._config import CacheConfig
+from ray_goodput.data._metrics import CacheMetrics
 from ray_goodput.data._sources import FileSet
-from ray_goodput.node import _services
+from ray_goodput.runtime import _services
 
 logger = logging.getLogger(__name__)
 
 KIND = "cache"
 MAINTAIN_INTERVAL_S = 1.0
 JOB_CHECK_INTERVAL_S = 10.0
-_COUNTERS = ("hits", "misses", "evictions", "bytes_fetched")
-
-
-class _Metrics:
-    """Ray metrics of one node cache, published from stats deltas once a second."""
-
-    def __init__(self, node_id: str) -> None:
-        tags = ("node_id",)
-        self._tags = {"node_id": node_id}
-        self._counters = {name: metrics.Counter(f"ray_goodput_cache_{name}", tag_keys=tags,
-                                                description=f"node cache {name}")
-                          for name in _COUNTERS}
-        self._bytes = metrics.Gauge("ray_goodput_cache_bytes_cached", tag_keys=tags,
-                                    description="bytes in the node cache")
-        self._latency = metrics.Histogram(
-            "ray_goodput_cache_fetch_seconds", tag_keys=tags,
-            description="seconds to download one file into the node cache",
-            boundaries=[0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 30])
-        self._last = dict.fromkeys(_COUNTERS, 0)
-
-    def publish(self, stats: dict, latencies: list[float]) -> None:
-        for name in _COUNTERS:
-            delta = stats[name] - self._last[name]
-            if delta > 0:
-                self._counters[name].inc(delta, tags=self._tags)
-            self._last[name] = stats[name]
-        self._bytes.set(stats["bytes_used"], tags=self._tags)
-        for seconds in latencies:
-            self._latency.observe(seconds, tags=self._tags)
+_STATUS_FIELDS = ("node_id", "directory", "bytes_used", "capacity_bytes", "files", "hit_rate",
+                  "hits", "misses", "evictions", "bytes_fetched", "inflight", "errors")
 
 
 @ray.remote
@@ -62,8 +35,8 @@ class NodeCache:
 
     def __init__(self, config: CacheConfig, job_id: str | None) -> None:
         node_id = _services.current_node_id()
-        self._core = CacheCore(config, node_id)
-        self._metrics = _Metrics(node_id)
+        self._core = CacheKeeper(config, node_id)
+        self._metrics = CacheMetrics(node_id)
         self._job_id = job_id
         self._stop = threading.Event()
         threading.Thread(target=self._loop, name="rg-cache-maintain", daemon=True).start()
@@ -106,3 +79,20 @@ def get_cache(config: CacheConfig, node_id: str | None = None):
     """Handle of this node's (or ``node_id``'s) NodeCache, created on first use."""
     job_id = ray.get_runtime_context().get_job_id()
     return _services.get_or_create(NodeCache, KIND, config, job_id, node_id=node_id)
+
+
+def cache_status(timeout_s: float = 10.0) -> list[dict]:
+    """One dict per live node cache, sorted by node id: ``node_id``, ``directory``,
+    ``bytes_used``, ``capacity_bytes``, ``files``, ``hit_rate`` (0..1), ``hits``,
+    ``misses``, ``evictions``, ``bytes_fetched``, ``inflight``, ``errors``. A cache that
+    does not answer within ``timeout_s`` is listed with ``error`` set. Needs ``ray.init``."""
+    refs = {node: handle.stats.remote() for node, handle in _services.find(KIND).items()}
+    out = []
+    for node, ref in sorted(refs.items()):
+        try:
+            stats = ray.get(ref, timeout=timeout_s)
+            out.append({k: stats[k] for k in _STATUS_FIELDS})
+        except Exception as exc:  # noqa: BLE001 - report, do not fail the whole listing
+            logger.warning("node cache on %s did not answer: %s", node, exc)
+            out.append({"node_id": node, "error": f"{type(exc).__name__}: {exc}"})
+    return out

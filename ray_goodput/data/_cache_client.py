@@ -1,5 +1,7 @@
-"""The training process's link to its node cache: the NodeCache actor, or an in-process
-cache core when Ray is not initialized. Only ``prefetch`` announcements go through it."""
+"""CacheClient: the training process's link to its node cache.
+
+That is the node's NodeCache actor, or an in-process CacheKeeper when Ray is not
+initialized. Only ``prefetch`` announcements go through it; reads never do."""
 
 from __future__ import annotations
 
@@ -9,8 +11,9 @@ from pathlib import Path
 
 import ray
 
-from ray_goodput.data._cache_core import CacheCore
-from ray_goodput.data._cachefs import CacheLayout
+from ray_goodput.data._cache_actor import get_cache
+from ray_goodput.data._cache_keeper import CacheKeeper
+from ray_goodput.data._cache_files import CacheLayout
 from ray_goodput.data._config import CacheConfig
 from ray_goodput.data._sources import FileSet
 
@@ -18,13 +21,13 @@ logger = logging.getLogger(__name__)
 _CONNECT_TIMEOUT_S = 120.0
 
 
-class CacheService:
+class CacheClient:
     """Connects on construction (blocking, once); ``prefetch`` does not block."""
 
     def __init__(self, config: CacheConfig) -> None:
         self.config = config
         self._actor = None
-        self._local: CacheCore | None = None
+        self._local: CacheKeeper | None = None
         self._stop = threading.Event()
         self._pending: list = []
         self._filesets: dict[int, FileSet] = {}
@@ -38,11 +41,9 @@ class CacheService:
 
     def _connect(self) -> dict:
         if ray.is_initialized():
-            from ray_goodput.node._cache import get_cache  # noqa: PLC0415 - import cycle
-
             self._actor = get_cache(self.config)
             return ray.get(self._actor.describe.remote(), timeout=_CONNECT_TIMEOUT_S)
-        self._local = CacheCore(self.config)
+        self._local = CacheKeeper(self.config)
         threading.Thread(target=self._maintain_local, daemon=True,
                          name="rg-cache-local").start()
         return self._local.describe()

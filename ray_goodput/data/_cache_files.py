@@ -30,10 +30,11 @@ from pathlib import Path
 
 import pyarrow.fs as pafs
 
-from ray_goodput.data._errors import CacheFullError
-from ray_goodput.storage import RetryPolicy
+from ray_goodput import _env
+from ray_goodput.data._config import CacheConfig
+from ray_goodput.errors import CacheFullError
+from ray_goodput.storage import RetryPolicy, copy_stream
 
-CHUNK_BYTES = 4 << 20
 LOCK_STRIPES = 4096
 _tmp_counter = itertools.count()
 
@@ -62,6 +63,11 @@ class CacheLayout:
     def journal_dir(self) -> Path:
         return self.root / "journal"
 
+    @staticmethod
+    def of(config: CacheConfig) -> CacheLayout:
+        """The layout of ``config``'s directory (default: ``RAY_GOODPUT_CACHE_DIR``)."""
+        return CacheLayout(Path(config.directory or _env.cache_root()).absolute())
+
     def create(self) -> None:
         for sub in ("data", "locks", "journal"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
@@ -75,16 +81,6 @@ def parse_temp(name: str) -> int | None:
         return int(name.rsplit(".part-", 1)[1].split("-")[0])
     except ValueError:
         return None
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 # Lock fds open in this process. A forked child (a DataLoader worker) inherits them, and
@@ -129,16 +125,16 @@ def _flock(path: Path):
 def _copy_in(fs: pafs.FileSystem, src: str, dest: Path, max_bytes: int,
              expected: int) -> int:
     tmp = dest.with_name(f".{dest.name}.part-{os.getpid()}-{next(_tmp_counter)}")
-    size = 0
+
+    def check(size: int) -> None:
+        if size > max_bytes:
+            raise CacheFullError(
+                f"{src} is larger than the cache capacity ({max_bytes} bytes); raise "
+                "CacheConfig.capacity_bytes or pass cache=None to read it uncached")
+
     try:
         with fs.open_input_stream(src) as inp, open(tmp, "wb") as out:
-            while chunk := inp.read(CHUNK_BYTES):
-                size += len(chunk)
-                if size > max_bytes:
-                    raise CacheFullError(
-                        f"{src} is larger than the cache capacity ({max_bytes} bytes); raise "
-                        "CacheConfig.capacity_bytes or pass cache=None to read it uncached")
-                out.write(chunk)
+            size, _ = copy_stream(inp, out, check=check)
         if expected >= 0 and size != expected:  # a truncated read must not become a hit
             raise OSError(f"read {size} bytes of {src} but it was listed with {expected}; "
                           "the object changed or the connection broke")

@@ -1,7 +1,7 @@
 """The node cache's logic (LRU accounting, prefetch, eviction), free of Ray.
 
-The NodeCache actor (``ray_goodput.node._cache``) wraps it; without Ray the loader runs it
-in-process. Readers fetch on their own on a miss (see ``_cachefs``); this class learns of
+The NodeCache actor (``_cache_actor``) wraps it; without Ray the loader runs it
+in-process. Readers fetch on their own on a miss (see ``_cache_files``); this class learns of
 their fetches from the journal and keeps the directory under its capacity.
 
 Recency is the order in which loaders *announced* files (prefetch hints arrive in access
@@ -19,12 +19,12 @@ from collections import OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-from ray_goodput import _env
-from ray_goodput.data._cachefs import CacheLayout, fetch, parse_temp, pid_alive
+from ray_goodput.data._cache_files import CacheLayout, fetch, parse_temp
 from ray_goodput.data._config import CacheConfig
-from ray_goodput.data._errors import CacheFullError
 from ray_goodput.data._journal import JournalReader
 from ray_goodput.data._sources import FileSet
+from ray_goodput.errors import CacheFullError
+from ray_goodput.runtime import pid_alive
 from ray_goodput.storage import RetryPolicy
 
 logger = logging.getLogger(__name__)
@@ -32,13 +32,13 @@ _MAX_ERRORS = 5
 _SWEEP_INTERVAL_S = 60.0
 
 
-class CacheCore:
+class CacheKeeper:
     """Thread-safe. ``prefetch`` never blocks; ``maintain`` is called about once a second."""
 
     def __init__(self, config: CacheConfig, node_id: str = "local") -> None:
         self.node_id = node_id
         self.config = config
-        self.layout = CacheLayout(Path(config.directory or _env.cache_root()).absolute())
+        self.layout = CacheLayout.of(config)
         self.layout.create()
         self.capacity = config.capacity_bytes or int(
             0.8 * shutil.disk_usage(self.layout.root).free)

@@ -10,11 +10,12 @@ from typing import Any
 import numpy as np
 import torch.utils.data
 
+from ray_goodput.data._cache_files import CacheLayout
 from ray_goodput.data._config import CacheConfig
-from ray_goodput.data._errors import DataError
+from ray_goodput.data._file_readers import CacheReader, DirectReader
 from ray_goodput.data._order import permutation
-from ray_goodput.data._reader import CacheReader, DirectReader
 from ray_goodput.data._sources import FileSet, resolve_source
+from ray_goodput.errors import DataError
 from ray_goodput.storage import RetryPolicy
 
 logger = logging.getLogger(__name__)
@@ -58,18 +59,9 @@ class CachedDataset(torch.utils.data.Dataset):
     def reader(self) -> CacheReader | DirectReader:
         if self._reader is None:  # used without our DataLoader: cache without prefetch
             self._reader = (DirectReader(self._retry) if self.cache is None else
-                            CacheReader(_layout(self.cache), self.cache.capacity_bytes
+                            CacheReader(CacheLayout.of(self.cache), self.cache.capacity_bytes
                                         or 2**62, self._retry))
         return self._reader
-
-
-def _layout(cache: CacheConfig):
-    from pathlib import Path  # noqa: PLC0415
-
-    from ray_goodput import _env  # noqa: PLC0415
-    from ray_goodput.data._cachefs import CacheLayout  # noqa: PLC0415
-
-    return CacheLayout(Path(cache.directory or _env.cache_root()).absolute())
 
 
 class FileDataset(CachedDataset):

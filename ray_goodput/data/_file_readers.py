@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from typing import BinaryIO
 
-from ray_goodput.data._cachefs import CacheLayout, fetch
+from ray_goodput.data._cache_files import CacheLayout, fetch
 from ray_goodput.data._journal import JournalWriter
 from ray_goodput.data._sources import FileSet
 from ray_goodput.storage import RetryPolicy

@@ -15,7 +15,7 @@ import uuid
 from multiprocessing import util as mp_util
 from pathlib import Path
 
-from ray_goodput.data._cachefs import pid_alive
+from ray_goodput.runtime import pid_alive
 
 logger = logging.getLogger(__name__)
 FLUSH_INTERVAL_S = 1.0

@@ -12,12 +12,11 @@ import torch.utils.data
 
 from ray_goodput.data import _partition as part
 from ray_goodput.data._datasets import CachedDataset
-from ray_goodput.data._errors import DataError
-from ray_goodput.data._reader import CacheReader
-from ray_goodput.data._service import CacheService
-from ray_goodput.data._world import resolve_world
-from ray_goodput.errors import ConfigError
-from ray_goodput.goodput._recorder import get_recorder
+from ray_goodput.data._cache_client import CacheClient
+from ray_goodput.data._file_readers import CacheReader
+from ray_goodput.errors import ConfigError, DataError
+from ray_goodput.goodput import get_recorder
+from ray_goodput.runtime import WorkerContext
 
 logger = logging.getLogger(__name__)
 STATE_KEYS = ("epoch", "consumed", "seed", "fingerprint")
@@ -70,16 +69,17 @@ class DataLoader(torch.utils.data.DataLoader):
         if not isinstance(dataset, CachedDataset):
             raise ConfigError("ray_goodput.data.DataLoader needs a FileDataset or "
                               f"ParquetDataset, got {type(dataset).__name__}")
-        rank, world = resolve_world(rank, world_size)
+        ctx = WorkerContext.detect(rank, world_size)
+        rank, world = ctx.rank, ctx.world_size
         part.check_world(rank, world, batch_size)
         if len(dataset) < part.global_batch(world, batch_size):
             raise DataError(f"the dataset has {len(dataset)} samples, fewer than one step of "
                             f"world_size*batch_size = {world}*{batch_size}; lower batch_size")
-        self._service = CacheService(dataset.cache) if dataset.cache is not None else None
-        if self._service is not None:
-            dataset.use_reader(CacheReader(self._service.layout, self._service.capacity_bytes,
+        self._cache = CacheClient(dataset.cache) if dataset.cache is not None else None
+        if self._cache is not None:
+            dataset.use_reader(CacheReader(self._cache.layout, self._cache.capacity_bytes,
                                            dataset._retry))
-            self._fileset_id = self._service.register(dataset.files)
+            self._fileset_id = self._cache.register(dataset.files)
         self._rg_sampler = _EpochBatchSampler(dataset, batch_size, rank, world)
         self._window = (dataset.cache.lookahead if dataset.cache else 0) + batch_size * max(
             1, num_workers) * (prefetch_factor or 2)
@@ -113,7 +113,7 @@ class DataLoader(torch.utils.data.DataLoader):
     def __iter__(self) -> Iterator[Any]:
         s = self._rg_sampler
         start, gb = s.consumed, part.global_batch(s.world, s.batch_size)
-        hints = _Hints(self, s.rank_order()) if self._service is not None else None
+        hints = _Hints(self, s.rank_order()) if self._cache is not None else None
         inner = super().__iter__()
         recorder = get_recorder()
         delivered = 0
@@ -161,8 +161,8 @@ class DataLoader(torch.utils.data.DataLoader):
 
     def close(self) -> None:
         """Release the link to the node cache (the cache itself keeps running)."""
-        if self._service is not None:
-            self._service.close()
+        if self._cache is not None:
+            self._cache.close()
 
 
 class _Hints:
@@ -176,5 +176,5 @@ class _Hints:
         upto = min(len(self._order), position + self._loader._window)
         if upto - self._sent >= self._chunk or (upto == len(self._order) > self._sent):
             files = self._loader.dataset.file_indices(self._order[self._sent:upto])
-            self._loader._service.prefetch(self._loader._fileset_id, files)
+            self._loader._cache.prefetch(self._loader._fileset_id, files)
             self._sent = upto

@@ -15,10 +15,9 @@ import pyarrow.parquet as pq
 
 from ray_goodput.data._config import CacheConfig
 from ray_goodput.data._datasets import _DEFAULT_CACHE, CachedDataset
-from ray_goodput.data._errors import DataError
 from ray_goodput.data._order import block_permutation
 from ray_goodput.data._sources import FileSet, resolve_source
-from ray_goodput.errors import StorageError
+from ray_goodput.errors import DataError, StorageError
 from ray_goodput.storage import RetryPolicy
 
 logger = logging.getLogger(__name__)

@@ -11,8 +11,7 @@ from urllib.parse import urlsplit
 import pyarrow.fs as pafs
 
 from ray_goodput import storage
-from ray_goodput.data._errors import DataError
-from ray_goodput.errors import ConfigError, StorageError
+from ray_goodput.errors import ConfigError, DataError, StorageError
 
 logger = logging.getLogger(__name__)
 

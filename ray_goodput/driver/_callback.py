@@ -12,16 +12,13 @@ from typing import Any
 
 from ray.train import Checkpoint, UserCallback
 
-from ray_goodput.errors import StateMismatchError
-from ray_goodput.goodput import _ledger
-from ray_goodput.goodput._events import read_events
-from ray_goodput.goodput._report import MlflowSink, RayGauges, summary, table
+from ray_goodput.driver._publish import MlflowSink, RayGauges
+from ray_goodput.errors import not_retryable
+from ray_goodput.goodput import Ledger, compute, read_events, summary, table
 from ray_goodput.storage import StorageLocation, write_bytes
 
 logger = logging.getLogger(__name__)
 
-#: Exceptions that a retry cannot fix (their message says what to change).
-NOT_RETRYABLE = (StateMismatchError, "ACCESS_DENIED", "InvalidAccessKeyId", "NoSuchBucket")
 
 
 class GoodputCallback(UserCallback):
@@ -41,7 +38,7 @@ class GoodputCallback(UserCallback):
         self.experiment_name = experiment_name
         self.log_every_s = log_every_s
         self.job_start = time.time()  # constructed in the driver, right before fit()
-        self.ledger: _ledger.Ledger | None = None
+        self.ledger: Ledger | None = None
         self._failures: list[str] = []
         self._state: dict[str, Any] = {}
 
@@ -86,15 +83,15 @@ class GoodputCallback(UserCallback):
                     done.set()
 
     # -- the ledger --
-    def refresh(self, run_context: Any) -> _ledger.Ledger:
+    def refresh(self, run_context: Any) -> Ledger:
         """Recompute the ledger from the workers' events (cheap: a few small reads)."""
         root = self._root(run_context)
         events = read_events(root)
-        self.ledger = _ledger.compute(list(events.values()), job_start=self.job_start)
+        self.ledger = compute(list(events.values()), job_start=self.job_start)
         self.ledger.failures = max(self.ledger.failures, len(self._failures))
         return self.ledger
 
-    def _publish(self, run_context: Any, ledger: _ledger.Ledger, final: bool) -> None:
+    def _publish(self, run_context: Any, ledger: Ledger, final: bool) -> None:
         step = int(time.time() - self.job_start)
         gauges = self._state.setdefault("gauges", _safe_gauges(self._state.get("name", "run")))
         if gauges is not None:
@@ -126,16 +123,10 @@ class GoodputCallback(UserCallback):
         texts = [f"rank {rank}: {type(exc).__name__}: {exc}" for rank, exc in worker_exceptions.items()]
         self._failures.append("; ".join(texts))  # one worker-group failure, however many ranks
         for exc, text in zip(worker_exceptions.values(), texts):
-            if _not_retryable(exc):
+            if not_retryable(exc) is not None:
                 logger.error("NOT RETRYABLE (a restart will fail the same way; fix the cause "
                              "and start a new run): %s", text)
         self._worker().put(("log_failure", (len(self._failures), self._failures[-1]), None))
-
-
-def _not_retryable(exc: BaseException) -> bool:
-    text = f"{type(exc).__name__} {exc}"
-    return any((isinstance(m, type) and m.__name__ in text) or (isinstance(m, str) and m in text)
-               for m in NOT_RETRYABLE)
 
 
 def _safe_gauges(run_name: str) -> RayGauges | None:

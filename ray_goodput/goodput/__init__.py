@@ -1,7 +1,11 @@
-"""Goodput accounting: worker-side recording, the ledger, and the Ray Train callback."""
+"""Goodput accounting, worker side and pure: the step recorder, its event log, the ledger
+and its text/chart/summary forms. The Ray Train callback that publishes it lives in
+``ray_goodput.driver``."""
 
-from ray_goodput.goodput._callback import GoodputCallback
+from ray_goodput.goodput._events import EventLog, read_events
 from ray_goodput.goodput._ledger import BUCKETS, Ledger, compute
 from ray_goodput.goodput._recorder import get_recorder, record_end, record_step
+from ray_goodput.goodput._report import chart_png, summary, table
 
-__all__ = ["BUCKETS", "GoodputCallback", "Ledger", "compute", "get_recorder", "record_end", "record_step"]
+__all__ = ["BUCKETS", "EventLog", "Ledger", "chart_png", "compute", "get_recorder", "read_events",
+           "record_end", "record_step", "summary", "table"]

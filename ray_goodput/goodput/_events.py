@@ -17,7 +17,7 @@ import time
 import uuid
 from typing import Any
 
-from ray_goodput.storage import StorageLocation, write_bytes
+from ray_goodput.storage import StorageLocation, list_dir, read_bytes, write_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -77,8 +77,6 @@ class EventLog:
 
 def read_events(root: StorageLocation) -> dict[str, list[dict[str, Any]]]:
     """Every attempt's events, ``{attempt: [event, ...]}`` in time order."""
-    from ray_goodput.storage import list_dir, read_bytes  # noqa: PLC0415
-
     out: dict[str, list[dict[str, Any]]] = {}
     for info in list_dir(root, EVENTS_DIR, recursive=True):
         rel = info.path[len(root.join(EVENTS_DIR)) + 1:]

@@ -12,7 +12,7 @@ import threading
 import time
 
 from ray_goodput.goodput._events import EventLog
-from ray_goodput.storage import StorageLocation
+from ray_goodput.runtime import WorkerContext
 
 logger = logging.getLogger(__name__)
 
@@ -79,20 +79,12 @@ _RECORDER_LOCK = threading.Lock()
 
 
 def _make() -> StepRecorder:
-    try:
-        import ray.train  # noqa: PLC0415
-
-        ctx = ray.train.get_context()
-        rank, world = ctx.get_world_rank(), ctx.get_world_size()
-        storage = ctx.get_storage()
-    except Exception:  # noqa: BLE001 - not in a Ray Train worker: nothing to feed
+    ctx = WorkerContext.detect()
+    root = ctx.run_root
+    if root is None or ctx.rank != 0:  # outside Ray Train, or not the timeline's rank
         return StepRecorder(None)
-    if rank != 0:
-        return StepRecorder(None)
-    fs = storage.storage_filesystem
-    root = StorageLocation(uri=storage.experiment_fs_path, fs=fs, root=storage.experiment_fs_path)
     try:
-        return StepRecorder(EventLog(root, rank=rank, world_size=world))
+        return StepRecorder(EventLog(root, rank=ctx.rank, world_size=ctx.world_size))
     except Exception as exc:  # noqa: BLE001 - accounting must never break training
         logger.warning("goodput events disabled: %s", exc)
         return StepRecorder(None)

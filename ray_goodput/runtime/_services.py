@@ -1,4 +1,6 @@
-"""Per-node service actors (uploader, cache): one per node, named, pinned, detached.
+"""Node services: the Ray-level helpers that both node actors (uploader, cache) use.
+
+One actor of a kind per node, named, pinned to its node, detached.
 
 A training worker owns the actors it creates and they die with it, so node services are
 *detached*: they survive worker-group restarts and are found again by name. They are

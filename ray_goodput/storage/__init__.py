@@ -1,13 +1,14 @@
 """Storage: any ``pyarrow.fs`` URI, parallel retried transfers, listing and deletion."""
 
+from ray_goodput.storage._checksum import CHUNK_BYTES, copy_stream, file_crc32
 from ray_goodput.storage._retry import RetryPolicy, is_transient
 from ray_goodput.storage._transfer import (
     FileEntry,
     delete_dir,
     download_file,
     download_files,
-    file_crc32,
     list_dir,
+    object_crc32,
     read_bytes,
     upload_file,
     upload_files,
@@ -16,15 +17,18 @@ from ray_goodput.storage._transfer import (
 from ray_goodput.storage._uri import StorageLocation, resolve
 
 __all__ = [
+    "CHUNK_BYTES",
     "FileEntry",
     "RetryPolicy",
     "StorageLocation",
+    "copy_stream",
     "delete_dir",
     "download_file",
     "download_files",
     "file_crc32",
     "is_transient",
     "list_dir",
+    "object_crc32",
     "read_bytes",
     "resolve",
     "upload_file",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import random
 import time
@@ -14,33 +15,21 @@ from ray_goodput.errors import ConfigError, StorageError
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
-# Messages of errors that no retry will fix (pyarrow maps AWS/GCS errors to OSError).
-_PERMANENT_MARKERS = (
-    "ACCESS_DENIED",
-    "AccessDenied",
-    "INVALID_ACCESS_KEY",
-    "InvalidAccessKeyId",
-    "SignatureDoesNotMatch",
-    "NoSuchBucket",
-    "NO_SUCH_BUCKET",
-    "Forbidden",
-    "PERMISSION_DENIED",
-    "HTTP status 403",
-    "HTTP status 404",
-    "No space left on device",
-)
+# OSErrors that no retry fixes, by type or errno. pyarrow raises other storage errors
+# (timeouts, 5xx, throttling, resets, and also refusals it does not type) as plain
+# OSError: those are retried a bounded number of times, then raised as StorageError.
+_PERMANENT_TYPES = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError,
+                    FileExistsError, StorageError)
+_PERMANENT_ERRNOS = frozenset({errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EDQUOT})
 
 
 def is_transient(exc: BaseException) -> bool:
     """True for errors worth retrying: timeouts, 5xx, throttling, connection resets."""
-    if isinstance(exc, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)):
+    if isinstance(exc, _PERMANENT_TYPES):
         return False
-    if isinstance(exc, StorageError):
+    if isinstance(exc, OSError) and exc.errno in _PERMANENT_ERRNOS:
         return False
-    if isinstance(exc, (OSError, TimeoutError, ConnectionError)):
-        text = str(exc)
-        return not any(marker in text for marker in _PERMANENT_MARKERS)
-    return False
+    return isinstance(exc, (OSError, TimeoutError, ConnectionError))
 
 
 @dataclass(frozen=True, kw_only=True)

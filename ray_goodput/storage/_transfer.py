@@ -6,7 +6,6 @@ import logging
 import os
 import posixpath
 import threading
-import zlib
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -15,12 +14,12 @@ from pathlib import Path
 import pyarrow.fs as pafs
 
 from ray_goodput.errors import StorageError
+from ray_goodput.storage._checksum import copy_stream
 from ray_goodput.storage._retry import RetryPolicy
 from ray_goodput.storage._uri import StorageLocation
 
 logger = logging.getLogger(__name__)
 
-CHUNK_BYTES = 8 << 20
 DEFAULT_POLICY = RetryPolicy()
 
 
@@ -40,24 +39,9 @@ class FileEntry:
         return FileEntry(name=str(d["name"]), size=int(d["size"]), crc32=int(d["crc32"]))
 
 
-def file_crc32(path: str | Path) -> tuple[int, int]:
-    """(size, crc32) of a local file."""
-    crc, size = 0, 0
-    with open(path, "rb") as f:
-        while chunk := f.read(CHUNK_BYTES):
-            crc = zlib.crc32(chunk, crc)
-            size += len(chunk)
-    return size, crc
-
-
 def _copy_up(local: Path, fs: pafs.FileSystem, dest: str) -> tuple[int, int]:
-    crc, size = 0, 0
     with open(local, "rb") as src, fs.open_output_stream(dest) as out:
-        while chunk := src.read(CHUNK_BYTES):
-            crc = zlib.crc32(chunk, crc)
-            size += len(chunk)
-            out.write(chunk)
-    return size, crc
+        return copy_stream(src, out)
 
 
 def upload_file(local: str | Path, loc: StorageLocation, name: str,
@@ -85,17 +69,23 @@ def upload_files(files: Sequence[tuple[str | Path, str]], loc: StorageLocation, 
 
 def _copy_down(fs: pafs.FileSystem, src: str, local: Path) -> tuple[int, int]:
     tmp = local.with_name(f".{local.name}.part-{os.getpid()}")
-    crc, size = 0, 0
     try:
         with fs.open_input_file(src) as inp, open(tmp, "wb") as out:
-            while chunk := inp.read(CHUNK_BYTES):
-                crc = zlib.crc32(chunk, crc)
-                size += len(chunk)
-                out.write(chunk)
+            size, crc = copy_stream(inp, out)
         os.replace(tmp, local)  # the final name appears only with complete content
     finally:
         tmp.unlink(missing_ok=True)
     return size, crc
+
+
+def object_crc32(loc: StorageLocation, name: str,
+                 policy: RetryPolicy = DEFAULT_POLICY) -> tuple[int, int]:
+    """``(size, crc32)`` of ``<loc>/<name>``, read in full from storage; retried."""
+    def _read() -> tuple[int, int]:
+        with loc.fs.open_input_file(loc.join(name)) as inp:
+            return copy_stream(inp)
+
+    return policy.call(f"checksum of {loc.uri}/{name}", _read)
 
 
 def download_file(loc: StorageLocation, name: str, local: str | Path,

@@ -11,7 +11,8 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 import pyarrow.fs as pafs
 
 from ray_goodput import _env
-from ray_goodput.errors import ConfigError, StorageError
+from ray_goodput.errors import ConfigError, StorageUnusableError
+from ray_goodput.storage._retry import RetryPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -67,11 +68,9 @@ class StorageLocation:
     def probe(self) -> None:
         """Write, read back and delete a small object under the root.
 
-        Raises StorageError naming the URI and the cause when storage is unreachable,
+        Raises StorageUnusableError naming the URI and the cause when storage is unreachable,
         refuses credentials or is read-only. Call it early: at start, not at the first save.
         """
-        from ray_goodput.storage._retry import RetryPolicy  # noqa: PLC0415 - import cycle
-
         path = self.join(f".ray_goodput_probe-{uuid.uuid4().hex}")
         payload = b"ray_goodput probe"
         retry = RetryPolicy(attempts=3, initial_delay=0.2, max_delay=1.0)
@@ -81,7 +80,7 @@ class StorageLocation:
             back = retry.call("probe read", lambda: self._read(path))
             retry.call("probe delete", lambda: self.fs.delete_file(path))
         except Exception as exc:  # noqa: BLE001 - any failure here means unusable storage
-            raise StorageError(
+            raise StorageUnusableError(
                 f"storage {self.uri!r} is not usable: a probe write/read failed with "
                 f"{type(exc.__cause__ or exc).__name__}: {exc.__cause__ or exc}. Check the URI, that the bucket or directory "
                 "exists and is writable, the credentials (e.g. AWS_ACCESS_KEY_ID) and, for a "
@@ -89,7 +88,7 @@ class StorageLocation:
                 f"{_env.S3_ENDPOINT_VAR}."
             ) from exc
         if back != payload:
-            raise StorageError(f"storage {self.uri!r} returned different bytes than written")
+            raise StorageUnusableError(f"storage {self.uri!r} returned different bytes than written")
 
 
 def resolve(uri: str | StorageLocation) -> StorageLocation:

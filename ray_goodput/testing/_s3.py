@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 
+from ray_goodput.testing._net import free_port
+
 
 def start_moto_server(timeout_s: float = 30.0) -> tuple[subprocess.Popen, str]:
     """Start it; returns the process and its ``host:port`` endpoint once it answers."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + timeout_s

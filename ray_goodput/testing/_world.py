@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -11,11 +10,7 @@ from typing import Any
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from ray_goodput.testing._net import free_port
 
 
 def _entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, args: tuple,
@@ -39,7 +34,7 @@ def run_world(fn: Callable[..., Any], world_size: int, *args: Any,
     with the child's traceback when one fails. With ``allow_deaths`` a rank that was
     killed (e.g. by a fault injector) yields None instead of an error.
     """
-    port = _free_port()
+    port = free_port()
     with mp.Manager() as manager:
         results = manager.dict()
         ctx = mp.start_processes(_entry, args=(fn, world_size, port, args, results),

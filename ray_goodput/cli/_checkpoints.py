@@ -1,0 +1,68 @@
+"""``ray-goodput ls`` and ``verify``: what is in a checkpoint storage, and is it intact."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from ray_goodput.checkpoint import _catalog
+from ray_goodput.checkpoint._manifest import read_manifest
+from ray_goodput.storage import resolve
+
+
+def _out(line: str = "") -> None:
+    sys.stdout.write(line + "\n")
+
+
+def _human(num: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(num) < 1024 or unit == "TiB":
+            return f"{num:.0f} {unit}" if unit == "B" else f"{num:.1f} {unit}"
+        num /= 1024
+    return str(num)
+
+
+def _age(created: float | None) -> str:
+    if created is None:
+        return "-"
+    seconds = max(0.0, time.time() - created)
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.1f}{unit}"
+    return f"{seconds:.0f}s"
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    infos = _catalog.list_checkpoints(args.uri)
+    if not infos:
+        _out(f"no checkpoints under {args.uri}")
+        return 0
+    _out(f"{'STEP':>10}  {'STATE':<11}  {'WORLD':>5}  {'SIZE':>10}  {'AGE':>6}")
+    for info in infos:
+        state = "committed" if info.committed else "uncommitted"
+        world = str(info.world_size) if info.world_size else "-"
+        _out(f"{info.step:>10}  {state:<11}  {world:>5}  {_human(info.num_bytes):>10}  {_age(info.created):>6}")
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    infos = [i for i in _catalog.list_checkpoints(args.uri) if i.committed]
+    if args.step is not None:
+        infos = [i for i in infos if i.step == args.step]
+        if not infos:
+            _out(f"no committed checkpoint at step {args.step} under {args.uri}")
+            return 2
+    damaged = 0
+    for info in infos:
+        loc = _catalog.step_location(resolve(args.uri), info.step)
+        manifest = read_manifest(loc)
+        problems = _catalog.verify(loc, manifest, checksums=True) if manifest else ["COMMITTED vanished"]
+        status = "ok" if not problems else "DAMAGED"
+        _out(f"step {info.step}: {status} ({len(manifest.files) if manifest else 0} files, {_human(info.num_bytes)})")
+        for problem in problems:
+            _out(f"  {problem}")
+        damaged += bool(problems)
+    if not infos:
+        _out(f"no committed checkpoints under {args.uri}")
+    return 1 if damaged else 0

@@ -1,0 +1,59 @@
+"""Publishing a goodput ledger: one MLflow run per job, and Ray metrics for the dashboard."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+
+import mlflow
+from ray.util import metrics
+
+from ray_goodput.goodput import Ledger, chart_png, summary
+
+logger = logging.getLogger(__name__)
+
+
+class MlflowSink:
+    """One MLflow run per job; it stays open across worker-group restarts."""
+
+    def __init__(self, tracking_uri: str, experiment: str, run_name: str) -> None:
+        self._client = mlflow.MlflowClient(tracking_uri=tracking_uri)
+        exp = self._client.get_experiment_by_name(experiment)
+        exp_id = exp.experiment_id if exp else self._client.create_experiment(experiment)
+        self.run_id = self._client.create_run(exp_id, run_name=run_name,
+                                              tags={"ray_goodput": "goodput"}).info.run_id
+
+    def log(self, ledger: Ledger, step: int) -> None:
+        for key, value in ledger.as_metrics().items():
+            self._client.log_metric(self.run_id, key, float(value), step=step)
+
+    def log_failure(self, count: int, message: str) -> None:
+        self._client.set_tag(self.run_id, f"failure_{count}", message[:4000])
+
+    def finish(self, ledger: Ledger, step: int) -> None:
+        self.log(ledger, step)
+        with tempfile.TemporaryDirectory() as tmp:
+            chart = os.path.join(tmp, "goodput_breakdown.png")
+            chart_png(ledger, chart)
+            self._client.log_artifact(self.run_id, chart)
+            path = os.path.join(tmp, "goodput_summary.json")
+            with open(path, "w") as f:
+                json.dump(summary(ledger), f, indent=1)
+            self._client.log_artifact(self.run_id, path)
+        self._client.set_terminated(self.run_id, "FINISHED")
+
+
+class RayGauges:
+    """Live values for the Ray dashboard: goodput ratio and seconds per bucket."""
+
+    def __init__(self, run_name: str) -> None:
+        self._tags = {"run": run_name}
+        self._ratio = metrics.Gauge("ray_goodput_goodput_ratio", "kept productive time / wall time", ("run",))
+        self._seconds = metrics.Gauge("ray_goodput_ledger_seconds", "seconds per ledger bucket", ("run", "bucket"))
+
+    def set(self, ledger: Ledger) -> None:
+        self._ratio.set(ledger.goodput, tags=self._tags)
+        for bucket, value in ledger.seconds.items():
+            self._seconds.set(value, tags={**self._tags, "bucket": bucket})

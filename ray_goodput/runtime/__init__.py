@@ -1,0 +1,9 @@
+"""Ray-level runtime helpers shared by every component: who am I (:class:`WorkerContext`),
+node services (naming, lookup, pinning, shutdown of per-node actors: ``_services``) and
+process liveness."""
+
+from ray_goodput.runtime._context import WorkerContext
+from ray_goodput.runtime._process import pid_alive
+from ray_goodput.runtime._services import shutdown
+
+__all__ = ["WorkerContext", "pid_alive", "shutdown"]

@@ -1,0 +1,115 @@
+"""The package's layering holds: imports only point down, and no import hides in a function.
+
+In the spirit of Ray's ``test_circular_imports``: a static check of every import
+statement, and a dynamic check that importing a lower layer loads nothing above it.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import ray_goodput
+
+PACKAGE = Path(ray_goodput.__file__).parent
+
+# Low to high. Packages in one layer are siblings: they must not import each other.
+LAYERS: list[tuple[str, ...]] = [
+    ("ray_goodput.errors", "ray_goodput._env", "ray_goodput.testing"),
+    ("ray_goodput.storage",),
+    ("ray_goodput.runtime",),
+    ("ray_goodput.goodput", "ray_goodput.plan"),
+    ("ray_goodput.checkpoint", "ray_goodput.data"),
+    ("ray_goodput.driver",),
+    ("ray_goodput.cli", "ray_goodput.demo"),
+    ("ray_goodput",),
+]
+
+
+def _unit(module: str) -> tuple[int, str]:
+    """(layer, package) of a module: the longest matching prefix in LAYERS."""
+    best = None
+    for level, names in enumerate(LAYERS):
+        for name in names:
+            if (module == name or module.startswith(name + ".")) and (best is None or len(name) > len(best[1])):
+                best = (level, name)
+    assert best is not None, f"{module} is in no layer: add it to LAYERS"
+    return best
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _imports(name: str, path: Path) -> list[tuple[str, int, bool]]:
+    """(imported ray_goodput module, line, inside a function) of every import in ``path``."""
+    tree = ast.parse(path.read_text())
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = []
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            nested = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef))
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                continue  # never executed
+            if isinstance(child, ast.Import):
+                found.extend((a.name, child.lineno, in_function) for a in child.names)
+            elif isinstance(child, ast.ImportFrom):
+                base = child.module or ""
+                if child.level:
+                    base = ".".join(package.split(".")[:len(package.split(".")) - child.level + 1]
+                                    + ([child.module] if child.module else []))
+                for alias in child.names:
+                    target = f"{base}.{alias.name}"
+                    found.append((target if target in MODULES else base, child.lineno, in_function))
+            visit(child, nested)
+
+    visit(tree, False)
+    return [(m, line, fn) for m, line, fn in found if m == "ray_goodput" or m.startswith("ray_goodput.")]
+
+
+def test_imports_only_point_down_and_siblings_stay_apart():
+    wrong = []
+    for name, path in sorted(MODULES.items()):
+        level, package = _unit(name)
+        for target, line, _ in _imports(name, path):
+            t_level, t_package = _unit(target)
+            if t_level > level or (t_level == level and t_package != package):
+                wrong.append(f"{path.relative_to(PACKAGE.parent)}:{line} {name} -> {target}")
+    assert not wrong, "imports that point up or sideways:\n" + "\n".join(wrong)
+
+
+def test_no_library_import_hides_in_a_function():
+    hidden = [f"{path.relative_to(PACKAGE.parent)}:{line} imports {target}"
+              for name, path in sorted(MODULES.items())
+              for target, line, in_function in _imports(name, path) if in_function]
+    assert not hidden, "function-local imports of ray_goodput modules:\n" + "\n".join(hidden)
+
+
+def test_a_lower_layer_imports_nothing_above_it():
+    """Import each layer's packages, bottom up, in a fresh interpreter; after each import no
+    module of a higher layer may be loaded."""
+    script = (
+        "import importlib, sys, json\n"
+        f"layers = {[[n for n in names if n in MODULES] for names in LAYERS[:-1]]!r}\n"
+        "out = []\n"
+        "for level, names in enumerate(layers):\n"
+        "    for name in names:\n"
+        "        importlib.import_module(name)\n"
+        "        above = [n for higher in layers[level + 1:] for n in higher]\n"
+        "        out += [f'{name} loaded {m}' for m in sys.modules for n in above\n"
+        "                if m == n or m.startswith(n + '.')]\n"
+        "print(json.dumps(out))\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]", done.stdout
