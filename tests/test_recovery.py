@@ -1,0 +1,265 @@
+"""Driver-side Recovery on a real multi-node Ray cluster, plus its pure parts.
+
+Cluster (module-scoped): a head with no CPUs (driver and Train controller only), node X
+with 2 CPUs, nodes Y and Z with 1 CPU each. Two 1-CPU workers with Ray Train's default PACK
+placement land both on X, the only node that holds them together: X is where Ray's default
+placement puts them, so X is the node the tests make unhealthy.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+from ray.cluster_utils import Cluster
+from ray.train import FailureConfig, RunConfig, ScalingConfig
+from ray.train.v2.api.exceptions import ControllerError, WorkerGroupError
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from ray_goodput.driver import _health
+from ray_goodput.driver._recovery import NodeLedger, Recovery, futile, load_state, workers_that_fit
+from ray_goodput.driver._trainer import TorchTrainer
+from ray_goodput.errors import ConfigError, StateMismatchError
+from ray_goodput.runtime import _resume
+
+# ---- pure parts ---------------------------------------------------------------------------
+
+
+def test_node_is_isolated_exactly_at_max_failures():
+    ledger = NodeLedger(max_failures_per_node=2)
+    assert ledger.record("a") is False and ledger.isolated == []
+    assert ledger.record("b") is False
+    assert ledger.record("a") is True and ledger.isolated == ["a"]
+    assert ledger.record("a") is False and ledger.isolated == ["a"]  # isolated once
+
+
+def test_futile_error_is_found_by_type_inside_ray_wrappers_not_by_message():
+    inner = StateMismatchError("model has 3 layers, checkpoint 4")
+    wrapped = ControllerError(WorkerGroupError("x", {0: RuntimeError("peer gone"), 1: inner}))
+    assert futile(wrapped) is inner
+    assert futile(WorkerGroupError("x", {0: RuntimeError("StateMismatchError: looks alike")})) is None
+    chained = RuntimeError("restore failed")
+    chained.__cause__ = ConfigError("bad keep_last")
+    assert isinstance(futile(chained), ConfigError)
+
+
+def test_worker_capacity_counts_whole_workers_per_node():
+    assert workers_that_fit({"CPU": 2.0, "GPU": 1.0}, {"CPU": 1.0}) == 2
+    assert workers_that_fit({"CPU": 8.0, "GPU": 1.0}, {"CPU": 1.0, "GPU": 1.0}) == 1
+    assert workers_that_fit({"CPU": 8.0}, {"GPU": 1.0}) == 0
+
+
+def test_bad_recovery_arguments_name_the_fix():
+    with pytest.raises(ConfigError, match="max_failures_per_node"):
+        Recovery(max_failures_per_node=0)
+    with pytest.raises(ConfigError, match="health_check"):
+        Recovery(health_check="cpu")
+    with pytest.raises(ConfigError, match="pass it once"):
+        TorchTrainer(lambda: None, callbacks=[Recovery()], recovery=Recovery())
+
+
+def test_trainer_merges_callbacks_into_run_config_and_recovery_none_turns_it_off():
+    user = Recovery(max_failures_per_node=3)
+    t = TorchTrainer(lambda: None, run_config=RunConfig(name="m", callbacks=[user]))
+    assert t.run_config.callbacks == [user] and t.recovery is user and t.run_config.name == "m"
+    t = TorchTrainer(lambda: None, recovery=None)
+    assert not any(isinstance(c, Recovery) for c in t.run_config.callbacks) and t.recovery is None
+    assert isinstance(TorchTrainer(lambda: None).recovery, Recovery)
+
+
+def test_decision_for_another_root_is_ignored(tmp_path):
+    _resume.set_decision(_resume.ResumeDecision(attempt=2, step=7, root_key=_resume.root_key(str(tmp_path / "a"))))
+    try:
+        assert _resume.resume_decision(str(tmp_path / "a")).step == 7
+        assert _resume.resume_decision(str(tmp_path / "b")) is None
+    finally:
+        _resume.set_decision(None)
+
+
+def test_gpu_check_comparison_catches_nan_inf_and_wrong_results():
+    a = torch.randn(8, 8)
+    assert _health.compare_results(a.clone(), a) is None
+    bad = a.clone()
+    bad[0, 0] = float("nan")
+    assert "NaN" in _health.compare_results(bad, a)
+    bad[0, 0] = float("inf")
+    assert "Inf" in _health.compare_results(bad, a)
+    assert "differs" in _health.compare_results(a + 1.0, a)
+
+
+def test_gpu_check_device_path_and_no_gpu_pass_on_cpu():
+    assert _health.check_device(torch.device("cpu"), alloc_gib=0.01) is None
+    assert not torch.cuda.is_available()  # this machine: the check passes with a note
+    assert _health.gpu_check() is True
+
+
+# ---- a real cluster -----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    x = c.add_node(num_cpus=2)
+    y = c.add_node(num_cpus=1)
+    z = c.add_node(num_cpus=1)
+    ray.init(address=c.address, log_to_driver=False,
+             runtime_env={"env_vars": {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.1"}})
+    c.wait_for_nodes()
+    yield {"x": x.node_id, "y": y.node_id, "z": z.node_id}
+    ray.shutdown()
+    c.shutdown()
+
+
+class _FailsOn:
+    """A health check that fails on one node (and records where it ran)."""
+
+    def __init__(self, node_id: str, out: str) -> None:
+        self.node_id, self.out = node_id, out
+
+    def __call__(self) -> bool:
+        node = ray.get_runtime_context().get_node_id()
+        Path(self.out, f"check-{node}-{time.time_ns()}").touch()
+        return node != self.node_id
+
+
+def _record(out: str, **fields) -> dict:
+    decision = _resume.resume_decision()
+    rec = {"attempt": decision.attempt if decision else 1, "step": decision.step if decision else None,
+           "rank": ray.train.get_context().get_world_rank(),
+           "node": ray.get_runtime_context().get_node_id(), "t": time.time(), **fields}
+    Path(out, f"rec-{os.getpid()}.json").write_text(json.dumps(rec))
+    return rec
+
+
+def _records(out: Path) -> list[dict]:
+    return sorted((json.loads(p.read_text()) for p in out.glob("rec-*.json")),
+                  key=lambda r: (r["attempt"], r["rank"]))
+
+
+def _loop(config: dict) -> None:
+    rec = _record(config["out"])
+    if rec["node"] == config.get("bad"):
+        raise RuntimeError("simulated GPU fault on this node")
+    if config.get("futile"):
+        raise StateMismatchError("the model has 3 layers, the checkpoint 4: pass the right model")
+
+
+def _fit(tmp_path: Path, name: str, recovery: Recovery | None, max_failures: int, **config):
+    out = tmp_path / name
+    out.mkdir()
+    trainer = TorchTrainer(
+        _loop, train_loop_config={"out": str(out), **config}, recovery=recovery,
+        scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1}),
+        run_config=RunConfig(name=name, storage_path=str(tmp_path / "runs"),
+                             failure_config=FailureConfig(max_failures=max_failures,
+                                                          controller_failure_limit=3)))
+    return trainer, out
+
+
+@ray.remote(num_cpus=1)
+class _Blocker:
+    """Holds a CPU of Y or Z so that attempts go to X for as long as X is allowed."""
+
+    def ping(self) -> int:
+        return 1
+
+
+def _unblock_when_isolated(root: Path, node: str, blockers: list, seen: list) -> None:
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        state = load_state(str(root))
+        if state and node in state["isolated_nodes"]:
+            seen.append(state)
+            for b in blockers:
+                ray.kill(b)
+            return
+        time.sleep(0.2)
+
+
+@pytest.mark.cluster
+def test_node_whose_workers_always_fail_is_isolated_and_run_completes_elsewhere(cluster, tmp_path):
+    # Y and Z are busy until X is isolated: Ray's placement has no choice but X until then,
+    # whatever the timing of resource release between attempts.
+    blockers = [_Blocker.options(scheduling_strategy=NodeAffinitySchedulingStrategy(cluster[n], soft=False)).remote()
+                for n in ("y", "z")]
+    ray.get([b.ping.remote() for b in blockers], timeout=60)
+    seen: list = []
+    watcher = threading.Thread(target=_unblock_when_isolated, daemon=True,
+                               args=(tmp_path / "runs" / "isolate", cluster["x"], blockers, seen))
+    watcher.start()
+    trainer, out = _fit(tmp_path, "isolate", Recovery(max_failures_per_node=2), 4, bad=cluster["x"])
+    trainer.fit()
+    watcher.join(timeout=5)
+    assert seen, "node X was never isolated"
+    recs = _records(out)
+    on_x = sorted({r["attempt"] for r in recs if r["node"] == cluster["x"]})
+    last = max(r["attempt"] for r in recs)
+    assert on_x == [1, 2], recs  # Ray's placement picked X until X was isolated
+    assert {r["node"] for r in recs if r["attempt"] == last} == {cluster["y"], cluster["z"]}
+    assert trainer.recovery.isolated_nodes == [cluster["x"]]
+    assert load_state(str(tmp_path / "runs" / "isolate"))["attempts"][-1]["excluded_nodes"] == [cluster["x"]]
+
+
+@pytest.mark.cluster
+def test_failing_health_check_keeps_workers_off_the_node_ray_would_pick(cluster, tmp_path):
+    checks = tmp_path / "checks"
+    checks.mkdir()
+    recovery = Recovery(health_check=_FailsOn(cluster["x"], str(checks)), health_check_timeout_s=30)
+    trainer, out = _fit(tmp_path, "health", recovery, 0)
+    trainer.fit()
+    recs = _records(out)
+    assert {r["node"] for r in recs} == {cluster["y"], cluster["z"]}, recs
+    assert any(p.name.startswith(f"check-{cluster['x']}") for p in checks.iterdir())  # it did run there
+    assert list(load_state(str(tmp_path / "runs" / "health"))["attempts"][0]["unhealthy"]) == [cluster["x"]]
+
+
+@pytest.mark.cluster
+def test_not_retryable_error_runs_one_attempt_despite_max_failures_5(cluster, tmp_path):
+    trainer, out = _fit(tmp_path, "futile", Recovery(), 5, futile=True)
+    with pytest.raises(ControllerError) as info:
+        trainer.fit()
+    assert isinstance(info.value.controller_failure, StateMismatchError)
+    assert {r["attempt"] for r in _records(out)} == {1}
+    assert trainer.recovery.stopped["error"].startswith("StateMismatchError")
+
+
+def _ckpt_loop(config: dict) -> None:
+    import ray.train
+
+    from ray_goodput import Checkpointer
+    from ray_goodput.testing import kill_self
+
+    model = torch.nn.Linear(4, 4)
+    state = {"model": model}
+    with Checkpointer(keep_last=5) as ckpt:
+        restored = ckpt.restore(state)
+        rec = _record(config["out"], restored=restored)
+        if restored is None:
+            for step in (1, 2, 3):
+                ckpt.save(step, state)
+            ckpt.wait()
+            if rec["rank"] == 1:
+                kill_self()
+            time.sleep(60)  # bounded: the controller tears this rank down once rank 1 is gone
+
+
+@pytest.mark.cluster
+def test_after_sigkill_every_rank_restores_the_step_the_driver_chose(cluster, tmp_path):
+    out = tmp_path / "kill"
+    out.mkdir()
+    trainer = TorchTrainer(
+        _ckpt_loop, train_loop_config={"out": str(out)},
+        scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1}),
+        run_config=RunConfig(name="kill", storage_path=str(tmp_path / "runs"),
+                             failure_config=FailureConfig(max_failures=2, controller_failure_limit=3)))
+    trainer.fit()
+    second = [r for r in _records(out) if r["attempt"] == 2]
+    assert [r["rank"] for r in second] == [0, 1]
+    assert all(r["step"] == 3 and r["restored"] == 3 for r in second), second
+    assert load_state(str(tmp_path / "runs" / "kill"))["attempts"][1]["resume_step"] == 3
