@@ -1,6 +1,8 @@
-"""An HTTP proxy that fails a share of requests: 500/503 answers and connection resets.
+"""An HTTP proxy for fault tests of storage clients against a real endpoint (e.g. moto's
+S3 server): it fails a share of requests (500/503 answers and connection resets), adds
+latency, holds chosen requests (a download half-way, an upload before it is sent), and
+records every request.
 
-For fault tests of storage clients against a real endpoint (e.g. moto's S3 server).
 Loopback only; deterministic given its seed.
 """
 
@@ -10,103 +12,183 @@ import http.client
 import random
 import socket
 import threading
+import time
+from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 _HOP = {"connection", "keep-alive", "transfer-encoding", "proxy-connection", "te", "upgrade"}
 
 
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 256  # many concurrent readers connect at once
+
+
 class FlakyProxy:
-    """Forward to ``upstream`` (``host:port``); fail ``failure_rate`` of the requests.
+    """Forward to ``upstream`` (``host:port``); fail ``failure_rate`` of the requests and
+    delay each by ``latency_s`` before forwarding.
 
     Failures alternate between an HTTP 500/503 answer and a reset connection. ``counts``
-    has how many requests were forwarded and how many failed.
+    has how many requests were forwarded and how many failed; ``requests`` counts them
+    per ``(method, path)`` and ``spans`` has the (start, end) of each forwarded GET.
     """
 
-    def __init__(self, upstream: str, failure_rate: float, *, seed: int = 0) -> None:
+    HOLD_S = 120.0
+
+    def __init__(self, upstream: str, failure_rate: float = 0.0, *, seed: int = 0,
+                 latency_s: float = 0.0) -> None:
         self.upstream = upstream
         self.failure_rate = failure_rate
+        self.latency_s = latency_s
         self.counts = {"forwarded": 0, "failed": 0}
+        self.requests: Counter = Counter()
+        self.spans: dict[str, list[tuple[float, float]]] = {}
+        self._stall: tuple[str, tuple[str, ...]] | None = None
+        self._release = threading.Event()
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
-        self._server.daemon_threads = True
+        self._server = _Server(("127.0.0.1", 0), self._handler())
         self.endpoint = f"127.0.0.1:{self._server.server_address[1]}"
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
         self._thread.start()
 
-    def _decide(self) -> str | None:
+    # ---- test controls ------------------------------------------------------------------
+
+    def stall(self, match: str, *, methods: tuple[str, ...] = ("GET",)) -> None:
+        """Hold requests of ``methods`` whose path contains ``match`` until :meth:`release`
+        (at most ``HOLD_S``): a GET answer stops after its first quarter (a downloader
+        killed mid-file), other requests are held before they are forwarded (an upload
+        in flight when its uploader dies)."""
+        self._release.clear()
+        self._stall = (match, tuple(m.upper() for m in methods))
+
+    def release(self) -> None:
+        """Finish held requests and stop holding."""
+        self._stall = None
+        self._release.set()
+
+    def gets(self, suffix: str = "") -> dict[str, int]:
+        """GETs per path ending in ``suffix``."""
+        return {p: n for (m, p), n in self.requests.items() if m == "GET" and p.endswith(suffix)}
+
+    def sequential_gets(self, path: str) -> int:
+        """GETs of ``path`` that began after an earlier GET of it had been answered: a
+        second download. (A client's retry of a request that timed out while the first
+        was still in flight overlaps it and is not one.)"""
+        spans = sorted(self.spans.get(path, []))
+        return sum(1 for prev, cur in zip(spans, spans[1:]) if cur[0] >= prev[1])
+
+    def close(self) -> None:
+        self._release.set()
+        self._server.shutdown()
+        self._server.server_close()
+
+    # ---- the relay ----------------------------------------------------------------------
+
+    def _decide(self, method: str, path: str) -> str | None:
         with self._lock:
+            self.requests[(method, path)] += 1
             if self._rng.random() >= self.failure_rate:
                 self.counts["forwarded"] += 1
                 return None
             self.counts["failed"] += 1
             return self._rng.choice(["500", "503", "reset"])
 
+    def _forward(self, method: str, target: str, headers: dict, body: bytes):
+        time.sleep(self.latency_s)
+        conn = http.client.HTTPConnection(self.upstream, timeout=60)
+        try:
+            conn.request(method, target, body=body, headers=headers)
+            resp = conn.getresponse()
+            return resp.status, resp.getheaders(), resp.read()
+        finally:
+            conn.close()
+
+    def _stalls(self, method: str, path: str) -> bool:
+        stall = self._stall
+        return stall is not None and method in stall[1] and stall[0] in path
+
+    def _hold(self) -> None:
+        self._release.wait(self.HOLD_S)
+
     def _handler(self) -> type[BaseHTTPRequestHandler]:
-        proxy = self
+        return _make_handler(self)
 
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
 
-            def log_message(self, *args: object) -> None:
-                pass
+def _make_handler(proxy: FlakyProxy) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
 
-            def _body(self) -> bytes:
-                if "chunked" in (self.headers.get("Transfer-Encoding") or "").lower():
-                    chunks = []
-                    while True:
-                        size = int(self.rfile.readline().split(b";")[0].strip() or b"0", 16)
-                        if size == 0:
-                            while self.rfile.readline() not in (b"\r\n", b"\n", b""):
-                                pass  # trailers
-                            return b"".join(chunks)
-                        chunks.append(self.rfile.read(size))
-                        self.rfile.readline()
-                length = int(self.headers.get("Content-Length") or 0)
-                return self.rfile.read(length) if length else b""
+        def log_message(self, *args: object) -> None:
+            pass
 
-            def _relay(self) -> None:
-                body = self._body()
-                failure = proxy._decide()
-                if failure == "reset":
-                    self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\0\0\0\0\0\0\0")
-                    self.connection.close()
-                    self.close_connection = True
-                    return
-                if failure:
-                    msg = b"<Error><Code>InternalError</Code><Message>injected</Message></Error>"
-                    if failure == "503":
-                        msg = b"<Error><Code>SlowDown</Code><Message>injected</Message></Error>"
-                    if self.command == "HEAD":
-                        msg = b""  # a HEAD answer has no body
-                    self.send_response(int(failure))
-                    self.send_header("Content-Length", str(len(msg)))
-                    self.end_headers()
-                    self.wfile.write(msg)
-                    return
-                conn = http.client.HTTPConnection(proxy.upstream, timeout=60)
-                headers = {k: v for k, v in self.headers.items()
-                           if k.lower() not in _HOP and k.lower() != "content-length"}
-                headers["Content-Length"] = str(len(body))
-                conn.request(self.command, self.path, body=body, headers=headers)
-                resp = conn.getresponse()
-                data = resp.read()
-                self.send_response(resp.status)
-                for k, v in resp.getheaders():
-                    if k.lower() not in _HOP and k.lower() != "content-length":
-                        self.send_header(k, v)
-                # A HEAD answer keeps the upstream length (of the object it describes).
-                length = resp.getheader("Content-Length", "0") if self.command == "HEAD" else len(data)
-                self.send_header("Content-Length", str(length))
-                self.end_headers()
-                if self.command != "HEAD":
-                    self.wfile.write(data)
-                conn.close()
+        def _body(self) -> bytes:
+            if "chunked" in (self.headers.get("Transfer-Encoding") or "").lower():
+                chunks = []
+                while True:
+                    size = int(self.rfile.readline().split(b";")[0].strip() or b"0", 16)
+                    if size == 0:
+                        while self.rfile.readline() not in (b"\r\n", b"\n", b""):
+                            pass  # trailers
+                        return b"".join(chunks)
+                    chunks.append(self.rfile.read(size))
+                    self.rfile.readline()
+            length = int(self.headers.get("Content-Length") or 0)
+            return self.rfile.read(length) if length else b""
 
-            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _relay
+        def _fail(self, failure: str) -> None:
+            if failure == "reset":
+                self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\0\0\0\0\0\0\0")
+                self.connection.close()
+                self.close_connection = True
+                return
+            code = b"SlowDown" if failure == "503" else b"InternalError"
+            msg = b"" if self.command == "HEAD" else (  # a HEAD answer has no body
+                b"<Error><Code>" + code + b"</Code><Message>injected</Message></Error>")
+            self.send_response(int(failure))
+            self.send_header("Content-Length", str(len(msg)))
+            self.end_headers()
+            self.wfile.write(msg)
 
-        return Handler
+        def _relay(self) -> None:
+            body = self._body()
+            path = self.path.split("?")[0]
+            failure = proxy._decide(self.command, path)
+            if failure:
+                self._fail(failure)
+                return
+            began = time.monotonic()
+            if self.command != "GET" and proxy._stalls(self.command, path):
+                proxy._hold()
+            headers = {k: v for k, v in self.headers.items()
+                       if k.lower() not in _HOP and k.lower() != "content-length"}
+            headers["Content-Length"] = str(len(body))
+            status, resp_headers, data = proxy._forward(self.command, self.path, headers, body)
+            self.send_response(status)
+            for k, v in resp_headers:
+                if k.lower() not in _HOP and k.lower() != "content-length":
+                    self.send_header(k, v)
+            # A HEAD answer keeps the upstream length (of the object it describes).
+            length = dict((k.lower(), v) for k, v in resp_headers).get("content-length", "0")
+            self.send_header("Content-Length", length if self.command == "HEAD" else str(len(data)))
+            # One request per connection: with keep-alive, a client that timed out (a few
+            # seconds under load) was seen reading the late answer as the next one's body.
+            self.send_header("Connection", "close")
+            self.close_connection = True
+            self.end_headers()
+            if self.command != "HEAD":
+                self._send(path, data)
+            if self.command == "GET":
+                proxy.spans.setdefault(path, []).append((began, time.monotonic()))
 
-    def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
+        def _send(self, path: str, data: bytes) -> None:
+            if self.command == "GET" and proxy._stalls(self.command, path):
+                self.wfile.write(data[: len(data) // 4])
+                self.wfile.flush()
+                proxy._hold()
+                data = data[len(data) // 4:]
+            self.wfile.write(data)
+
+        do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _relay
+
+    return Handler

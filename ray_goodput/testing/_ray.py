@@ -1,0 +1,114 @@
+"""One Ray instance per test process, of one kind at a time, started once and shared.
+
+Only one Ray can be initialized in a process, and starting one costs seconds (a
+multi-node ``ray.cluster_utils.Cluster`` many more), so a suite starts each kind once:
+a single-node ``"local"`` instance or a ``"cluster"`` of several nodes on this machine.
+Switching kind shuts the other down.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from ray.cluster_utils import Cluster
+
+logger = logging.getLogger(__name__)
+
+KINDS = ("local", "cluster")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterShape:
+    """A head node and ``workers`` identical worker nodes."""
+
+    head_cpus: int = 2
+    workers: int = 2
+    worker_cpus: int = 2
+    worker_resources: dict[str, float] = field(default_factory=lambda: {"slot": 1})
+
+    def __post_init__(self) -> None:
+        if self.workers < 1 or self.worker_cpus < 1 or self.head_cpus < 0:
+            raise ValueError("ClusterShape needs workers >= 1, worker_cpus >= 1, head_cpus >= 0")
+
+
+class RayCluster:
+    """A multi-node cluster on this machine that keeps its worker nodes topped up.
+
+    A test that pulls a node (:meth:`remove`) may call :meth:`top_up` to add a fresh
+    one back; the next test gets a full cluster either way.
+    """
+
+    def __init__(self, shape: ClusterShape) -> None:
+        self.shape = shape
+        self.cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": shape.head_cpus})
+        self._workers: dict[str, Any] = {}
+        self.top_up()
+
+    @property
+    def address(self) -> str:
+        return self.cluster.address
+
+    @property
+    def worker_ids(self) -> list[str]:
+        """Node ids of the live worker nodes (the head is not one)."""
+        return list(self._workers)
+
+    def remove(self, node_id: str) -> None:
+        """Kill a worker node at once (no graceful drain): its processes die with it."""
+        self.cluster.remove_node(self._workers.pop(node_id), allow_graceful=False)
+
+    def top_up(self) -> None:
+        """Add fresh worker nodes until there are ``shape.workers`` (main thread only:
+        ``Cluster.add_node`` requires it)."""
+        while len(self._workers) < self.shape.workers:
+            node = self.cluster.add_node(num_cpus=self.shape.worker_cpus,
+                                         resources=dict(self.shape.worker_resources))
+            self._workers[node.node_id] = node
+        self.cluster.wait_for_nodes()
+
+    def shutdown(self) -> None:
+        self.cluster.shutdown()
+
+
+class SharedRay:
+    """The Ray instance of this process: ``use(kind)`` starts it or switches to it."""
+
+    def __init__(self, *, runtime_env: dict, local_cpus: int = 4,
+                 shape: ClusterShape | None = None) -> None:
+        self.runtime_env = runtime_env
+        self.local_cpus = local_cpus
+        self.shape = shape or ClusterShape()
+        self.kind: str | None = None
+        self.cluster: RayCluster | None = None
+
+    def use(self, kind: str) -> RayCluster | None:
+        """Make ``kind`` the running instance; returns the cluster for ``"cluster"``."""
+        if kind not in KINDS:
+            raise ValueError(f"unknown Ray kind {kind!r}: use one of {KINDS}")
+        if self.kind != kind:
+            self.stop()
+            self._start(kind)
+        return self.cluster
+
+    def _start(self, kind: str) -> None:
+        logger.info("starting the shared %s Ray instance", kind)
+        common = {"log_to_driver": False, "runtime_env": self.runtime_env}
+        if kind == "local":
+            ray.init(address="local", num_cpus=self.local_cpus, include_dashboard=False, **common)
+        else:
+            self.cluster = RayCluster(self.shape)
+            ray.init(address=self.cluster.address, **common)
+        self.kind = kind
+
+    def stop(self) -> None:
+        """Shut down the instance this object started, if any (never one a test started
+        on its own)."""
+        if self.kind is not None and ray.is_initialized():
+            ray.shutdown()
+        if self.cluster is not None:
+            self.cluster.shutdown()
+            self.cluster = None
+        self.kind = None
