@@ -1,9 +1,38 @@
-"""Shared fixtures: a real S3 endpoint over HTTP (moto's server), real Ray clusters."""
+"""Shared fixtures and test ordering for the whole suite; any test module may use them.
+
+Markers (registered in pyproject.toml; ``python -m pytest`` runs everything):
+
+- ``ray``: needs a Ray instance. Added automatically to tests that use ``ray_local``.
+- ``cluster``: needs a multi-node ``ray.cluster_utils.Cluster`` (implies ``ray``). Added
+  automatically to tests that use ``ray_cluster``.
+- ``slow``: takes more than ~20 s. ``python -m pytest -m "not slow"`` skips them.
+
+Fixtures:
+
+- ``s3_server`` (session): moto's S3 server over HTTP; ``s3_server.bucket_uri(prefix)``
+  makes a fresh bucket and returns an ``s3://...?endpoint_override=...&scheme=http`` URI;
+  ``s3_server.endpoint`` is its ``host:port`` (e.g. for a ``FlakyProxy``).
+- ``ray_local`` (module): the shared single-node Ray (4 CPUs, no dashboard, driver logs
+  off; workers get ``PYTHONPATH`` = the repository and a 0.1 s Train health check).
+- ``ray_cluster`` (module): the shared multi-node cluster, a
+  :class:`ray_goodput.testing._ray.RayCluster`: a head with 2 CPUs and two worker nodes
+  with 2 CPUs and ``{"slot": 1}`` each (``.address``, ``.worker_ids``, ``.remove(id)``,
+  ``.top_up()``). Every test starts with both worker nodes; a test that pulls one
+  calls ``top_up()`` itself if it needs the nodes again.
+
+Each Ray kind starts once per session: tests are ordered (no Ray, then ``ray_local``,
+then ``ray_cluster``, then tests marked ``ray``/``cluster`` that start their own Ray,
+each group in collection order), and switching kind shuts the other down. A test that
+starts its own Ray must be marked ``ray`` or ``cluster`` so that no shared instance is
+running when it does. Tests that need no Ray never start one. Node services (the
+per-node uploader and cache actors) are ended after each module that used a shared Ray.
+"""
 
 from __future__ import annotations
 
 import os
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -12,6 +41,10 @@ os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
 os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
 os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
 os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
+
+ROOT = str(Path(__file__).resolve().parents[1])
+_ORDER = {"none": 0, "local": 1, "cluster": 2, "own": 3}
+_shared = None  # the SharedRay, made on first use so that tests without Ray never import it
 
 
 class S3Server:
@@ -43,3 +76,87 @@ def s3_server():
     server = S3Server()
     yield server
     server.close()
+
+
+# ---- one shared Ray per kind --------------------------------------------------------------
+
+def _shared_ray():
+    global _shared
+    if _shared is None:
+        from ray_goodput.testing._ray import SharedRay
+
+        _shared = SharedRay(runtime_env={"env_vars": {
+            "PYTHONPATH": ROOT, "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.1"}})
+    return _shared
+
+
+def _kind(item: pytest.Item) -> str:
+    names = getattr(item, "fixturenames", ())
+    if "ray_cluster" in names:
+        return "cluster"
+    if "ray_local" in names:
+        return "local"
+    if item.get_closest_marker("ray") or item.get_closest_marker("cluster"):
+        return "own"
+    return "none"
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark users of the shared fixtures; group tests by the Ray they need (stable sort:
+    after pytest's own fixture-driven order, which it keeps within each group)."""
+    for item in items:
+        kind = _kind(item)
+        if kind == "cluster" and not item.get_closest_marker("cluster"):
+            item.add_marker(pytest.mark.cluster)
+        if kind != "none" and not item.get_closest_marker("ray"):
+            item.add_marker(pytest.mark.ray)
+    items.sort(key=lambda it: _ORDER[_kind(it)])
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Before any fixture: the shared Ray this test needs is the one running, and none
+    runs for a test that needs none or starts its own."""
+    kind = _kind(item)
+    if kind in ("local", "cluster"):
+        cluster = _shared_ray().use(kind)
+        if cluster is not None:
+            cluster.top_up()  # a node an earlier test pulled is replaced
+    elif _shared is not None:
+        _shared.stop()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if _shared is not None:
+        _shared.stop()
+
+
+def _end_node_services() -> None:
+    """End the per-node uploader and cache actors (detached: they would outlive the
+    module and show up in the next module's status and lookups)."""
+    from ray_goodput.checkpoint._uploader import KIND as UPLOADER
+    from ray_goodput.data._cache_actor import KIND as CACHE
+    from ray_goodput.runtime import _services
+
+    for kind in (UPLOADER, CACHE):
+        _services.shutdown(kind, drain_timeout_s=10)
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    """The shared single-node Ray (see the module docstring)."""
+    _shared_ray().use("local")
+    yield
+    if _shared_ray().kind == "local":
+        _end_node_services()
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """The shared multi-node cluster with both worker nodes up (see the module docstring)."""
+    cluster = _shared_ray().use("cluster")
+    cluster.top_up()
+    yield cluster
+    if _shared_ray().kind == "cluster":
+        _end_node_services()
