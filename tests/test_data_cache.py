@@ -1,15 +1,10 @@
-"""NodeCache against a real S3 endpoint behind a counting HTTP proxy, with real Ray."""
+"""NodeCache against a real S3 endpoint behind a recording HTTP proxy, with real Ray."""
 
 from __future__ import annotations
 
-import http.client
 import os
 import subprocess
 import sys
-import threading
-import time
-from collections import Counter
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pyarrow.fs as pafs
@@ -21,87 +16,12 @@ from ray_goodput.data._cache_files import CacheLayout
 from ray_goodput.data._cache_client import CacheClient
 from ray_goodput.runtime import _services
 from ray_goodput.data._cache_actor import KIND, get_cache
+from ray_goodput.testing import FlakyProxy, wait_for
 
 ROOT = str(Path(__file__).resolve().parents[1])
 
 
-class CountingProxy:
-    """Forwards HTTP to the S3 server; counts requests per (method, path); can stall a
-    response half-way (to kill a downloader mid-file)."""
-
-    def __init__(self, upstream: str, latency_s: float = 0.0) -> None:
-        self.counts: Counter = Counter()
-        self.spans: dict[str, list[tuple[float, float]]] = {}  # GET path -> (start, end)
-        self.stall_path: str | None = None
-        self.release = threading.Event()
-        self.latency_s = latency_s
-        proxy = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args):  # keep test output clean
-                pass
-
-            def _forward(self):
-                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                path = self.path.split("?")[0]
-                proxy.counts[(self.command, path)] += 1
-                began = time.monotonic()
-                time.sleep(proxy.latency_s)
-                conn = http.client.HTTPConnection(upstream, timeout=30)
-                conn.request(self.command, self.path, body=body or None,
-                             headers={k: v for k, v in self.headers.items()})
-                resp = conn.getresponse()
-                data = resp.read()
-                self.send_response(resp.status)
-                for k, v in resp.getheaders():
-                    if k.lower() not in ("transfer-encoding", "connection", "content-length"):
-                        self.send_header(k, v)
-                length = resp.getheader("Content-Length") if self.command == "HEAD" else None
-                self.send_header("Content-Length", length or str(len(data)))
-                # One request per connection: with keep-alive, an S3 client that timed out
-                # (3 s under load) was seen reading the late answer as the next one's body.
-                self.send_header("Connection", "close")
-                self.end_headers()
-                if proxy.stall_path and path.endswith(proxy.stall_path) and self.command == "GET":
-                    self.wfile.write(data[: len(data) // 4])
-                    self.wfile.flush()
-                    proxy.release.wait(60)
-                    data = data[len(data) // 4:]
-                self.wfile.write(data)
-                if self.command == "GET":
-                    proxy.spans.setdefault(path, []).append((began, time.monotonic()))
-
-            do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = _forward
-
-        ThreadingHTTPServer.request_queue_size = 256  # many concurrent readers connect
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.endpoint = f"127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def gets(self, suffix: str = "") -> dict[str, int]:
-        return {p: n for (m, p), n in self.counts.items() if m == "GET" and p.endswith(suffix)}
-
-    def sequential_gets(self, path: str) -> int:
-        """GETs of ``path`` that began after an earlier GET of it had been answered: a
-        second download. (The S3 client's own retry of a request that timed out while
-        the first was still in flight overlaps it and is not one.)"""
-        spans = sorted(self.spans.get(path, []))
-        return sum(1 for prev, cur in zip(spans, spans[1:]) if cur[0] >= prev[1])
-
-    def close(self) -> None:
-        self.release.set()
-        self.server.shutdown()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def ray_cluster():
-    ray.init(address="local", num_cpus=4, include_dashboard=False,
-             runtime_env={"env_vars": {"PYTHONPATH": ROOT}})
-    yield
-    ray.shutdown()
+pytestmark = pytest.mark.usefixtures("ray_local")
 
 
 @pytest.fixture(autouse=True)
@@ -122,7 +42,7 @@ def _upload(s3_server, prefix: str, blobs: dict[str, bytes]) -> tuple[str, str]:
     return bucket, prefix
 
 
-def _via(proxy: CountingProxy, bucket: str, prefix: str) -> str:
+def _via(proxy: FlakyProxy, bucket: str, prefix: str) -> str:
     return f"s3://{bucket}/{prefix}?endpoint_override={proxy.endpoint}&scheme=http"
 
 
@@ -134,7 +54,7 @@ def _data_files(cache_dir: Path) -> list[Path]:
     return [p for p in (cache_dir / "data").rglob("*") if p.is_file()]
 
 
-def _describe_diff(got: list[bytes], want: list[bytes], proxy: CountingProxy) -> str:
+def _describe_diff(got: list[bytes], want: list[bytes], proxy: FlakyProxy) -> str:
     def name(b: bytes) -> str:
         return f"{b[:8]!r}..x{len(b)} set={sorted(set(b[i:i + 8] for i in range(0, len(b), 8)))[:3]}"
     missing = [name(b) for b in want if b not in got]
@@ -143,21 +63,26 @@ def _describe_diff(got: list[bytes], want: list[bytes], proxy: CountingProxy) ->
 
 
 @ray.remote(num_cpus=0)
-def _read_everything(uri: str, cache_dir: str, workers: int, start_at: float) -> list[bytes]:
+def _read_everything(uri: str, cache_dir: str, workers: int, ready_dir: str, readers: int) -> list[bytes]:
     ds = FileDataset(uri, seed=1, cache=CacheConfig(directory=cache_dir, lookahead=16))
     loader = DataLoader(ds, 2, num_workers=workers, rank=0, world_size=1, collate_fn=list)
-    time.sleep(max(0.0, start_at - time.time()))  # all readers start together
+    ready = Path(ready_dir)
+    (ready / f"{os.getpid()}").touch()  # all readers start together: a file barrier
+    wait_for(lambda: len(list(ready.iterdir())) >= readers, timeout_s=60,
+             what=f"{readers} readers ready in {ready}")
     return sorted(x for batch in loader for x in batch)
 
 
 def test_single_flight_across_processes_and_loader_workers(s3_server, tmp_path):
     blobs = _blobs(40, 2000)
     bucket, prefix = _upload(s3_server, "sf", blobs)
-    proxy = CountingProxy(s3_server.endpoint, latency_s=0.03)
+    proxy = FlakyProxy(s3_server.endpoint, latency_s=0.03)
     try:
         uri = _via(proxy, bucket, prefix)
-        start = time.time() + 3
-        refs = [_read_everything.remote(uri, str(tmp_path), w, start) for w in (2, 2, 0, 3)]
+        ready = tmp_path / "ready"
+        ready.mkdir()
+        refs = [_read_everything.remote(uri, str(tmp_path / "cache"), w, str(ready), 4)
+                for w in (2, 2, 0, 3)]
         results = ray.get(refs, timeout=120)
         for got in results:
             want = sorted(blobs.values())
@@ -207,8 +132,8 @@ def test_file_larger_than_capacity_is_a_clear_error(s3_server, tmp_path):
 def test_killed_mid_download_leaves_no_corrupt_file_and_is_recreated(s3_server, tmp_path):
     blob = os.urandom(3 << 20)
     bucket, prefix = _upload(s3_server, "kill", {"big.bin": blob})
-    proxy = CountingProxy(s3_server.endpoint)
-    proxy.stall_path = "big.bin"
+    proxy = FlakyProxy(s3_server.endpoint)
+    proxy.stall("big.bin")
     try:
         cfg = CacheConfig(directory=str(tmp_path))
         ds = FileDataset(_via(proxy, bucket, prefix), cache=cfg)
@@ -216,22 +141,19 @@ def test_killed_mid_download_leaves_no_corrupt_file_and_is_recreated(s3_server, 
         fid = service.register(ds.files)
         service.prefetch(fid, [0])
         final = CacheLayout(tmp_path).data_path(CacheLayout.key(ds.files.ident, ds.files.paths[0]))
-        deadline = time.time() + 30
-        while not list(final.parent.glob(".*.part-*")) and time.time() < deadline:
-            time.sleep(0.05)
-        assert list(final.parent.glob(".*.part-*")), "download never started"
+        wait_for(lambda: list(final.parent.glob(".*.part-*")), timeout_s=30,
+                 what="the download to start (a .part file)")
         old = _services.find(KIND)
         ray.kill(next(iter(old.values())), no_restart=True)
-        time.sleep(1.0)
-        assert not final.exists()
-        proxy.stall_path = None
-        proxy.release.set()
-        service.prefetch(fid, [0])  # fails on the dead actor ...
-        time.sleep(0.5)
-        service.prefetch(fid, [0])  # ... noticed here: reconnects, recreated, refetches
-        deadline = time.time() + 30
-        while not final.exists() and time.time() < deadline:
-            time.sleep(0.1)
+        wait_for(lambda: not _services.find(KIND), timeout_s=30, what="the killed cache actor to be gone")
+        assert not final.exists()  # its process is dead: nothing can rename the part file now
+        proxy.release()
+
+        def announce() -> bool:  # the first call fails on the dead actor; a later one
+            service.prefetch(fid, [0])  # notices: reconnects, the cache is recreated, refetches
+            return final.exists()
+
+        wait_for(announce, timeout_s=30, what="the recreated cache to fetch big.bin", interval_s=0.1)
         assert final.read_bytes() == blob
         assert not list(final.parent.glob(".*.part-*"))  # the dead writer's temp is gone
         new = _services.find(KIND)
@@ -253,13 +175,14 @@ def test_cache_recreated_by_another_rank_gets_file_lists_again(s3_server, tmp_pa
     _services.shutdown(KIND, drain_timeout_s=10)
     ray.get(get_cache(cfg).describe.remote())  # another rank starts a new cache first
     service.prefetch(fid, [0, 1])  # answered -1: unknown file list ...
-    time.sleep(1.0)
-    service.prefetch(fid, [2, 3])  # ... noticed here: registers again and announces
     layout = CacheLayout(tmp_path)
     paths = [layout.data_path(CacheLayout.key(ds.files.ident, p)) for p in ds.files.paths]
-    deadline = time.time() + 30
-    while not paths[2].exists() and time.time() < deadline:
-        time.sleep(0.1)
+
+    def announce() -> bool:  # ... noticed by a later call: registers again and announces
+        service.prefetch(fid, [2, 3])
+        return paths[2].exists()
+
+    wait_for(announce, timeout_s=30, what="f002.bin fetched after registering again", interval_s=0.1)
     assert paths[2].read_bytes() == blobs["f002.bin"]
 
 
@@ -291,7 +214,5 @@ def test_cache_exits_when_its_job_is_gone(tmp_path):
                          timeout=120, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
     assert str(tmp_path) in out.stdout, out.stderr[-2000:]
     assert _services.find(KIND), "the detached cache should outlive its creator briefly"
-    deadline = time.time() + 40
-    while _services.find(KIND) and time.time() < deadline:
-        time.sleep(1)
-    assert not _services.find(KIND)
+    wait_for(lambda: not _services.find(KIND), timeout_s=40, what="the orphaned cache to exit",
+             interval_s=0.2)

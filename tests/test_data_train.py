@@ -14,19 +14,11 @@ from ray.train.torch import TorchTrainer
 
 from ray_goodput.data import CacheConfig, DataLoader, FileDataset
 from ray_goodput.data import _partition as part
-from ray_goodput.runtime import _services
 
-ROOT = str(Path(__file__).resolve().parents[1])
 N, BATCH, STEPS_BEFORE = 62, 4, 3
 
 
-@pytest.fixture(scope="module", autouse=True)
-def ray_cluster():
-    ray.init(address="local", num_cpus=4, include_dashboard=False,
-             runtime_env={"env_vars": {"PYTHONPATH": ROOT}})
-    yield
-    _services.shutdown("cache", drain_timeout_s=10)
-    ray.shutdown()
+pytestmark = [pytest.mark.usefixtures("ray_local"), pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")

@@ -8,18 +8,9 @@ import os
 import time
 
 import pytest
-import ray
 
 from ray_goodput import list_checkpoints
 from ray_goodput.checkpoint._ray_report import POINTER_FILE
-
-
-@pytest.fixture(scope="module")
-def ray_local():
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.1"}})
-    yield
-    ray.shutdown()
 
 
 def test_quickstart_resumes_from_last_committed(ray_local, tmp_path):

@@ -7,28 +7,19 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 import ray
 import torch
-from ray.cluster_utils import Cluster
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ray_goodput import Checkpointer, CheckpointError, list_checkpoints
 from ray_goodput.runtime import _services
 from ray_goodput.checkpoint._uploader import KIND
+from ray_goodput.testing import wait_for
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
-    c.add_node(num_cpus=2)
-    ray.init(address=c.address, log_to_driver=False)
-    c.wait_for_nodes()
-    yield c
-    ray.shutdown()
-    c.shutdown()
+pytestmark = pytest.mark.cluster
 
 
 def _big_state(seed: int) -> dict:
@@ -77,23 +68,19 @@ def _on(node_id: str):
     return Worker.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False))
 
 
-def _other_node(cluster) -> str:
-    head = ray.get_runtime_context().get_node_id()
-    return next(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] != head)
+def _other_node(ray_cluster) -> str:
+    """A worker node: not the head, where the driver runs."""
+    return ray_cluster.worker_ids[0]
 
 
 def _wait_committed(uri: str, step: int, timeout: float = 120) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if any(i.step == step and i.committed for i in list_checkpoints(uri)):
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"step {step} never committed: {list_checkpoints(uri)}")
+    wait_for(lambda: any(i.step == step and i.committed for i in list_checkpoints(uri)),
+             timeout_s=timeout, what=f"step {step} committed in {uri}", interval_s=0.2)
 
 
-def test_worker_killed_right_after_save_still_commits(cluster, s3_server):
+def test_worker_killed_right_after_save_still_commits(ray_cluster, s3_server):
     uri = s3_server.bucket_uri("killed-worker")
-    node = _other_node(cluster)
+    node = _other_node(ray_cluster)
     worker = _on(node).remote(uri, seed=1)
     with pytest.raises(ray.exceptions.RayActorError):
         ray.get(worker.save_and_die.remote(5))
@@ -111,17 +98,16 @@ def test_worker_killed_right_after_save_still_commits(cluster, s3_server):
     ray.get(reader.close.remote())
 
 
-def test_uploader_killed_mid_upload(cluster, s3_server):
+def test_uploader_killed_mid_upload(ray_cluster, s3_server):
     uri = s3_server.bucket_uri("killed-uploader")
-    node = _other_node(cluster)
+    node = _other_node(ray_cluster)
     worker = _on(node).remote(uri, seed=3)
     ray.get(worker.save.remote(1))
     assert ray.get(worker.wait.remote()) == [1]
     uploader = _services.find(KIND)[node]
     ray.get(worker.save.remote(2))
-    deadline = time.time() + 30
-    while ray.get(uploader.stats.remote())["queue"] == 0 and time.time() < deadline:
-        time.sleep(0.01)
+    wait_for(lambda: ray.get(uploader.stats.remote())["queue"] > 0, timeout_s=30,
+             what="step 2 in the uploader's queue", interval_s=0.01)
     ray.kill(uploader, no_restart=True)
     with pytest.raises(CheckpointError):
         ray.get(worker.wait.remote())
@@ -134,20 +120,18 @@ def test_uploader_killed_mid_upload(cluster, s3_server):
     ray.get(worker.close.remote())
 
 
-def test_status_then_uploader_exits_when_its_clients_close(cluster, tmp_path):
+def test_status_then_uploader_exits_when_its_clients_close(ray_cluster, tmp_path):
     uri = str(tmp_path / "root")
-    node = _other_node(cluster)
+    node = _other_node(ray_cluster)
     worker = _on(node).remote(uri, seed=4)
     ray.get(worker.save.remote(1))
     assert ray.get(worker.wait.remote()) == [1]
     assert node in _services.find(KIND)
-    status = subprocess.run([sys.executable, "-m", "ray_goodput.cli", "status", "--address", cluster.address],
+    status = subprocess.run([sys.executable, "-m", "ray_goodput.cli", "status", "--address", ray_cluster.address],
                             capture_output=True, text=True, timeout=120)
     assert status.returncode == 0, status.stderr
     line = next(ln for ln in status.stdout.splitlines() if node[:12] in ln)
     assert "queue 0" in line and "uploaded 33.6 MB" in line and "last error: -" in line, status.stdout
     ray.get(worker.close.remote())
-    deadline = time.time() + 30
-    while node in _services.find(KIND) and time.time() < deadline:
-        time.sleep(0.2)
-    assert node not in _services.find(KIND)
+    wait_for(lambda: node not in _services.find(KIND), timeout_s=30,
+             what=f"the uploader on {node} to exit after its last client closed", interval_s=0.2)
