@@ -133,7 +133,18 @@ def run_ray_goodput(uri: str, batch: int, workers: int, epochs: int, cache_dir: 
 
     ds = FileDataset(uri, decode=decode, suffixes=(".jpg",), seed=0, cache=CacheConfig(directory=cache_dir))
     loader = DataLoader(ds, batch_size=batch, num_workers=workers, persistent_workers=workers > 0)
-    return train_epochs(loader, epochs, lambda ld, _measured: ld.last_fetch_seconds)
+    results = train_epochs(loader, epochs, lambda ld, _measured: ld.last_fetch_seconds)
+    _print_cache()
+    return results
+
+
+def _print_cache() -> None:
+    from ray_goodput.data import cache_status
+
+    for c in cache_status():
+        print(f"node cache: {c.get('files')} files, {c.get('bytes_used', 0) / 2**20:.1f} MiB, "
+              f"{c.get('bytes_fetched', 0) / 2**20:.1f} MiB fetched from storage, hits {c.get('hits')}, "
+              f"misses {c.get('misses')}, errors {c.get('errors') or c.get('error') or 0}", flush=True)
 
 
 def log_mlflow(out: Path, results: dict[str, list[dict[str, Any]]]) -> str:
