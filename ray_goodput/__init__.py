@@ -19,6 +19,8 @@ _EXPORTS = {
     "RestoreInfo": "ray_goodput.checkpoint",
     "list_checkpoints": "ray_goodput.checkpoint",
     "GoodputCallback": "ray_goodput.driver",
+    "Recovery": "ray_goodput.driver",
+    "TorchTrainer": "ray_goodput.driver",
     "record_end": "ray_goodput.goodput",
     "record_step": "ray_goodput.goodput",
     "CacheFullError": "ray_goodput.errors",
@@ -51,7 +53,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:
     from ray_goodput.checkpoint import (CheckpointInfo, Checkpointer, Manifest, RestoreInfo,
                                         list_checkpoints)
-    from ray_goodput.driver import GoodputCallback
+    from ray_goodput.driver import GoodputCallback, Recovery, TorchTrainer
     from ray_goodput.errors import (CacheFullError, CheckpointCorruptError, CheckpointError,
                                     ConfigError, DataError, GoodputError, StateMismatchError,
                                     StorageError, StorageUnusableError)

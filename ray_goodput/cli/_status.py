@@ -10,6 +10,7 @@ import ray
 
 from ray_goodput.checkpoint._uploader import uploader_status
 from ray_goodput.data import cache_status
+from ray_goodput.driver import load_state
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +45,21 @@ def status_lines(address: str = "auto") -> list[str]:
     return lines
 
 
+def recovery_lines(run: str) -> list[str]:
+    """What the run's Recovery decided: isolated nodes and each attempt's resume step."""
+    state = load_state(run)
+    if state is None:
+        return [f"recovery: no record under {run}"]
+    lines = [f"recovery: isolated nodes {', '.join(n[:12] for n in state['isolated_nodes']) or '-'}"
+             + (f"; stopped: {state['stopped']}" if state.get("stopped") else "")]
+    for a in state["attempts"]:
+        excluded = ", ".join(n[:12] for n in a.get("excluded_nodes", [])) or "-"
+        lines.append(f"  attempt {a['attempt']}  resume step {a.get('resume_step')}  excluded {excluded}")
+    return lines
+
+
 def cmd_status(args: argparse.Namespace) -> int:
-    for line in status_lines(args.address):
+    lines = status_lines(args.address) + (recovery_lines(args.run) if args.run else [])
+    for line in lines:
         sys.stdout.write(line + "\n")
     return 0

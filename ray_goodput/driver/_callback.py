@@ -13,12 +13,13 @@ from typing import Any
 from ray.train import Checkpoint, UserCallback
 
 from ray_goodput.driver._publish import MlflowSink, RayGauges
+from ray_goodput.driver._recovery import load_state
 from ray_goodput.errors import not_retryable
-from ray_goodput.goodput import Ledger, compute, read_events, summary, table
+from ray_goodput.goodput import EventReader, Ledger, compute, fetch_stats, summary, table
+from ray_goodput.runtime import run_root
 from ray_goodput.storage import StorageLocation, write_bytes
 
 logger = logging.getLogger(__name__)
-
 
 
 class GoodputCallback(UserCallback):
@@ -28,8 +29,10 @@ class GoodputCallback(UserCallback):
     Workers feed it through ``Checkpointer``, ``ray_goodput.data.DataLoader`` and
     ``ray_goodput.record_step``. One MLflow run per job (``tracking_uri`` default: a sqlite
     file ``mlflow.db`` in the driver's working directory), left open across restarts and
-    finished with a chart and a summary when the training function ends cleanly;
-    ``<run dir>/goodput/summary.json`` too. Live values go to Ray metrics.
+    finished with a chart, a timeline and a summary when the training function ends
+    cleanly; ``<run dir>/goodput/summary.json`` too (with the nodes a Recovery isolated).
+    While it runs: ledger metrics and the data wait per step (``data/fetch_seconds_p50``,
+    ``_p95``, ``_max`` per logging interval) go to MLflow, live values to Ray metrics.
     """
 
     def __init__(self, *, tracking_uri: str | None = None, experiment_name: str = "ray_goodput",
@@ -50,13 +53,10 @@ class GoodputCallback(UserCallback):
     # -- plumbing (lazily, in the controller process) --
     def _root(self, run_context: Any) -> StorageLocation:
         if "root" not in self._state:
-            from ray.train.v2._internal.execution.storage import StorageContext  # noqa: PLC0415
-
             cfg = run_context.get_run_config()
-            storage = StorageContext(cfg.storage_path, cfg.name, cfg.storage_filesystem, read_only=True)
-            path = storage.experiment_fs_path
-            self._state["root"] = StorageLocation(uri=path, fs=storage.storage_filesystem, root=path)
+            self._state["root"] = run_root(cfg.storage_context)
             self._state["name"] = cfg.name
+            self._state["reader"] = EventReader(self._state["root"])
         return self._state["root"]
 
     def _worker(self) -> queue.Queue:
@@ -84,10 +84,11 @@ class GoodputCallback(UserCallback):
 
     # -- the ledger --
     def refresh(self, run_context: Any) -> Ledger:
-        """Recompute the ledger from the workers' events (cheap: a few small reads)."""
-        root = self._root(run_context)
-        events = read_events(root)
-        self.ledger = compute(list(events.values()), job_start=self.job_start)
+        """Recompute the ledger from the workers' events (reads only the new ones)."""
+        self._root(run_context)
+        events = self._state["reader"].poll()
+        self._state["attempts"] = sorted((a for a in events.values() if a), key=lambda a: a[0]["t"])
+        self.ledger = compute(self._state["attempts"], job_start=self.job_start)
         self.ledger.failures = max(self.ledger.failures, len(self._failures))
         return self.ledger
 
@@ -97,15 +98,27 @@ class GoodputCallback(UserCallback):
         if gauges is not None:
             gauges.set(ledger)
         if final:
-            done = threading.Event()
-            self._worker().put(("finish", (ledger, step), done))
-            write_bytes(self._root(run_context), "goodput/summary.json",
-                        json.dumps(summary(ledger), indent=1).encode())
-            done.wait(timeout=120)
-            logger.info("goodput of the job:\n%s", table(ledger))
+            self._finish(run_context, ledger, step)
         elif time.time() - self._state.get("last_log", 0.0) >= self.log_every_s:
-            self._state["last_log"] = time.time()
-            self._worker().put(("log", (ledger, step), None))
+            since, self._state["last_log"] = self._state.get("last_log", 0.0), time.time()
+            latest = self._state["attempts"][-1] if self._state["attempts"] else []
+            self._worker().put(("log", ({**ledger.as_metrics(), **fetch_stats(latest, since)}, step), None))
+
+    def _finish(self, run_context: Any, ledger: Ledger, step: int) -> None:
+        root = self._root(run_context)
+        recovery = _recovery_state(root)
+        isolated = recovery.get("isolated_nodes", [])
+        notes = {i: "excluded " + ", ".join(n[:8] for n in a["excluded_nodes"])
+                 for i, a in enumerate(recovery.get("attempts", [])) if a.get("excluded_nodes")}
+        result = {**summary(ledger), "isolated_nodes": isolated, "stopped": recovery.get("stopped")}
+        done = threading.Event()
+        if isolated:
+            self._worker().put(("tag", ("ray_goodput.isolated_nodes", ",".join(isolated)), None))
+        self._worker().put(("finish", (ledger, step, result, self._state["attempts"], notes), done))
+        write_bytes(root, "goodput/summary.json", json.dumps(result, indent=1).encode())
+        done.wait(timeout=120)
+        logger.info("goodput of the job:\n%s%s", table(ledger),
+                    f"\nisolated nodes: {', '.join(isolated)}" if isolated else "")
 
     # -- Ray Train hooks --
     def after_report(self, run_context: Any, metrics: list[dict[str, Any]],
@@ -122,11 +135,29 @@ class GoodputCallback(UserCallback):
         self._root(run_context)  # names the MLflow run before its first entry
         texts = [f"rank {rank}: {type(exc).__name__}: {exc}" for rank, exc in worker_exceptions.items()]
         self._failures.append("; ".join(texts))  # one worker-group failure, however many ranks
-        for exc, text in zip(worker_exceptions.values(), texts):
-            if not_retryable(exc) is not None:
-                logger.error("NOT RETRYABLE (a restart will fail the same way; fix the cause "
-                             "and start a new run): %s", text)
         self._worker().put(("log_failure", (len(self._failures), self._failures[-1]), None))
+        futile = [text for exc, text in zip(worker_exceptions.values(), texts)
+                  if not_retryable(exc) is not None]
+        if futile and not self._state.get("finished"):
+            # A Recovery ends the run here; without one, every retry fails the same way.
+            # Either way this is the job's last useful ledger: publish it as final.
+            logger.error("NOT RETRYABLE (a restart will fail the same way; fix the cause and "
+                         "start a new run): %s", futile[0])
+            self._worker().put(("tag", ("ray_goodput.stopped_by", futile[0]), None))
+            try:
+                self._publish(run_context, self.refresh(run_context), final=True)
+                self._state["finished"] = True
+            except Exception as exc:  # noqa: BLE001 - never fail the run over accounting
+                logger.warning("goodput ledger update failed: %s", exc)
+
+
+def _recovery_state(root: StorageLocation) -> dict[str, Any]:
+    """What a Recovery recorded for this run ({} without one, or when unreadable)."""
+    try:
+        return load_state(root) or {}
+    except Exception as exc:  # noqa: BLE001 - the summary goes out without it
+        logger.warning("could not read the recovery record under %s: %s", root.uri, exc)
+        return {}
 
 
 def _safe_gauges(run_name: str) -> RayGauges | None:

@@ -6,11 +6,12 @@ import json
 import logging
 import os
 import tempfile
+from typing import Any
 
 import mlflow
 from ray.util import metrics
 
-from ray_goodput.goodput import Ledger, chart_png, summary
+from ray_goodput.goodput import Ledger, chart_png, timeline_png
 
 logger = logging.getLogger(__name__)
 
@@ -25,22 +26,30 @@ class MlflowSink:
         self.run_id = self._client.create_run(exp_id, run_name=run_name,
                                               tags={"ray_goodput": "goodput"}).info.run_id
 
-    def log(self, ledger: Ledger, step: int) -> None:
-        for key, value in ledger.as_metrics().items():
+    def log(self, values: dict[str, float], step: int) -> None:
+        for key, value in values.items():
             self._client.log_metric(self.run_id, key, float(value), step=step)
 
     def log_failure(self, count: int, message: str) -> None:
         self._client.set_tag(self.run_id, f"failure_{count}", message[:4000])
 
-    def finish(self, ledger: Ledger, step: int) -> None:
-        self.log(ledger, step)
+    def tag(self, key: str, value: str) -> None:
+        self._client.set_tag(self.run_id, key, value[:4000])
+
+    def finish(self, ledger: Ledger, step: int, summary: dict[str, Any],
+               attempts: list[list[dict[str, Any]]], notes: dict[int, str]) -> None:
+        """Last metrics, the bar chart, the timeline and the summary; the run ends FINISHED."""
+        self.log(ledger.as_metrics(), step)
         with tempfile.TemporaryDirectory() as tmp:
             chart = os.path.join(tmp, "goodput_breakdown.png")
             chart_png(ledger, chart)
             self._client.log_artifact(self.run_id, chart)
+            timeline = os.path.join(tmp, "goodput_timeline.png")
+            timeline_png(attempts, timeline, job_start=ledger.start, notes=notes)
+            self._client.log_artifact(self.run_id, timeline)
             path = os.path.join(tmp, "goodput_summary.json")
             with open(path, "w") as f:
-                json.dump(summary(ledger), f, indent=1)
+                json.dump(summary, f, indent=1)
             self._client.log_artifact(self.run_id, path)
         self._client.set_terminated(self.run_id, "FINISHED")
 

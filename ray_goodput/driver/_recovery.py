@@ -33,7 +33,8 @@ from ray.train.v2.api.exceptions import ControllerError, WorkerGroupError
 from ray_goodput.checkpoint._catalog import newest_valid
 from ray_goodput.driver import _health
 from ray_goodput.errors import ConfigError, not_retryable
-from ray_goodput.runtime._resume import ResumeDecision, root_key, run_root, set_decision
+from ray_goodput.runtime import run_root
+from ray_goodput.runtime._resume import ResumeDecision, root_key, set_decision
 from ray_goodput.storage import StorageLocation, read_bytes, resolve, write_bytes
 
 logger = logging.getLogger(__name__)

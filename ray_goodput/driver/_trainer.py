@@ -17,7 +17,7 @@ from ray.train.v2.api.callback import RayTrainCallback
 
 from ray_goodput.driver._recovery import Recovery, load_state
 from ray_goodput.errors import ConfigError
-from ray_goodput.runtime._resume import run_root
+from ray_goodput.runtime import run_root
 from ray_goodput.storage import resolve
 
 logger = logging.getLogger(__name__)

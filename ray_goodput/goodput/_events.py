@@ -75,20 +75,62 @@ class EventLog:
             self._file = None
 
 
-def read_events(root: StorageLocation) -> dict[str, list[dict[str, Any]]]:
-    """Every attempt's events, ``{attempt: [event, ...]}`` in time order."""
-    out: dict[str, list[dict[str, Any]]] = {}
-    for info in list_dir(root, EVENTS_DIR, recursive=True):
-        rel = info.path[len(root.join(EVENTS_DIR)) + 1:]
-        if not rel.endswith(".jsonl"):
-            continue
-        attempt = rel.split("/")[0].removesuffix(".jsonl")
-        text = read_bytes(root, f"{EVENTS_DIR}/{rel}").decode()
-        for line in text.splitlines():
-            try:
-                out.setdefault(attempt, []).append(json.loads(line))
-            except ValueError:
-                continue  # a torn last line of a killed writer
-    for events in out.values():
-        events.sort(key=lambda e: e["t"])
+class EventReader:
+    """Reads the event logs of every attempt, incrementally: each call lists the events
+    directory once and reads only what is new (the unread tail of a local log, chunks not
+    read before on object stores), so the cost of a refresh follows the new events, not
+    the length of the run. ``reads`` counts object/file reads, for tests and benchmarks."""
+
+    def __init__(self, root: StorageLocation) -> None:
+        self._root = root
+        self._base = root.join(EVENTS_DIR)
+        self._offsets: dict[str, int] = {}   # local log -> bytes consumed (whole lines)
+        self._chunks: set[str] = set()       # object-store chunks already read
+        self._events: dict[str, list[dict[str, Any]]] = {}
+        self.reads = 0
+
+    def poll(self) -> dict[str, list[dict[str, Any]]]:
+        """Every attempt's events so far, ``{attempt: [event, ...]}`` in time order."""
+        changed: set[str] = set()
+        for info in list_dir(self._root, EVENTS_DIR, recursive=True):
+            rel = info.path[len(self._base) + 1:]
+            if rel.endswith(".jsonl") and self._is_new(rel, info.size):
+                attempt = rel.split("/")[0].removesuffix(".jsonl")
+                self._events.setdefault(attempt, []).extend(self._read_new(rel))
+                changed.add(attempt)
+        for attempt in changed:
+            self._events[attempt].sort(key=lambda e: e["t"])
+        return self._events
+
+    def _is_new(self, rel: str, size: int | None) -> bool:
+        if "/" in rel:  # a chunk object: immutable once written
+            return rel not in self._chunks
+        return size is None or size > self._offsets.get(rel, 0)
+
+    def _read_new(self, rel: str) -> list[dict[str, Any]]:
+        self.reads += 1
+        if "/" in rel:
+            self._chunks.add(rel)
+            return _parse(read_bytes(self._root, f"{EVENTS_DIR}/{rel}").decode())
+        start = self._offsets.get(rel, 0)
+        with self._root.fs.open_input_file(f"{self._base}/{rel}") as f:
+            f.seek(start)
+            data = f.read()
+        whole = data[:data.rfind(b"\n") + 1]  # a line still being written waits for the next poll
+        self._offsets[rel] = start + len(whole)
+        return _parse(whole.decode())
+
+
+def _parse(text: str) -> list[dict[str, Any]]:
+    out = []
+    for line in text.splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue  # a torn last line of a killed writer
     return out
+
+
+def read_events(root: StorageLocation) -> dict[str, list[dict[str, Any]]]:
+    """Every attempt's events, ``{attempt: [event, ...]}`` in time order (one full read)."""
+    return EventReader(root).poll()

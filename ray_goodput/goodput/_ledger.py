@@ -53,7 +53,8 @@ class Ledger:
         return out
 
 
-def _restored(events: list[dict[str, Any]]) -> int:
+def resumed_from(events: list[dict[str, Any]]) -> int:
+    """The step an attempt resumed from (0: from scratch)."""
     return next(((e.get("step") or 0) for e in events if e["e"] == "restore"), 0)
 
 
@@ -93,7 +94,7 @@ def compute(attempts: list[list[dict[str, Any]]], *, job_start: float | None = N
     prev_end = ledger.start
     for i, events in enumerate(attempts):
         nxt = attempts[i + 1] if i + 1 < len(attempts) else None
-        keep_upto = _restored(nxt) if nxt is not None else None
+        keep_upto = resumed_from(nxt) if nxt is not None else None
         restore = sum(e["t"] - e["t0"] for e in events if e["e"] == "restore")
         ledger.seconds["restore"] += restore
         first = _first_progress(events) or events[-1]["t"]
@@ -104,7 +105,18 @@ def compute(attempts: list[list[dict[str, Any]]], *, job_start: float | None = N
         if nxt is not None:
             ledger.steps_lost += max(0, last - keep_upto)
         else:
-            ledger.steps_kept = max(last, _restored(events))
+            ledger.steps_kept = max(last, resumed_from(events))
         prev_end = events[-1]["t"]
     ledger.seconds["other"] = max(0.0, ledger.total - sum(v for k, v in ledger.seconds.items() if k != "other"))
     return ledger
+
+
+def fetch_stats(events: list[dict[str, Any]], since: float = 0.0) -> dict[str, float]:
+    """p50, p95 and max of the per-step data wait (``fetch`` seconds) of the step events
+    that ended after ``since``; empty when there are none."""
+    waits = sorted(e.get("fetch", 0.0) for e in events if e["e"] == "step" and e["t"] > since)
+    if not waits:
+        return {}
+    pick = lambda q: waits[min(len(waits) - 1, int(q * len(waits)))]  # noqa: E731 - nearest rank
+    return {"data/fetch_seconds_p50": pick(0.5), "data/fetch_seconds_p95": pick(0.95),
+            "data/fetch_seconds_max": waits[-1]}

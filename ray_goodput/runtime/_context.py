@@ -61,12 +61,7 @@ class WorkerContext:
     @property
     def run_root(self) -> StorageLocation | None:
         """The Ray Train run directory (``RunConfig.storage_path/name``), or None."""
-        if self.run_storage is None:
-            return None
-        fs = self.run_storage.storage_filesystem
-        root = self.run_storage.experiment_fs_path
-        scheme = "" if fs.type_name == "local" else f"{fs.type_name}://"
-        return StorageLocation(uri=f"{scheme}{root}", fs=fs, root=root)
+        return None if self.run_storage is None else run_root(self.run_storage)
 
     def storage_root(self, storage_path: str | None) -> StorageLocation:
         """``storage_path`` resolved, or the Ray Train run directory when it is None."""
@@ -78,6 +73,15 @@ class WorkerContext:
                 "storage_path=None needs a Ray Train run to take the storage from; outside "
                 "Ray Train pass storage_path='s3://bucket/prefix' or a directory")
         return root
+
+
+def run_root(storage_context: Any) -> StorageLocation:
+    """The run directory of a Ray Train ``StorageContext`` (a worker's ``get_storage()``, or
+    ``RunConfig.storage_context`` on the driver): the default root of every component."""
+    fs = storage_context.storage_filesystem
+    root = storage_context.experiment_fs_path
+    scheme = "" if fs.type_name == "local" else f"{fs.type_name}://"
+    return StorageLocation(uri=f"{scheme}{root}", fs=fs, root=root)
 
 
 def _detect() -> WorkerContext:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Any
 
 from ray_goodput.storage import StorageLocation, resolve
 
@@ -45,15 +44,6 @@ def root_key(root: str | StorageLocation) -> str:
     string (an ``endpoint_override`` spelled differently is still the same bucket)."""
     loc = resolve(root)
     return f"{loc.fs.type_name}:{loc.root.rstrip('/')}"
-
-
-def run_root(storage_context: Any) -> StorageLocation:
-    """The Ray Train run directory (``RunConfig.storage_path/name``) of a StorageContext,
-    the default root of both the Checkpointer and the Recovery."""
-    fs = storage_context.storage_filesystem
-    path = storage_context.experiment_fs_path
-    scheme = "" if fs.type_name == "local" else f"{fs.type_name}://"
-    return StorageLocation(uri=f"{scheme}{path}", fs=fs, root=path)
 
 
 def set_decision(decision: ResumeDecision | None) -> None:

@@ -1,0 +1,109 @@
+"""The job as a timeline: one row per attempt, time across, each span in its ledger bucket.
+
+Pure span computation (:func:`spans`, :func:`marks`) plus a PNG renderer. A step event
+says how long the step waited for data and for a checkpoint save, not when inside the
+step; the timeline draws the wait first, then the compute, then the checkpoint stall.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ray_goodput.goodput._ledger import BUCKETS, resumed_from
+
+COLORS = dict(zip(BUCKETS, ["#2ca02c", "#d62728", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2",
+                            "#7f7f7f", "#bcbd22"]))
+
+
+@dataclass(frozen=True)
+class Span:
+    """``[start, end]`` (wall-clock seconds) of attempt ``row`` spent in ``bucket``."""
+
+    row: int
+    start: float
+    end: float
+    bucket: str
+
+
+@dataclass(frozen=True)
+class Mark:
+    """A point event on attempt ``row``: ``kind`` is failure, save, resume or note."""
+
+    row: int
+    t: float
+    kind: str
+    label: str
+
+
+def _step_spans(row: int, e: dict[str, Any], kept: bool) -> list[Span]:
+    fetch, ckpt = e.get("fetch", 0.0), e.get("ckpt", 0.0)
+    work_end = max(e["t0"] + fetch, e["t"] - ckpt)
+    return [Span(row, e["t0"], e["t0"] + fetch, "data_stall"),
+            Span(row, e["t0"] + fetch, work_end, "productive" if kept else "lost"),
+            Span(row, work_end, e["t"], "checkpoint_stall")]
+
+
+def spans(attempts: list[list[dict[str, Any]]], job_start: float | None = None) -> list[Span]:
+    """Every span of every attempt (each attempt's events sorted by time), zero-length
+    spans dropped."""
+    out: list[Span] = []
+    prev_end = job_start if job_start is not None else (attempts[0][0]["t"] if attempts else 0.0)
+    for row, events in enumerate(attempts):
+        nxt = attempts[row + 1] if row + 1 < len(attempts) else None
+        keep_upto = resumed_from(nxt) if nxt is not None else None
+        first = next((e["t0"] for e in events if e["e"] in ("step", "restore")), events[-1]["t"])
+        out.append(Span(row, prev_end, first, "startup" if row == 0 else "restart_downtime"))
+        for e in events:
+            if e["e"] == "restore":
+                out.append(Span(row, e["t0"], e["t"], "restore"))
+            elif e["e"] == "step":
+                out += _step_spans(row, e, keep_upto is None or e["step"] <= keep_upto)
+        prev_end = events[-1]["t"]
+    return [s for s in out if s.end > s.start]
+
+
+def marks(attempts: list[list[dict[str, Any]]], notes: dict[int, str] | None = None) -> list[Mark]:
+    """Failures (end of every attempt but the last), saves, resumes, and ``notes`` (text at
+    the start of an attempt, e.g. the nodes excluded from it)."""
+    out: list[Mark] = []
+    for row, events in enumerate(attempts):
+        out += [Mark(row, e["t"], "save", "") for e in events if e["e"] == "step" and e.get("ckpt", 0.0) > 0]
+        out += [Mark(row, e["t"], "resume", f"resumed from step {e.get('step') or 0}")
+                for e in events if e["e"] == "restore"]
+        if row + 1 < len(attempts):
+            out.append(Mark(row, events[-1]["t"], "failure", "failure"))
+        if notes and notes.get(row):
+            out.append(Mark(row, events[0]["t"], "note", notes[row]))
+    return out
+
+
+def timeline_png(attempts: list[list[dict[str, Any]]], path: str, *, job_start: float | None = None,
+                 notes: dict[int, str] | None = None) -> None:
+    """Render the timeline of ``attempts`` to ``path`` (PNG)."""
+    import matplotlib  # noqa: PLC0415 - optional plotting dependency, loaded only to draw
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    all_spans = spans(attempts, job_start)
+    t0 = min((s.start for s in all_spans), default=0.0)
+    fig, ax = plt.subplots(figsize=(10, 1.2 + 0.6 * max(1, len(attempts))))
+    for s in all_spans:
+        ax.barh(s.row, s.end - s.start, left=s.start - t0, color=COLORS[s.bucket], height=0.6)
+    symbols = {"failure": ("x", "#d62728"), "save": ("|", "black"), "resume": ("^", "#1f77b4"),
+               "note": ("*", "#9467bd")}
+    for m in marks(attempts, notes):
+        symbol, color = symbols[m.kind]
+        ax.plot(m.t - t0, m.row + 0.4, marker=symbol, color=color, markersize=7, linestyle="none")
+        if m.label and m.kind != "save":
+            ax.annotate(m.label, (m.t - t0, m.row + 0.4), fontsize=7, xytext=(3, 3),
+                        textcoords="offset points")
+    ax.set_yticks(range(len(attempts)), [f"attempt {i + 1}" for i in range(len(attempts))])
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds since job start")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=COLORS[b]) for b in BUCKETS]
+    ax.legend(handles, BUCKETS, ncol=4, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.35))
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

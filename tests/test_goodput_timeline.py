@@ -1,0 +1,76 @@
+"""The job timeline, the per-step data-wait statistics, and the incremental event reader."""
+
+from __future__ import annotations
+
+import pytest
+
+from ray_goodput import storage
+from ray_goodput.goodput import EventLog, EventReader, compute, fetch_stats
+from ray_goodput.goodput._timeline import marks, spans, timeline_png
+from tests.test_goodput_ledger import _attempt
+
+
+def _two_attempts():
+    first = _attempt(100.0, 0, 15, ckpt=0.2)
+    second = _attempt(first[-1]["t"] + 6.0, 10, 10, end=True)
+    return [first, second]
+
+
+def test_timeline_spans_agree_with_the_ledger_bucket_by_bucket():
+    attempts = _two_attempts()
+    ledger = compute(attempts, job_start=95.0)
+    per_bucket: dict[str, float] = {}
+    for s in spans(attempts, job_start=95.0):
+        per_bucket[s.bucket] = per_bucket.get(s.bucket, 0.0) + s.end - s.start
+    for bucket in ("productive", "lost", "checkpoint_stall", "data_stall", "restore",
+                   "startup", "restart_downtime"):
+        assert per_bucket.get(bucket, 0.0) == pytest.approx(ledger.seconds[bucket]), bucket
+    assert {s.row for s in spans(attempts)} == {0, 1}
+
+
+def test_timeline_marks_failures_saves_resumes_and_notes():
+    attempts = _two_attempts()
+    found = marks(attempts, notes={1: "excluded abc"})
+    kinds = [m.kind for m in found]
+    assert kinds.count("failure") == 1 and kinds.count("resume") == 2 and kinds.count("note") == 1
+    assert kinds.count("save") == 15  # every step of the first attempt stalled on a save
+    assert [m.label for m in found if m.kind == "resume"] == ["resumed from step 0", "resumed from step 10"]
+
+
+def test_timeline_png_is_written(tmp_path):
+    path = tmp_path / "timeline.png"
+    timeline_png(_two_attempts(), str(path), job_start=95.0, notes={1: "excluded n1"})
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 5000
+
+
+def test_fetch_stats_are_nearest_rank_percentiles_of_the_interval():
+    events = [{"e": "step", "t": float(i), "fetch": i / 100} for i in range(1, 101)]
+    events.append({"e": "restore", "t": 50.5})
+    stats = fetch_stats(events, since=0.0)
+    assert stats == {"data/fetch_seconds_p50": 0.51, "data/fetch_seconds_p95": 0.96,
+                     "data/fetch_seconds_max": 1.0}
+    assert fetch_stats(events, since=90.0)["data/fetch_seconds_p50"] == 0.96
+    assert fetch_stats(events, since=100.0) == {}
+
+
+@pytest.fixture(params=["local", "s3"])
+def run_root(request, tmp_path):
+    if request.param == "local":
+        return storage.resolve(str(tmp_path / "run"))
+    return storage.resolve(request.getfixturevalue("s3_server").bucket_uri("run"))
+
+
+def test_event_reader_reads_only_new_events(run_root):
+    log = EventLog(run_root, rank=0, world_size=2)
+    reader = EventReader(run_root)
+    log.emit("step", step=1, n=1, t0=1.0, fetch=0.0, ckpt=0.0)
+    log.flush()
+    first = reader.poll()
+    assert [e["e"] for e in first[log.attempt]] == ["start", "step"]
+    reads = reader.reads
+    assert reader.poll()[log.attempt] == first[log.attempt] and reader.reads == reads  # nothing new
+    log.emit("step", step=2, n=1, t0=2.0, fetch=0.0, ckpt=0.0)
+    log.flush()
+    again = reader.poll()[log.attempt]
+    assert [e.get("step") for e in again] == [None, 1, 2] and reader.reads == reads + 1
+    log.close()
