@@ -19,8 +19,18 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
+import mlflow
+import ray
+import ray.train
 import torch
+from ray.train import FailureConfig, RunConfig, ScalingConfig
+from ray.train.torch import prepare_model
 from torch import nn
+
+from ray_goodput.checkpoint import Checkpointer
+from ray_goodput.driver import GoodputCallback, TorchTrainer
+from ray_goodput.goodput import record_step
+from ray_goodput.testing import FailAt
 
 logger = logging.getLogger(__name__)
 
@@ -64,12 +74,6 @@ class _Progress:
 
 def train_loop(config: dict[str, Any]) -> None:
     """``train_loop_per_worker`` of the demo (also a template for your own)."""
-    import ray.train
-    from ray.train.torch import prepare_model
-
-    from ray_goodput import Checkpointer, record_step
-    from ray_goodput.testing import FailAt
-
     torch.set_num_threads(1)  # 2 workers on 2 cores: one thread each, no oversubscription
     rank = ray.train.get_context().get_world_rank()
     model = prepare_model(_model())
@@ -99,8 +103,6 @@ def train_loop(config: dict[str, Any]) -> None:
 def _ensure_experiment(tracking_uri: str, root: Path) -> None:
     """Create the MLflow experiment with its artifacts under ``root`` (else MLflow puts
     them in ``./mlruns`` of whichever process creates the experiment)."""
-    import mlflow
-
     client = mlflow.MlflowClient(tracking_uri=tracking_uri)
     location = (root / "mlartifacts").as_uri()
     exp = client.get_experiment_by_name(EXPERIMENT)
@@ -112,8 +114,6 @@ def _ensure_experiment(tracking_uri: str, root: Path) -> None:
 
 def _chart_path(tracking_uri: str, name: str) -> str | None:
     """Local path of the run's goodput chart, when its artifact store is a directory."""
-    import mlflow
-
     client = mlflow.MlflowClient(tracking_uri=tracking_uri)
     exp = client.get_experiment_by_name(EXPERIMENT)
     runs = client.search_runs([exp.experiment_id], filter_string=f"tags.mlflow.runName = '{name}'") if exp else []
@@ -124,8 +124,6 @@ def _chart_path(tracking_uri: str, name: str) -> str | None:
 
 
 def _init_ray() -> None:
-    import ray
-
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
     if not ray.is_initialized():
         # Worker logs stay in Ray's log files; the demo prints its own summary.
@@ -138,11 +136,6 @@ def run(root: Path, *, steps: int = 120, every: int = 20, fail_at: int = 70,
         batch_size: int = 1280) -> dict[str, Any]:
     """Run the demo job; returns what happened (resume points, lost steps, goodput summary,
     checkpoint stalls, losses, chart path). ``batch_size`` sets the work per step."""
-    from ray.train import FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
-
-    from ray_goodput import GoodputCallback
-
     root = root.resolve()
     name = f"quickstart-{time.strftime('%Y%m%d-%H%M%S')}"
     marker_dir = root / name / "_demo"
