@@ -17,7 +17,9 @@ PACKAGE = Path(ray_goodput.__file__).parent
 
 # Low to high. Packages in one layer are siblings: they must not import each other.
 LAYERS: list[tuple[str, ...]] = [
-    ("ray_goodput.errors", "ray_goodput._env", "ray_goodput._faults", "ray_goodput.testing"),
+    ("ray_goodput.errors",),
+    ("ray_goodput._env",),
+    ("ray_goodput._faults", "ray_goodput.testing"),
     ("ray_goodput.storage",),
     ("ray_goodput.runtime",),
     ("ray_goodput.goodput", "ray_goodput.plan"),
