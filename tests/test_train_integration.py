@@ -13,6 +13,7 @@ from ray_goodput import list_checkpoints
 from ray_goodput.checkpoint._ray_report import POINTER_FILE
 
 
+@pytest.mark.slow
 def test_quickstart_resumes_from_last_committed(ray_local, tmp_path):
     import subprocess
     import sys
