@@ -4,7 +4,6 @@ async save); export to a single torch.save file (function and CLI handler)."""
 
 from __future__ import annotations
 
-import argparse
 
 import pytest
 import torch
@@ -13,7 +12,8 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from ray_goodput import Checkpointer, ConfigError, list_checkpoints
 from ray_goodput.checkpoint._dcp_storage import PyArrowStorageReader, PyArrowStorageWriter
-from ray_goodput.checkpoint._export import add_export_parser, cmd_export, export_torch_save
+from ray_goodput.checkpoint._export import export_torch_save
+from ray_goodput.cli import main as cli_main
 from ray_goodput.storage import resolve
 from ray_goodput.testing import run_world
 from tests._models import full_state, make_model, train_steps, wrap
@@ -135,11 +135,8 @@ def test_export_missing_step_names_ls_command(saved, tmp_path):
     assert not (tmp_path / "x.pt").exists()
 
 
-def test_export_cli_handler(saved, tmp_path, capsys):
-    parser = argparse.ArgumentParser(prog="ray-goodput")
-    add_export_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["export", saved["s3"], str(tmp_path / "m.pt"), "--step", "2", "--optim"])
-    assert args.fn is cmd_export and args.fn(args) == 0
+def test_export_command(saved, tmp_path, capsys):
+    assert cli_main(["export", saved["s3"], str(tmp_path / "m.pt"), "--step", "2", "--optim"]) == 0
     assert "keys ['model', 'optim']" in capsys.readouterr().out
     _assert_model_equal(saved["state"]["model"], torch.load(tmp_path / "m.pt", weights_only=True)["model"])
 

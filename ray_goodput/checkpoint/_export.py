@@ -10,9 +10,7 @@ state are left out (they are pickled objects of the user's classes).
 
 from __future__ import annotations
 
-import argparse
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +26,7 @@ from ray_goodput.checkpoint._manifest import read_manifest
 from ray_goodput.checkpoint._state import _PLAIN_KEY
 from ray_goodput.errors import CheckpointCorruptError, ConfigError
 
-__all__ = ["add_export_parser", "cmd_export", "export_torch_save"]
+__all__ = ["export_torch_save"]
 
 
 def _pick_step(uri: str, step: int | None) -> int:
@@ -84,22 +82,3 @@ def export_torch_save(uri: str, step: int | None, out: str | os.PathLike, *, opt
     torch.save(state, tmp)
     os.replace(tmp, out)  # never leave a half-written file under the final name
     return out
-
-
-def cmd_export(args: argparse.Namespace) -> int:
-    """``ray-goodput export URI OUT [--step N] [--optim]``."""
-    path = export_torch_save(args.uri, args.step, args.out, optim=args.optim)
-    state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    sys.stdout.write(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB): keys {sorted(state)}\n")
-    return 0
-
-
-def add_export_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Add the ``export`` command to the CLI's subparsers."""
-    p = subparsers.add_parser("export", help="write a committed checkpoint as one torch.save file")
-    p.add_argument("uri", help="run storage root (the Checkpointer's storage_path)")
-    p.add_argument("out", help="output file, e.g. model.pt")
-    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest committed)")
-    p.add_argument("--optim", action="store_true", help="include the optimizer state")
-    p.set_defaults(fn=cmd_export)
-    return p

@@ -1,4 +1,5 @@
-"""``ray-goodput ls`` and ``verify``: what is in a checkpoint storage, and is it intact."""
+"""``ray-goodput ls``, ``verify`` and ``export``: what is in a checkpoint storage, is it
+intact, and one committed checkpoint as a single ``torch.save`` file."""
 
 from __future__ import annotations
 
@@ -6,7 +7,10 @@ import argparse
 import sys
 import time
 
+import torch
+
 from ray_goodput.checkpoint import _catalog
+from ray_goodput.checkpoint._export import export_torch_save
 from ray_goodput.checkpoint._manifest import read_manifest
 from ray_goodput.storage import resolve
 
@@ -66,3 +70,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if not infos:
         _out(f"no committed checkpoints under {args.uri}")
     return 1 if damaged else 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    path = export_torch_save(args.uri, args.step, args.out, optim=args.optim)
+    state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    _out(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB): keys {sorted(state)}")
+    return 0
