@@ -12,6 +12,10 @@ STAGING_DIR_VAR = "RAY_GOODPUT_STAGING_DIR"
 CACHE_DIR_VAR = "RAY_GOODPUT_CACHE_DIR"
 #: Endpoint (``http://host:port``) used for ``s3://`` URIs that carry no ``endpoint_override``.
 S3_ENDPOINT_VAR = "RAY_GOODPUT_S3_ENDPOINT"
+#: Fault injection for soaks and tests: ``name:probability[:action],...`` (see ``_faults``).
+FAULT_VAR = "RAY_GOODPUT_FAULT"
+#: Seed of the fault draws (each process adds its pid).
+FAULT_SEED_VAR = "RAY_GOODPUT_FAULT_SEED"
 
 
 def staging_root() -> Path:
@@ -29,3 +33,14 @@ def cache_root() -> Path:
 def s3_endpoint() -> str | None:
     """Default S3 endpoint override, or None for AWS."""
     return os.environ.get(S3_ENDPOINT_VAR) or None
+
+
+def fault_spec() -> str:
+    """The raw fault-injection spec, empty when unset."""
+    return os.environ.get(FAULT_VAR, "").strip()
+
+
+def fault_seed() -> int | None:
+    """The fault-draw seed, or None when unset."""
+    value = os.environ.get(FAULT_SEED_VAR, "").strip()
+    return int(value) if value else None

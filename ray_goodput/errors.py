@@ -76,3 +76,8 @@ def causes(exc: BaseException) -> list[BaseException]:
 def not_retryable(exc: BaseException) -> BaseException | None:
     """The error in ``exc``'s chain that a retry cannot fix, classified by type; or None."""
     return next((e for e in causes(exc) if isinstance(e, NOT_RETRYABLE)), None)
+
+
+class InjectedFault(GoodputError, RuntimeError):
+    """A fault injected on purpose by ``RAY_GOODPUT_FAULT`` (fault soaks and tests).
+    Unset that variable to run without injected faults."""

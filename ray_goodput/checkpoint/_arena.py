@@ -1,15 +1,18 @@
-"""A per-rank snapshot arena: one memory-mapped file that outlives the worker process.
+"""A snapshot arena: one memory-mapped file that outlives the worker process.
 
-``save()`` copies tensors into the arena (a memcpy, or a device-to-host copy on GPU) and
-returns; the node's uploader maps the same file and writes DCP files from it. If the
-worker is killed right after ``save()`` returned, the snapshot is still there.
-The file lives in /dev/shm when it has room, else in the staging directory.
+``save()`` copies tensors into an arena (a memcpy, or a device-to-host copy on GPU) and
+returns; the node's uploader maps the same file when it accepts the job and writes DCP
+files from it. If the worker is killed right after ``save()`` returned, the snapshot is
+still there; once mapped, unlinking the file cannot take it away. Each rank has two
+(one being written out, one waiting). The file lives in /dev/shm when it has room, else
+in the staging directory.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,10 +20,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ray_goodput._faults import fault_point
 from ray_goodput.runtime import pid_alive
 
 logger = logging.getLogger(__name__)
 _ALIGN = 64
+_NAME_RE = re.compile(r"^rank-\d+-(\d+)(?:-\d+)?\.arena$")
+
+
+def arena_name(rank: int, pid: int, index: int) -> str:
+    return f"rank-{rank:05d}-{pid}-{index}.arena"
 
 
 @dataclass(frozen=True)
@@ -44,11 +53,11 @@ def pick_dir(staging: Path, need_bytes: int) -> Path:
 
 def sweep_dead(directory: Path) -> None:
     """Remove arenas of processes that died (a killed worker cannot remove its own)."""
-    for path in directory.glob("rank-*-*.arena") if directory.is_dir() else []:
-        try:
-            pid = int(path.stem.rsplit("-", 1)[1])
-        except ValueError:
+    for path in directory.glob("rank-*.arena") if directory.is_dir() else []:
+        match = _NAME_RE.match(path.name)
+        if match is None:
             continue
+        pid = int(match.group(1))
         if not pid_alive(pid):
             path.unlink(missing_ok=True)
             logger.info("removed the snapshot arena of dead process %d", pid)
@@ -88,7 +97,10 @@ class Arena:
             offset += -(-nbytes // _ALIGN) * _ALIGN
         buf = self._ensure(offset)
         on_gpu = False
-        for slot, t in zip(slots, tensors.values()):
+        half = len(slots) // 2
+        for n, (slot, t) in enumerate(zip(slots, tensors.values())):
+            if n == half:
+                fault_point("save.copying")
             on_gpu |= t.device.type == "cuda"
             _view(buf, slot).copy_(t.detach(), non_blocking=t.device.type == "cuda")
         if on_gpu:
@@ -96,6 +108,7 @@ class Arena:
         return slots
 
     def close(self) -> None:
+        """Unlink the file; jobs that accepted a snapshot from it keep their mapping."""
         self._buf = None
         self.path.unlink(missing_ok=True)
         try:

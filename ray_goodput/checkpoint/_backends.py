@@ -1,16 +1,18 @@
 """Where a rank's shard job runs: an :class:`UploadBackend`.
 
 :class:`ThreadBackend` (here) runs it in a thread of the worker; ``ActorBackend``
-(``_uploader``) hands it to the node's CheckpointUploader actor."""
+(``_uploader``) hands it to the node's CheckpointUploader actor. Both queue a rank's
+jobs in a :class:`~ray_goodput.checkpoint._lane.RankLane` (one running, one waiting)."""
 
 from __future__ import annotations
 
 import logging
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Protocol
 
-from ray_goodput.checkpoint._job import ShardJob, ShardResult, run_shard_job
+from ray_goodput.checkpoint._job import ShardJob, ShardResult
+from ray_goodput.checkpoint._lane import RankLane, Ticket
 from ray_goodput.storage import RetryPolicy
 
 logger = logging.getLogger(__name__)
@@ -18,44 +20,71 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class Handoff:
-    """A submitted job: ``released`` once the arena may be reused, ``durable`` once the
-    rank's files are uploaded and declared durable (its result says if it committed)."""
+    """A submitted job: ``released`` once its arena may be reused, ``durable`` once it
+    ended (its ShardResult says uploaded, committed or superseded; a failure raises)."""
 
     released: Future[None]
     durable: Future[ShardResult]
+    key: str = ""
 
 
 class UploadBackend(Protocol):
-    def submit(self, job: ShardJob) -> Handoff: ...
+    def submit(self, job: ShardJob) -> Handoff:
+        """Accept ``job`` (its arena is mapped before this returns); never waits for uploads."""
+
+    def cancel(self, key: str) -> bool:
+        """Supersede job ``key`` if it is still waiting; False when it started or ended."""
 
     def close(self) -> None: ...
 
 
+def futures_of(ticket: Ticket) -> Handoff:
+    """A Handoff completed by ``ticket``'s events (in this process)."""
+    released: Future[None] = Future()
+    durable: Future[ShardResult] = Future()
+
+    def _released(_: Ticket) -> None:
+        if not released.done():
+            released.set_result(None)
+
+    def _done(t: Ticket) -> None:
+        if t.error is not None:
+            durable.set_exception(t.error)
+        else:
+            durable.set_result(t.result)
+
+    ticket.release_callbacks.append(_released)
+    ticket.callbacks.append(_done)
+    return Handoff(released=released, durable=durable, key=ticket.job.key)
+
+
 class ThreadBackend:
-    """Runs jobs in a background thread of this process, FIFO.
+    """Runs jobs in background threads of this process, one lane per rank.
 
     The job dies with the worker process; under Ray the node's CheckpointUploader is
     used instead, so that a save survives the worker that made it.
     """
 
     def __init__(self, *, concurrency: int, policy: RetryPolicy) -> None:
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rg-uploader")
         self._concurrency = concurrency
         self._policy = policy
+        self._lanes: dict[tuple[str, int], RankLane] = {}
+
+    def _lane(self, job: ShardJob) -> RankLane:
+        lane = self._lanes.get(job.lane)
+        if lane is None:
+            lane = self._lanes[job.lane] = RankLane(concurrency=self._concurrency, policy=self._policy)
+        return lane
 
     def submit(self, job: ShardJob) -> Handoff:
-        released: Future[None] = Future()
+        ticket = Ticket(job)
+        handoff = futures_of(ticket)
+        self._lane(job).submit(ticket)
+        return handoff
 
-        def _run() -> ShardResult:
-            try:
-                return run_shard_job(job, concurrency=self._concurrency, policy=self._policy,
-                                     on_released=lambda: released.set_result(None))
-            except BaseException as exc:
-                if not released.done():
-                    released.set_exception(exc)
-                raise
-
-        return Handoff(released=released, durable=self._pool.submit(_run))
+    def cancel(self, key: str) -> bool:
+        return any(lane.cancel(key) for lane in self._lanes.values())
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        for lane in self._lanes.values():
+            lane.shutdown(wait=True)

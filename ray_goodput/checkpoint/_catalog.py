@@ -1,23 +1,38 @@
-"""Finding, verifying and collecting checkpoints in storage."""
+"""Finding, verifying, quarantining and collecting checkpoints in storage.
+
+Order is lineage, not step: "newest" is the highest ``(generation, step)`` among intact
+committed checkpoints (``_layout`` explains generations). One recursive listing of
+``<root>/checkpoints`` describes every directory; manifests are read only where a
+``COMMITTED`` exists.
+"""
 
 from __future__ import annotations
 
+import heapq
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pyarrow.fs as pafs
 
+from ray_goodput._faults import fault_point
 from ray_goodput.checkpoint import _layout
-from ray_goodput.checkpoint._manifest import Manifest, read_manifest, read_rank_markers, try_commit
+from ray_goodput.checkpoint._commit import finish_orphan
+from ray_goodput.checkpoint._manifest import (
+    Manifest,
+    is_quarantined,
+    quarantine,
+    read_manifest,
+    read_quarantine,
+)
 from ray_goodput.errors import CheckpointCorruptError
 from ray_goodput.storage import StorageLocation, delete_dir, list_dir, object_crc32, resolve
 
 logger = logging.getLogger(__name__)
 
-
 @dataclass(frozen=True)
 class CheckpointInfo:
-    """One checkpoint directory. ``world_size``/``created`` are None when not committed."""
+    """One checkpoint directory. ``world_size``/``created``/``generation`` are None when
+    not committed; ``damaged`` when its commit was found damaged (quarantined or torn)."""
 
     step: int
     uri: str
@@ -25,6 +40,12 @@ class CheckpointInfo:
     world_size: int | None
     num_bytes: int
     created: float | None
+    generation: int | None = None
+    damaged: bool = False
+
+    @property
+    def state(self) -> str:
+        return "committed" if self.committed else "damaged" if self.damaged else "uncommitted"
 
 
 def checkpoints_location(root: str | StorageLocation) -> StorageLocation:
@@ -35,52 +56,75 @@ def step_location(root: str | StorageLocation, step: int) -> StorageLocation:
     return checkpoints_location(root).child(_layout.step_dir(step))
 
 
-def _step_dirs(ckpts: StorageLocation) -> list[tuple[int, pafs.FileInfo]]:
-    found = []
-    for info in list_dir(ckpts):
-        step = _layout.parse_step(info.path)
-        if step is not None and info.type == pafs.FileType.Directory:
-            found.append((step, info))
-    return sorted(found, key=lambda pair: pair[0])
+_NOT_SAVE_FILES = {_layout.COMMITTED, _layout.QUARANTINED, _layout.DCP_METADATA}
 
 
-def _dir_bytes(loc: StorageLocation) -> int:
-    return sum(i.size or 0 for i in list_dir(loc, recursive=True) if i.type == pafs.FileType.File)
+@dataclass
+class StepDir:
+    """What one step directory holds, from one listing (manifest read when committed)."""
+
+    step: int
+    loc: StorageLocation
+    files: dict[str, int] = field(default_factory=dict)   # name under the dir -> bytes
+    manifest: Manifest | None = None
+    torn: bool = False          # COMMITTED present but unreadable
+    quarantined: bool = False
+
+    @property
+    def intact(self) -> bool:
+        """Committed and not found damaged (sizes are checked by :func:`verify`)."""
+        return self.manifest is not None and not self.quarantined
+
+    @property
+    def generations(self) -> set[int]:
+        """Generations of the save files in it (0: saved before generations existed)."""
+        return {_layout.generation_of(n) or 0 for n in self.files
+                if n not in _NOT_SAVE_FILES and ".tmp-" not in n}
+
+    def info(self) -> CheckpointInfo:
+        m = self.manifest if self.intact else None
+        return CheckpointInfo(
+            step=self.step, uri=self.loc.uri, committed=m is not None,
+            world_size=m.world_size if m else None,
+            num_bytes=m.total_bytes if m else sum(self.files.values()),
+            created=m.created if m else None, generation=m.generation if m else None,
+            damaged=self.torn or self.quarantined)
 
 
-def finish_orphan(step_loc: StorageLocation, step: int) -> Manifest | None:
-    """Commit a checkpoint whose ranks are all durable but whose committer was lost."""
-    saves = {(m.nonce, m.world_size) for m in read_rank_markers(step_loc)}
-    for nonce, world_size in sorted(saves):
-        manifest = try_commit(step_loc, step, world_size, nonce)
-        if manifest is not None:
-            return manifest
-    return None
+def scan(root: str | StorageLocation) -> list[StepDir]:
+    """Every step directory under ``<root>/checkpoints``, by step."""
+    ckpts = checkpoints_location(root)
+    dirs: dict[int, StepDir] = {}
+    for info in list_dir(ckpts, recursive=True):
+        rel = info.path[len(ckpts.root) + 1:]
+        top, _, rest = rel.partition("/")
+        step = _layout.parse_step(top)
+        if step is None:
+            continue
+        d = dirs.setdefault(step, StepDir(step, ckpts.child(top)))
+        if rest and info.type == pafs.FileType.File:
+            d.files[rest] = info.size or 0
+    for d in dirs.values():
+        if _layout.COMMITTED in d.files:
+            _read_commit(d)
+    return [dirs[s] for s in sorted(dirs)]
 
 
-def _manifest_or_none(loc: StorageLocation) -> Manifest | None:
-    """The manifest, or None when absent or unreadable (a torn write is not a commit)."""
+def _read_commit(d: StepDir) -> None:
     try:
-        return read_manifest(loc)
+        d.manifest = read_manifest(d.loc)
     except CheckpointCorruptError as exc:
-        logger.warning("%s: %s", loc.uri, exc)
-        return None
+        logger.warning("checkpoint step %d at %s is damaged: %s", d.step, d.loc.uri, exc)
+        d.torn = True
+    except FileNotFoundError:
+        return  # removed since the listing
+    if d.manifest is not None and _layout.QUARANTINED in d.files:
+        d.quarantined = is_quarantined(d.manifest, read_quarantine(d.loc))
 
 
 def list_checkpoints(storage_path: str | StorageLocation) -> list[CheckpointInfo]:
-    """Every checkpoint directory under ``<storage_path>/checkpoints``, oldest first."""
-    ckpts = checkpoints_location(storage_path)
-    out = []
-    for step, _ in _step_dirs(ckpts):
-        loc = ckpts.child(_layout.step_dir(step))
-        manifest = _manifest_or_none(loc)
-        out.append(CheckpointInfo(
-            step=step, uri=loc.uri, committed=manifest is not None,
-            world_size=manifest.world_size if manifest else None,
-            num_bytes=manifest.total_bytes if manifest else _dir_bytes(loc),
-            created=manifest.created if manifest else None,
-        ))
-    return out
+    """Every checkpoint directory under ``<storage_path>/checkpoints``, by step."""
+    return [d.info() for d in scan(storage_path)]
 
 
 def verify(step_loc: StorageLocation, manifest: Manifest, *, checksums: bool) -> list[str]:
@@ -102,55 +146,109 @@ def verify(step_loc: StorageLocation, manifest: Manifest, *, checksums: bool) ->
     return problems
 
 
-def newest_valid(root: str | StorageLocation, *, checksums: bool = False,
-                 max_step: int | None = None) -> tuple[StorageLocation, Manifest] | None:
-    """The newest committed checkpoint that matches its manifest.
+def _candidates(dirs: list[StepDir]) -> list[tuple[tuple[int, int], int]]:
+    """A max-heap of (order, index): commits by their order, orphans (rank markers, no
+    commit) by the newest generation among their files."""
+    heap = []
+    for i, d in enumerate(dirs):
+        if d.intact:
+            heap.append(((-d.manifest.generation, -d.step), i))
+        elif d.manifest is None and not d.torn and any(n.startswith(_layout.RANKS_DIR + "/") for n in d.files):
+            heap.append(((-max(d.generations, default=0), -d.step), i))
+    heapq.heapify(heap)
+    return heap
 
-    Damaged ones are skipped with a warning (fall back to the previous committed one);
-    orphans whose every rank is durable are committed on the way.
+
+def newest_valid(root: str | StorageLocation, *, checksums: bool = False,
+                 max_step: int | None = None, before: tuple[int, int] | None = None,
+                 ) -> tuple[StorageLocation, Manifest] | None:
+    """The newest intact committed checkpoint: highest ``(generation, step)`` below
+    ``before`` (and at most ``max_step``) that matches its manifest.
+
+    A damaged one is quarantined with a warning (fall back to the previous one); an
+    orphan whose every rank is durable is committed on the way.
     """
-    ckpts = checkpoints_location(root)
-    for step, _ in reversed(_step_dirs(ckpts)):
-        if max_step is not None and step > max_step:
+    dirs = scan(root)
+    for d in dirs:
+        if d.torn and _layout.QUARANTINED not in d.files:
+            quarantine_damaged(d.loc, None, "COMMITTED is unreadable")
+    heap = _candidates(dirs)
+    while heap:
+        neg, i = heapq.heappop(heap)
+        d, order = dirs[i], (-neg[0], -neg[1])
+        if (max_step is not None and d.step > max_step) or (before is not None and order >= before):
             continue
-        loc = ckpts.child(_layout.step_dir(step))
-        try:
-            manifest = read_manifest(loc) or finish_orphan(loc, step)
-        except CheckpointCorruptError as exc:
-            logger.warning("checkpoint step %d at %s is damaged (%s); falling back", step, loc.uri, exc)
-            continue
+        manifest = d.manifest
         if manifest is None:
-            continue
-        problems = verify(loc, manifest, checksums=checksums)
+            manifest = d.manifest = finish_orphan(d.loc, d.step)
+            if manifest is None:
+                continue
+            if manifest.order != order:  # the complete save was an older one: re-rank it
+                heapq.heappush(heap, ((-manifest.generation, -manifest.step), i))
+                continue
+        problems = verify(d.loc, manifest, checksums=checksums)
         if not problems:
-            return loc, manifest
-        logger.warning("checkpoint step %d at %s is damaged (%s); falling back to an older one",
-                       step, loc.uri, "; ".join(problems[:5]))
+            return d.loc, manifest
+        quarantine_damaged(d.loc, manifest, "; ".join(problems[:5]))
     return None
 
 
-def apply_retention(root: str | StorageLocation, keep_last: int) -> list[int]:
-    """Delete all but the newest ``keep_last`` committed checkpoints, and uncommitted
-    directories older than the newest committed one. Returns the deleted steps.
+def quarantine_damaged(step_loc: StorageLocation, manifest: Manifest | None, reason: str) -> None:
+    """Warn and quarantine; a storage error while marking is logged, never raised (the
+    damage was found; the next reader finds it again)."""
+    logger.warning("checkpoint step %s at %s is damaged (%s); quarantining it and falling back "
+                   "to an older one", manifest.step if manifest else "?", step_loc.uri, reason)
+    try:
+        quarantine(step_loc, manifest, reason)
+    except OSError as exc:
+        logger.warning("could not quarantine %s: %s", step_loc.uri, exc)
 
-    Never deletes the newest committed checkpoint, nor anything newer than it (those
-    may still be uploading).
-    """
-    ckpts = checkpoints_location(root)
-    dirs = _step_dirs(ckpts)
-    committed = [s for s, _ in dirs if _manifest_or_none(ckpts.child(_layout.step_dir(s))) is not None]
-    if not committed:
+
+def _doomed(dirs: list[StepDir], keep_last: int, generation: int | None) -> list[StepDir]:
+    """Directories retention may delete (see :func:`apply_retention`)."""
+    intact = sorted((d for d in dirs if d.intact), key=lambda d: d.manifest.order)
+    if not intact:
         return []
-    keep = set(committed[-max(1, keep_last):])
-    newest = committed[-1]
-    doomed = [s for s, _ in dirs if s < newest and s not in keep]
-    for step in doomed:
-        loc = ckpts.child(_layout.step_dir(step))
+    current = generation if generation is not None else intact[-1].manifest.generation
+    keep = {d.step for d in intact[-max(1, keep_last):]}
+    newest = max((d.step for d in intact if d.manifest.generation == current), default=None)
+
+    def settled(gen: int, step: int) -> bool:
+        # Older generations are dead attempts; within the current one uploads are FIFO
+        # per rank, so a save older than its newest commit will never change again.
+        return gen < current or (gen == current and newest is not None and step < newest)
+
+    out = []
+    for d in dirs:
+        if d.step in keep:
+            continue
+        own = {d.manifest.generation} if d.intact else set()
+        gens = (d.generations - own) if d.intact else (d.generations or {current})
+        if all(settled(g, d.step) for g in gens):
+            out.append(d)
+    return out
+
+
+def apply_retention(root: str | StorageLocation, keep_last: int,
+                    generation: int | None = None) -> list[int]:
+    """Keep the newest ``keep_last`` intact committed checkpoints (by lineage order) and
+    delete other directories that provably belong to a dead or settled save; returns the
+    deleted steps.
+
+    ``generation`` is the caller's (a committer passes its own; default: the newest
+    commit's). Never deleted: the newest intact committed checkpoint, and any directory
+    with a save of ``generation`` or newer that may still be written (a step above that
+    generation's newest commit, or a newer generation).
+    """
+    dirs = _doomed(scan(root), keep_last, generation)
+    for n, d in enumerate(dirs):
+        if n:
+            fault_point("retention")
         # The marker goes first: a half-deleted directory must never look committed.
         try:
-            loc.fs.delete_file(loc.join(_layout.COMMITTED))
+            d.loc.fs.delete_file(d.loc.join(_layout.COMMITTED))
         except FileNotFoundError:
             pass
-        delete_dir(ckpts, _layout.step_dir(step))
-        logger.info("retention removed checkpoint step %d", step)
-    return doomed
+        delete_dir(checkpoints_location(root), _layout.step_dir(d.step))
+        logger.info("retention removed checkpoint step %d", d.step)
+    return [d.step for d in dirs]

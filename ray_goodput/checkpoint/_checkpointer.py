@@ -1,4 +1,9 @@
-"""The public Checkpointer: snapshot, hand off, commit, report, restore."""
+"""The public Checkpointer: snapshot, hand off, commit, report, restore.
+
+Every collective call (``save``, ``wait``, ``close``, ``restore``) ends with the same
+outcome on every rank: the ranks exchange what each saw (``_collective``) and act on the
+agreed answer, so none raises while another enters Ray Train's ``report`` barrier.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,8 @@ import pickle
 import shutil
 import time
 import uuid
+from concurrent.futures import FIRST_COMPLETED, Future
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -16,27 +23,31 @@ from typing import Any, Literal
 import ray
 import ray.train
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
 from ray_goodput import _env
-from ray_goodput.checkpoint import _catalog, _layout, _shard_plan, _state
-from ray_goodput.checkpoint._arena import Arena, pick_dir, sweep_dead
+from ray_goodput.checkpoint import _catalog, _collective, _generation, _layout, _shard_plan, _state
+from ray_goodput.checkpoint._arena import Arena, arena_name, pick_dir, sweep_dead
 from ray_goodput.checkpoint._backends import Handoff, ThreadBackend, UploadBackend
 from ray_goodput.checkpoint._job import ShardJob
-from ray_goodput.checkpoint._manifest import Manifest, read_manifest
 from ray_goodput.checkpoint._metrics import SaveMetrics
 from ray_goodput.checkpoint._ray_report import report_checkpoint
-from ray_goodput.checkpoint._restore import RestoreInfo, load_checkpoint
+from ray_goodput.checkpoint._restore import RestoreInfo, choose, load_checkpoint
+from ray_goodput.checkpoint._save_state import SaveRecord, SaveState, agree
 from ray_goodput.checkpoint._uploader import ActorBackend
 from ray_goodput.errors import CheckpointCorruptError, CheckpointError, ConfigError
 from ray_goodput.goodput import get_recorder
 from ray_goodput.runtime import WorkerContext
+from ray_goodput.runtime._resume import resume_decision
 from ray_goodput.storage import RetryPolicy
 
 logger = logging.getLogger(__name__)
+
+#: Bound on waiting for an arena that the uploader has already let go (it is immediate
+#: unless the uploader is wedged).
+_ARENA_WAIT_S = 600.0
 
 
 @dataclass
@@ -45,15 +56,17 @@ class _Pending:
     metrics: dict[str, Any]
     handoff: Handoff
     block_seconds: float
+    record: SaveRecord
 
 
 @dataclass
 class SaveStats:
-    """Counters of this rank's saves. Seconds are wall time."""
+    """Counters of this rank's saves (equal on every rank). Seconds are wall time."""
 
     saves: int = 0
     failed_saves: int = 0
     committed: list[int] = field(default_factory=list)
+    superseded: list[int] = field(default_factory=list)
     last_block_seconds: float = 0.0
     total_block_seconds: float = 0.0
     last_error: str | None = None
@@ -63,20 +76,23 @@ def _local(value: Any) -> torch.Tensor:
     return value.to_local() if isinstance(value, DTensor) else value
 
 
-def _all_gather(obj: Any) -> list[Any]:
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return [obj]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
+def _state_of(pending: _Pending, block: bool) -> tuple[str | None, str | None]:
+    """(SaveState value or None while running, error text) of this rank's part."""
+    durable = pending.handoff.durable
+    if not block and not durable.done():
+        return None, None
+    try:
+        return durable.result().state.value, None
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - agreed across ranks
+        return SaveState.FAILED.value, f"{type(exc).__name__}: {exc}"
 
 
-def _broadcast(obj: Any, src: int = 0) -> Any:
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=src)
-    return box[0]
+def _failed_handoff(exc: BaseException) -> Handoff:
+    released: Future[None] = Future()
+    released.set_result(None)
+    durable: Future[Any] = Future()
+    durable.set_exception(exc if isinstance(exc, Exception) else CheckpointError(f"{type(exc).__name__}: {exc}"))
+    return Handoff(released=released, durable=durable, key="")
 
 
 class Checkpointer:
@@ -108,11 +124,14 @@ class Checkpointer:
         self._retry = retry or RetryPolicy()
         self._uploader_choice = uploader
         self._uploader: UploadBackend | None = None if isinstance(uploader, str) else uploader
-        self._arena: Arena | None = None
+        self._arenas: list[Arena] = []
+        self._holders: list[Handoff | None] = [None, None]
         self._owner_cache: tuple[list[int], dict[str, int]] | None = None
         self._pending: dict[int, _Pending] = {}
         self._last_step: int | None = None
-        self._errors: list[BaseException] = []
+        self._reported: int | None = None
+        self._generation: int | None = None
+        self._errors: list[tuple[str, BaseException | None]] = []
         self._closed = False
         self.stats = SaveStats()
         self.last_restore: RestoreInfo | None = None
@@ -130,10 +149,6 @@ class Checkpointer:
             return ActorBackend(concurrency=self.upload_concurrency, policy=self._retry)
         return ThreadBackend(concurrency=self.upload_concurrency, policy=self._retry)
 
-    @staticmethod
-    def _distributed() -> bool:
-        return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
     @property
     def rank(self) -> int:
         return self._ctx.rank
@@ -142,17 +157,32 @@ class Checkpointer:
     def world_size(self) -> int:
         return self._ctx.world_size
 
+    @property
+    def generation(self) -> int | None:
+        """This attempt's generation (decided at the first restore or save)."""
+        return self._generation
+
+    def _ensure_generation(self) -> int:
+        """Collective on first use: rank 0 claims this attempt's generation."""
+        if self._generation is None:
+            decision = resume_decision(self.root)
+            attempt = decision.attempt if decision is not None else None
+            self._generation = _collective.on_rank0(lambda: _generation.claim(self.root, attempt),
+                                                    "claiming a checkpoint generation")
+        return self._generation
+
     # ---- save -----------------------------------------------------------------------
 
     def save(self, step: int, state: dict[str, Any], *, metrics: dict[str, Any] | None = None) -> None:
-        """Checkpoint ``state`` as of ``step``. Returns once the state is copied out of the
-        training process's tensors into this rank's snapshot arena and handed off.
+        """Checkpoint ``state`` as of ``step``. Returns once the state is copied into one of
+        this rank's two snapshot arenas and handed off; never waits for an upload.
 
         Writing DCP files, uploading and committing go on in the node's uploader, which
-        outlives this worker. The checkpoint is reported to Ray Train (with ``metrics``) at
-        a later ``save``/``wait`` once committed. A failed background save is logged and
-        counted in ``stats`` (training goes on; the previous checkpoint stays the recovery
-        point) and raised by :meth:`wait`. Collective: every rank saves the same steps.
+        outlives this worker. A save still waiting when a newer one comes is superseded
+        (dropped, logged, counted in ``stats.superseded``). A committed save is reported
+        to Ray Train (with ``metrics``) at a later ``save``/``wait``. A failed one is
+        logged and counted (the previous checkpoint stays the recovery point) and raised
+        by :meth:`wait` on every rank alike. Collective: every rank saves the same steps.
         """
         self._check_open()
         if not isinstance(step, int) or step < 0:
@@ -160,10 +190,16 @@ class Checkpointer:
         if self._last_step is not None and step <= self._last_step:
             raise ConfigError(f"step {step} is not after the last saved step {self._last_step}")
         start = time.perf_counter()  # the loop is blocked for the whole call
-        self._report_committed(block=False)
-        self._wait_released()
-        job = self._snapshot(step, _state.classify(state))
-        handoff = self._submit(job)
+        self._resolve(block=False)
+        generation = self._ensure_generation()
+        save_id = _layout.save_id(generation, _collective.broadcast(uuid.uuid4().hex[:12]))
+        try:
+            handoff = self._hand_off(step, _state.classify(state), save_id, generation)
+        except ConfigError:
+            raise  # bad input (the same on every rank), not a failed save
+        except (Exception, CheckpointException) as exc:  # noqa: BLE001 - agreed at the next sync
+            # No collective here: the failure is agreed (and raised on every rank) by wait().
+            handoff = _failed_handoff(exc)
         block = time.perf_counter() - start
         self._last_step = step
         self.stats.saves += 1
@@ -172,116 +208,119 @@ class Checkpointer:
         self._recorder.add_checkpoint_stall(block)
         self._recorder.step(step, explicit=False)
         self._pending[step] = _Pending(step=step, metrics=dict(metrics or {}), handoff=handoff,
-                                       block_seconds=block)
+                                       block_seconds=block, record=SaveRecord(step, save_id))
 
-    def _snapshot(self, step: int, roles: _state._Roles) -> ShardJob:
-        nonce = _broadcast(uuid.uuid4().hex[:12])  # one id per save, shared by its ranks
+    def _hand_off(self, step: int, roles: _state._Roles, save_id: str, generation: int) -> Handoff:
         flat, mappings = flatten_state_dict(_state.to_state_dict(roles))
         leaves = {fqn: _shard_plan.describe(value) for fqn, value in flat.items()}
         keys = _shard_plan.local_keys(leaves, self._owners(leaves), self.rank)
         tensors = {k: _local(flat[k]) for k in keys if leaves[k].kind != _shard_plan.OBJECT}
         objects = {k: pickle.dumps(flat[k]) for k in keys if leaves[k].kind == _shard_plan.OBJECT}
-        arena = self._arena_for(sum(t.numel() * t.element_size() for t in tensors.values()))
+        index = self._free_arena(sum(t.numel() * t.element_size() for t in tensors.values()))
+        arena = self._arenas[index]
         slots = arena.snapshot(tensors)
-        return ShardJob(root=self.root, step=step, rank=self.rank, world_size=self.world_size,
-                        arena_path=str(arena.path), slots=tuple(slots), objects=objects,
-                        leaves={k: leaves[k] for k in keys}, mappings=mappings,
-                        rng=_state.rng_state_bytes(),
-                        local_dir=str(self.staging / _layout.step_dir(step)),
-                        keep_last=self.keep_last, owner_pid=os.getpid(), nonce=nonce,
-                        num_bytes=sum(s.nbytes for s in slots))
+        job = ShardJob(root=self.root, step=step, rank=self.rank, world_size=self.world_size,
+                       arena_path=str(arena.path), slots=tuple(slots), objects=objects,
+                       leaves={k: leaves[k] for k in keys}, mappings=mappings,
+                       rng=_state.rng_state_bytes(),
+                       local_dir=str(self.staging / _layout.step_dir(step)),
+                       keep_last=self.keep_last, owner_pid=os.getpid(), nonce=save_id,
+                       num_bytes=sum(s.nbytes for s in slots), generation=generation)
+        if self._uploader is None:
+            self._uploader = self._make_uploader()
+        handoff = self._uploader.submit(job)
+        self._holders[index] = handoff
+        return handoff
 
     def _owners(self, leaves: dict[str, _shard_plan.Leaf]) -> dict[str, int]:
         """Owner of each replicated leaf; exchanged across ranks only when a structure changes."""
         sig = _shard_plan.signature(leaves)
-        sigs = _all_gather(sig)
+        sigs = _collective.all_gather(sig)
         if self._owner_cache is not None and self._owner_cache[0] == sigs:
             return self._owner_cache[1]
-        owners = _shard_plan.assign_owners(_all_gather(leaves))
+        owners = _shard_plan.assign_owners(_collective.all_gather(leaves))
         self._owner_cache = (sigs, owners)
         return owners
 
-    def _arena_for(self, need_bytes: int) -> Arena:
-        if self._arena is None:
-            base = pick_dir(self.staging, need_bytes) / self._run_key
+    def _free_arena(self, need_bytes: int) -> int:
+        """Index of an arena no job holds. When both are held (one being written, one
+        waiting), the waiting job is superseded: the newest state goes next."""
+        if not self._arenas:
+            base = pick_dir(self.staging, 2 * need_bytes) / self._run_key
             sweep_dead(base)
-            self._arena = Arena(base / f"rank-{self.rank:05d}-{os.getpid()}.arena")
-        return self._arena
+            self._arenas = [Arena(base / arena_name(self.rank, os.getpid(), i)) for i in (0, 1)]
+        free = [i for i, h in enumerate(self._holders) if h is None or h.released.done()]
+        if free:
+            return free[0]
+        newer = max((0, 1), key=lambda i: self._pending_step_of(self._holders[i]))
+        if self._uploader is not None and self._uploader.cancel(self._holders[newer].key):
+            logger.info("superseding the waiting save of step %d: a newer save came before it started",
+                        self._pending_step_of(self._holders[newer]))
+        done, _ = wait_futures([h.released for h in self._holders], timeout=_ARENA_WAIT_S,
+                               return_when=FIRST_COMPLETED)
+        if not done:
+            raise CheckpointError(f"no snapshot arena was released by the uploader within {_ARENA_WAIT_S:.0f}s; "
+                                  "check the uploader's health (ray-goodput status)")
+        return next(i for i, h in enumerate(self._holders) if h.released in done)
 
-    def _submit(self, job: ShardJob) -> Handoff:
-        if self._uploader is None:
-            self._uploader = self._make_uploader()
-        return self._uploader.submit(job)
+    def _pending_step_of(self, handoff: Handoff | None) -> int:
+        return next((s for s, p in self._pending.items() if p.handoff is handoff), -1)
 
-    def _wait_released(self) -> None:
-        """At most one save in flight per rank: the previous snapshot must be written out."""
-        if self._pending:
-            last = self._pending[max(self._pending)]
-            try:
-                last.handoff.released.result()
-            except (Exception, CheckpointException) as exc:  # noqa: BLE001 - surfaced by wait()
-                self._record_failure(last.step, exc)
-
-    def _record_failure(self, step: int, exc: BaseException) -> None:
-        if any(e is exc for e in self._errors):
-            return
-        self._errors.append(exc)
+    def _record_failure(self, step: int, text: str, exc: BaseException | None) -> None:
+        self._errors.append((f"step {step}: {text}", exc))
         self.stats.failed_saves += 1
-        self.stats.last_error = f"step {step}: {type(exc).__name__}: {exc}"
+        self.stats.last_error = f"step {step}: {text}"
         logger.error("checkpoint of step %d failed; the previous committed checkpoint stays the "
-                     "recovery point: %s", step, exc)
+                     "recovery point: %s", step, text)
         if self._metrics is not None:
             self._metrics.failed()
 
-    def _outcome(self, pending: _Pending, block: bool) -> bool | None:
-        """True when this rank's part of ``pending`` is durable, False when it failed,
-        None when still running (only with ``block=False``)."""
-        if not block and not pending.handoff.durable.done():
-            return None
-        try:
-            pending.handoff.durable.result()
-            return True
-        except (Exception, CheckpointException) as exc:  # noqa: BLE001
-            self._record_failure(pending.step, exc)
-            return False
+    # ---- agreeing on outcomes, reporting -----------------------------------------------
 
-    # ---- commit bookkeeping and reporting ----------------------------------------------
+    def _resolve(self, block: bool) -> None:
+        """Collective: agree with every rank on the outcome of each pending save; report the
+        committed ones to Ray Train in order, count superseded ones, record failures."""
+        mine = {s: _state_of(p, block) for s, p in self._pending.items()}
+        views = _collective.all_gather(mine)
+        committed: list[tuple[int, dict[str, Any]]] = []
+        for step in sorted(self._pending):
+            seen = [v.get(step, (SaveState.FAILED.value, "this rank has no such save")) for v in views]
+            outcome = agree([SaveState(s) for s, _ in seen if s is not None])
+            running = any(s is None for s, _ in seen)
+            if outcome is None and running:
+                continue
+            error = next((f"rank {r}: {e}" for r, (s, e) in enumerate(seen) if e), None)
+            if outcome is None:  # every rank durable, none committed
+                outcome, error = SaveState.FAILED, "every rank's part is durable, yet it did not commit"
+            pending = self._pending.pop(step)
+            self._settle(pending, outcome, error)
+            if outcome is SaveState.COMMITTED:
+                committed.append((step, pending.metrics))
+        self._report(committed)
 
-    def _report_committed(self, block: bool) -> None:
-        """Agree across ranks on which pending steps are committed; report them in order."""
-        outcomes = {s: self._outcome(p, block) for s, p in self._pending.items()}
-        if block and self._distributed():
-            dist.barrier()
-        committed: list[int] = []
-        if self.rank == 0:
-            committed = [s for s, ok in outcomes.items()
-                         if ok and self._committed_manifest(s) is not None]
-        committed = _broadcast(committed)
-        for step in sorted(committed):
-            self.stats.committed.append(step)
+    def _settle(self, pending: _Pending, outcome: SaveState, error: str | None) -> None:
+        pending.record.reach(outcome, error if outcome is SaveState.FAILED else None)
+        if outcome is SaveState.COMMITTED:
+            self.stats.committed.append(pending.step)
+        elif outcome is SaveState.SUPERSEDED:
+            self.stats.superseded.append(pending.step)
+            self._recorder.checkpoint_superseded(pending.step)
+            logger.info("checkpoint of step %d was superseded by a newer save (not a failure)", pending.step)
+        else:
+            local = None
+            if pending.handoff.durable.done() and not pending.handoff.durable.cancelled():
+                local = pending.handoff.durable.exception()
+            self._record_failure(pending.step, error or "failed", local)
+
+    def _report(self, committed: list[tuple[int, dict[str, Any]]]) -> None:
+        for step, metrics in committed:
+            if self._reported is not None and step <= self._reported:
+                continue  # Ray Train's newest must stay the newest
+            self._reported = step
             if self._ctx.in_ray_train:
-                report_checkpoint(self._ctx, _catalog.step_location(self.root, step),
-                                  {**getattr(self._pending.get(step), "metrics", {}), "step": step})
-        newest = max(committed, default=None)
-        for step, ok in outcomes.items():
-            if block and step not in committed and ok is not False:
-                # Durable here, yet no commit: another rank failed it. Every rank says so.
-                self._record_failure(step, CheckpointError(
-                    f"step {step} did not commit (a rank's part never became durable)"))
-            if step in committed or ok is False or (block and ok is not None) or \
-                    (newest is not None and step < newest and ok is not None):
-                self._pending.pop(step, None)
-        if newest is not None:
-            self._drop_local_copies(before=newest)
-
-    def _committed_manifest(self, step: int) -> Manifest | None:
-        """Rank 0's view; never raises (the other ranks wait for it in a broadcast)."""
-        step_loc = _catalog.step_location(self.root, step)
-        try:
-            return read_manifest(step_loc) or _catalog.finish_orphan(step_loc, step)
-        except Exception as exc:  # noqa: BLE001 - a torn or unreachable manifest is "not committed"
-            logger.warning("cannot read the commit of step %d: %s", step, exc)
-            return None
+                report_checkpoint(self._ctx, _catalog.step_location(self.root, step), {**metrics, "step": step})
+        if committed:
+            self._drop_local_copies(before=max(step for step, _ in committed))
 
     def _drop_local_copies(self, before: int) -> None:
         if not self.staging.exists():
@@ -292,45 +331,67 @@ class Checkpointer:
                 shutil.rmtree(child, ignore_errors=True)
 
     def wait(self) -> None:
-        """Block until every save issued so far is committed (and reported); raise the
-        first error that prevented one. Collective: every rank must call it."""
+        """Block until every save issued so far has committed, been superseded or failed
+        (and committed ones are reported); then raise, on every rank alike, the first
+        failure since the last ``wait``. Collective: every rank must call it."""
         self._check_open()
-        self._report_committed(block=True)
+        self._resolve(block=True)
         if self._errors:
             errors, self._errors = self._errors, []
-            raise CheckpointError(f"{len(errors)} checkpoint save(s) failed; first: {errors[0]}") from errors[0]
+            raise CheckpointError(f"{len(errors)} checkpoint save(s) failed; first: {errors[0][0]}") from errors[0][1]
 
     # ---- restore ------------------------------------------------------------------------
 
     def restore(self, state: dict[str, Any]) -> int | None:
-        """Load the newest committed checkpoint into ``state`` in place; return its step,
-        or None when there is none. Collective. Damaged checkpoints are skipped with a
-        warning. The world size may differ from the one that saved it (DCP resharding)."""
+        """Load a committed checkpoint into ``state`` in place; return its step, or None
+        when there is none. Collective; every rank loads the same one or raises the same
+        error.
+
+        With a driver decision for this attempt (``Recovery``) it loads exactly that step
+        (None: start fresh); otherwise the newest intact committed checkpoint. A damaged
+        one is quarantined with a warning and every rank falls back to the previous intact
+        one. The world size may differ from the one that saved it (DCP resharding).
+        """
         self._check_open()
         self.wait()  # collective: called on every rank, whatever each one has pending
         t0 = time.time()
-        max_step: int | None = None
+        self._ensure_generation()
+        decision = resume_decision(self.root)
+        if decision is not None and decision.step is None:
+            self._recorder.restored(None, t0, time.time())
+            return None
+        step = decision.step if decision is not None else None
+        before: tuple[int, int] | None = None
         while True:
-            chosen = None
-            if self.rank == 0:
-                found = _catalog.newest_valid(self.root, checksums=self.verify_checksums,
-                                              max_step=max_step)
-                chosen = found[1].to_bytes() if found else None
-            chosen = _broadcast(chosen)
-            if chosen is None:
+            manifest = _collective.on_rank0(
+                lambda: choose(self.root, step=step, before=before, checksums=self.verify_checksums),
+                "choosing the checkpoint to restore")
+            if manifest is None:
                 self._recorder.restored(None, t0, time.time())
                 return None
-            manifest = Manifest.from_bytes(chosen)
             try:
-                self.last_restore = load_checkpoint(
-                    state, root=self.root, manifest=manifest, staging=self.staging,
-                    rank=self.rank, world_size=self.world_size, policy=self._retry)
-                self._recorder.restored(manifest.step, t0, time.time())
-                self._last_step = manifest.step
-                return manifest.step
-            except CheckpointCorruptError as exc:  # every rank sees it: DCP gathers failures
+                self._load_agreed(state, manifest)
+            except CheckpointCorruptError as exc:  # every rank: agreed in _load_agreed
                 logger.warning("checkpoint step %d is damaged (%s); falling back", manifest.step, exc)
-                max_step = manifest.step - 1
+                if self.rank == 0:
+                    _catalog.quarantine_damaged(_catalog.step_location(self.root, manifest.step),
+                                                manifest, str(exc)[:500])
+                before = manifest.order
+                continue
+            self._recorder.restored(manifest.step, t0, time.time())
+            self._last_step = manifest.step
+            return manifest.step
+
+    def _load_agreed(self, state: dict[str, Any], manifest: Any) -> None:
+        error: BaseException | None = None
+        try:
+            self.last_restore = load_checkpoint(
+                state, root=self.root, manifest=manifest, staging=self.staging,
+                rank=self.rank, world_size=self.world_size, policy=self._retry)
+        except (Exception, CheckpointException) as exc:  # noqa: BLE001 - agreed below
+            error = exc if isinstance(exc, Exception) else CheckpointError(f"{type(exc).__name__}: {exc}")
+        # A rank's own file (its RNG blob) can be damaged while the others loaded fine.
+        _collective.agree(error)
 
     # ---- lifecycle ------------------------------------------------------------------------
 
@@ -339,7 +400,8 @@ class Checkpointer:
             raise CheckpointError("this Checkpointer is closed; create a new one")
 
     def close(self) -> None:
-        """Wait for every save (raising its error, if any), then release threads and groups."""
+        """Wait for every save (raising its error, if any, on every rank), then release
+        threads and arenas."""
         if self._closed:
             return
         self._recorder.end()
@@ -350,11 +412,14 @@ class Checkpointer:
                 # checkpoint committed since the previous report.
                 ray.train.report({"step": self._last_step, "ray_goodput_closed": 1})
         finally:
-            self._closed = True
-            if self._uploader is not None:
-                self._uploader.close()
-            if self._arena is not None:
-                self._arena.close()
+            self._release()
+
+    def _release(self) -> None:
+        self._closed = True
+        if self._uploader is not None:
+            self._uploader.close()
+        for arena in self._arenas:
+            arena.close()  # jobs that accepted a snapshot keep their own mapping
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -365,8 +430,4 @@ class Checkpointer:
             return
         # Unwinding an error: no collectives (the other ranks may be elsewhere and would
         # hang), no end-of-run record; release what this process holds and re-raise.
-        self._closed = True
-        if self._uploader is not None:
-            self._uploader.close()
-        if self._arena is not None:
-            self._arena.close()
+        self._release()

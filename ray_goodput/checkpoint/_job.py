@@ -2,6 +2,7 @@
 
 The same function runs in the node's CheckpointUploader actor (the default under Ray)
 or in a thread of the worker (plain torch.distributed), so both commit identically.
+It advances the job's :class:`SaveRecord` (staged, uploaded, committed) as it goes.
 """
 
 from __future__ import annotations
@@ -18,10 +19,12 @@ from typing import Any
 
 from torch.distributed.checkpoint.api import CheckpointException
 
+from ray_goodput._faults import fault_point
 from ray_goodput.checkpoint import _catalog, _layout
 from ray_goodput.checkpoint._arena import TensorSlot, open_slots
-from ray_goodput.checkpoint._manifest import RankMarker, try_commit, write_rank_marker
+from ray_goodput.checkpoint._commit import COMMITTED, OUTRANKED, CommitProtocol
 from ray_goodput.checkpoint._parts import write_part
+from ray_goodput.checkpoint._save_state import SaveRecord, SaveState
 from ray_goodput.checkpoint._shard_plan import Leaf
 from ray_goodput.errors import CheckpointError
 from ray_goodput.storage import RetryPolicy, StorageLocation, upload_files
@@ -46,22 +49,44 @@ class ShardJob:
     local_dir: str                     # node-local staging directory of this step
     keep_last: int
     owner_pid: int
-    nonce: str
+    nonce: str                         # the save id (``_layout.save_id``), shared by its ranks
     num_bytes: int = field(default=0)
+    generation: int = 0
 
     @property
     def key(self) -> str:
-        return f"{self.local_dir}#{self.rank}"
+        return f"{self.local_dir}#{self.rank}#{self.nonce}"
+
+    @property
+    def lane(self) -> tuple[str, int]:
+        """Jobs of one rank of one run share a lane (one running, at most one waiting)."""
+        return (self.local_dir.rsplit("/", 1)[0], self.rank)
+
+    def commit_protocol(self) -> CommitProtocol:
+        return CommitProtocol(_catalog.step_location(self.root, self.step), self.step,
+                              self.world_size, self.nonce, self.generation)
 
 
 @dataclass(frozen=True)
 class ShardResult:
+    """How one rank's job ended: ``state`` is uploaded (durable, another rank commits),
+    committed (this job wrote COMMITTED) or superseded (dropped for a newer save)."""
+
     step: int
     rank: int
     num_bytes: int
     write_seconds: float
     upload_seconds: float
-    committed: bool
+    state: SaveState = SaveState.UPLOADED
+
+    @property
+    def committed(self) -> bool:
+        return self.state is SaveState.COMMITTED
+
+    @staticmethod
+    def superseded(job: ShardJob) -> ShardResult:
+        return ShardResult(step=job.step, rank=job.rank, num_bytes=0, write_seconds=0.0,
+                           upload_seconds=0.0, state=SaveState.SUPERSEDED)
 
 
 def _out_of_space(exc: BaseException) -> bool:
@@ -79,11 +104,14 @@ def _out_of_space(exc: BaseException) -> bool:
     return False
 
 
-def write_local(job: ShardJob) -> list[str]:
-    """DCP-write the snapshot into the staging dir; after this the arena may be reused."""
+def write_local(job: ShardJob, tensors: dict[str, Any] | None = None) -> list[str]:
+    """DCP-write the snapshot (``tensors``: views of the arena, mapped when the job was
+    accepted; mapped here when None) into the staging dir; after this the arena may be reused."""
     out = Path(job.local_dir)
     out.mkdir(parents=True, exist_ok=True)
-    flat: dict[str, Any] = open_slots(job.arena_path, list(job.slots)) if job.slots else {}
+    if tensors is None:
+        tensors = open_slots(job.arena_path, list(job.slots)) if job.slots else {}
+    flat: dict[str, Any] = dict(tensors)
     flat.update({fqn: pickle.loads(raw) for fqn, raw in job.objects.items()})  # noqa: S301
     try:
         names = write_part(flat, job.leaves, job.mappings, job.rank, job.nonce, out)
@@ -97,6 +125,7 @@ def write_local(job: ShardJob) -> list[str]:
                 f"RAY_GOODPUT_STAGING_DIR to a larger local disk (No space left on device)"
             ) from exc
         raise
+    fault_point("upload.staging_write")
     extras = out / _layout.extras_file(job.rank, job.nonce)
     extras.parent.mkdir(parents=True, exist_ok=True)
     extras.write_bytes(job.rng)
@@ -104,38 +133,48 @@ def write_local(job: ShardJob) -> list[str]:
 
 
 def upload_and_commit(job: ShardJob, names: list[str], *, concurrency: int,
-                      policy: RetryPolicy) -> tuple[int, bool]:
+                      policy: RetryPolicy) -> tuple[int, SaveState]:
     """Upload, declare durable, try to commit (and apply retention when committed).
 
-    An upload that fails after retries raises; then no marker is written, the step can
-    never commit, and the previous committed checkpoint stays the recovery point.
+    Returns the bytes uploaded and ``uploaded`` or ``committed``. An upload that fails
+    after retries raises; then no marker is written, the step can never commit, and the
+    previous committed checkpoint stays the recovery point.
     """
-    step_loc = _catalog.step_location(job.root, job.step)
+    protocol = job.commit_protocol()
     files = [(Path(job.local_dir) / n, n) for n in names]
-    entries = upload_files(files, step_loc, concurrency=concurrency, policy=policy)
-    write_rank_marker(step_loc, RankMarker(step=job.step, rank=job.rank, world_size=job.world_size,
-                                           files=tuple(entries), created=time.time(), nonce=job.nonce))
-    manifest = try_commit(step_loc, job.step, job.world_size, job.nonce, Path(job.local_dir))
-    if manifest is not None and manifest.nonce != job.nonce:
-        logger.warning("step %d was already committed by an earlier attempt; keeping that one",
-                       job.step)
-    committed = manifest is not None
-    if committed:
+    # The rank's small extras file goes last, so a fault between the two is "mid-upload".
+    entries = upload_files(files[:-1], protocol.step_loc, concurrency=concurrency, policy=policy)
+    fault_point("upload.mid_upload")
+    entries += upload_files(files[-1:], protocol.step_loc, concurrency=concurrency, policy=policy)
+    protocol.declare_durable(job.rank, entries, created=time.time())
+    done = protocol.finalize(Path(job.local_dir))
+    if done.state == OUTRANKED:
+        logger.warning("step %d: a save of the same or a newer generation (%s) holds it; this save "
+                       "(generation %d) stays uncommitted", job.step,
+                       done.manifest.generation if done.manifest else "?", job.generation)
+    if done.state == COMMITTED:
         try:
-            _catalog.apply_retention(job.root, job.keep_last)
+            _catalog.apply_retention(job.root, job.keep_last, generation=job.generation)
         except Exception as exc:  # noqa: BLE001 - the save is committed; retention retries next time
             logger.warning("retention after step %d failed: %s", job.step, exc)
-    return sum(e.size for e in entries), committed
+    state = SaveState.COMMITTED if done.state == COMMITTED else SaveState.UPLOADED
+    return sum(e.size for e in entries), state
 
 
-def run_shard_job(job: ShardJob, *, concurrency: int, policy: RetryPolicy,
+def run_shard_job(job: ShardJob, record: SaveRecord, tensors: dict[str, Any], *,
+                  concurrency: int, policy: RetryPolicy,
                   on_released: Callable[[], None] = lambda: None) -> ShardResult:
-    """Write locally, release the arena (``on_released``), upload, commit."""
+    """Write locally, release the arena (``on_released``), upload, commit; ``record``
+    advances staged -> uploaded (-> committed). Raises on failure (the caller marks it)."""
     start = time.monotonic()
-    names = write_local(job)
+    names = write_local(job, tensors)
     written = time.monotonic()
+    record.advance(SaveState.STAGED)
     on_released()
-    num_bytes, committed = upload_and_commit(job, names, concurrency=concurrency, policy=policy)
+    num_bytes, state = upload_and_commit(job, names, concurrency=concurrency, policy=policy)
+    record.advance(SaveState.UPLOADED)
+    if state is SaveState.COMMITTED:
+        record.advance(SaveState.COMMITTED)
     return ShardResult(step=job.step, rank=job.rank, num_bytes=num_bytes,
                        write_seconds=written - start, upload_seconds=time.monotonic() - written,
-                       committed=committed)
+                       state=state)

@@ -2,8 +2,14 @@
 
 ```
 <root>/checkpoints/step-<step:09d>/   DCP files + .metadata + extras, COMMITTED written last
-<root>/checkpoints/step-<step:09d>/.ranks/rank-<r:05d>.json   "rank r is durable" markers
+<root>/checkpoints/step-<step:09d>/.ranks/rank-<r:05d>-<save id>.json   "rank r is durable"
+<root>/checkpoints/step-<step:09d>/QUARANTINED   the committed save found damaged (JSON)
+<root>/checkpoints/GENERATION                     the highest generation claimed (JSON)
 ```
+
+A save id is ``g<generation:06d>-<token>``. The generation orders saves by lineage: every
+attempt of a run claims a higher one than any before it, so "newest" means the highest
+``(generation, step)`` and a step saved again after a restart outranks the dead attempt's.
 """
 
 from __future__ import annotations
@@ -14,7 +20,10 @@ CHECKPOINTS_DIR = "checkpoints"
 COMMITTED = "COMMITTED"
 DCP_METADATA = ".metadata"
 RANKS_DIR = ".ranks"
+QUARANTINED = "QUARANTINED"
+GENERATION = "GENERATION"
 _STEP_RE = re.compile(r"^step-(\d{9,})$")
+_SAVE_ID_RE = re.compile(r"g(\d{6,})-[0-9a-f]{8,}")
 
 
 def step_dir(step: int) -> str:
@@ -39,3 +48,15 @@ def rank_marker(rank: int, nonce: str) -> str:
 def extras_file(rank: int, nonce: str) -> str:
     """Per-rank file of RNG states (they differ per rank, so they are not in DCP)."""
     return f"extras/rank-{rank:05d}-{nonce}.pkl"
+
+
+def save_id(generation: int, token: str) -> str:
+    """The id of one save (shared by its ranks); every file of the save carries it."""
+    return f"g{generation:06d}-{token}"
+
+
+def generation_of(name: str) -> int | None:
+    """The generation in a file name that carries a save id, or None (no id, or a save
+    made before generations existed)."""
+    match = _SAVE_ID_RE.search(name.rsplit("/", 1)[-1])
+    return int(match.group(1)) if match else None

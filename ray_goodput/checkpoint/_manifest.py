@@ -1,23 +1,20 @@
-"""The commit protocol: per-rank durability markers, then the COMMITTED manifest, last.
+"""What the commit protocol writes: per-rank durability markers, the COMMITTED manifest
+(written last) and the QUARANTINED marker of a committed save found damaged.
 
 Object stores have no rename, so "written last" is the commit: a checkpoint is
-committed iff ``COMMITTED`` exists. Anyone holding storage access can finish a
-checkpoint whose every rank marker is present (:func:`try_commit` is idempotent and
-deterministic), so losing the component that was about to commit loses nothing.
+committed iff ``COMMITTED`` exists and is not quarantined. The protocol itself (who
+writes what, when) is :class:`ray_goodput.checkpoint._commit.CommitProtocol`.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
-import threading
+import time
 import zlib
-from pathlib import Path
 from dataclasses import dataclass, field
 
 from ray_goodput.checkpoint import _layout
-from ray_goodput.checkpoint._parts import merge_parts, part_file
 from ray_goodput.errors import CheckpointCorruptError
 from ray_goodput.storage import FileEntry, StorageLocation, list_dir, read_bytes, write_bytes
 
@@ -36,11 +33,13 @@ class RankMarker:
     files: tuple[FileEntry, ...]
     created: float
     nonce: str
+    generation: int = 0
 
     def to_bytes(self) -> bytes:
         return json.dumps({
             "step": self.step, "rank": self.rank, "world_size": self.world_size,
-            "created": self.created, "nonce": self.nonce, "files": [f.to_json() for f in self.files],
+            "created": self.created, "nonce": self.nonce, "generation": self.generation,
+            "files": [f.to_json() for f in self.files],
         }).encode()
 
     @staticmethod
@@ -48,7 +47,7 @@ class RankMarker:
         d = json.loads(data)
         return RankMarker(step=int(d["step"]), rank=int(d["rank"]),
                           world_size=int(d["world_size"]), created=float(d["created"]),
-                          nonce=str(d["nonce"]),
+                          nonce=str(d["nonce"]), generation=int(d.get("generation", 0)),
                           files=tuple(FileEntry.from_json(f) for f in d["files"]))
 
 
@@ -61,8 +60,16 @@ class Manifest:
     files: tuple[FileEntry, ...]
     created: float
     nonce: str = ""
+    generation: int = 0
     format_version: int = FORMAT_VERSION
     extra: dict = field(default_factory=dict, compare=False)
+    #: CRC32 of the ``COMMITTED`` bytes it was read from (names this commit in QUARANTINED).
+    digest: int = field(default=0, compare=False)
+
+    @property
+    def order(self) -> tuple[int, int]:
+        """Lineage order: a higher generation is newer whatever its step."""
+        return (self.generation, self.step)
 
     @property
     def total_bytes(self) -> int:
@@ -75,7 +82,7 @@ class Manifest:
         return json.dumps({
             "format_version": self.format_version, "step": self.step,
             "world_size": self.world_size, "created": self.created, "nonce": self.nonce,
-            "total_bytes": self.total_bytes, "files": [f.to_json() for f in self.files],
+            "generation": self.generation, "total_bytes": self.total_bytes, "files": [f.to_json() for f in self.files],
         }, indent=1).encode()
 
     @staticmethod
@@ -84,8 +91,10 @@ class Manifest:
             d = json.loads(data)
             return Manifest(step=int(d["step"]), world_size=int(d["world_size"]),
                             created=float(d["created"]), nonce=str(d.get("nonce", "")),
+                            generation=int(d.get("generation", 0)),
                             format_version=int(d.get("format_version", 1)),
-                            files=tuple(FileEntry.from_json(f) for f in d["files"]))
+                            files=tuple(FileEntry.from_json(f) for f in d["files"]),
+                            digest=zlib.crc32(data))
         except (ValueError, KeyError, TypeError) as exc:
             raise CheckpointCorruptError(f"COMMITTED manifest is unreadable: {exc}") from exc
 
@@ -116,40 +125,26 @@ def read_manifest(step_loc: StorageLocation) -> Manifest | None:
         return None
 
 
-def _write_dcp_metadata(step_loc: StorageLocation, step: int, world_size: int, nonce: str,
-                        local_dir: Path | None) -> FileEntry:
-    """Merge the ranks' metadata parts into DCP's ``.metadata``; written before COMMITTED
-    (and into the node-local staged copy, when there is one, for local-first restore)."""
-    parts = [read_bytes(step_loc, part_file(rank, nonce)) for rank in range(world_size)]
-    data = merge_parts(parts, step)
-    write_bytes(step_loc, _layout.DCP_METADATA, data)
-    if local_dir is not None and local_dir.is_dir():
-        tmp = local_dir / f".metadata.tmp-{os.getpid()}-{threading.get_ident()}"
-        tmp.write_bytes(data)
-        os.replace(tmp, local_dir / _layout.DCP_METADATA)
-    return FileEntry(name=_layout.DCP_METADATA, size=len(data), crc32=zlib.crc32(data))
-
-
-def try_commit(step_loc: StorageLocation, step: int, world_size: int, nonce: str,
-               local_dir: Path | None = None) -> Manifest | None:
-    """Write ``.metadata`` then ``COMMITTED`` if every rank of ``world_size`` is durable.
-
-    Returns the manifest when the checkpoint is (now or already) committed, None when
-    ranks are still missing. Idempotent: writers racing here write byte-identical files.
-    """
-    existing = read_manifest(step_loc)
-    if existing is not None:
-        return existing
-    markers = {m.rank: m for m in read_rank_markers(step_loc)
-               if m.step == step and m.nonce == nonce and m.world_size == world_size}
-    if set(markers) != set(range(world_size)):
+def read_quarantine(step_loc: StorageLocation) -> dict | None:
+    """The QUARANTINED record of a step directory, or None."""
+    try:
+        return json.loads(read_bytes(step_loc, _layout.QUARANTINED))
+    except FileNotFoundError:
         return None
-    files = [f for m in markers.values() for f in m.files]
-    files.append(_write_dcp_metadata(step_loc, step, world_size, nonce, local_dir))
-    files.sort(key=lambda f: f.name)
-    manifest = Manifest(step=step, world_size=world_size, files=tuple(files), nonce=nonce,
-                        created=max(m.created for m in markers.values()))
-    write_bytes(step_loc, _layout.COMMITTED, manifest.to_bytes())
-    logger.info("committed checkpoint step %d (%d files, %d bytes) at %s",
-                step, len(files), manifest.total_bytes, step_loc.uri)
-    return manifest
+    except ValueError:  # a torn record still says "do not trust this commit"
+        return {"digest": None, "reason": "unreadable QUARANTINED record"}
+
+
+def is_quarantined(manifest: Manifest | None, record: dict | None) -> bool:
+    """Whether ``record`` condemns this very commit (a later re-save of the step is not)."""
+    if record is None:
+        return False
+    return record.get("digest") is None or manifest is None or record.get("digest") == manifest.digest
+
+
+def quarantine(step_loc: StorageLocation, manifest: Manifest | None, reason: str) -> None:
+    """Mark the commit in ``step_loc`` damaged: it is never restored or counted again."""
+    record = {"digest": manifest.digest if manifest else None, "step": manifest.step if manifest else None,
+              "nonce": manifest.nonce if manifest else None, "reason": reason, "time": time.time()}
+    write_bytes(step_loc, _layout.QUARANTINED, json.dumps(record).encode())
+    logger.warning("quarantined checkpoint %s: %s", step_loc.uri, reason)

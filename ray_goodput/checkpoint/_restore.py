@@ -15,8 +15,8 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from ray_goodput.checkpoint import _catalog, _layout, _state
-from ray_goodput.checkpoint._manifest import Manifest
+from ray_goodput.checkpoint import _catalog, _collective, _layout, _state
+from ray_goodput.checkpoint._manifest import Manifest, read_manifest
 from ray_goodput.checkpoint._tiered_reader import TieredReader
 from ray_goodput.errors import CheckpointCorruptError, StateMismatchError
 from ray_goodput.storage import RetryPolicy, StorageLocation, file_crc32
@@ -92,12 +92,18 @@ def load_checkpoint(state: dict[str, Any], *, root: StorageLocation, manifest: M
     start = time.perf_counter()
     step_loc = _catalog.step_location(root, manifest.step)
     local_dir = staging / _layout.step_dir(manifest.step)
-    local = verified_local_copy(local_dir, manifest) if local_dir.is_dir() else set()
-    local_dir.mkdir(parents=True, exist_ok=True)
     roles = _state.classify(state)
     template = _state.to_state_dict(roles)
-    reader = TieredReader(step_loc, local_dir, local, {f.name: f for f in manifest.files}, policy)
-    _check_fits(template, reader.read_metadata(), manifest.step, step_loc.uri)
+    error: BaseException | None = None
+    try:
+        local = verified_local_copy(local_dir, manifest) if local_dir.is_dir() else set()
+        local_dir.mkdir(parents=True, exist_ok=True)
+        reader = TieredReader(step_loc, local_dir, local, {f.name: f for f in manifest.files}, policy)
+        _check_fits(template, reader.read_metadata(), manifest.step, step_loc.uri)
+    except Exception as exc:  # noqa: BLE001 - agreed below, before DCP's collectives
+        error = exc
+    # Each rank reads .metadata from its own copy: if any could not, none enters dcp.load.
+    _collective.agree(error)
     try:
         dcp.load(template, storage_reader=reader,
                  no_dist=not (dist.is_initialized() and dist.get_world_size() > 1))
@@ -119,3 +125,28 @@ def load_checkpoint(state: dict[str, Any], *, root: StorageLocation, manifest: M
     logger.info("rank %d restored step %d in %.2fs (%d local, %d remote file reads)",
                 rank, info.step, info.seconds, info.local_files, info.remote_files)
     return info
+
+
+def choose(root: StorageLocation, *, step: int | None, before: tuple[int, int] | None,
+           checksums: bool) -> Manifest | None:
+    """Rank 0's pick: exactly ``step`` when the driver decided one (or, when that one is
+    damaged, the newest intact checkpoint below it, never a newer one); else the newest
+    intact committed checkpoint below ``before``."""
+    if step is not None and before is None:
+        loc = _catalog.step_location(root, step)
+        try:
+            manifest = read_manifest(loc)
+        except CheckpointCorruptError as exc:
+            manifest = None
+            _catalog.quarantine_damaged(loc, None, str(exc))
+        if manifest is not None:
+            problems = _catalog.verify(loc, manifest, checksums=checksums)
+            if not problems:
+                return manifest
+            _catalog.quarantine_damaged(loc, manifest, "; ".join(problems[:5]))
+            before = manifest.order
+        logger.warning("the step the driver chose (%d) is not intact; falling back to an older one", step)
+    found = _catalog.newest_valid(root, checksums=checksums, before=before,
+                                  max_step=(step if before is not None else step - 1)
+                                  if step is not None else None)
+    return found[1] if found else None

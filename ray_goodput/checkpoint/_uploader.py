@@ -16,8 +16,7 @@ import os
 import pickle
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +24,10 @@ import ray
 import torch
 
 from ray_goodput.checkpoint._backends import Handoff
-from ray_goodput.checkpoint._job import ShardJob, ShardResult, run_shard_job
+from ray_goodput.checkpoint._job import ShardJob, ShardResult
+from ray_goodput.checkpoint._lane import RankLane, Ticket
 from ray_goodput.checkpoint._metrics import UploaderMetrics
+from ray_goodput.checkpoint._save_state import SaveState
 from ray_goodput.runtime import _services, pid_alive
 from ray_goodput.storage import RetryPolicy, StorageLocation
 
@@ -37,15 +38,6 @@ KIND = "uploader"
 # (long enough for Ray Train to restart the worker group and reconnect).
 _GRACE_AFTER_CLOSE_S = 2.0
 _GRACE_AFTER_DEATH_S = 30.0
-
-
-@dataclass
-class _JobState:
-    job: ShardJob
-    released: threading.Event = field(default_factory=threading.Event)
-    done: threading.Event = field(default_factory=threading.Event)
-    result: ShardResult | None = None
-    error: BaseException | None = None
 
 
 class CheckpointUploader:
@@ -60,14 +52,14 @@ class CheckpointUploader:
         self._concurrency = concurrency
         self._policy = policy
         self._lock = threading.Lock()
-        self._jobs: dict[str, _JobState] = {}
-        self._lanes: dict[tuple[str, int], ThreadPoolExecutor] = {}  # FIFO per (run, rank)
+        self._jobs: dict[str, Ticket] = {}
+        self._lanes: dict[tuple[str, int], RankLane] = {}  # one per (run, rank)
         self._clients: set[int] = set()
         self._clean_close = False
         self._idle_since = time.monotonic()
         self._metrics = UploaderMetrics(node_id)
-        self._stats: dict[str, Any] = {"jobs_done": 0, "jobs_failed": 0, "bytes_uploaded": 0,
-                                       "upload_seconds": 0.0, "last_error": None}
+        self._stats: dict[str, Any] = {"jobs_done": 0, "jobs_failed": 0, "jobs_superseded": 0,
+                                       "bytes_uploaded": 0, "upload_seconds": 0.0, "last_error": None}
         threading.Thread(target=self._watch, name="rg-uploader-watch", daemon=True).start()
 
     # -- client side API --
@@ -84,7 +76,8 @@ class CheckpointUploader:
         self._idle_since = time.monotonic()
 
     def submit(self, job: ShardJob, root: bytes) -> None:
-        """Accept a job (returns at once); from here on it no longer needs its worker.
+        """Accept a job (returns at once, its arena mapped); from here on it no longer
+        needs its worker. A waiting job of the same rank is superseded by it.
 
         ``root`` is the job's StorageLocation, pickled: building an S3 client from its
         pickle costs ~0.1 s, so it is done once per storage root, not once per save.
@@ -92,80 +85,78 @@ class CheckpointUploader:
         loc = self._roots.get(root)
         if loc is None:
             loc = self._roots[root] = pickle.loads(root)  # noqa: S301 - from our own workers
-        job = dataclasses.replace(job, root=loc)
-        state = _JobState(job)
-        lane_key = (job.local_dir.rsplit("/", 1)[0], job.rank)
+        ticket = Ticket(dataclasses.replace(job, root=loc))
+        ticket.release_callbacks.append(self._released)
+        ticket.callbacks.append(self._finished)
         with self._lock:
-            self._jobs[job.key] = state
-            lane = self._lanes.setdefault(lane_key, ThreadPoolExecutor(1, thread_name_prefix="rg-lane"))
+            self._jobs[job.key] = ticket
+            lane = self._lanes.get(job.lane)
+            if lane is None:
+                lane = self._lanes[job.lane] = RankLane(concurrency=self._concurrency, policy=self._policy)
         self._metrics.queued(job.num_bytes, +1)
-        lane.submit(self._run, state)
+        lane.submit(ticket)
+
+    def cancel(self, key: str) -> bool:
+        """Supersede job ``key`` when it is still waiting."""
+        ticket = self._jobs.get(key)
+        lane = self._lanes.get(ticket.job.lane) if ticket is not None else None
+        return lane is not None and lane.cancel(key)
 
     def wait_released(self, key: str) -> None:
-        state = self._jobs.get(key)
-        if state is None:  # wait_durable already collected it: the job is over
+        ticket = self._jobs.get(key)
+        if ticket is None:  # wait_durable already collected it: the job is over
             return
-        while not (state.released.wait(1.0) or state.done.is_set()):
-            pass
-        if not state.released.is_set() and state.error is not None:
-            raise state.error
+        ticket.released.wait()
 
     def wait_durable(self, key: str) -> ShardResult:
-        state = self._jobs[key]
-        state.done.wait()
+        ticket = self._jobs[key]
+        ticket.done.wait()
         with self._lock:
             self._jobs.pop(key, None)
-        if state.error is not None:
-            raise state.error
-        return state.result
+        if ticket.error is not None:
+            raise ticket.error
+        return ticket.result
 
-    # -- work --
-    def _run(self, state: _JobState) -> None:
-        job = state.job
-        try:
-            state.result = run_shard_job(job, concurrency=self._concurrency, policy=self._policy,
-                                         on_released=lambda: self._released(state))
-            self._account(state.result)
-        except BaseException as exc:  # noqa: BLE001 - reported to the worker and in stats
-            state.error = exc
-            with self._lock:
-                self._stats["jobs_failed"] += 1
-                self._stats["last_error"] = f"step {job.step} rank {job.rank}: {type(exc).__name__}: {exc}"
-            self._metrics.failed()
-            logger.error("upload of step %d rank %d failed: %s", job.step, job.rank, exc)
-            self._released(state)
-        finally:
-            self._metrics.queued(-job.num_bytes, -1)
-            state.done.set()
-            self._idle_since = time.monotonic()
+    # -- bookkeeping --
+    def _released(self, ticket: Ticket) -> None:
+        if not pid_alive(ticket.job.owner_pid):  # its worker died: nobody else frees the arena
+            Path(ticket.job.arena_path).unlink(missing_ok=True)
 
-    def _released(self, state: _JobState) -> None:
-        state.released.set()
-        if not pid_alive(state.job.owner_pid):  # its worker died: nobody else frees the arena
-            Path(state.job.arena_path).unlink(missing_ok=True)
-
-    def _account(self, result: ShardResult) -> None:
+    def _finished(self, ticket: Ticket) -> None:
+        job, result = ticket.job, ticket.result
         with self._lock:
-            self._stats["jobs_done"] += 1
-            self._stats["bytes_uploaded"] += result.num_bytes
-            self._stats["upload_seconds"] += result.upload_seconds
-        self._metrics.uploaded(result.num_bytes, result.upload_seconds)
+            if ticket.error is not None:
+                self._stats["jobs_failed"] += 1
+                self._stats["last_error"] = f"step {job.step} rank {job.rank}: {type(ticket.error).__name__}: {ticket.error}"
+            elif result is not None and result.state is SaveState.SUPERSEDED:
+                self._stats["jobs_superseded"] += 1
+            elif result is not None:
+                self._stats["jobs_done"] += 1
+                self._stats["bytes_uploaded"] += result.num_bytes
+                self._stats["upload_seconds"] += result.upload_seconds
+        if ticket.error is not None:
+            self._metrics.failed()
+        elif result is not None and result.state is not SaveState.SUPERSEDED:
+            self._metrics.uploaded(result.num_bytes, result.upload_seconds)
+        self._metrics.queued(-job.num_bytes, -1)
+        self._idle_since = time.monotonic()
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
-            pending = [s.job for s in self._jobs.values() if not s.done.is_set()]
+            pending = [t.job for t in self._jobs.values() if not t.done.is_set()]
         secs = self._stats["upload_seconds"]
         return {"node_id": self.node_id, "queue": len(pending),
                 "bytes_pending": sum(j.num_bytes for j in pending),
                 "bytes_uploaded": self._stats["bytes_uploaded"],
                 "throughput_mb_s": self._stats["bytes_uploaded"] / secs / 1e6 if secs else 0.0,
                 "jobs_done": self._stats["jobs_done"], "jobs_failed": self._stats["jobs_failed"],
+                "jobs_superseded": self._stats["jobs_superseded"],
                 "last_error": self._stats["last_error"], "clients": len(self._clients)}
 
     # -- lifetime --
     def busy(self) -> bool:
         with self._lock:
-            return any(not s.done.is_set() for s in self._jobs.values())
+            return any(not t.done.is_set() for t in self._jobs.values())
 
     def _live_clients(self) -> int:
         with self._lock:
@@ -231,7 +222,16 @@ class ActorBackend:
             ray.get(actor.submit.remote(light, self._root_blob))
         released: Future = actor.wait_released.remote(job.key).future()
         durable: Future = actor.wait_durable.remote(job.key).future()
-        return Handoff(released=released, durable=durable)
+        return Handoff(released=released, durable=durable, key=job.key)
+
+    def cancel(self, key: str) -> bool:
+        if self._actor is None:
+            return False
+        try:
+            return bool(ray.get(self._actor.cancel.remote(key), timeout=60))
+        except Exception as exc:  # noqa: BLE001 - a dead uploader runs nothing: its jobs fail
+            logger.warning("could not cancel waiting save %s: %s", key, exc)
+            return False
 
     def close(self) -> None:
         if self._actor is not None:

@@ -51,6 +51,11 @@ class StepRecorder:
         if self.log is not None:
             self.log.emit("restore", step=step, t0=t0, t=t1)
 
+    def checkpoint_superseded(self, step: int) -> None:
+        """The checkpoint of ``step`` was dropped for a newer one before it was written."""
+        if self.log is not None:
+            self.log.emit("ckpt_superseded", step=step, t=time.time())
+
     def step(self, step: int, *, fetch_seconds: float = 0.0, explicit: bool = True) -> None:
         """Step ``step`` just finished: everything since the previous mark belongs to it."""
         now = time.time()

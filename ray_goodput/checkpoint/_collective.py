@@ -1,0 +1,84 @@
+"""Collectives that make every rank reach the same outcome: gather, broadcast, and
+"raise the same error everywhere" (never one rank raising while another enters a barrier).
+Outside a process group (one rank) they are identities."""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch.distributed as dist
+
+from ray_goodput.errors import CheckpointCorruptError, CheckpointError
+
+T = TypeVar("T")
+
+
+def distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def all_gather(obj: Any) -> list[Any]:
+    if not distributed():
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def broadcast(obj: Any, src: int = 0) -> Any:
+    if not distributed():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def portable(exc: BaseException) -> BaseException:
+    """``exc`` if it survives a pickle round trip (our errors do), else a CheckpointError
+    (or CheckpointCorruptError) with its type and message."""
+    try:
+        copy = pickle.loads(pickle.dumps(exc))  # noqa: S301 - our own bytes
+        if isinstance(copy, BaseException) and str(copy) == str(exc):
+            return copy
+    except Exception:  # noqa: BLE001 - anything unpicklable is rewrapped
+        pass
+    cls = CheckpointCorruptError if isinstance(exc, CheckpointCorruptError) else CheckpointError
+    return cls(f"{type(exc).__name__}: {exc}")
+
+
+def agree(error: BaseException | None) -> None:
+    """Collective: raise on every rank when any rank has an ``error``; the same type and
+    message everywhere (the first failing rank's; the one that raised it keeps its own
+    traceback). A damaged checkpoint anywhere wins, so every rank falls back together."""
+    gathered = all_gather(None if error is None else (type(error).__name__, portable(error)))
+    failed = [(rank, g) for rank, g in enumerate(gathered) if g is not None]
+    if not failed:
+        return
+    corrupt = [(r, g) for r, g in failed if isinstance(g[1], CheckpointCorruptError)]
+    rank, (_, exc) = (corrupt or failed)[0]
+    if error is not None and (rank == _my_rank() or len(gathered) == 1):
+        raise error
+    raise exc from error
+
+
+def on_rank0(fn: Callable[[], T], what: str) -> T:
+    """Collective: run ``fn`` on rank 0 and give every rank its value, or raise its error
+    on every rank."""
+    result: tuple[str, Any] = ("ok", None)
+    if not distributed() or dist.get_rank() == 0:
+        try:
+            result = ("ok", fn())
+        except Exception as exc:  # noqa: BLE001 - raised on every rank below
+            if not distributed():
+                raise
+            result = ("error", portable(exc))
+    status, value = broadcast(result)
+    if status == "error":
+        raise value
+    return value
+
+
+def _my_rank() -> int:
+    return dist.get_rank() if distributed() else 0

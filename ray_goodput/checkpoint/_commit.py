@@ -1,0 +1,168 @@
+"""The commit protocol of one save, as a type: declare ranks durable, finalize, check.
+
+Like a temporary path and its finalization (Orbax's atomicity module), a save is written
+under its own id (every file name carries it) and becomes visible only when
+``COMMITTED``, written last, names it. On object stores "written last" is the commit.
+
+* :meth:`CommitProtocol.declare_durable`: a rank's files are uploaded (and fsynced on file
+  systems); its marker says so.
+* :meth:`CommitProtocol.finalize`: once every rank is durable, check that their files are
+  present, merge DCP's ``.metadata``, then write ``COMMITTED``. Idempotent: racing
+  finalizers write identical bytes. A commit of an *older* generation of the same step is
+  replaced (a step saved again after a restart wins); a newer one is never touched (a dead
+  attempt's late uploader must not overwrite it).
+* :meth:`CommitProtocol.check`: is this save the committed one?
+* :func:`finish_orphan`: anyone with storage access finishes a save whose every rank is
+  durable but whose finalizer was lost, the newest generation first.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow.fs as pafs
+
+from ray_goodput._faults import fault_point
+from ray_goodput.checkpoint import _layout
+from ray_goodput.checkpoint._manifest import (
+    Manifest,
+    RankMarker,
+    read_manifest,
+    read_rank_markers,
+    write_rank_marker,
+)
+from ray_goodput.checkpoint._parts import merge_parts, part_file
+from ray_goodput.errors import CheckpointCorruptError, CheckpointError
+from ray_goodput.storage import FileEntry, StorageLocation, list_dir, read_bytes, write_bytes
+
+logger = logging.getLogger(__name__)
+
+PENDING = "pending"        # ranks are still missing
+COMMITTED = "committed"    # this save is the step's commit
+OUTRANKED = "outranked"    # a save of the same or a newer generation holds the step
+
+
+@dataclass(frozen=True)
+class Finalized:
+    state: str
+    manifest: Manifest | None = None
+
+
+_TORN = Manifest(step=-1, world_size=0, files=(), created=0.0, nonce="<torn>", generation=-1)
+
+
+def _existing(step_loc: StorageLocation) -> Manifest | None:
+    """The step's commit; ``_TORN`` when ``COMMITTED`` is there but unreadable."""
+    try:
+        return read_manifest(step_loc)
+    except CheckpointCorruptError:
+        return _TORN
+
+
+@dataclass(frozen=True)
+class CommitProtocol:
+    """The commit of one save (``save_id``) of one step, seen from any process."""
+
+    step_loc: StorageLocation
+    step: int
+    world_size: int
+    save_id: str
+    generation: int
+
+    def declare_durable(self, rank: int, files: list[FileEntry], created: float) -> None:
+        """Rank ``rank``'s ``files`` are durable. Call only after every one is uploaded."""
+        write_rank_marker(self.step_loc, RankMarker(
+            step=self.step, rank=rank, world_size=self.world_size, files=tuple(files),
+            created=created, nonce=self.save_id, generation=self.generation))
+
+    def _markers(self) -> tuple[dict[int, RankMarker], int]:
+        """This save's markers by rank, and the highest generation of any other save's."""
+        everyone = read_rank_markers(self.step_loc)
+        others = max((m.generation for m in everyone if m.nonce != self.save_id), default=-1)
+        return {m.rank: m for m in everyone
+                if m.step == self.step and m.nonce == self.save_id and m.world_size == self.world_size}, others
+
+    def check(self) -> Manifest | None:
+        """The committed manifest when it is this save's, else None."""
+        existing = _existing(self.step_loc)
+        return existing if existing is not None and existing.nonce == self.save_id else None
+
+    def finalize(self, local_dir: Path | None = None) -> Finalized:
+        """Commit this save if every rank is durable (see the module docstring)."""
+        existing = _existing(self.step_loc)
+        if existing is not None and existing.nonce == self.save_id:
+            return Finalized(COMMITTED, existing)
+        if existing is not None and existing is not _TORN and existing.generation >= self.generation:
+            return Finalized(OUTRANKED, existing)
+        markers, others = self._markers()
+        if existing is _TORN and others >= self.generation:
+            # A torn commit is damaged, not absent: only a newer generation's save replaces it.
+            return Finalized(OUTRANKED)
+        if set(markers) != set(range(self.world_size)):
+            return Finalized(PENDING)
+        files = [f for m in markers.values() for f in m.files]
+        self._check_present(files)
+        # Replacing an older generation's commit (or a torn one): it stops being one first,
+        # so that no reader pairs its manifest with the new .metadata (and calls it damaged);
+        # its quarantine record goes with it.
+        for name in (_layout.COMMITTED, _layout.QUARANTINED):
+            try:
+                self.step_loc.fs.delete_file(self.step_loc.join(name))
+            except FileNotFoundError:
+                pass
+        files.append(self._write_dcp_metadata(local_dir))
+        files.sort(key=lambda f: f.name)
+        manifest = Manifest(step=self.step, world_size=self.world_size, files=tuple(files),
+                            nonce=self.save_id, generation=self.generation,
+                            created=max(m.created for m in markers.values()))
+        fault_point("commit.before_committed")
+        data = manifest.to_bytes()
+        write_bytes(self.step_loc, _layout.COMMITTED, data)
+        logger.info("committed checkpoint step %d generation %d (%d files, %d bytes) at %s",
+                    self.step, self.generation, len(files), manifest.total_bytes, self.step_loc.uri)
+        # A newer generation that finished meanwhile must end up holding the step.
+        newer = finish_orphan(self.step_loc, self.step, above=self.generation)
+        return Finalized(COMMITTED if newer is None else OUTRANKED,
+                         Manifest.from_bytes(data) if newer is None else newer)
+
+    def _check_present(self, files: list[FileEntry]) -> None:
+        present = {i.path[len(self.step_loc.root) + 1:]: i.size
+                   for i in list_dir(self.step_loc, recursive=True) if i.type == pafs.FileType.File}
+        gone = [f.name for f in files if present.get(f.name) != f.size]
+        if gone:
+            raise CheckpointError(
+                f"step {self.step} save {self.save_id}: {len(gone)} file(s) declared durable are "
+                f"missing or changed ({', '.join(gone[:3])}); this save cannot commit, the previous "
+                "committed checkpoint stays the recovery point")
+
+    def _write_dcp_metadata(self, local_dir: Path | None) -> FileEntry:
+        """Merge the ranks' metadata parts into DCP's ``.metadata`` (and into the node-local
+        staged copy, when there is one, for local-first restore)."""
+        parts = [read_bytes(self.step_loc, part_file(rank, self.save_id)) for rank in range(self.world_size)]
+        data = merge_parts(parts, self.step)
+        write_bytes(self.step_loc, _layout.DCP_METADATA, data)
+        if local_dir is not None and local_dir.is_dir():
+            tmp = local_dir / f".metadata.tmp-{os.getpid()}-{threading.get_ident()}"
+            tmp.write_bytes(data)
+            os.replace(tmp, local_dir / _layout.DCP_METADATA)
+        return FileEntry(name=_layout.DCP_METADATA, size=len(data), crc32=zlib.crc32(data))
+
+
+def finish_orphan(step_loc: StorageLocation, step: int, *, above: int = -1) -> Manifest | None:
+    """Commit the newest-generation save of ``step`` whose every rank is durable (only
+    generations above ``above``); returns the step's manifest when it ends up committed by
+    one of them, else None."""
+    saves = {(m.generation, m.nonce, m.world_size) for m in read_rank_markers(step_loc)
+             if m.step == step and m.generation > above}
+    for generation, nonce, world_size in sorted(saves, reverse=True):
+        done = CommitProtocol(step_loc, step, world_size, nonce, generation).finalize()
+        if done.state == COMMITTED:
+            return done.manifest
+        if done.state == OUTRANKED:
+            return None
+    return None

@@ -1,0 +1,34 @@
+"""Generations: the lineage order of saves across the attempts of a run.
+
+Every attempt claims, before its first save, a generation higher than any claimed
+before (``<root>/checkpoints/GENERATION``) and than the driver's attempt number when a
+Recovery decided one. Ray Train starts an attempt only after the previous one's workers
+are gone, and the claim is written before any save of the attempt, so a dead attempt's
+saves (even ones its uploader commits late) always rank below the live attempt's.
+"""
+
+from __future__ import annotations
+
+import json
+
+from ray_goodput.checkpoint import _catalog, _layout
+from ray_goodput.storage import StorageLocation, read_bytes, write_bytes
+
+
+def claimed(root: StorageLocation) -> int:
+    """The highest generation claimed under ``root`` (0 when none)."""
+    try:
+        return int(json.loads(read_bytes(_catalog.checkpoints_location(root), _layout.GENERATION))["generation"])
+    except FileNotFoundError:
+        return 0
+    except (ValueError, KeyError, TypeError):
+        # A damaged claim file: fall back to what the commits themselves say.
+        return max((i.generation or 0 for i in _catalog.list_checkpoints(root)), default=0)
+
+
+def claim(root: StorageLocation, attempt: int | None) -> int:
+    """Claim and return this attempt's generation (rank 0 only)."""
+    generation = max(claimed(root) + 1, attempt or 0)
+    write_bytes(_catalog.checkpoints_location(root), _layout.GENERATION,
+                json.dumps({"generation": generation}).encode())
+    return generation
