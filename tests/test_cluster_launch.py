@@ -40,7 +40,7 @@ CONFIG = Path(__file__).with_name("fake_cluster.yaml")
 TAG_VAR = "RAY_GOODPUT_FAKE_CLUSTER_TAG"
 NAMESPACE = "ray_goodput"
 START_TIMEOUT_S = 90
-DRIVER_TIMEOUT_S = 240
+DRIVER_TIMEOUT_S = 300
 STOP_TIMEOUT_S = 15
 NUM_FILES, FEATURES, BATCH, EPOCHS = 8, 4, 2, 2
 
@@ -193,6 +193,8 @@ class FakeCluster:
         self.env = {**os.environ, "RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": "1",
                     TAG_VAR: self.tag, "RAY_USAGE_STATS_ENABLED": "0",
                     "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token),
+                    # the controller waits for the autoscaler (slow on a loaded machine)
+                    "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "150",
                     "RAY_GOODPUT_STAGING_DIR": str(work / "staging"),
                     "RAY_GOODPUT_CACHE_DIR": str(work / "cache")}
         self.command = [
@@ -205,6 +207,7 @@ class FakeCluster:
         done = subprocess.run(self.command, env=self.env, capture_output=True, text=True,
                               timeout=START_TIMEOUT_S)
         assert done.returncode == 0, f"ray start failed:\n{done.stdout}\n{done.stderr}"
+        print("RAY_FAKE_CLUSTER=1", " ".join(self.command))
         return done.stdout
 
     def drive(self, data: Path) -> subprocess.CompletedProcess:
