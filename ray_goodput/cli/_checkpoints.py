@@ -11,7 +11,8 @@ import torch
 
 from ray_goodput.checkpoint import _catalog
 from ray_goodput.checkpoint._export import export_torch_save
-from ray_goodput.checkpoint._manifest import read_manifest
+from ray_goodput.checkpoint._manifest import quarantine, read_manifest
+from ray_goodput.errors import CheckpointCorruptError
 from ray_goodput.storage import resolve
 
 
@@ -44,14 +45,14 @@ def cmd_ls(args: argparse.Namespace) -> int:
         return 0
     _out(f"{'STEP':>10}  {'STATE':<11}  {'WORLD':>5}  {'SIZE':>10}  {'AGE':>6}")
     for info in infos:
-        state = "committed" if info.committed else "uncommitted"
+        state = info.state
         world = str(info.world_size) if info.world_size else "-"
         _out(f"{info.step:>10}  {state:<11}  {world:>5}  {_human(info.num_bytes):>10}  {_age(info.created):>6}")
     return 0
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    infos = [i for i in _catalog.list_checkpoints(args.uri) if i.committed]
+    infos = [i for i in _catalog.list_checkpoints(args.uri) if i.committed or i.damaged]
     if args.step is not None:
         infos = [i for i in infos if i.step == args.step]
         if not infos:
@@ -60,9 +61,16 @@ def cmd_verify(args: argparse.Namespace) -> int:
     damaged = 0
     for info in infos:
         loc = _catalog.step_location(resolve(args.uri), info.step)
-        manifest = read_manifest(loc)
-        problems = _catalog.verify(loc, manifest, checksums=True) if manifest else ["COMMITTED vanished"]
-        status = "ok" if not problems else "DAMAGED"
+        try:
+            manifest = read_manifest(loc)
+        except CheckpointCorruptError as exc:
+            manifest = None
+            problems = [str(exc)]
+        else:
+            problems = _catalog.verify(loc, manifest, checksums=True) if manifest else ["COMMITTED vanished"]
+        if problems and info.committed:
+            quarantine(loc, manifest, "; ".join(problems[:5]))
+        status = "ok" if not problems else "DAMAGED (quarantined)"
         _out(f"step {info.step}: {status} ({len(manifest.files) if manifest else 0} files, {_human(info.num_bytes)})")
         for problem in problems:
             _out(f"  {problem}")

@@ -15,6 +15,7 @@ import pyarrow.fs as pafs
 
 from ray_goodput.errors import StorageError
 from ray_goodput.storage._checksum import copy_stream
+from ray_goodput.storage._durable import fsync_dir, fsync_file
 from ray_goodput.storage._retry import RetryPolicy
 from ray_goodput.storage._uri import StorageLocation
 
@@ -46,13 +47,18 @@ def _copy_up(local: Path, fs: pafs.FileSystem, dest: str) -> tuple[int, int]:
 
 def upload_file(local: str | Path, loc: StorageLocation, name: str,
                 policy: RetryPolicy = DEFAULT_POLICY) -> FileEntry:
-    """Upload ``local`` to ``<loc>/<name>``; retried; returns size and CRC32 of what was sent."""
+    """Upload ``local`` to ``<loc>/<name>``; retried; returns size and CRC32 of what was sent.
+
+    On a file system the file and its directory are fsynced before this returns."""
     dest = loc.join(name)
     parent = posixpath.dirname(dest)
     if loc.is_local:
         loc.fs.create_dir(parent, recursive=True)
     size, crc = policy.call(f"upload of {local} to {loc.uri}/{name}",
                             lambda: _copy_up(Path(local), loc.fs, dest))
+    if loc.is_local:
+        fsync_file(dest)
+        fsync_dir(parent)
     return FileEntry(name=name, size=size, crc32=crc)
 
 
@@ -112,7 +118,8 @@ def download_files(names: Iterable[str], loc: StorageLocation, local_dir: str | 
 
 def write_bytes(loc: StorageLocation, name: str, data: bytes,
                 policy: RetryPolicy = DEFAULT_POLICY) -> None:
-    """Write a small object in one request; retried."""
+    """Write a small object in one request; retried. On a file system it is written
+    aside, fsynced, renamed into place and its directory fsynced."""
     dest = loc.join(name)
 
     def _write() -> None:
@@ -125,7 +132,9 @@ def write_bytes(loc: StorageLocation, name: str, data: bytes,
         tmp = f"{dest}.tmp-{os.getpid()}-{threading.get_ident()}"
         with loc.fs.open_output_stream(tmp) as out:
             out.write(data)
+        fsync_file(tmp)
         loc.fs.move(tmp, dest)
+        fsync_dir(posixpath.dirname(dest))
 
     policy.call(f"write of {loc.uri}/{name}", _write)
 

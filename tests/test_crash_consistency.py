@@ -1,0 +1,308 @@
+"""Crash consistency: each test reproduces one hole of issue 9 with real components (DCP
+over gloo, moto's S3 server over HTTP, a local directory) and is named after the failure
+it guards against."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+import torch
+
+from ray_goodput import Checkpointer, list_checkpoints
+from ray_goodput.checkpoint import _catalog, _layout
+from ray_goodput.checkpoint._backends import ThreadBackend
+from ray_goodput.checkpoint._manifest import read_manifest
+from ray_goodput.errors import StorageError
+from ray_goodput.runtime._resume import ResumeDecision, root_key, set_decision
+from ray_goodput.storage import RetryPolicy, list_dir, resolve
+from ray_goodput.testing import FlakyProxy, run_world
+from tests._models import make_model, train_steps, wrap
+
+
+def _state(seed: int) -> dict:
+    model = make_model(seed)
+    return {"model": model, "optim": torch.optim.SGD(model.parameters(), lr=0.1)}
+
+
+def _weight(state: dict) -> torch.Tensor:
+    return state["model"][0].weight.detach().clone()
+
+
+def _save(root: str, stage: str, steps: list[int], seed: int = 0, keep_last: int = 5) -> dict[int, torch.Tensor]:
+    """One attempt: save ``steps`` (a training step between saves); weights saved per step."""
+    state, saved = _state(seed), {}
+    with Checkpointer(root, staging_dir=stage, keep_last=keep_last, uploader="thread") as ckpt:
+        for step in steps:
+            train_steps(state["model"], state["optim"], 1, rank=0)
+            ckpt.save(step, state)
+            ckpt.wait()
+            saved[step] = _weight(state)
+    return saved
+
+
+def _flip(root: str, step: int, prefix: str = "__0_") -> None:
+    loc = _catalog.step_location(resolve(root), step)
+    (path,) = [i.path for i in list_dir(loc, recursive=True) if f"/{prefix}" in i.path]
+    with loc.fs.open_input_file(path) as f:
+        data = bytearray(f.read())
+    data[len(data) // 2] ^= 0xFF
+    with loc.fs.open_output_stream(path) as f:
+        f.write(bytes(data))
+
+
+def _committed(root: str) -> list[int]:
+    return [i.step for i in list_checkpoints(root) if i.committed]
+
+
+# ---- hole 1: lineage order, quarantine, re-saved steps ----------------------------------
+
+def test_keep_last_1_after_falling_back_from_a_damaged_checkpoint_does_not_delete_new_commits(tmp_path):
+    root = str(tmp_path / "root")
+    _save(root, str(tmp_path / "a"), [10, 20], keep_last=1)
+    _flip(root, 20)
+    state = _state(7)
+    with Checkpointer(root, staging_dir=str(tmp_path / "b"), keep_last=1, uploader="thread",
+                      verify_checksums=True) as ckpt:
+        assert ckpt.restore(state) is None  # 10 went by keep_last=1; 20 is damaged
+        ckpt.save(11, state)
+        ckpt.wait()  # raised "step 11 did not commit" when retention deleted it at once
+        assert ckpt.stats.committed == [11]
+    assert _committed(root) == [11]
+    with Checkpointer(root, staging_dir=str(tmp_path / "c"), uploader="thread") as ckpt:
+        assert ckpt.restore(_state(3)) == 11
+
+
+def test_damaged_checkpoint_is_quarantined_listed_as_damaged_and_removed_by_retention(tmp_path, capsys):
+    from argparse import Namespace
+
+    from ray_goodput.cli._checkpoints import cmd_ls
+
+    root = str(tmp_path / "root")
+    _save(root, str(tmp_path / "a"), [10, 20])
+    _flip(root, 20)
+    with Checkpointer(root, staging_dir=str(tmp_path / "b"), uploader="thread",
+                      verify_checksums=True) as ckpt:
+        assert ckpt.restore(_state(1)) == 10
+    info = {i.step: i for i in list_checkpoints(root)}
+    assert not info[20].committed and info[20].damaged and info[20].state == "damaged"
+    assert read_manifest(_catalog.step_location(resolve(root), 20)) is not None  # kept for inspection
+    # Without checksums the quarantine still holds: it is never restored again.
+    with Checkpointer(root, staging_dir=str(tmp_path / "c"), uploader="thread") as ckpt:
+        assert ckpt.restore(_state(1)) == 10
+    cmd_ls(Namespace(uri=root))
+    rows = [ln.split()[:2] for ln in capsys.readouterr().out.splitlines()[1:]]
+    assert rows == [["10", "committed"], ["20", "damaged"]]
+    _save(root, str(tmp_path / "d"), [11], keep_last=1)
+    assert [i.step for i in list_checkpoints(root)] == [11]
+
+
+def test_a_step_saved_again_after_a_restart_commits_the_new_save_not_the_damaged_one(tmp_path):
+    root = str(tmp_path / "root")
+    _save(root, str(tmp_path / "a"), [10, 20])
+    _flip(root, 20)
+    old = read_manifest(_catalog.step_location(resolve(root), 20))
+    state = _state(5)
+    with Checkpointer(root, staging_dir=str(tmp_path / "b"), uploader="thread",
+                      verify_checksums=True) as ckpt:
+        assert ckpt.restore(state) == 10
+        train_steps(state["model"], state["optim"], 3, rank=0)
+        ckpt.save(20, state)
+        ckpt.wait()
+        assert ckpt.stats.committed == [20]
+    new = read_manifest(_catalog.step_location(resolve(root), 20))
+    assert new.nonce != old.nonce and new.generation > old.generation
+    fresh = _state(9)
+    with Checkpointer(root, staging_dir=str(tmp_path / "c"), uploader="thread",
+                      verify_checksums=True) as ckpt:
+        assert ckpt.restore(fresh) == 20
+    assert torch.equal(_weight(fresh), _weight(state))
+
+
+def test_a_dead_attempts_late_commit_of_a_higher_step_never_outranks_the_live_attempt(tmp_path):
+    root = str(tmp_path / "root")
+    dead = Checkpointer(root, staging_dir=str(tmp_path / "a"), uploader="thread", keep_last=2)
+    state = _state(0)
+    dead.save(10, state)
+    dead.wait()
+    live_state = _state(1)
+    with Checkpointer(root, staging_dir=str(tmp_path / "b"), uploader="thread", keep_last=2) as live:
+        assert live.restore(live_state) == 10
+        train_steps(live_state["model"], live_state["optim"], 1, rank=0)
+        live.save(15, live_state)
+        live.wait()
+        dead.save(30, state)  # the dead attempt's uploader commits late
+        dead.wait()
+        live.save(16, live_state)
+        live.wait()
+    dead.close()
+    assert 15 in _committed(root) and 16 in _committed(root)
+    with Checkpointer(root, staging_dir=str(tmp_path / "c"), uploader="thread") as ckpt:
+        assert ckpt.restore(_state(2)) == 16  # by step alone, 30 was "newest"
+
+
+def test_restore_loads_exactly_the_step_the_driver_chose_never_a_newer_one(tmp_path):
+    root = str(tmp_path / "root")
+    saved = _save(root, str(tmp_path / "a"), [10, 20, 30])
+    _flip(root, 20)
+    try:
+        set_decision(ResumeDecision(attempt=7, step=20, root_key=root_key(root)))
+        state = _state(4)
+        with Checkpointer(root, staging_dir=str(tmp_path / "b"), uploader="thread",
+                          verify_checksums=True) as ckpt:
+            assert ckpt.restore(state) == 10  # 20 damaged: the previous one, never 30
+            assert ckpt.generation >= 7
+        assert torch.equal(_weight(state), saved[10])
+        set_decision(ResumeDecision(attempt=8, step=None, root_key=root_key(root)))
+        with Checkpointer(root, staging_dir=str(tmp_path / "c"), uploader="thread") as ckpt:
+            assert ckpt.restore(_state(4)) is None
+    finally:
+        set_decision(None)
+
+
+# ---- hole 2: saves faster than uploads ---------------------------------------------------
+
+def test_three_saves_then_wait_with_keep_last_2_do_not_fail_when_retention_removed_the_first(tmp_path):
+    root = str(tmp_path / "root")
+    state = _state(0)
+    with Checkpointer(root, staging_dir=str(tmp_path / "s"), keep_last=2, uploader="thread") as ckpt:
+        for step in (1, 2, 3):
+            train_steps(state["model"], state["optim"], 1, rank=0)
+            ckpt.save(step, state)
+        ckpt.wait()  # raised "step 1 did not commit": it re-read storage after retention
+        assert sorted(ckpt.stats.committed + ckpt.stats.superseded) == [1, 2, 3]
+        assert ckpt.stats.committed[-1] == 3 and ckpt.stats.failed_saves == 0
+    assert _committed(root)[-1] == 3
+
+
+@pytest.fixture
+def slow_s3(s3_server):
+    proxy = FlakyProxy(s3_server.endpoint)
+    bucket = s3_server.bucket_uri("run")
+    yield proxy, bucket.replace(s3_server.endpoint, proxy.endpoint)
+    proxy.close()
+
+
+def test_saves_faster_than_uploads_supersede_the_waiting_one_and_commit_the_newest(slow_s3, tmp_path):
+    proxy, uri = slow_s3
+    state = _state(0)
+    with Checkpointer(uri, staging_dir=str(tmp_path / "s"), uploader="thread") as ckpt:
+        proxy.stall("step-000000001/", methods=("PUT",))  # step 1's upload hangs
+        weights = {}
+        for step in (1, 2, 3):
+            train_steps(state["model"], state["optim"], 1, rank=0)
+            ckpt.save(step, state)  # never waits for step 1's upload
+            weights[step] = _weight(state)
+        proxy.release()
+        ckpt.wait()
+        assert ckpt.stats.committed == [1, 3] and ckpt.stats.superseded == [2]
+        assert ckpt.stats.failed_saves == 0
+    assert _committed(uri) == [1, 3]
+    assert not [i for i in list_checkpoints(uri) if i.step == 2]  # never written
+    fresh = _state(9)
+    with Checkpointer(uri, staging_dir=str(tmp_path / "o"), uploader="thread") as ckpt:
+        assert ckpt.restore(fresh) == 3
+    assert torch.equal(_weight(fresh), weights[3])
+
+
+# ---- hole 3: a queued job's snapshot must not vanish -------------------------------------
+
+def test_leaving_the_with_block_on_an_error_does_not_lose_a_queued_snapshot(slow_s3, tmp_path):
+    proxy, uri = slow_s3
+    state = _state(0)
+    with pytest.raises(RuntimeError, match="training blew up"):
+        with Checkpointer(uri, staging_dir=str(tmp_path / "s"), uploader="thread") as ckpt:
+            proxy.stall("step-000000001/", methods=("PUT",))
+            ckpt.save(1, state)
+            train_steps(state["model"], state["optim"], 1, rank=0)
+            ckpt.save(2, state)  # queued behind step 1's upload
+            expected = _weight(state)
+            threading.Timer(1.0, proxy.release).start()
+            raise RuntimeError("training blew up")  # unlinks the arenas
+    assert _committed(uri) == [1, 2]
+    fresh = _state(9)
+    with Checkpointer(uri, staging_dir=str(tmp_path / "o"), uploader="thread") as ckpt:
+        assert ckpt.restore(fresh) == 2
+    assert torch.equal(_weight(fresh), expected)
+
+
+# ---- hole 4: collective calls agree ------------------------------------------------------
+
+def _save_two(rank: int, world: int, root: str, stage: str) -> None:
+    model = wrap(make_model(0), "ddp")
+    state = {"model": model, "optim": torch.optim.SGD(model.parameters(), lr=0.1)}
+    with Checkpointer(root, staging_dir=f"{stage}{rank}", uploader="thread") as ckpt:
+        for step in (10, 20):
+            train_steps(model, state["optim"], 1, rank)
+            ckpt.save(step, state)
+            ckpt.wait()
+
+
+def _restore_fresh(rank: int, world: int, root: str, stage: str) -> int | None:
+    model = wrap(make_model(5), "ddp")
+    state = {"model": model, "optim": torch.optim.SGD(model.parameters(), lr=0.1)}
+    with Checkpointer(root, staging_dir=f"{stage}{rank}", uploader="thread") as ckpt:
+        return ckpt.restore(state)
+
+
+def test_restore_with_one_ranks_rng_blob_damaged_falls_back_on_every_rank(tmp_path):
+    root, stage = str(tmp_path / "root"), str(tmp_path / "stage")
+    run_world(_save_two, 2, root, stage)
+    _flip(root, 20, prefix="extras/rank-00001-")  # rank 1's RNG states, same size
+    # Fresh staging dirs: every file comes from storage and is checked on the way.
+    assert run_world(_restore_fresh, 2, root, str(tmp_path / "fresh"), timeout_s=90) == [10, 10]
+
+
+class _RefusingBackend(ThreadBackend):
+    """A rank whose uploader cannot be reached."""
+
+    def submit(self, job):
+        raise StorageError("uploader unreachable (injected by the test)")
+
+
+def _one_rank_fails(rank: int, world: int, root: str, stage: str) -> str:
+    model = wrap(make_model(0), "ddp")
+    state = {"model": model, "optim": torch.optim.SGD(model.parameters(), lr=0.1)}
+    backend = _RefusingBackend(concurrency=1, policy=RetryPolicy()) if rank == 1 else "thread"
+    with Checkpointer(root, staging_dir=f"{stage}{rank}", uploader=backend) as ckpt:
+        ckpt.save(10, state)
+        try:
+            ckpt.wait()
+        except Exception as exc:  # noqa: BLE001 - compared across ranks
+            return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def test_wait_raises_the_same_error_on_every_rank_when_one_ranks_save_failed(tmp_path):
+    out = run_world(_one_rank_fails, 2, str(tmp_path / "root"), str(tmp_path / "s"), timeout_s=90)
+    assert out[0] == out[1] and "uploader unreachable" in out[0], out
+    assert out[0].startswith("CheckpointError")
+
+
+# ---- hole 5: fsync before the markers ----------------------------------------------------
+
+def test_files_and_directories_are_fsynced_before_the_rank_marker_and_committed(tmp_path, monkeypatch):
+    synced: list[str] = []
+    real = os.fsync
+
+    def spy(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", spy)
+    root = str(tmp_path / "root")
+    with Checkpointer(root, staging_dir=str(tmp_path / "s"), uploader="thread") as ckpt:
+        ckpt.save(1, _state(0))
+        ckpt.wait()
+    step_dir = str(_catalog.step_location(resolve(root), 1).root)
+    manifest = read_manifest(_catalog.step_location(resolve(root), 1))
+    where = {p: i for i, p in enumerate(synced)}
+    marker = next(i for i, p in enumerate(synced) if f"/{_layout.RANKS_DIR}/" in p)
+    committed = next(i for i, p in enumerate(synced) if p.rsplit("/", 1)[-1].startswith(_layout.COMMITTED))
+    ranks_dir = max(i for i, p in enumerate(synced) if p == f"{step_dir}/{_layout.RANKS_DIR}")
+    for entry in manifest.files:
+        if entry.name != _layout.DCP_METADATA:
+            assert where[f"{step_dir}/{entry.name}"] < marker, entry.name
+    assert max(i for i, p in enumerate(synced) if p == step_dir) > committed
+    assert marker < ranks_dir < committed
