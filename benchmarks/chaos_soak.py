@@ -1,0 +1,1163 @@
+"""Randomized fault soak: do committed checkpoints survive any timing of failures?
+
+Each trial is one short training job on real processes (``ray_goodput.testing.run_world``:
+gloo, no Ray): a tiny MLP with AdamW, a ``ray_goodput.data`` FileDataset of 16 one-file
+samples read by the library's DataLoader (4 samples per global step whatever the world
+size, 8 steps = 2 epochs), ``Checkpointer(uploader="thread")``. Run 1 gets a fault; resume
+runs follow until the schedule completes. Gradients are summed per sample in global sample
+order, so the weights do not depend on the world size: a run that resumed at another world
+size must still match a failure-free run bit for bit.
+
+Fault kinds (one per trial, rotated in a seeded order so any ``--trials`` >= 15 runs each):
+``kill_step`` (SIGKILL of one rank at a random step: mid-step, before/after ``save``, after
+``wait``); ``kill_random_time`` (a timer kills a rank 0-0.25 s after a save returned, while
+its snapshot is written/uploaded/committed: the thread uploader dies with its worker);
+``hook:<phase>`` (the library's named fault points, ``RAY_GOODPUT_FAULT=<phase>:1``, armed in
+the chosen rank right before a chosen save); ``uploader_kill_ray`` (the only Ray trials: the
+node's CheckpointUploader actor is killed 0-0.3 s after a save); ``flaky_storage`` (moto's S3
+server behind ``FlakyProxy`` failing 5-20 % of requests, plus a kill); ``damage_truncate`` /
+``damage_bitflip`` (a file of the newest committed checkpoint is cut in half or has one bit
+flipped between runs); ``late_commit`` (the newest committed checkpoint is turned back into
+an orphan whose ranks are all durable and hidden; in the middle of the resumed run its files
+come back and it is committed, as a dead attempt's uploader would); ``world_change`` (2->1
+or 1->2 on resume); ``fast_saves`` (a save every step, never waiting). Every trial also draws
+``keep_last`` in {1, 2, 3}, a world-size schedule, a save cadence (every 2 steps; every 2
+steps + ``wait``; every step), local or S3 storage (S3: 0-20 % failed requests), whether the
+resumed run is on the same node (staging dir kept) and ``verify_checksums``.
+
+When a rank dies the others are killed 0-0.3 s later (Ray Train restarts the whole group);
+when a rank raises, the others get ``--grace`` seconds to raise too.
+
+Invariants, checked after every run and at the end of each trial:
+
+- ``restore`` returns at least the newest intact committed step (orphans whose ranks are all
+  durable count), never an uncommitted step, and the state it loads equals, bit for bit,
+  the failure-free state at that step (never a mixed or damaged one);
+- no intact committed checkpoint disappears unless ``keep_last`` newer intact ones exist;
+- the last saved step is committed and intact once the final run returned from ``close``;
+- the final weights equal those of a failure-free run with the same world-size schedule,
+  and every step's state and samples equal that run's; each sample is seen exactly once
+  per epoch;
+- a run with no injected fault never fails, ranks never disagree (one raises, another does
+  not), and every run ends within ``--run-timeout`` (no hang).
+
+    python benchmarks/chaos_soak.py --trials 200 --seed 0 --out results.json
+    python benchmarks/chaos_soak.py --trials 200 --seed 0 --only 17 --keep   # re-run trial 17
+
+Prints markdown tables (faults by kind, violations by kind, wall time); exits 1 on any
+violation. Trial ``i`` of ``--seed S`` is the same trial whatever ``--trials`` is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import random
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+import traceback
+import uuid
+import zlib
+from collections import Counter, defaultdict
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+N_SAMPLES = 16
+GLOBAL_BATCH = 4
+DATA_SEED = 7
+HOOKS = ("save.copying", "save.queued", "upload.staging_write", "upload.mid_upload",
+         "commit.before_committed", "retention")
+ANY_RANK_HOOKS = ("commit.before_committed", "retention")  # fire in whichever rank gets there
+KINDS = ("kill_step", "kill_random_time", *(f"hook:{h}" for h in HOOKS), "uploader_kill_ray",
+         "flaky_storage", "damage_truncate", "damage_bitflip", "late_commit", "world_change",
+         "fast_saves")
+MAX_RUNS = 4
+STEP_S = 0.03
+STASH = "chaos-stash"
+
+
+# ---- the training job (runs in each rank) -----------------------------------------------
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One run of a trial, as every rank receives it. Picklable."""
+
+    trial_dir: str
+    uri: str
+    data_uri: str
+    attempt: int
+    steps: int
+    stop_at: int
+    cadence: str                 # "async" | "sync" | "burst"
+    keep_last: int
+    staging: str
+    verify: bool
+    backend: str                 # "thread" | "actor"
+    ray_address: str | None = None
+    fault: dict | None = None
+    late: dict | None = None
+    peer_kill_delay: float = 0.1
+    grace_s: float = 15.0
+
+
+def _decode(data: bytes) -> int:
+    return int(data)
+
+
+def _features(sample: int) -> tuple[Any, Any]:
+    import torch
+
+    g = torch.Generator().manual_seed(1000 + sample)
+    x = torch.randn(8, generator=g)
+    return x, x.sum(dim=0, keepdim=True).sin()
+
+
+def _model() -> tuple[Any, Any]:
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+    return model, torch.optim.AdamW(model.parameters(), lr=0.05)
+
+
+def _train_step(model: Any, optim: Any, ids: list[int], world: int) -> None:
+    """Per-sample gradients, gathered in global sample order and summed one by one:
+    the same bits at any world size."""
+    import torch
+    import torch.distributed as dist
+
+    params = list(model.parameters())
+    rows = []
+    for sample in ids:
+        x, y = _features(sample)
+        grads = torch.autograd.grad((model(x) - y).pow(2).mean(), params)
+        rows.append(torch.cat([g.reshape(-1) for g in grads]))
+    local = torch.stack(rows)
+    if world > 1:
+        parts = [torch.empty_like(local) for _ in range(world)]
+        dist.all_gather(parts, local)
+        local = torch.cat(parts)
+    total = local[0].clone()
+    for row in local[1:]:
+        total += row
+    total /= len(local)
+    offset = 0
+    for p in params:
+        p.grad = total[offset:offset + p.numel()].view_as(p).clone()
+        offset += p.numel()
+    optim.step()
+
+
+def _state_hash(model: Any, optim: Any, loader: Any) -> str:
+    import torch
+
+    h = hashlib.sha256()
+    for key, value in sorted(model.state_dict().items()):
+        h.update(key.encode())
+        h.update(value.detach().numpy().tobytes())
+    for pid, entry in sorted(optim.state_dict()["state"].items()):
+        for key, value in sorted(entry.items()):
+            h.update(f"{pid}.{key}".encode())
+            h.update(torch.as_tensor(value).double().numpy().tobytes())
+    pos = loader.state_dict()
+    h.update(f"{pos['epoch']}:{pos['consumed']}".encode())
+    return h.hexdigest()[:20]
+
+
+def _batches(loader: Any):
+    while True:
+        for batch in loader:
+            yield [int(i) for i in batch]
+
+
+def _runs_dir(spec: RunSpec) -> Path:
+    return Path(spec.trial_dir) / "runs"
+
+
+def _mark(spec: RunSpec, rank: int, what: str, text: str = "") -> None:
+    (_runs_dir(spec) / f"a{spec.attempt}-r{rank}.{what}").write_text(text)
+
+
+def _append(path: Path, obj: dict) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, (json.dumps(obj) + "\n").encode())  # one write: a kill never tears a line
+    finally:
+        os.close(fd)
+
+
+def _die(spec: RunSpec, rank: int, why: str) -> None:
+    _mark(spec, rank, "fault", why)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _proc_dead(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
+
+
+def _watch_peers(spec: RunSpec, rank: int, world: int) -> None:
+    """Ray Train tears the whole group down when a worker dies: do the same here. A peer
+    that raised gets ``grace_s`` for this rank to reach its own outcome first."""
+    runs = _runs_dir(spec)
+    raised_at = None
+    while True:
+        time.sleep(0.02)
+        for peer in (p for p in range(world) if p != rank):
+            base = runs / f"a{spec.attempt}-r{peer}"
+            if Path(f"{base}.done").exists():
+                continue
+            if Path(f"{base}.error").exists():
+                raised_at = raised_at or time.monotonic()
+                if time.monotonic() - raised_at > spec.grace_s:
+                    _mark(spec, rank, "watchdog", f"peer {peer} raised; this rank did not")
+                    os.kill(os.getpid(), signal.SIGKILL)
+                continue
+            pid_file = Path(f"{base}.pid")
+            if pid_file.exists() and _proc_dead(int(pid_file.read_text() or 0)):
+                time.sleep(spec.peer_kill_delay)
+                _mark(spec, rank, "peer_died", f"peer {peer} died")
+                os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _arm_hook(name: str) -> None:
+    os.environ["RAY_GOODPUT_FAULT"] = f"{name}:1:kill"
+    from ray_goodput import _faults
+
+    # The library parses the variable once, at import; this process imported it long
+    # before the chosen save, so the parsed plan is updated in place.
+    _faults._SPEC.clear()
+    _faults._SPEC.update(_faults.parse(os.environ["RAY_GOODPUT_FAULT"]))
+
+
+def _kill_uploaders(spec: RunSpec, rank: int, delay: float) -> None:
+    import ray
+
+    def _kill() -> None:
+        time.sleep(delay)
+        for entry in ray.util.list_named_actors(all_namespaces=True):
+            if entry["name"].startswith("uploader"):
+                _mark(spec, rank, "uploader_killed", entry["name"])
+                ray.kill(ray.get_actor(entry["name"], namespace=entry["namespace"]), no_restart=True)
+
+    threading.Thread(target=_kill, daemon=True).start()
+
+
+def _timer_kill(spec: RunSpec, rank: int, delay: float) -> None:
+    def _kill() -> None:
+        time.sleep(delay)
+        _die(spec, rank, f"timer {delay:.3f}s")
+
+    threading.Thread(target=_kill, daemon=True).start()
+
+
+def _fault(spec: RunSpec, rank: int, step: int, phase: str, ckpt: Any) -> None:
+    """Fire run 1's fault when (step, phase) is its moment. Every rank calls it."""
+    f = spec.fault
+    if not f or step != f["step"]:
+        return
+    mine = rank == f["rank"]
+    kind = f["type"]
+    if kind == "kill":
+        if phase == "after_save" and f["where"] == "after_wait":
+            ckpt.wait()
+            phase = "after_wait"
+        if phase == f["where"] and mine:
+            _die(spec, rank, f"kill {phase} step {step}")
+    elif kind == "timer" and phase == "after_save" and mine:
+        _timer_kill(spec, rank, f["delay"])
+    elif kind == "hook" and phase == "before_save" and (mine or f["hook"] in ANY_RANK_HOOKS):
+        _arm_hook(f["hook"])
+    elif kind == "ray_kill" and phase == "after_save" and rank == 0:
+        _kill_uploaders(spec, rank, f["delay"])
+
+
+def _late_commit(spec: RunSpec, rank: int, step: int, restored: int | None) -> None:
+    """A dead attempt's checkpoint comes back and is committed while this run is going on."""
+    late = spec.late
+    if not late:
+        return
+    low = (restored or 0) + 1
+    when = low + int(late["frac"] * max(0, late["step"] - low))
+    if step != when:
+        return
+    if rank == 0:
+        _restore_stash(late["uri"], late["step"])
+        _finish_orphan(late["uri"], late["step"])
+        _mark(spec, rank, "late", str(step))
+    import torch.distributed as dist
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def _saves_at(spec: RunSpec, step: int) -> bool:
+    return spec.cadence == "burst" or step % 2 == 0 or step == spec.stop_at
+
+
+def _open(rank: int, world: int, spec: RunSpec) -> tuple[Any, Any, Any, Any]:
+    from ray_goodput import Checkpointer
+    from ray_goodput.data import DataLoader, FileDataset
+
+    if spec.backend == "actor":
+        import ray
+        ray.init(address=spec.ray_address, log_to_driver=False, configure_logging=False)
+    model, optim = _model()
+    dataset = FileDataset(spec.data_uri, decode=_decode, seed=DATA_SEED, cache=None)
+    loader = DataLoader(dataset, GLOBAL_BATCH // world, num_workers=0, collate_fn=list,
+                        rank=rank, world_size=world)
+    ckpt = Checkpointer(spec.uri, keep_last=spec.keep_last, staging_dir=spec.staging,
+                        verify_checksums=spec.verify, uploader=spec.backend)
+    return model, optim, loader, ckpt
+
+
+def _train(rank: int, world: int, spec: RunSpec, times: dict) -> None:
+    model, optim, loader, ckpt = _open(rank, world, spec)
+    times["ready"] = time.time()
+    state = {"model": model, "optim": optim, "loader": loader}
+    restored = ckpt.restore(state)
+    times["restored"] = time.time()
+    runs, records = _runs_dir(spec), Path(spec.trial_dir) / "records"
+    if rank == 0:
+        _append(runs / f"a{spec.attempt}.restore", {"step": restored,
+                                                     "hash": _state_hash(model, optim, loader)})
+    batches = _batches(loader)
+    for step in range((restored or 0) + 1, spec.stop_at + 1):
+        ids = next(batches)
+        _train_step(model, optim, ids, world)
+        time.sleep(STEP_S)  # the rest of a real step: room for background saves to overlap
+        _fault(spec, rank, step, "after_step", ckpt)
+        _append(records / f"a{spec.attempt}-r{rank}.jsonl", {
+            "step": step, "ids": ids, "hash": _state_hash(model, optim, loader) if rank == 0 else None})
+        _late_commit(spec, rank, step, restored)
+        _fault(spec, rank, step, "before_save", ckpt)
+        if _saves_at(spec, step):
+            ckpt.save(step, state)
+            if spec.cadence == "sync":
+                ckpt.wait()
+        _fault(spec, rank, step, "after_save", ckpt)
+    times["trained"] = time.time()
+    ckpt.close()
+    times["closed"] = time.time()
+    if rank == 0:
+        _append(runs / f"a{spec.attempt}.final", {"step": spec.stop_at,
+                                                   "hash": _state_hash(model, optim, loader)})
+
+
+def rank_main(rank: int, world: int, spec: RunSpec) -> str:
+    """One rank of one run (the function ``run_world`` starts). Its output goes to a log
+    file; its outcome to marker files (``runs/a<attempt>-r<rank>.<done|error|fault|...>``)."""
+    log = Path(spec.trial_dir) / "logs" / f"a{spec.attempt}-r{rank}.log"
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    import torch
+    torch.set_num_threads(1)
+    _mark(spec, rank, "pid", str(os.getpid()))
+    threading.Thread(target=_watch_peers, args=(spec, rank, world), daemon=True).start()
+    times = {"start": time.time()}
+    try:
+        _train(rank, world, spec, times)
+    except BaseException as exc:  # noqa: BLE001 - the outcome is judged by the parent
+        _mark(spec, rank, "error", json.dumps({**_classify(exc), "tb": traceback.format_exc()}))
+        return "error"
+    _mark(spec, rank, "done", json.dumps({k: round(v - times["start"], 3) for k, v in times.items()}))
+    return "ok"
+
+
+def _classify(exc: BaseException) -> dict:
+    """The exception chain's types, and whether storage or a dead actor caused it (a failure
+    injected on purpose) -- by type, never by message."""
+    from ray_goodput.errors import StorageError
+
+    chain, seen = [], exc
+    while seen is not None and len(chain) < 20:
+        chain.append(seen)
+        seen = seen.__cause__ or seen.__context__
+    actor_error = ()
+    if "ray" in sys.modules:
+        actor_error = (sys.modules["ray"].exceptions.RayActorError,)
+    return {"error": f"{type(exc).__name__}: {str(exc)[:300]}",
+            "chain": [type(e).__name__ for e in chain],
+            "storage": any(isinstance(e, StorageError) for e in chain),
+            "actor": bool(actor_error) and any(isinstance(e, actor_error) for e in chain)}
+
+
+# ---- storage access for the harness (direct, never through the faulty proxy) -----------
+
+def _loc(uri: str):
+    from ray_goodput.storage import resolve
+
+    return resolve(uri)
+
+
+def _stash_path(uri: str, step: int) -> tuple[Any, str, str]:
+    from ray_goodput.checkpoint import _layout
+
+    loc = _loc(uri)
+    return loc.fs, loc.join(_layout.CHECKPOINTS_DIR, _layout.step_dir(step)), loc.join(
+        STASH, _layout.step_dir(step))
+
+
+def _move_tree(fs: Any, src: str, dst: str) -> None:
+    import pyarrow.fs as pafs
+
+    for info in fs.get_file_info(pafs.FileSelector(src, recursive=True, allow_not_found=True)):
+        if info.type == pafs.FileType.File:
+            target = dst + info.path[len(src):]
+            fs.create_dir(target.rsplit("/", 1)[0], recursive=True)
+            fs.copy_file(info.path, target)
+            fs.delete_file(info.path)
+    try:
+        fs.delete_dir(src)
+    except (FileNotFoundError, OSError):
+        pass
+
+
+def _hide_as_orphan(uri: str, step: int, drop_metadata: bool) -> None:
+    """Turn a committed checkpoint into one whose committer died (every rank durable, no
+    COMMITTED), and hide it until :func:`_restore_stash`."""
+    from ray_goodput.checkpoint import _layout
+
+    fs, live, stash = _stash_path(uri, step)
+    for name in (_layout.COMMITTED, *((_layout.DCP_METADATA,) if drop_metadata else ())):
+        try:
+            fs.delete_file(f"{live}/{name}")
+        except FileNotFoundError:
+            pass
+    _move_tree(fs, live, stash)
+
+
+def _restore_stash(uri: str, step: int) -> None:
+    fs, live, stash = _stash_path(uri, step)
+    _move_tree(fs, stash, live)
+
+
+def _finish_orphan(uri: str, step: int) -> None:
+    """Commit the orphan as any holder of storage access may (the dead attempt's uploader)."""
+    from ray_goodput.checkpoint import _catalog
+
+    finish = getattr(_catalog, "finish_orphan", None)
+    if finish is not None:
+        finish(_catalog.step_location(uri, step), step)
+    else:
+        _catalog.newest_valid(uri)
+
+
+def _intact(loc: Any, files: list) -> bool:
+    from ray_goodput.storage import read_bytes
+
+    for entry in files:
+        try:
+            data = read_bytes(loc, entry.name)
+        except (FileNotFoundError, OSError):
+            return False
+        if len(data) != entry.size or zlib.crc32(data) != entry.crc32:
+            return False
+    return True
+
+
+def _completable(loc: Any) -> tuple[int, int] | None:
+    """Generation of the newest save whose every rank declared itself durable with intact
+    files (an orphan that restore may commit), or None."""
+    from ray_goodput.checkpoint import _layout
+    from ray_goodput.storage import FileEntry, list_dir, read_bytes
+
+    saves: dict[tuple[int, str, int], dict[int, list]] = defaultdict(dict)
+    for info in list_dir(loc, _layout.RANKS_DIR):
+        try:
+            d = json.loads(read_bytes(loc, f"{_layout.RANKS_DIR}/{info.path.rsplit('/', 1)[-1]}"))
+            key = (int(d.get("generation", 0)), str(d["nonce"]), int(d["world_size"]))
+            saves[key][int(d["rank"])] = [FileEntry.from_json(f) for f in d["files"]]
+        except (ValueError, KeyError, TypeError, OSError):
+            continue
+    done = [g for (g, _, ws), ranks in saves.items()
+            if set(ranks) == set(range(ws)) and all(_intact(loc, f) for f in ranks.values())]
+    return max(done) if done else None
+
+
+@dataclass
+class Scan:
+    """What storage holds: step -> state, where state is ``intact`` (committed, not
+    quarantined, every file matches its manifest), ``quarantined`` (a commit whose files
+    all match, yet marked damaged), ``damaged`` (a commit whose files do not match),
+    ``orphan`` (uncommitted, every rank of one save durable) or ``partial``; and each
+    committed or orphan step's lineage order ``(generation, step)``."""
+
+    steps: dict[int, str] = field(default_factory=dict)
+    order: dict[int, tuple[int, int]] = field(default_factory=dict)
+
+    def having(self, *states: str) -> list[int]:
+        """Steps in these states, oldest first by lineage order."""
+        return sorted((s for s, st in self.steps.items() if st in states),
+                      key=lambda s: self.order.get(s, (-1, s)))
+
+    def newest(self, *states: str) -> int | None:
+        found = self.having(*states)
+        return found[-1] if found else None
+
+
+def scan(uri: str) -> Scan:
+    from ray_goodput.checkpoint import _catalog, _layout
+    from ray_goodput.checkpoint._manifest import is_quarantined, read_manifest, read_quarantine
+    from ray_goodput.errors import CheckpointCorruptError
+    from ray_goodput.storage import list_dir
+
+    out = Scan()
+    for info in list_dir(_catalog.checkpoints_location(uri)):
+        step = _layout.parse_step(info.path)
+        if step is None:
+            continue
+        loc = _catalog.step_location(uri, step)
+        try:
+            manifest = read_manifest(loc)
+        except CheckpointCorruptError:
+            out.steps[step] = "damaged"
+            continue
+        if manifest is not None:
+            good = _intact(loc, list(manifest.files))
+            marked = is_quarantined(manifest, read_quarantine(loc))
+            out.steps[step] = "damaged" if not good else "quarantined" if marked else "intact"
+            out.order[step] = (manifest.generation, step)
+            continue
+        generation = _completable(loc)
+        out.steps[step] = "partial" if generation is None else "orphan"
+        if generation is not None:
+            out.order[step] = (generation, step)
+    return out
+
+
+def _damage(uri: str, step: int, how: str, rng: random.Random) -> str:
+    from ray_goodput.checkpoint import _catalog
+    from ray_goodput.checkpoint._manifest import read_manifest
+    from ray_goodput.storage import read_bytes, write_bytes
+
+    loc = _catalog.step_location(uri, step)
+    entry = rng.choice(sorted(read_manifest(loc).files, key=lambda f: f.name))
+    data = bytearray(read_bytes(loc, entry.name))
+    if how == "truncate":
+        data = data[: len(data) // 2]
+    else:
+        bit = rng.randrange(len(data) * 8)
+        data[bit // 8] ^= 1 << (bit % 8)
+    write_bytes(loc, entry.name, bytes(data))
+    return entry.name
+
+
+# ---- trials -------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Trial:
+    index: int
+    seed: int
+    kind: str
+    storage: str
+    flaky_rate: float
+    latency_s: float
+    keep_last: int
+    schedule: tuple[int, int]
+    cadence: str
+    same_node: bool
+    verify: bool
+    fault: dict
+    peer_kill_delay: float
+    extra: dict
+
+    def tags(self) -> list[str]:
+        w0, w1 = self.schedule
+        tags = [self.kind, f"keep_last={self.keep_last}", f"cadence={self.cadence}",
+                f"storage={self.storage}"]
+        if w0 != w1:
+            tags.append(f"world {w0}->{w1}")
+        if self.flaky_rate > 0:
+            tags.append("flaky requests")
+        if self.cadence == "burst":
+            tags.append("saves faster than uploads")
+        return tags
+
+
+def _schedules(world: int) -> tuple[tuple[int, int], list[tuple[int, int]]]:
+    same = (world, world)
+    return same, ([(world, 1), (1, world)] if world > 1 else [(1, 2), (2, 1)])
+
+
+def draw_trial(seed: int, index: int, args: argparse.Namespace) -> Trial:
+    """Trial ``index`` of soak ``seed``: the kinds rotate in a seeded order, the rest is
+    drawn from the trial's own seed."""
+    rounds, pos = divmod(index, len(KINDS))
+    order = list(KINDS)
+    random.Random(f"{seed}/kinds/{rounds}").shuffle(order)
+    kind = order[pos]
+    trial_seed = zlib.crc32(f"{seed}/{index}".encode())
+    rng = random.Random(trial_seed)
+    same, changes = _schedules(args.world)
+    schedule = rng.choice(changes) if kind == "world_change" or rng.random() < 0.4 else same
+    storage = "s3" if kind == "flaky_storage" or (
+        args.storage == "s3" and kind != "uploader_kill_ray") or (
+        args.storage == "mixed" and rng.random() < args.s3_share
+        and kind != "uploader_kill_ray") else "local"
+    flaky = rng.uniform(0.05, 0.2) if kind == "flaky_storage" else (
+        rng.uniform(0.0, 0.2) if storage == "s3" else 0.0)
+    cadence = "burst" if kind == "fast_saves" else rng.choice(["async", "async", "sync", "burst"])
+    steps = args.steps
+    fault = _draw_fault(kind, rng, steps, schedule[0])
+    return Trial(index=index, seed=trial_seed, kind=kind, storage=storage,
+                 flaky_rate=round(flaky, 3),
+                 latency_s=0.02 if storage == "s3" and cadence == "burst" else 0.0,
+                 keep_last=rng.choice([1, 2, 3]), schedule=schedule, cadence=cadence,
+                 same_node=rng.random() < 0.5, verify=rng.random() < 0.25, fault=fault,
+                 peer_kill_delay=round(rng.uniform(0.0, 0.3), 3),
+                 extra={"frac": rng.random(), "drop_metadata": rng.random() < 0.5,
+                        "damage_seed": rng.randrange(1 << 30)})
+
+
+def _draw_fault(kind: str, rng: random.Random, steps: int, world: int) -> dict:
+    rank = rng.randrange(world)
+    where = rng.choice(["after_step", "before_save", "after_save", "after_wait"])
+    if kind.startswith("hook:"):
+        return {"type": "hook", "hook": kind[5:], "rank": rank, "step": rng.randint(1, steps - 1)}
+    if kind in ("kill_random_time", "fast_saves"):
+        return {"type": "timer", "rank": rank, "step": rng.randint(1, steps - 1),
+                "delay": round(rng.uniform(0.0, 0.25), 3)}
+    if kind == "uploader_kill_ray":
+        return {"type": "ray_kill", "rank": 0, "step": rng.randint(1, steps - 1),
+                "delay": round(rng.uniform(0.0, 0.3), 3)}
+    if kind in ("damage_truncate", "damage_bitflip", "late_commit"):
+        # A committed checkpoint must exist to damage or revive: kill after a wait().
+        return {"type": "kill", "where": "after_wait", "rank": rank,
+                "step": rng.randint(2, steps - 1)}
+    return {"type": "kill", "where": where, "rank": rank, "step": rng.randint(1, steps)}
+
+
+# ---- the soak's shared environment --------------------------------------------------------
+
+@dataclass
+class Reference:
+    """A failure-free run: state hash and samples of every step, the final state."""
+
+    schedule: tuple[int, int]
+    hashes: dict[int, str]
+    ids: dict[int, list[int]]
+    final: str
+
+
+class Soak:
+    """What trials share: a work dir, the dataset, references (one per world-size schedule,
+    computed once) and, on first use, moto's S3 server and a Ray instance."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.work = Path(args.workdir or tempfile.mkdtemp(prefix="chaos-soak-"))
+        self.data_uri = str(self._dataset())
+        self.refs: dict[tuple[int, int], Reference] = {}
+        self._moto: Any = None
+        self.endpoint: str | None = None
+
+    def _dataset(self) -> Path:
+        data = self.work / "data"
+        data.mkdir(parents=True, exist_ok=True)
+        for i in range(N_SAMPLES):
+            (data / f"sample-{i:04d}.txt").write_text(str(i))
+        return data
+
+    def s3_bucket(self) -> tuple[str, str]:
+        """A fresh bucket on moto's S3 server (started on first use): (bucket, endpoint)."""
+        import pyarrow.fs as pafs
+
+        if self._moto is None:
+            from ray_goodput.testing._s3 import start_moto_server
+            self._moto, self.endpoint = start_moto_server()
+        bucket = f"soak-{uuid.uuid4().hex[:12]}"
+        pafs.S3FileSystem(endpoint_override=self.endpoint, scheme="http",
+                          allow_bucket_creation=True).create_dir(bucket)
+        return bucket, self.endpoint
+
+    def ray_address(self) -> str:
+        import ray
+
+        if not ray.is_initialized():
+            ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+                     configure_logging=False)
+        return ray.get_runtime_context().gcs_address
+
+    def close(self) -> None:
+        if self._moto is not None:
+            self._moto.terminate()
+            self._moto.wait(timeout=10)
+        if "ray" in sys.modules and sys.modules["ray"].is_initialized():
+            sys.modules["ray"].shutdown()
+        if not self.args.keep:
+            shutil.rmtree(self.work, ignore_errors=True)
+
+    def reference(self, schedule: tuple[int, int]) -> Reference:
+        if schedule not in self.refs:
+            self.refs[schedule] = _reference(self, schedule)
+        return self.refs[schedule]
+
+
+def _trial_dirs(root: Path) -> None:
+    for sub in ("runs", "records", "logs"):
+        (root / sub).mkdir(parents=True, exist_ok=True)
+
+
+def _reference(soak: Soak, schedule: tuple[int, int]) -> Reference:
+    """Failure-free: world w0 up to the middle (a clean stop after a save), w1 to the end."""
+    root = soak.work / f"ref-{schedule[0]}-{schedule[1]}"
+    _trial_dirs(root)
+    steps = soak.args.steps
+    legs = [(schedule[0], steps)] if schedule[0] == schedule[1] else [
+        (schedule[0], steps // 2), (schedule[1], steps)]
+    for attempt, (world, stop_at) in enumerate(legs):
+        spec = RunSpec(trial_dir=str(root), uri=str(root / "store"), data_uri=soak.data_uri,
+                       attempt=attempt, steps=steps, stop_at=stop_at, cadence="async",
+                       keep_last=3, staging=str(root / "staging"), verify=True, backend="thread")
+        problem = _launch(spec, world, soak.args.run_timeout)
+        outcome = read_outcome(root, attempt, world)
+        if problem or set(outcome.values()) != {"done"}:
+            raise RuntimeError(f"the failure-free reference run {schedule} failed ({problem}, "
+                               f"{outcome}); see {root}/logs")
+    kept = kept_steps(root, {a: w for a, (w, _) in enumerate(legs)})
+    final = _read_jsonl(root / "runs" / f"a{len(legs) - 1}.final")[-1]["hash"]
+    return Reference(schedule=schedule, final=final,
+                     hashes={s: r["hash"] for s, r in kept.items()},
+                     ids={s: r["ids"] for s, r in kept.items()})
+
+
+# ---- running and judging one run ----------------------------------------------------------
+
+def _launch(spec: RunSpec, world: int, timeout_s: float) -> str | None:
+    """Run all ranks; None when every process ended in time, else what went wrong."""
+    from ray_goodput.testing import run_world
+
+    try:
+        run_world(rank_main, world, spec, timeout_s=timeout_s, allow_deaths=True)
+    except TimeoutError as exc:
+        return f"hang: {exc}"
+    except RuntimeError as exc:
+        return f"launcher: {str(exc)[-300:]}"
+    return None
+
+
+def read_outcome(root: Path, attempt: int, world: int) -> dict[int, str]:
+    """rank -> done | error | fault (killed by the harness) | peer_died | watchdog |
+    killed (no marker: a library fault point, or a crash)."""
+    out = {}
+    for rank in range(world):
+        base = root / "runs" / f"a{attempt}-r{rank}"
+        out[rank] = next((s for s in ("fault", "done", "error", "peer_died", "watchdog")
+                          if Path(f"{base}.{s}").exists()), "killed")
+    return out
+
+
+def _error_info(root: Path, attempt: int, rank: int) -> dict:
+    text = (root / "runs" / f"a{attempt}-r{rank}.error").read_text()
+    try:
+        return json.loads(text)
+    except ValueError:
+        return {"error": text[-300:], "chain": ["?"], "storage": False, "actor": False}
+
+
+def judge_run(root: Path, attempt: int, outcome: dict[int, str],
+              accepted: tuple[str, ...]) -> tuple[str, list[str]]:
+    """(status, violations) of one run from its ranks' outcomes. A run may fail (every
+    rank raising the same error) only when an injected fault in ``accepted`` ("storage":
+    failing requests; "actor": a killed uploader) is in the error's cause chain."""
+    states = set(outcome.values())
+    if states == {"done"}:
+        return "completed", []
+    if states & {"fault", "killed"}:
+        if attempt > 0 and "killed" in states:
+            return "killed", ["unexpected_death: a rank died with no injected fault"]
+        return "killed", []
+    errors = {r: _error_info(root, attempt, r) for r, s in outcome.items() if s == "error"}
+    summary = sorted({e["error"] for e in errors.values()})
+    violations = []
+    if states & {"done", "watchdog"}:
+        violations.append(f"divergent_outcome: ranks {outcome}; errors {summary}")
+    elif len({e["chain"][0] for e in errors.values()}) > 1:
+        violations.append(f"divergent_outcome: ranks raised different errors {summary}")
+    if not all(any(e.get(cause) for cause in accepted) for e in errors.values()):
+        violations.append(f"run_failed: {summary}")
+    return "failed", violations
+
+
+def check_restore(pre: Scan, record: dict | None, ref: Reference) -> list[str]:
+    """The restored checkpoint is at least the newest intact one (by lineage order), was
+    committed (or completable), and its state is the failure-free state of that step."""
+    if record is None:
+        return []  # the run died before restore returned
+    step, newest = record["step"], pre.newest("intact", "orphan")
+    if step is None:
+        return [f"restore_lost_progress: restored nothing, step {newest} was intact"] \
+            if newest is not None else []
+    out = []
+    if newest is not None and pre.order.get(step, (-1, step)) < pre.order[newest]:
+        out.append(f"restore_lost_progress: restored step {step} {pre.order.get(step)}, "
+                   f"step {newest} {pre.order[newest]} was intact")
+    if pre.steps.get(step) not in ("intact", "orphan", "damaged", "quarantined"):
+        out.append(f"restored_uncommitted: step {step} was {pre.steps.get(step, 'absent')}")
+    if record["hash"] != ref.hashes.get(step):
+        out.append(f"restored_wrong_state: step {step} ({pre.steps.get(step)}) loaded a state "
+                   "that differs from the failure-free one")
+    return out
+
+
+def check_kept(pre: Scan, post: Scan, keep_last: int) -> list[str]:
+    """An intact committed checkpoint may go only when keep_last newer (by lineage) intact
+    ones exist; a step re-saved by a newer generation replaces it and counts as kept."""
+    after = post.having("intact")
+    out = []
+    for step in pre.having("intact"):
+        if post.steps.get(step) == "intact" and post.order[step] >= pre.order[step]:
+            continue
+        newer = [s for s in after if post.order[s] > pre.order[step]]
+        if len(newer) < keep_last:
+            out.append(f"committed_lost: step {step} {pre.order[step]} is "
+                       f"{post.steps.get(step, 'gone')} with {len(newer)} newer intact "
+                       f"(keep_last={keep_last})")
+    return out
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+
+
+def kept_steps(root: Path, worlds: dict[int, int]) -> dict[int, dict]:
+    """step -> {"ids", "hash", "attempt"} from the last run that recorded that step on every
+    rank (a resumed run redoes what a dead one did after its checkpoint)."""
+    out: dict[int, dict] = {}
+    for attempt, world in sorted(worlds.items()):
+        per_rank = [{r["step"]: r for r in _read_jsonl(root / "records" / f"a{attempt}-r{rank}.jsonl")}
+                    for rank in range(world)]
+        for step in set.intersection(*(set(p) for p in per_rank)):
+            out[step] = {"attempt": attempt, "hash": per_rank[0][step]["hash"],
+                         "ids": [i for p in per_rank for i in p[step]["ids"]]}
+    return out
+
+
+def check_data(kept: dict[int, dict], ref: Reference, steps: int) -> list[str]:
+    """Every step ran, on the failure-free run's samples; each sample once per epoch."""
+    out = []
+    missing = [s for s in range(1, steps + 1) if s not in kept]
+    if missing:
+        out.append(f"step_missing: no run recorded steps {missing} on every rank")
+    wrong = [s for s in sorted(kept) if kept[s]["ids"] != ref.ids.get(s)]
+    if wrong:
+        out.append(f"data_order: steps {wrong} saw other samples than the failure-free run")
+    per_epoch = steps * GLOBAL_BATCH // N_SAMPLES
+    for epoch in range(per_epoch + 1):
+        seen = Counter(i for s, r in kept.items() if (s - 1) * GLOBAL_BATCH // N_SAMPLES == epoch
+                       for i in r["ids"])
+        twice = sorted(i for i, n in seen.items() if n > 1)
+        if twice or (epoch < per_epoch and len(seen) != N_SAMPLES and not missing):
+            out.append(f"sample_not_once: epoch {epoch} repeated {twice}, saw {len(seen)} of {N_SAMPLES}")
+    diverged = [s for s in sorted(kept) if kept[s]["hash"] != ref.hashes.get(s)]
+    if diverged:
+        out.append(f"step_state_differs: state after steps {diverged} differs from the failure-free run")
+    return out
+
+
+# ---- one trial ----------------------------------------------------------------------------
+
+@dataclass
+class _TrialStorage:
+    direct: str                  # what the harness reads and damages
+    workers: str                 # what the ranks use (through the faulty proxy on S3)
+    proxy: Any = None
+
+
+def _storage(soak: Soak, trial: Trial, root: Path) -> _TrialStorage:
+    if trial.storage == "local":
+        return _TrialStorage(str(root / "store"), str(root / "store"))
+    from ray_goodput.testing import FlakyProxy
+
+    bucket, endpoint = soak.s3_bucket()
+    proxy = FlakyProxy(endpoint, trial.flaky_rate, seed=trial.seed, latency_s=trial.latency_s)
+    uri = "s3://{}/run?endpoint_override={}&scheme=http"
+    return _TrialStorage(uri.format(bucket, endpoint), uri.format(bucket, proxy.endpoint), proxy)
+
+
+def _spec(soak: Soak, trial: Trial, root: Path, store: _TrialStorage, attempt: int,
+          late: dict | None) -> RunSpec:
+    ray_trial = trial.fault["type"] == "ray_kill"
+    return RunSpec(
+        trial_dir=str(root), uri=store.workers, data_uri=soak.data_uri, attempt=attempt,
+        steps=soak.args.steps, stop_at=soak.args.steps, cadence=trial.cadence,
+        keep_last=trial.keep_last,
+        staging=str(root / ("staging" if trial.same_node else f"staging-a{attempt}")),
+        verify=trial.verify, backend="actor" if ray_trial else "thread",
+        ray_address=soak.ray_address() if ray_trial else None,
+        fault=trial.fault if attempt == 0 else None, late=late if attempt == 1 else None,
+        peer_kill_delay=trial.peer_kill_delay, grace_s=soak.args.grace)
+
+
+def _wait_uploaders_idle(timeout_s: float = 60.0) -> bool:
+    """Ray trials: the node uploader outlives the run; let it finish before storage is read."""
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        busy = False
+        for entry in ray.util.list_named_actors(all_namespaces=True):
+            if entry["name"].startswith("uploader"):
+                try:
+                    actor = ray.get_actor(entry["name"], namespace=entry["namespace"])
+                    busy |= bool(ray.get(actor.busy.remote(), timeout=10))
+                except Exception:  # noqa: BLE001 - a dead uploader is not busy
+                    pass
+        if not busy:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def _between_runs(trial: Trial, store: _TrialStorage, pre: Scan, info: dict) -> tuple[Scan, dict | None]:
+    """After run 1: damage or hide the newest committed checkpoint (damage / late commit)."""
+    if trial.kind not in ("damage_truncate", "damage_bitflip", "late_commit"):
+        return pre, None
+    newest = pre.newest("intact")
+    if newest is None:
+        info["applied"] = "no committed checkpoint to act on"
+        return pre, None
+    if trial.kind == "late_commit":
+        _hide_as_orphan(store.direct, newest, trial.extra["drop_metadata"])
+        info["applied"] = f"step {newest} hidden as an orphan, committed late in run 2"
+        late = {"step": newest, "frac": trial.extra["frac"], "uri": store.direct}
+        return scan(store.direct), late
+    name = _damage(store.direct, newest, trial.kind.split("_")[1],
+                   random.Random(trial.extra["damage_seed"]))
+    info["applied"] = f"step {newest}: {trial.kind.split('_')[1]} {name}"
+    info["damaged_step"] = newest
+    return scan(store.direct), None
+
+
+def check_no_rot(post: Scan, excused: set[int]) -> list[str]:
+    """A committed checkpoint's files match its manifest unless the harness damaged it."""
+    return [f"committed_damaged: step {s} is committed but its files do not match the "
+            "manifest (no damage was injected there)"
+            for s in post.having("damaged") if s not in excused] + [
+        f"false_quarantine: step {s} is quarantined yet every file matches its manifest"
+        for s in post.having("quarantined")]
+
+
+def _fired(trial: Trial, root: Path, result: dict, store: _TrialStorage) -> bool:
+    """Whether the trial's fault actually happened."""
+    runs, kind = root / "runs", trial.fault["type"]
+    if trial.kind in ("damage_truncate", "damage_bitflip", "late_commit"):
+        return "step" in result["info"].get("applied", "no ")[:5]
+    if trial.kind == "flaky_storage":
+        return store.proxy is not None and store.proxy.counts["failed"] > 0
+    if trial.kind == "world_change":
+        return len(result["runs"]) > 1
+    if kind == "ray_kill":
+        return (runs / "a0-r0.uploader_killed").exists()
+    if kind == "hook":
+        return "killed" in result["runs"][0]["outcome"].values()
+    return any((runs / f"a0-r{r}.fault").exists() for r in range(trial.schedule[0]))
+
+
+def _final_checks(root: Path, trial: Trial, ref: Reference, worlds: dict[int, int],
+                  last: int, store: _TrialStorage, steps: int) -> list[str]:
+    finals = _read_jsonl(root / "runs" / f"a{last}.final")
+    if not finals:
+        return [f"not_finished: the schedule did not complete in {len(worlds)} runs"]
+    out = []
+    if finals[-1]["hash"] != ref.final:
+        out.append("final_weights_differ: final state differs from the failure-free run")
+    end = scan(store.direct)
+    if end.steps.get(steps) != "intact":
+        out.append(f"final_not_committed: last saved step {steps} is "
+                   f"{end.steps.get(steps, 'absent')} after close() returned")
+    return out + check_data(kept_steps(root, worlds), ref, steps)
+
+
+def run_trial(soak: Soak, trial: Trial) -> dict:
+    t0 = time.monotonic()
+    root = soak.work / f"trial-{trial.index:05d}"
+    _trial_dirs(root)
+    ref = soak.reference(trial.schedule)
+    store = _storage(soak, trial, root)
+    result: dict[str, Any] = {"index": trial.index, "seed": trial.seed, "kind": trial.kind,
+                              "tags": trial.tags(), "trial": asdict(trial), "runs": [],
+                              "violations": [], "info": {}}
+    try:
+        _run_attempts(soak, trial, root, store, ref, result)
+    except Exception as exc:  # noqa: BLE001 - a harness error fails the trial loudly
+        result["violations"].append(f"harness_error: {type(exc).__name__}: {exc}")
+        result["info"]["traceback"] = traceback.format_exc()
+    finally:
+        if store.proxy is not None:
+            result["info"]["requests"] = dict(store.proxy.counts)
+            store.proxy.close()
+    result["wall_s"] = round(time.monotonic() - t0, 2)
+    if result["violations"] or soak.args.keep:
+        result["dir"] = str(root)
+    else:
+        shutil.rmtree(root, ignore_errors=True)
+    return result
+
+
+def _run_attempts(soak: Soak, trial: Trial, root: Path, store: _TrialStorage,
+                  ref: Reference, result: dict) -> None:
+    pre, late, worlds = scan(store.direct), None, {}
+    violations = result["violations"]
+    for attempt in range(MAX_RUNS):
+        world = trial.schedule[0 if attempt == 0 else 1]
+        worlds[attempt] = world
+        began = time.monotonic()
+        problem = _launch(_spec(soak, trial, root, store, attempt, late), world,
+                          soak.args.run_timeout)
+        run_s = round(time.monotonic() - began, 2)
+        if trial.fault["type"] == "ray_kill" and not _wait_uploaders_idle():
+            violations.append("hang: the node uploader stayed busy for 60 s after the run")
+        post = scan(store.direct)
+        outcome = read_outcome(root, attempt, world)
+        accepted = (("actor",) if attempt == 0 and trial.fault["type"] == "ray_kill" else ()) + (
+            ("storage",) if trial.flaky_rate > 0 else ())
+        status, found = judge_run(root, attempt, outcome, accepted)
+        if problem:
+            status, found = "hang", [f"hang: run {attempt + 1}: {problem}"]
+        restored = _read_jsonl(root / "runs" / f"a{attempt}.restore")
+        found += check_restore(pre, restored[-1] if restored else None, ref)
+        found += check_kept(pre, post, trial.keep_last)
+        found += check_no_rot(post, {result["info"].get("damaged_step")})
+        violations += [f"run {attempt + 1}: {v}" for v in found]
+        done = root / "runs" / f"a{attempt}-r0.done"
+        result["runs"].append({"world": world, "status": status, "outcome": outcome, "wall_s": run_s,
+                               "rank0_times": json.loads(done.read_text()) if done.exists() else None,
+                               "restored": restored[-1]["step"] if restored else None,
+                               "before": pre.steps, "after": post.steps})
+        if status == "hang" or (root / "runs" / f"a{attempt}.final").exists():
+            break
+        pre = post
+        if attempt == 0:
+            pre, late = _between_runs(trial, store, pre, result["info"])
+    result["fired"] = _fired(trial, root, result, store)
+    if not any(v.split(": ", 2)[1].startswith("hang") for v in violations):
+        violations += _final_checks(root, trial, ref, worlds, max(worlds), store, soak.args.steps)
+
+
+# ---- report -------------------------------------------------------------------------------
+
+def _violation_kind(text: str) -> str:
+    body = text.split(": ", 1)[1] if text.startswith("run ") else text
+    return body.split(":", 1)[0]
+
+
+def summarize(results: list[dict], wall_s: float, seed: int, ref_problems: list[str]) -> dict:
+    kinds: dict[str, Counter] = defaultdict(Counter)
+    for r in results:
+        c = kinds[r["kind"]]
+        c["trials"] += 1
+        c["fired"] += int(r.get("fired", False))
+        c["runs"] += len(r["runs"])
+        c["violations"] += len(r["violations"])
+    tags = Counter(t for r in results for t in r["tags"][1:])
+    by_violation: dict[str, list[str]] = defaultdict(list)
+    for r in results:
+        for v in r["violations"]:
+            by_violation[_violation_kind(v)].append(f"{seed}/{r['index']}")
+    for p in ref_problems:
+        by_violation[_violation_kind(p)].append("reference")
+    times = [r["wall_s"] for r in results]
+    return {"trials": len(results), "wall_s": round(wall_s, 1),
+            "trial_s_mean": round(sum(times) / max(1, len(times)), 2),
+            "trial_s_max": max(times, default=0.0),
+            "violations": sum(len(v) for v in by_violation.values()),
+            "kinds": {k: dict(v) for k, v in sorted(kinds.items())}, "tags": dict(sorted(tags.items())),
+            "by_violation": {k: sorted(set(v)) for k, v in sorted(by_violation.items())},
+            "load_avg": os.getloadavg()}
+
+
+def markdown(summary: dict) -> str:
+    s = summary
+    lines = ["| trials | runs | violations | wall time (s) | per trial mean / max (s) |",
+             "|---:|---:|---:|---:|---:|",
+             f"| {s['trials']} | {sum(k['runs'] for k in s['kinds'].values())} | {s['violations']} "
+             f"| {s['wall_s']} | {s['trial_s_mean']} / {s['trial_s_max']} |", "",
+             "| fault kind | trials | fired | runs | violations |", "|---|---:|---:|---:|---:|"]
+    lines += [f"| {k} | {v['trials']} | {v['fired']} | {v['runs']} | {v['violations']} |"
+              for k, v in s["kinds"].items()]
+    lines += ["", "| also drawn | trials |", "|---|---:|"]
+    lines += [f"| {k} | {n} |" for k, n in s["tags"].items()]
+    lines += ["", "| violation | count | trials (seed/index) |", "|---|---:|---|"]
+    lines += [f"| {k} | {len(v)} | {', '.join(v[:12])}{' ...' if len(v) > 12 else ''} |"
+              for k, v in s["by_violation"].items()] or ["| none | 0 | |"]
+    return "\n".join(lines)
+
+
+def _check_references(soak: Soak) -> list[str]:
+    """Different world-size schedules must agree bit for bit (or the comparison means nothing)."""
+    refs = list(soak.refs.values())
+    return [f"reference_mismatch: schedule {r.schedule} differs from {refs[0].schedule}"
+            for r in refs[1:] if (r.hashes, r.ids, r.final) != (refs[0].hashes, refs[0].ids, refs[0].final)]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--trials", type=int, default=20)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--world", type=int, default=2, choices=(1, 2, 4))
+    p.add_argument("--storage", choices=("local", "s3", "mixed"), default="mixed",
+                   help="mixed: S3 for --s3-share of the trials (flaky_storage trials always use S3)")
+    p.add_argument("--s3-share", type=float, default=0.2)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--run-timeout", type=float, default=120.0, help="seconds per run (no hang)")
+    p.add_argument("--grace", type=float, default=15.0,
+                   help="seconds a rank gets to raise after a peer raised")
+    p.add_argument("--only", type=int, nargs="*", help="run only these trial indices")
+    p.add_argument("--kinds", nargs="*", choices=KINDS, help="run only trials of these kinds")
+    p.add_argument("--out", help="write JSON results here")
+    p.add_argument("--workdir", help="default: a fresh temporary directory")
+    p.add_argument("--keep", action="store_true", help="keep every trial's directory")
+    args = p.parse_args(argv)
+    if args.steps < 4 or args.steps * GLOBAL_BATCH % N_SAMPLES:
+        p.error(f"--steps must be >= 4 and a multiple of {N_SAMPLES // GLOBAL_BATCH}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if os.environ.pop("RAY_GOODPUT_FAULT", None):
+        print("note: RAY_GOODPUT_FAULT was set; cleared (trials arm their own faults)")
+    for key, value in (("AWS_ACCESS_KEY_ID", "testing"), ("AWS_SECRET_ACCESS_KEY", "testing"),
+                       ("AWS_DEFAULT_REGION", "us-east-1"), ("AWS_EC2_METADATA_DISABLED", "true")):
+        os.environ.setdefault(key, value)
+    soak, results, t0 = Soak(args), [], time.monotonic()
+    indices = args.only if args.only else range(args.trials)
+    try:
+        for index in indices:
+            trial = draw_trial(args.seed, index, args)
+            if args.kinds and trial.kind not in args.kinds:
+                continue
+            result = run_trial(soak, trial)
+            results.append(result)
+            print(f"trial {index:4d} {trial.kind:28s} {result['wall_s']:6.1f}s runs="
+                  f"{len(result['runs'])} {'OK' if not result['violations'] else result['violations']}",
+                  flush=True)
+        ref_problems = _check_references(soak)
+    finally:
+        soak.close()
+    summary = summarize(results, time.monotonic() - t0, args.seed, ref_problems)
+    print(markdown(summary))
+    if args.out:
+        Path(args.out).write_text(json.dumps({"args": vars(args), "summary": summary,
+                                              "reference_problems": ref_problems,
+                                              "trials": results}, indent=1, default=str))
+    return 1 if summary["violations"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
