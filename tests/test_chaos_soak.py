@@ -1,0 +1,125 @@
+"""The chaos soak (``benchmarks/chaos_soak.py``): its invariant checks catch what they
+claim to catch, and a CI-sized soak on real processes finds no violation and fires every
+fault kind."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from argparse import Namespace
+from pathlib import Path
+
+import pytest
+
+from benchmarks import chaos_soak as soak
+
+ROOT = Path(__file__).resolve().parents[1]
+REF = soak.Reference(schedule=(1, 1), hashes={2: "h2", 4: "h4", 6: "h6"},
+                     ids={1: [0, 1, 2, 3], 2: [4, 5, 6, 7], 3: [8, 9, 10, 11], 4: [12, 13, 14, 15]},
+                     final="h8")
+
+
+def _scan(**steps: tuple[str, int]) -> soak.Scan:
+    """``s4=("intact", 1)``: step 4 intact, generation 1."""
+    out = soak.Scan()
+    for key, (state, generation) in steps.items():
+        step = int(key[1:])
+        out.steps[step] = state
+        if state != "partial":
+            out.order[step] = (generation, step)
+    return out
+
+
+def test_restore_of_an_older_checkpoint_than_the_newest_intact_is_a_violation():
+    pre = _scan(s2=("intact", 1), s4=("intact", 1))
+    assert soak.check_restore(pre, {"step": 4, "hash": "h4"}, REF) == []
+    assert soak.check_restore(pre, {"step": 2, "hash": "h2"}, REF)[0].startswith("restore_lost_progress")
+    assert soak.check_restore(pre, {"step": None, "hash": "x"}, REF)[0].startswith("restore_lost_progress")
+
+
+def test_newest_is_by_lineage_so_a_dead_attempts_higher_step_is_older():
+    pre = _scan(s6=("intact", 1), s4=("intact", 2))
+    assert pre.newest("intact") == 4
+    assert soak.check_restore(pre, {"step": 4, "hash": "h4"}, REF) == []
+    dead = soak.check_restore(pre, {"step": 6, "hash": "h6"}, REF)  # higher step, older lineage
+    assert dead[0].startswith("restore_lost_progress")
+    older = _scan(s6=("intact", 2), s4=("intact", 1))
+    assert soak.check_restore(older, {"step": 4, "hash": "h4"}, REF)[0].startswith("restore_lost_progress")
+
+
+def test_restoring_an_uncommitted_step_or_a_wrong_state_is_a_violation():
+    pre = _scan(s2=("intact", 1), s4=("partial", 0))
+    found = soak.check_restore(pre, {"step": 4, "hash": "h4"}, REF)
+    assert "restored_uncommitted" in {v.split(":")[0] for v in found}
+    wrong = soak.check_restore(pre, {"step": 2, "hash": "h4"}, REF)
+    assert [v.split(":")[0] for v in wrong] == ["restored_wrong_state"]
+
+
+def test_losing_an_intact_checkpoint_is_a_violation_unless_keep_last_newer_ones_exist():
+    pre = _scan(s2=("intact", 1), s4=("intact", 1))
+    kept_one_newer = _scan(s4=("intact", 1), s6=("intact", 1))
+    assert soak.check_kept(pre, kept_one_newer, keep_last=2) == []
+    lost = soak.check_kept(pre, kept_one_newer, keep_last=3)
+    assert len(lost) == 1 and lost[0].startswith("committed_lost: step 2")
+    quarantined = _scan(s2=("intact", 1), s4=("quarantined", 1))
+    assert soak.check_kept(pre, quarantined, keep_last=1)[0].startswith("committed_lost: step 4")
+    assert soak.check_no_rot(quarantined, set())[0].startswith("false_quarantine")
+    assert soak.check_no_rot(_scan(s4=("damaged", 1)), {4}) == []
+    assert soak.check_no_rot(_scan(s4=("damaged", 1)), set())[0].startswith("committed_damaged")
+
+
+def test_a_repeated_skipped_or_reordered_sample_is_a_violation():
+    good = {s: {"ids": REF.ids[s], "hash": None} for s in range(1, 5)}
+    ref = soak.Reference(schedule=(1, 1), hashes={s: None for s in range(1, 5)}, ids=REF.ids, final="")
+    assert soak.check_data(good, ref, steps=4) == []
+    repeated = {**good, 3: {"ids": [4, 5, 6, 7], "hash": None}}
+    kinds = {v.split(":")[0] for v in soak.check_data(repeated, ref, steps=4)}
+    assert kinds == {"data_order", "sample_not_once"}
+    missing = {s: r for s, r in good.items() if s != 2}
+    assert soak.check_data(missing, ref, steps=4)[0].startswith("step_missing")
+
+
+def _outcome(tmp_path: Path, **ranks: dict | str) -> dict[int, str]:
+    (tmp_path / "runs").mkdir(parents=True, exist_ok=True)
+    for key, value in ranks.items():
+        name = "done" if value == "done" else "error"
+        text = "" if value == "done" else json.dumps(value)
+        (tmp_path / "runs" / f"a0-r{key[1:]}.{name}").write_text(text)
+    return soak.read_outcome(tmp_path, 0, len(ranks))
+
+
+def test_ranks_disagreeing_or_a_run_failing_without_an_injected_cause_is_a_violation(tmp_path):
+    storage = {"error": "CheckpointError: x", "chain": ["CheckpointError", "StorageError"],
+               "storage": True, "actor": False}
+    outcome = _outcome(tmp_path, r0=storage, r1="done")
+    status, found = soak.judge_run(tmp_path, 0, outcome, ("storage",))
+    assert status == "failed" and found[0].startswith("divergent_outcome")
+    both = _outcome(tmp_path / "b", r0=storage, r1=storage)
+    assert soak.judge_run(tmp_path / "b", 0, both, ("storage",)) == ("failed", [])
+    assert soak.judge_run(tmp_path / "b", 0, both, ())[1][0].startswith("run_failed")
+
+
+def test_trials_are_reproducible_and_one_rotation_draws_every_kind():
+    args = Namespace(world=2, storage="mixed", s3_share=0.2, steps=8)
+    first = [soak.draw_trial(3, i, args) for i in range(len(soak.KINDS))]
+    assert sorted(t.kind for t in first) == sorted(soak.KINDS)
+    assert soak.draw_trial(3, 7, args) == first[7]
+    assert soak.draw_trial(4, 7, args) != first[7]
+
+
+@pytest.mark.slow
+def test_ci_soak_has_no_violation_and_fires_every_fault_kind(tmp_path):
+    """About 3 minutes on 2 cores: world size 1 (2 on the world-change trials), local
+    storage except the S3 ones; 1 Ray trial."""
+    out = tmp_path / "soak.json"
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/chaos_soak.py", "--trials", "20", "--seed", "11",
+         "--world", "1", "--s3-share", "0.1", "--run-timeout", "90", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads(out.read_text())["summary"]
+    assert summary["violations"] == 0, proc.stdout[-6000:]
+    assert proc.returncode == 0
+    silent = [k for k in soak.KINDS if not summary["kinds"].get(k, {}).get("fired")]
+    assert silent == [], f"fault kinds that never fired: {silent}\n{proc.stdout[-3000:]}"
