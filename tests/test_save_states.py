@@ -1,0 +1,204 @@
+"""The save state machine and the Checkpointer's bookkeeping, fast: transitions, agreement
+across ranks, supersede and failure handling against a fake UploadBackend (futures the
+test completes by hand), and the fault hooks. The real-process counterparts are in
+test_crash_consistency.py."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from concurrent.futures import Future
+
+import pytest
+import torch
+
+from ray_goodput import Checkpointer
+from ray_goodput import _faults
+from ray_goodput.checkpoint._backends import Handoff
+from ray_goodput.checkpoint._job import ShardJob, ShardResult
+from ray_goodput.checkpoint._save_state import IllegalTransitionError, SaveRecord, SaveState, agree
+from ray_goodput.errors import CheckpointError, ConfigError, InjectedFault
+
+S = SaveState
+
+
+# ---- the machine -----------------------------------------------------------------------
+
+def test_a_save_walks_snapshotted_staged_uploaded_committed():
+    record = SaveRecord(1, "g000001-abcdef0123")
+    for state in (S.STAGED, S.UPLOADED, S.COMMITTED):
+        record.advance(state)
+    assert record.history == [S.SNAPSHOTTED, S.STAGED, S.UPLOADED, S.COMMITTED]
+    assert record.state.terminal
+
+
+@pytest.mark.parametrize("path", [
+    [S.COMMITTED],                      # cannot commit before it is uploaded
+    [S.STAGED, S.SUPERSEDED],           # a staged save is past waiting: it cannot be dropped
+    [S.STAGED, S.UPLOADED, S.COMMITTED, S.FAILED],  # terminal states stay put
+    [S.SUPERSEDED, S.STAGED],
+])
+def test_illegal_transitions_raise(path):
+    record = SaveRecord(1, "x")
+    with pytest.raises(IllegalTransitionError):
+        for state in path:
+            record.advance(state, "boom" if state is S.FAILED else None)
+
+
+def test_failed_needs_an_error_and_only_failed_takes_one():
+    with pytest.raises(IllegalTransitionError):
+        SaveRecord(1, "x").advance(S.FAILED)
+    with pytest.raises(IllegalTransitionError):
+        SaveRecord(1, "x").advance(S.STAGED, "why")
+    record = SaveRecord(1, "x")
+    record.advance(S.FAILED, "disk full")
+    assert record.error == "disk full"
+
+
+def test_reach_takes_the_implied_path():
+    record = SaveRecord(1, "x")
+    record.reach(S.COMMITTED)
+    assert record.history == [S.SNAPSHOTTED, S.STAGED, S.UPLOADED, S.COMMITTED]
+    record = SaveRecord(2, "y")
+    record.reach(S.SUPERSEDED)
+    assert record.history == [S.SNAPSHOTTED, S.SUPERSEDED]
+
+
+@pytest.mark.parametrize("states,outcome", [
+    ([S.UPLOADED, S.COMMITTED], S.COMMITTED),
+    ([S.SUPERSEDED, S.UPLOADED], S.SUPERSEDED),     # can never commit; not a failure
+    ([S.FAILED, S.SUPERSEDED], S.FAILED),
+    ([S.UPLOADED, S.UPLOADED], None),               # the caller decides (did not commit)
+    ([S.UPLOADED], None),
+])
+def test_every_rank_agrees_on_the_outcome(states, outcome):
+    assert agree(states) is outcome
+    assert agree(list(reversed(states))) is outcome
+
+
+# ---- the Checkpointer against a fake backend -------------------------------------------
+
+class FakeBackend:
+    """Accepts jobs; the test decides when each is released, ends, or is superseded.
+    ``waiting`` holds keys that have not started (cancel supersedes them)."""
+
+    def __init__(self) -> None:
+        self.jobs: dict[int, ShardJob] = {}
+        self.handoffs: dict[int, Handoff] = {}
+        self.waiting: set[str] = set()
+
+    def submit(self, job: ShardJob) -> Handoff:
+        handoff = Handoff(released=Future(), durable=Future(), key=job.key)
+        self.jobs[job.step], self.handoffs[job.step] = job, handoff
+        self.waiting.add(job.key)
+        return handoff
+
+    def start(self, step: int, release: bool = True) -> None:
+        self.waiting.discard(self.jobs[step].key)
+        if release:
+            self.handoffs[step].released.set_result(None)
+
+    def end(self, step: int, state: SaveState = S.COMMITTED, error: Exception | None = None) -> None:
+        handoff = self.handoffs[step]
+        if not handoff.released.done():
+            handoff.released.set_result(None)
+        if error is not None:
+            handoff.durable.set_exception(error)
+        else:
+            handoff.durable.set_result(ShardResult(step=step, rank=0, num_bytes=1, write_seconds=0.0,
+                                                   upload_seconds=0.0, state=state))
+
+    def cancel(self, key: str) -> bool:
+        if key not in self.waiting:
+            return False
+        step = next(s for s, j in self.jobs.items() if j.key == key)
+        self.waiting.discard(key)
+        self.end(step, S.SUPERSEDED)
+        return True
+
+    def close(self) -> None:
+        pass
+
+
+def _state() -> dict:
+    return {"model": torch.nn.Linear(8, 8)}
+
+
+@pytest.fixture
+def fake(tmp_path):
+    backend = FakeBackend()
+    ckpt = Checkpointer(str(tmp_path / "root"), staging_dir=str(tmp_path / "s"), uploader=backend)
+    yield ckpt, backend
+    ckpt._release()
+
+
+def test_a_third_save_supersedes_the_waiting_one_instead_of_waiting_for_an_upload(fake):
+    ckpt, backend = fake
+    ckpt.save(1, _state())
+    backend.start(1, release=False)  # step 1 is being written: its arena is busy
+    ckpt.save(2, _state())           # waits in the second arena
+    ckpt.save(3, _state())           # both busy: 2 is superseded, 3 takes its arena
+    assert backend.handoffs[2].durable.result().state is S.SUPERSEDED
+    assert backend.jobs[3].arena_path == backend.jobs[2].arena_path != backend.jobs[1].arena_path
+    backend.end(1)
+    backend.start(3)
+    backend.end(3)
+    ckpt.wait()
+    assert ckpt.stats.committed == [1, 3] and ckpt.stats.superseded == [2]
+    assert ckpt.stats.failed_saves == 0
+
+
+def test_a_failed_save_is_raised_once_by_wait(fake):
+    ckpt, backend = fake
+    ckpt.save(1, _state())
+    backend.end(1, error=OSError("bucket gone"))
+    with pytest.raises(CheckpointError, match="bucket gone"):
+        ckpt.wait()
+    ckpt.wait()  # reported once
+    assert ckpt.stats.failed_saves == 1
+
+
+def test_durable_everywhere_but_never_committed_is_a_failure(fake):
+    ckpt, backend = fake
+    ckpt.save(1, _state())
+    backend.end(1, S.UPLOADED)
+    with pytest.raises(CheckpointError, match="did not commit"):
+        ckpt.wait()
+
+
+def test_a_submit_that_raises_is_a_failed_save_not_a_crash_of_save(fake, monkeypatch):
+    ckpt, backend = fake
+
+    def refuse(job):
+        raise OSError("uploader unreachable")
+
+    monkeypatch.setattr(backend, "submit", refuse)
+    ckpt.save(1, _state())  # returns: the failure is agreed and raised by wait()
+    with pytest.raises(CheckpointError, match="uploader unreachable"):
+        ckpt.wait()
+
+
+# ---- fault hooks -------------------------------------------------------------------------
+
+def test_fault_spec_errors_name_the_fix():
+    assert _faults.parse("retention:0.5, save.copying:1:raise") == {
+        "retention": (0.5, "kill"), "save.copying": (1.0, "raise")}
+    for bad in ("nosuch:1", "retention", "retention:2", "retention:1:explode"):
+        with pytest.raises(ConfigError, match="RAY_GOODPUT_FAULT"):
+            _faults.parse(bad)
+
+
+def test_fault_point_raises_when_asked_and_is_silent_when_unset(monkeypatch):
+    _faults.fault_point("retention")  # unset: nothing
+    monkeypatch.setattr(_faults, "_SPEC", {"retention": (1.0, "raise")})
+    with pytest.raises(InjectedFault, match="retention"):
+        _faults.fault_point("retention")
+    _faults.fault_point("save.copying")  # another point: nothing
+
+
+def test_fault_point_kill_sigkills_the_process():
+    env = {**os.environ, "RAY_GOODPUT_FAULT": "commit.before_committed:1", "RAY_GOODPUT_FAULT_SEED": "3"}
+    code = "from ray_goodput._faults import fault_point; fault_point('commit.before_committed'); print('alive')"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == -9 and "alive" not in out.stdout, (out.returncode, out.stderr[-500:])
