@@ -149,3 +149,13 @@ def test_costs_json_without_a_field_names_it(tmp_path):
     args = _cli("simulate", "--costs", str(costs))
     with pytest.raises(ConfigError, match="save_blocking_s"):
         args.fn(args)
+
+
+def test_replay_job_end_on_a_save_boundary_adds_no_extra_save_from_rounding():
+    # 0.1 + 0.2 + ... misses 0.9 by a rounding error; the job must still end after 3 intervals, 2 saves.
+    system = System(name="x", step_s=0.1, save_blocking_s=0.05, durable_s=0.05, restore_s=0, restart_s=0,
+                    interval=0.3)
+    for work, saves in ((0.3, 0), (0.9, 2), (2.1, 6), (0.7, 2)):
+        out = replay(system, [], work_s=work)
+        assert out.seconds["checkpoint_stall"] == pytest.approx(0.05 * saves), work
+        assert out.seconds["productive"] == pytest.approx(work)

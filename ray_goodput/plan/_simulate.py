@@ -114,10 +114,14 @@ class _Run:
         """Train from the newest recovery point; True when a failure ended the segment."""
         start, work, saves = self.kept, self.kept, []  # saves: (durable at, progress kept)
         while True:
-            need = min(self.tau, self.work_s - work)
+            remaining = self.work_s - work
+            need = min(self.tau, remaining)
             t0 = self.t
             whole = self._advance(need, "productive")
-            work += self.t - t0
+            if whole:  # exact at the end: a + (b - a) can miss b by a rounding error
+                work = self.work_s if need == remaining else work + need
+            else:
+                work += self.t - t0
             if not whole or work >= self.work_s:
                 break
             t0 = self.t
