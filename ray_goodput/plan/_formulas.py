@@ -20,7 +20,10 @@ Under that model the expected share of wall time per bucket has an exact closed 
 
 which for ``D = delta`` is Daly's (2006) expected efficiency. To first order in ``1/M``::
 
-    1 - goodput ~= delta/x + (tau/2 + tau*(D - delta)/x + R + Tr) / M
+    1 - goodput ~= delta/x + (tau/2 + tau*(D - delta + R + Tr)/x) / M
+
+i.e. the save's share of the cycle, plus per failure half an interval of redone compute,
+the upload lag and the downtime (the last two weighted by the compute share ``tau/x``).
 
 What it ignores: failures that are not independent or not memoryless (infant mortality,
 a bad node that fails again), time between a failure and its detection beyond what ``R``
