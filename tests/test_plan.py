@@ -21,7 +21,7 @@ from ray_goodput.plan import (
     optimal_interval_s,
     young_interval_s,
 )
-from ray_goodput.plan._commands import register
+from ray_goodput.cli._plan import register
 
 PLAN_DIR = Path(__file__).resolve().parents[1] / "ray_goodput" / "plan"
 

@@ -13,7 +13,7 @@ import pytest
 
 from ray_goodput.errors import ConfigError
 from ray_goodput.plan import DEFAULT_SYSTEMS, System, expected_buckets, replay, simulate
-from ray_goodput.plan._commands import register
+from ray_goodput.cli._plan import register
 from ray_goodput.plan._simulate import BUCKETS, poisson_schedule, system_to_json
 
 TOY = dict(step_s=1.0, save_blocking_s=2.0, durable_s=5.0, restore_s=3.0, restart_s=10.0, interval=10.0)

@@ -14,6 +14,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from ray_goodput.cli._plan import register as _register_plan
 from ray_goodput.errors import GoodputError
 
 
@@ -57,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="run the quickstart: train, inject a failure, resume")
     p.add_argument("extra", nargs=argparse.REMAINDER)
     p.set_defaults(fn=_demo)
+    _register_plan(sub)  # plan, simulate: pure Python, cheap to import
     return parser
 
 
