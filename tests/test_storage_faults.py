@@ -28,9 +28,9 @@ def test_flaky_endpoint_is_retried_and_commits_with_matching_checksums(flaky_uri
     model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 512))
     retry = RetryPolicy(attempts=10, initial_delay=0.05, max_delay=0.5)
     with Checkpointer(uri, staging_dir=str(tmp_path / "s"), retry=retry, uploader="thread") as ckpt:
-        for step in (1, 2, 3):
-            ckpt.save(step, {"model": model})
-        ckpt.wait()
+        for step in (1, 2, 3):  # one at a time: a save still waiting when the next
+            ckpt.save(step, {"model": model})  # comes would be superseded
+            ckpt.wait()
         assert ckpt.stats.committed == [1, 2, 3] and ckpt.stats.failed_saves == 0
     assert proxy.counts["failed"] >= 5, proxy.counts  # the faults really happened
     assert [i.step for i in list_checkpoints(uri) if i.committed] == [1, 2, 3]
@@ -61,9 +61,10 @@ def test_full_staging_disk_fails_that_save_loudly_and_training_goes_on(tiny_disk
     ckpt.wait()
     with caplog.at_level(logging.ERROR):
         ckpt.save(2, big)          # returns: the failure happens in the background
-        ckpt.save(3, small)        # training goes on and checkpoints again
         with pytest.raises(CheckpointError, match="No space left|Errno 28"):
-            ckpt.wait()
+            ckpt.wait()            # (waited for before the next save, which would
+    ckpt.save(3, small)            # supersede it); training goes on and checkpoints again
+    ckpt.wait()
     assert ckpt.stats.failed_saves == 1 and "step 2" in ckpt.stats.last_error
     assert "checkpoint of step 2 failed" in caplog.text
     ckpt.close()
