@@ -17,7 +17,7 @@ from ray_goodput.checkpoint._manifest import read_manifest
 from ray_goodput.errors import StorageError
 from ray_goodput.runtime._resume import ResumeDecision, root_key, set_decision
 from ray_goodput.storage import RetryPolicy, list_dir, resolve
-from ray_goodput.testing import FlakyProxy, run_world
+from ray_goodput.testing import FlakyProxy, run_world, wait_for
 from tests._models import make_model, train_steps, wrap
 
 
@@ -208,19 +208,23 @@ def test_saves_faster_than_uploads_supersede_the_waiting_one_and_commit_the_newe
 
 # ---- hole 3: a queued job's snapshot must not vanish -------------------------------------
 
-def test_leaving_the_with_block_on_an_error_does_not_lose_a_queued_snapshot(slow_s3, tmp_path):
+def test_leaving_the_with_block_on_an_error_does_not_lose_a_snapshot_queued_in_the_uploader(
+        ray_local, slow_s3, tmp_path):
+    """The node uploader (an actor) outlives the worker's ``with`` block, which unlinks the
+    arenas on the way out; the queued job must still write the snapshot it accepted."""
     proxy, uri = slow_s3
     state = _state(0)
     with pytest.raises(RuntimeError, match="training blew up"):
-        with Checkpointer(uri, staging_dir=str(tmp_path / "s"), uploader="thread") as ckpt:
+        with Checkpointer(uri, staging_dir=str(tmp_path / "s"), uploader="actor") as ckpt:
             proxy.stall("step-000000001/", methods=("PUT",))
             ckpt.save(1, state)
             train_steps(state["model"], state["optim"], 1, rank=0)
-            ckpt.save(2, state)  # queued behind step 1's upload
+            ckpt.save(2, state)  # queued in the uploader behind step 1's upload
             expected = _weight(state)
-            threading.Timer(1.0, proxy.release).start()
             raise RuntimeError("training blew up")  # unlinks the arenas
-    assert _committed(uri) == [1, 2]
+    proxy.release()
+    wait_for(lambda: _committed(uri) == [1, 2], timeout_s=90,
+             what="steps 1 and 2 committed by the node uploader after the worker left")
     fresh = _state(9)
     with Checkpointer(uri, staging_dir=str(tmp_path / "o"), uploader="thread") as ckpt:
         assert ckpt.restore(fresh) == 2
