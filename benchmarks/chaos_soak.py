@@ -279,7 +279,7 @@ def _fault(spec: RunSpec, rank: int, step: int, phase: str, ckpt: Any) -> None:
             _die(spec, rank, f"kill {phase} step {step}")
     elif kind == "timer" and phase == "after_save" and mine:
         _timer_kill(spec, rank, f["delay"])
-    elif kind == "hook" and phase == "before_save" and (mine or f["hook"] in ANY_RANK_HOOKS):
+    elif kind == "hook" and phase in ("before_save", "start") and (mine or f["hook"] in ANY_RANK_HOOKS):
         _arm_hook(f["hook"])
     elif kind == "ray_kill" and phase == "after_save" and rank == 0:
         _kill_uploaders(spec, rank, f["delay"])
@@ -329,6 +329,7 @@ def _train(rank: int, world: int, spec: RunSpec, times: dict) -> None:
     state = {"model": model, "optim": optim, "loader": loader}
     restored = ckpt.restore(state)
     times["restored"] = time.time()
+    _fault(spec, rank, 0, "start", ckpt)
     runs, records = _runs_dir(spec), Path(spec.trial_dir) / "records"
     if rank == 0:
         _append(runs / f"a{spec.attempt}.restore", {"step": restored,
@@ -571,9 +572,10 @@ class Trial:
     cadence: str
     same_node: bool
     verify: bool
-    fault: dict
+    fault: dict                  # run 1's
     peer_kill_delay: float
     extra: dict
+    resume_fault: dict | None = None   # run 2's
 
     def tags(self) -> list[str]:
         w0, w1 = self.schedule
@@ -612,9 +614,17 @@ def draw_trial(seed: int, index: int, args: argparse.Namespace) -> Trial:
         rng.uniform(0.0, 0.2) if storage == "s3" else 0.0)
     cadence = "burst" if kind == "fast_saves" else rng.choice(["async", "async", "sync", "burst"])
     keep_last = rng.choice([1, 2, 3])
-    if kind == "hook:retention":  # its point lies between two deletions of one pass
-        cadence, keep_last = "burst", 1
     fault = _draw_fault(kind, rng, args.steps, schedule[0])
+    resume_fault = None
+    if kind == "hook:retention":
+        # Its point lies between two deletions of one retention pass: run 1 keeps 3
+        # commits and dies; run 2 resumes with keep_last=1, so its first commit deletes
+        # at least two directories, with the point armed from run 2's start.
+        cadence, keep_last = "async", 3
+        fault = {"type": "kill", "where": "after_wait", "rank": fault["rank"],
+                 "step": rng.randint(args.steps - 2, args.steps - 1)}
+        resume_fault = {"type": "hook", "hook": "retention", "rank": 0, "step": 0,
+                        "keep_last": 1}
     return Trial(index=index, seed=trial_seed, kind=kind, storage=storage,
                  flaky_rate=round(flaky, 3),
                  latency_s=0.02 if storage == "s3" and cadence == "burst" else 0.0,
@@ -622,7 +632,7 @@ def draw_trial(seed: int, index: int, args: argparse.Namespace) -> Trial:
                  same_node=rng.random() < 0.5, verify=rng.random() < 0.25, fault=fault,
                  peer_kill_delay=round(rng.uniform(0.0, 0.3), 3),
                  extra={"frac": rng.random(), "drop_metadata": rng.random() < 0.5,
-                        "damage_seed": rng.randrange(1 << 30)})
+                        "damage_seed": rng.randrange(1 << 30)}, resume_fault=resume_fault)
 
 
 def _draw_fault(kind: str, rng: random.Random, steps: int, world: int) -> dict:
@@ -772,16 +782,18 @@ def _error_info(root: Path, attempt: int, rank: int) -> dict:
         return {"error": text[-300:], "chain": ["?"], "storage": False, "actor": False}
 
 
-def judge_run(root: Path, attempt: int, outcome: dict[int, str],
-              accepted: tuple[str, ...]) -> tuple[str, list[str]]:
-    """(status, violations) of one run from its ranks' outcomes. A run may fail (every
-    rank raising the same error) only when an injected fault in ``accepted`` ("storage":
-    failing requests; "actor": a killed uploader) is in the error's cause chain."""
+def judge_run(root: Path, attempt: int, outcome: dict[int, str], accepted: tuple[str, ...],
+              armed: bool) -> tuple[str, list[str]]:
+    """(status, violations) of one run from its ranks' outcomes. A rank may die without a
+    marker only when a fault point was ``armed`` in the run. A run may fail (every rank
+    raising the same error) only when an injected fault in ``accepted`` ("storage":
+    failing requests, in the error's cause chain; "any": the run's uploader was killed)
+    caused it."""
     states = set(outcome.values())
     if states == {"done"}:
         return "completed", []
     if states & {"fault", "killed"}:
-        if attempt > 0 and "killed" in states:
+        if not armed and "killed" in states:
             return "killed", ["unexpected_death: a rank died with no injected fault"]
         return "killed", []
     errors = {r: _error_info(root, attempt, r) for r, s in outcome.items() if s == "error"}
@@ -791,7 +803,7 @@ def judge_run(root: Path, attempt: int, outcome: dict[int, str],
         violations.append(f"divergent_outcome: ranks {outcome}; errors {summary}")
     elif len({e["chain"][0] for e in errors.values()}) > 1:
         violations.append(f"divergent_outcome: ranks raised different errors {summary}")
-    if not all(any(e.get(cause) for cause in accepted) for e in errors.values()):
+    if "any" not in accepted and not all(any(e.get(c) for c in accepted) for e in errors.values()):
         violations.append(f"run_failed: {summary}")
     return "failed", violations
 
@@ -900,12 +912,16 @@ def _spec(soak: Soak, trial: Trial, root: Path, store: _TrialStorage, attempt: i
     return RunSpec(
         trial_dir=str(root), uri=store.workers, data_uri=soak.data_uri, attempt=attempt,
         steps=soak.args.steps, stop_at=soak.args.steps, cadence=trial.cadence,
-        keep_last=trial.keep_last,
+        keep_last=(_fault_of(trial, attempt) or {}).get("keep_last", trial.keep_last),
         staging=str(root / ("staging" if trial.same_node else f"staging-a{attempt}")),
         verify=trial.verify, backend="actor" if ray_trial else "thread",
         ray_address=soak.ray_address() if ray_trial else None,
-        fault=trial.fault if attempt == 0 else None, late=late if attempt == 1 else None,
+        fault=_fault_of(trial, attempt), late=late if attempt == 1 else None,
         peer_kill_delay=trial.peer_kill_delay, grace_s=soak.args.grace)
+
+
+def _fault_of(trial: Trial, attempt: int) -> dict | None:
+    return trial.fault if attempt == 0 else trial.resume_fault if attempt == 1 else None
 
 
 def _wait_uploaders_idle(timeout_s: float = 60.0) -> bool:
@@ -968,8 +984,9 @@ def _fired(trial: Trial, root: Path, result: dict, store: _TrialStorage) -> bool
         return len(result["runs"]) > 1
     if kind == "ray_kill":
         return (runs / "a0-r0.uploader_killed").exists()
-    if kind == "hook":
-        return "killed" in result["runs"][0]["outcome"].values()
+    if trial.kind.startswith("hook:"):  # a rank died with no marker in the run it was armed in
+        return any("killed" in r["outcome"].values() for i, r in enumerate(result["runs"])
+                   if (_fault_of(trial, i) or {}).get("hook") == trial.kind[5:])
     return any((runs / f"a0-r{r}.fault").exists() for r in range(trial.schedule[0]))
 
 
@@ -1029,14 +1046,16 @@ def _run_attempts(soak: Soak, trial: Trial, root: Path, store: _TrialStorage,
             violations.append("hang: the node uploader stayed busy for 60 s after the run")
         post = scan(store.direct)
         outcome = read_outcome(root, attempt, world)
-        accepted = (("actor",) if attempt == 0 and trial.fault["type"] == "ray_kill" else ()) + (
+        # A killed uploader fails the saves it held; the agreed error names it only in text.
+        accepted = (("any",) if attempt == 0 and trial.fault["type"] == "ray_kill" else ()) + (
             ("storage",) if trial.flaky_rate > 0 else ())
-        status, found = judge_run(root, attempt, outcome, accepted)
+        armed = (_fault_of(trial, attempt) or {}).get("type") == "hook"
+        status, found = judge_run(root, attempt, outcome, accepted, armed)
         if problem:
             status, found = "hang", [f"hang: run {attempt + 1}: {problem}"]
         restored = _read_jsonl(root / "runs" / f"a{attempt}.restore")
         found += check_restore(pre, restored[-1] if restored else None, ref)
-        found += check_kept(pre, post, trial.keep_last)
+        found += check_kept(pre, post, (_fault_of(trial, attempt) or {}).get("keep_last", trial.keep_last))
         found += check_no_rot(post, {result["info"].get("damaged_step")})
         violations += [f"run {attempt + 1}: {v}" for v in found]
         done = root / "runs" / f"a{attempt}-r0.done"
@@ -1152,16 +1171,22 @@ def main(argv: list[str] | None = None) -> int:
             print(f"trial {index:4d} {trial.kind:28s} {result['wall_s']:6.1f}s runs="
                   f"{len(result['runs'])} {'OK' if not result['violations'] else result['violations']}",
                   flush=True)
+            _write(args, results, t0, [])  # so an interrupted soak leaves what it found
         ref_problems = _check_references(soak)
     finally:
         soak.close()
-    summary = summarize(results, time.monotonic() - t0, args.seed, ref_problems)
+    summary = _write(args, results, t0, ref_problems)
     print(markdown(summary))
+    return 1 if summary["violations"] else 0
+
+
+def _write(args: argparse.Namespace, results: list[dict], t0: float, ref_problems: list[str]) -> dict:
+    summary = summarize(results, time.monotonic() - t0, args.seed, ref_problems)
     if args.out:
         Path(args.out).write_text(json.dumps({"args": vars(args), "summary": summary,
                                               "reference_problems": ref_problems,
                                               "trials": results}, indent=1, default=str))
-    return 1 if summary["violations"] else 0
+    return summary
 
 
 if __name__ == "__main__":

@@ -93,11 +93,20 @@ def test_ranks_disagreeing_or_a_run_failing_without_an_injected_cause_is_a_viola
     storage = {"error": "CheckpointError: x", "chain": ["CheckpointError", "StorageError"],
                "storage": True, "actor": False}
     outcome = _outcome(tmp_path, r0=storage, r1="done")
-    status, found = soak.judge_run(tmp_path, 0, outcome, ("storage",))
+    status, found = soak.judge_run(tmp_path, 0, outcome, ("storage",), armed=False)
     assert status == "failed" and found[0].startswith("divergent_outcome")
     both = _outcome(tmp_path / "b", r0=storage, r1=storage)
-    assert soak.judge_run(tmp_path / "b", 0, both, ("storage",)) == ("failed", [])
-    assert soak.judge_run(tmp_path / "b", 0, both, ())[1][0].startswith("run_failed")
+    assert soak.judge_run(tmp_path / "b", 0, both, ("storage",), armed=False) == ("failed", [])
+    assert soak.judge_run(tmp_path / "b", 0, both, (), armed=False)[1][0].startswith("run_failed")
+
+
+def test_a_rank_dying_with_no_fault_armed_is_a_violation(tmp_path):
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "a1-r0.done").write_text("{}")
+    outcome = soak.read_outcome(tmp_path, 1, 2)
+    assert outcome == {0: "done", 1: "killed"}
+    assert soak.judge_run(tmp_path, 1, outcome, (), armed=True) == ("killed", [])
+    assert soak.judge_run(tmp_path, 1, outcome, (), armed=False)[1][0].startswith("unexpected_death")
 
 
 def test_trials_are_reproducible_and_one_rotation_draws_every_kind():
