@@ -16,9 +16,10 @@ Fixtures:
   off; workers get ``PYTHONPATH`` = the repository and a 0.1 s Train health check).
 - ``ray_cluster`` (module): the shared multi-node cluster, a
   :class:`ray_goodput.testing._ray.RayCluster`: a head with 2 CPUs and two worker nodes
-  with 2 CPUs and ``{"slot": 1}`` each (``.address``, ``.worker_ids``, ``.remove(id)``,
-  ``.top_up()``). Every test starts with both worker nodes; a test that pulls one
-  calls ``top_up()`` itself if it needs the nodes again.
+  with 2 CPUs and ``{"slot": 1}`` each (``.address``, ``.worker_ids``, ``.remove(id)``:
+  kill a worker node and wait until its processes exited, ``.top_up()``: add nodes
+  back). Every test starts with both worker nodes; a test that pulls one calls
+  ``top_up()`` itself if it needs the nodes again.
 
 Each Ray kind starts once per session: tests are ordered (no Ray, then ``ray_local``,
 then ``ray_cluster``, then tests marked ``ray``/``cluster`` that start their own Ray,

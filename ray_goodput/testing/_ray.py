@@ -12,8 +12,12 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+import psutil
 import ray
 from ray.cluster_utils import Cluster
+from ray.util.state import list_workers
+
+from ray_goodput.testing._wait import wait_for
 
 logger = logging.getLogger(__name__)
 
@@ -56,9 +60,14 @@ class RayCluster:
         """Node ids of the live worker nodes (the head is not one)."""
         return list(self._workers)
 
-    def remove(self, node_id: str) -> None:
-        """Kill a worker node at once (no graceful drain): its processes die with it."""
+    def remove(self, node_id: str, *, timeout_s: float = 60.0) -> None:
+        """Kill a worker node at once (no graceful drain) and wait until every worker
+        process it ran has exited (they notice their raylet's death a moment later: a
+        test that lets the world go on right away could still see them act)."""
+        pids = _worker_pids(node_id)
         self.cluster.remove_node(self._workers.pop(node_id), allow_graceful=False)
+        wait_for(lambda: not any(_running(pid) for pid in pids), timeout_s=timeout_s,
+                 what=f"the worker processes {sorted(pids)} of removed node {node_id} to exit")
 
     def top_up(self) -> None:
         """Add fresh worker nodes until there are ``shape.workers`` (main thread only:
@@ -71,6 +80,19 @@ class RayCluster:
 
     def shutdown(self) -> None:
         self.cluster.shutdown()
+
+
+def _worker_pids(node_id: str) -> set[int]:
+    workers = list_workers(filters=[("node_id", "=", node_id)], limit=10_000, raise_on_missing_output=False)
+    return {w.pid for w in workers if w.pid}
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` is a live process (a zombie nobody reaped yet is not)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 class SharedRay:
