@@ -76,3 +76,14 @@ def test_buckets_always_sum_to_total(n_attempts):
 
 def test_empty():
     assert compute([]).total == 0 and compute([]).goodput == 0
+
+
+def test_superseded_checkpoints_are_counted_in_the_ledger_and_its_metrics():
+    first = _attempt(100.0, 0, 5)
+    first.insert(3, {"e": "ckpt_superseded", "step": 2, "t": first[2]["t"] + 0.1})
+    second = _attempt(first[-1]["t"] + 5.0, 0, 5, end=True)
+    second.append({"e": "ckpt_superseded", "step": 4, "t": second[-1]["t"] + 0.1})
+    ledger = compute([first, second], job_start=100.0)
+    assert ledger.checkpoints_superseded == 2
+    assert ledger.as_metrics()["goodput/checkpoints_superseded"] == 2
+    assert sum(ledger.seconds.values()) == pytest.approx(ledger.total)

@@ -35,6 +35,7 @@ class Ledger:
     failures: int = 0
     steps_kept: int = 0
     steps_lost: int = 0
+    checkpoints_superseded: int = 0
     finished: bool = False
 
     @property
@@ -49,7 +50,8 @@ class Ledger:
         out = {f"goodput/{k}_s": v for k, v in self.seconds.items()}
         out.update({"goodput/goodput": self.goodput, "goodput/total_s": self.total,
                     "goodput/attempts": self.attempts, "goodput/failures": self.failures,
-                    "goodput/steps_kept": self.steps_kept, "goodput/steps_lost": self.steps_lost})
+                    "goodput/steps_kept": self.steps_kept, "goodput/steps_lost": self.steps_lost,
+                    "goodput/checkpoints_superseded": self.checkpoints_superseded})
         return out
 
 
@@ -91,6 +93,7 @@ def compute(attempts: list[list[dict[str, Any]]], *, job_start: float | None = N
     ledger.start = min(job_start or attempts[0][0]["t"], attempts[0][0]["t"])
     ledger.end = max(job_end or 0.0, attempts[-1][-1]["t"])
     ledger.finished = any(e["e"] == "end" for e in attempts[-1])
+    ledger.checkpoints_superseded = sum(e["e"] == "ckpt_superseded" for a in attempts for e in a)
     prev_end = ledger.start
     for i, events in enumerate(attempts):
         nxt = attempts[i + 1] if i + 1 < len(attempts) else None

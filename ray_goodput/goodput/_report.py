@@ -42,4 +42,5 @@ def summary(ledger: Ledger) -> dict[str, Any]:
     return {"goodput": ledger.goodput, "total_s": ledger.total, "seconds": ledger.seconds,
             "attempts": ledger.attempts, "failures": ledger.failures,
             "steps_kept": ledger.steps_kept, "steps_lost": ledger.steps_lost,
+            "checkpoints_superseded": ledger.checkpoints_superseded,
             "finished": ledger.finished}
