@@ -136,6 +136,7 @@ def test_damaged_newest_falls_back_to_previous(root, tmp_path, how, caplog):
     assert "damaged" in caplog.text and "step 2" in caplog.text
 
 
+@pytest.mark.slow
 def test_unreachable_storage_fails_at_creation_naming_the_uri():
     """Also the storage probe's test of a down endpoint (a probe costs ~25 s of client
     retries under load; the Checkpointer's creation is that probe)."""

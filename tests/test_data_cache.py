@@ -73,6 +73,7 @@ def _read_everything(uri: str, cache_dir: str, workers: int, ready_dir: str, rea
     return sorted(x for batch in loader for x in batch)
 
 
+@pytest.mark.slow
 def test_single_flight_across_processes_and_loader_workers(s3_server, tmp_path):
     blobs = _blobs(40, 2000)
     bucket, prefix = _upload(s3_server, "sf", blobs)

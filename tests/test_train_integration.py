@@ -68,6 +68,7 @@ def _s3_loop(config):
             ckpt.save(step, {"model": model})
 
 
+@pytest.mark.slow
 def test_custom_s3_storage_reports_pointer_checkpoint(ray_local, tmp_path, s3_server):
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
