@@ -511,11 +511,13 @@ class Scan:
 
 
 def scan(uri: str) -> Scan:
-    from ray_goodput.checkpoint import _catalog, _layout
-    from ray_goodput.checkpoint._manifest import is_quarantined, read_manifest, read_quarantine
+    from ray_goodput.checkpoint import _catalog, _layout, _manifest
     from ray_goodput.errors import CheckpointCorruptError
     from ray_goodput.storage import list_dir
 
+    # Libraries before quarantine and generations (aec40b5) still run, to reproduce old finds.
+    quarantined = getattr(_manifest, "is_quarantined", lambda *_: False)
+    read_quarantine = getattr(_manifest, "read_quarantine", lambda _: None)
     out = Scan()
     for info in list_dir(_catalog.checkpoints_location(uri)):
         step = _layout.parse_step(info.path)
@@ -523,15 +525,15 @@ def scan(uri: str) -> Scan:
             continue
         loc = _catalog.step_location(uri, step)
         try:
-            manifest = read_manifest(loc)
+            manifest = _manifest.read_manifest(loc)
         except CheckpointCorruptError:
             out.steps[step] = "damaged"
             continue
         if manifest is not None:
             good = _intact(loc, list(manifest.files))
-            marked = is_quarantined(manifest, read_quarantine(loc))
+            marked = quarantined(manifest, read_quarantine(loc))
             out.steps[step] = "damaged" if not good else "quarantined" if marked else "intact"
-            out.order[step] = (manifest.generation, step)
+            out.order[step] = (getattr(manifest, "generation", 0), step)
             continue
         generation = _completable(loc)
         out.steps[step] = "partial" if generation is None else "orphan"
@@ -701,7 +703,8 @@ class Soak:
         import ray
 
         if not ray.is_initialized():
-            ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+            # address="local": a Ray of its own, never a cluster someone else started here.
+            ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
                      configure_logging=False)
         return ray.get_runtime_context().gcs_address
 
