@@ -3,6 +3,11 @@
 Every collective call (``save``, ``wait``, ``close``, ``restore``) ends with the same
 outcome on every rank: the ranks exchange what each saw (``_collective``) and act on the
 agreed answer, so none raises while another enters Ray Train's ``report`` barrier.
+
+``save`` itself blocks only for the snapshot copy: the save id is derived from the
+generation and the step, the owner plan is reused while the state's structure is
+unchanged, and the outcome agreement and Ray Train report run at ``wait``/``close`` and
+every ``sync_every``-th save (a count, so every rank syncs at the same save).
 """
 
 from __future__ import annotations
@@ -106,11 +111,14 @@ class Checkpointer:
     def __init__(self, storage_path: str | None = None, *, keep_last: int = 3,
                  staging_dir: str | None = None, upload_concurrency: int = 8,
                  verify_checksums: bool = False, retry: RetryPolicy | None = None,
-                 uploader: Literal["auto", "actor", "thread"] | UploadBackend = "auto") -> None:
+                 uploader: Literal["auto", "actor", "thread"] | UploadBackend = "auto",
+                 sync_every: int = 8) -> None:
         if keep_last < 1:
             raise ConfigError(f"keep_last must be >= 1 (the newest committed checkpoint is never removed), got {keep_last}")
         if upload_concurrency < 1:
             raise ConfigError(f"upload_concurrency must be >= 1, got {upload_concurrency}")
+        if sync_every < 1:
+            raise ConfigError(f"sync_every must be >= 1 (saves between outcome agreements), got {sync_every}")
         if isinstance(uploader, str) and uploader not in ("auto", "actor", "thread"):
             raise ConfigError(f"uploader must be 'auto', 'actor' or 'thread', got {uploader!r}")
         self._ctx = WorkerContext.detect()
@@ -123,10 +131,12 @@ class Checkpointer:
         self.upload_concurrency = upload_concurrency
         self._retry = retry or RetryPolicy()
         self._uploader_choice = uploader
+        self.sync_every = sync_every
+        self._token = ""
         self._uploader: UploadBackend | None = None if isinstance(uploader, str) else uploader
         self._arenas: list[Arena] = []
         self._holders: list[Handoff | None] = [None, None]
-        self._owner_cache: tuple[list[int], dict[str, int]] | None = None
+        self._owner_cache: tuple[int, dict[str, int]] | None = None
         self._pending: dict[int, _Pending] = {}
         self._last_step: int | None = None
         self._reported: int | None = None
@@ -146,7 +156,7 @@ class Checkpointer:
         use_actor = self._uploader_choice == "actor" or (
             self._uploader_choice == "auto" and ray.is_initialized())
         if use_actor:
-            return ActorBackend(concurrency=self.upload_concurrency, policy=self._retry)
+            return ActorBackend()
         return ThreadBackend(concurrency=self.upload_concurrency, policy=self._retry)
 
     @property
@@ -163,12 +173,14 @@ class Checkpointer:
         return self._generation
 
     def _ensure_generation(self) -> int:
-        """Collective on first use: rank 0 claims this attempt's generation."""
+        """Collective on first use: rank 0 claims this attempt's generation and draws the
+        token that, with the step, names every save of it (no collective per save)."""
         if self._generation is None:
             decision = resume_decision(self.root)
             attempt = decision.attempt if decision is not None else None
-            self._generation = _collective.on_rank0(lambda: _generation.claim(self.root, attempt),
-                                                    "claiming a checkpoint generation")
+            self._generation, self._token = _collective.on_rank0(
+                lambda: (_generation.claim(self.root, attempt), uuid.uuid4().hex[:8]),
+                "claiming a checkpoint generation")
         return self._generation
 
     # ---- save -----------------------------------------------------------------------
@@ -190,9 +202,12 @@ class Checkpointer:
         if self._last_step is not None and step <= self._last_step:
             raise ConfigError(f"step {step} is not after the last saved step {self._last_step}")
         start = time.perf_counter()  # the loop is blocked for the whole call
-        self._resolve(block=False)
+        if self.stats.saves and self.stats.saves % self.sync_every == 0:
+            self._resolve(block=False)  # a count: every rank syncs at the same save
         generation = self._ensure_generation()
-        save_id = _layout.save_id(generation, _collective.broadcast(uuid.uuid4().hex[:12]))
+        # Unique without a collective: a generation is claimed once per Checkpointer and
+        # its steps only grow.
+        save_id = _layout.save_id(generation, f"{self._token}{step:x}")
         try:
             handoff = self._hand_off(step, _state.classify(state), save_id, generation)
         except ConfigError:
@@ -225,7 +240,8 @@ class Checkpointer:
                        rng=_state.rng_state_bytes(),
                        local_dir=str(self.staging / _layout.step_dir(step)),
                        keep_last=self.keep_last, owner_pid=os.getpid(), nonce=save_id,
-                       num_bytes=sum(s.nbytes for s in slots), generation=generation)
+                       num_bytes=sum(s.nbytes for s in slots), generation=generation,
+                       concurrency=self.upload_concurrency, retry=self._retry)
         if self._uploader is None:
             self._uploader = self._make_uploader()
         handoff = self._uploader.submit(job)
@@ -233,13 +249,15 @@ class Checkpointer:
         return handoff
 
     def _owners(self, leaves: dict[str, _shard_plan.Leaf]) -> dict[str, int]:
-        """Owner of each replicated leaf; exchanged across ranks only when a structure changes."""
+        """Owner of each replicated leaf: reused while this rank's structure is unchanged,
+        exchanged across ranks when it changes (on every rank at the same save, like DCP's
+        own rule that ranks save alike; a rank re-planning alone meets the others' next
+        sync and every rank raises instead of hanging)."""
         sig = _shard_plan.signature(leaves)
-        sigs = _collective.all_gather(sig)
-        if self._owner_cache is not None and self._owner_cache[0] == sigs:
+        if self._owner_cache is not None and self._owner_cache[0] == sig:
             return self._owner_cache[1]
-        owners = _shard_plan.assign_owners(_collective.all_gather(leaves))
-        self._owner_cache = (sigs, owners)
+        owners = _shard_plan.assign_owners(_collective.gather_tagged("owner plan", leaves))
+        self._owner_cache = (sig, owners)
         return owners
 
     def _free_arena(self, need_bytes: int) -> int:
@@ -281,7 +299,7 @@ class Checkpointer:
         """Collective: agree with every rank on the outcome of each pending save; report the
         committed ones to Ray Train in order, count superseded ones, record failures."""
         mine = {s: _state_of(p, block) for s, p in self._pending.items()}
-        views = _collective.all_gather(mine)
+        views = _collective.gather_tagged("save outcomes", mine)
         committed: list[tuple[int, dict[str, Any]]] = []
         for step in sorted(self._pending):
             seen = [v.get(step, (SaveState.FAILED.value, "this rank has no such save")) for v in views]

@@ -27,6 +27,20 @@ def all_gather(obj: Any) -> list[Any]:
     return out
 
 
+def gather_tagged(tag: str, obj: Any) -> list[Any]:
+    """``all_gather`` of ``(tag, obj)``; raises the same CheckpointError on every rank when
+    the ranks were not at the same call (a rank that re-planned alone, say), instead of
+    reading one call's data as another's."""
+    gathered = all_gather((tag, obj))
+    tags = [t for t, _ in gathered]
+    if any(t != tag for t in tags):
+        raise CheckpointError(
+            f"ranks reached different checkpoint collectives ({', '.join(sorted(set(tags)))}): "
+            "every rank must call save/wait/restore at the same points with a state of the same "
+            "structure (change the model or optimizer on every rank at the same step)")
+    return [o for _, o in gathered]
+
+
 def broadcast(obj: Any, src: int = 0) -> Any:
     if not distributed():
         return obj
@@ -52,7 +66,7 @@ def agree(error: BaseException | None) -> None:
     """Collective: raise on every rank when any rank has an ``error``; the same type and
     message everywhere (the first failing rank's; the one that raised it keeps its own
     traceback). A damaged checkpoint anywhere wins, so every rank falls back together."""
-    gathered = all_gather(None if error is None else (type(error).__name__, portable(error)))
+    gathered = gather_tagged("agree", None if error is None else (type(error).__name__, portable(error)))
     failed = [(rank, g) for rank, g in enumerate(gathered) if g is not None]
     if not failed:
         return

@@ -52,6 +52,10 @@ class ShardJob:
     nonce: str                         # the save id (``_layout.save_id``), shared by its ranks
     num_bytes: int = field(default=0)
     generation: int = 0
+    # Upload settings travel with the job: a node uploader started before any Checkpointer
+    # existed (by the trainer) has none of its own.
+    concurrency: int = 8
+    retry: RetryPolicy | None = None
 
     @property
     def key(self) -> str:

@@ -75,9 +75,9 @@ class Ticket:
 class RankLane:
     """Runs one rank's tickets in order; a newer ticket supersedes the waiting one."""
 
-    def __init__(self, *, concurrency: int, policy: RetryPolicy) -> None:
+    def __init__(self, *, concurrency: int = 8, policy: RetryPolicy | None = None) -> None:
         self._concurrency = concurrency
-        self._policy = policy
+        self._policy = policy or RetryPolicy()  # for jobs that carry none
         self._lock = threading.Lock()
         self._waiting: Ticket | None = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="rg-lane")
@@ -103,7 +103,8 @@ class RankLane:
         with self._lock:
             ticket, self._waiting = self._waiting, None
         if ticket is not None:
-            ticket.run(concurrency=self._concurrency, policy=self._policy)
+            job = ticket.job
+            ticket.run(concurrency=job.concurrency, policy=job.retry or self._policy)
 
     def shutdown(self, wait: bool = True) -> None:
         self._pool.shutdown(wait=wait)

@@ -16,7 +16,7 @@ import os
 import pickle
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,7 @@ from ray_goodput.checkpoint._job import ShardJob, ShardResult
 from ray_goodput.checkpoint._lane import RankLane, Ticket
 from ray_goodput.checkpoint._metrics import UploaderMetrics
 from ray_goodput.checkpoint._save_state import SaveState
+from ray_goodput.errors import CheckpointError
 from ray_goodput.runtime import _services, pid_alive
 from ray_goodput.storage import RetryPolicy, StorageLocation
 
@@ -38,19 +39,21 @@ KIND = "uploader"
 # (long enough for Ray Train to restart the worker group and reconnect).
 _GRACE_AFTER_CLOSE_S = 2.0
 _GRACE_AFTER_DEATH_S = 30.0
+# Bound on handing one job to the uploader (its start included).
+_HANDOFF_TIMEOUT_S = 120.0
 
 
 class CheckpointUploader:
     """The node actor's body: a plain class, made an actor as ``_ACTOR``."""
 
-    def __init__(self, node_id: str, concurrency: int, policy: RetryPolicy) -> None:
+    def __init__(self, node_id: str, concurrency: int = 8, policy: RetryPolicy | None = None) -> None:
         # Background work: yield the CPU to the training processes on the same node.
         os.nice(10)
         torch.set_num_threads(1)
         self.node_id = node_id
         self._roots: dict[bytes, StorageLocation] = {}
         self._concurrency = concurrency
-        self._policy = policy
+        self._policy = policy or RetryPolicy()  # jobs carry their own; this is a fallback
         self._lock = threading.Lock()
         self._jobs: dict[str, Ticket] = {}
         self._lanes: dict[tuple[str, int], RankLane] = {}  # one per (run, rank)
@@ -186,54 +189,96 @@ class CheckpointUploader:
 _ACTOR = ray.remote(CheckpointUploader)
 
 
-class ActorBackend:
-    """Runs a rank's shard jobs in its node's CheckpointUploader (found or created)."""
+def start_node_uploader() -> None:
+    """Find or create this node's uploader without waiting for it to start.
 
-    def __init__(self, *, concurrency: int, policy: RetryPolicy) -> None:
-        self._args = (concurrency, policy)
+    Run on every worker when the worker group starts (``driver._node_services``), so the
+    actor is up before the first save needs it. Settings travel with each job.
+    """
+    node_id = _services.current_node_id()
+    _services.get_or_create(_ACTOR, KIND, node_id, node_id=node_id, max_concurrency=64)
+
+
+def _chain(source: Future, target: Future) -> None:
+    def _copy(done: Future) -> None:
+        if target.done():
+            return
+        if done.exception() is not None:
+            target.set_exception(done.exception())
+        else:
+            target.set_result(done.result())
+    source.add_done_callback(_copy)
+
+
+class ActorBackend:
+    """Runs a rank's shard jobs in its node's CheckpointUploader (found or created).
+
+    ``submit`` never waits for the actor: one thread of this backend hands jobs over in
+    order (waiting there when the actor is still starting), so ``save`` blocks only for
+    the snapshot copy. A job is the actor's, and survives this worker, once handed over.
+    """
+
+    def __init__(self) -> None:
         self._actor = None
         self._registered = None
         self._root_blob: bytes | None = None
+        self._handoffs = ThreadPoolExecutor(1, thread_name_prefix="rg-handoff")
 
     def start(self) -> None:
         """Find or create this node's uploader without waiting for it (it starts while the
         worker builds its model and restores)."""
         node_id = _services.current_node_id()
-        self._actor = _services.get_or_create(_ACTOR, KIND, node_id, *self._args,
-                                              node_id=node_id, max_concurrency=64)
+        self._actor = _services.get_or_create(_ACTOR, KIND, node_id, node_id=node_id, max_concurrency=64)
         self._registered = self._actor.register.remote(os.getpid())
 
     def _get(self, fresh: bool = False) -> Any:
         if self._actor is None or fresh:
             self.start()
-        ray.get(self._registered)
+        ray.get(self._registered, timeout=_HANDOFF_TIMEOUT_S)
         return self._actor
 
     def submit(self, job: ShardJob) -> Handoff:
         if self._root_blob is None:
             self._root_blob = pickle.dumps(job.root)
-        light = dataclasses.replace(job, root=None)
+        handoff = Handoff(released=Future(), durable=Future(), key=job.key)
+        self._handoffs.submit(self._hand_over, dataclasses.replace(job, root=None), handoff)
+        return handoff
+
+    def _hand_over(self, light: ShardJob, handoff: Handoff) -> None:
         try:
-            actor = self._get()
-            ray.get(actor.submit.remote(light, self._root_blob))  # the actor owns it from here
-        except ray.exceptions.RayActorError:
-            # The uploader died (killed, or exiting as idle): a new one takes the job.
-            actor = self._get(fresh=True)
-            ray.get(actor.submit.remote(light, self._root_blob))
-        released: Future = actor.wait_released.remote(job.key).future()
-        durable: Future = actor.wait_durable.remote(job.key).future()
-        return Handoff(released=released, durable=durable, key=job.key)
+            try:
+                actor = self._get()
+                ray.get(actor.submit.remote(light, self._root_blob), timeout=_HANDOFF_TIMEOUT_S)
+            except ray.exceptions.RayActorError:
+                # The uploader died (killed, or exiting as idle): a new one takes the job.
+                actor = self._get(fresh=True)
+                ray.get(actor.submit.remote(light, self._root_blob), timeout=_HANDOFF_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 - the save fails; wait() raises it on every rank
+            failure = CheckpointError(f"could not hand step {light.step} to the node uploader within "
+                                      f"{_HANDOFF_TIMEOUT_S:.0f}s: {type(exc).__name__}: {exc}; "
+                                      "check it with 'ray-goodput status'")
+            handoff.released.set_result(None)
+            handoff.durable.set_exception(failure)
+            return
+        # Asked only after submit returned: the actor knows the key by then.
+        _chain(actor.wait_released.remote(light.key).future(), handoff.released)
+        _chain(actor.wait_durable.remote(light.key).future(), handoff.durable)
 
     def cancel(self, key: str) -> bool:
-        if self._actor is None:
-            return False
+        # Through the hand-over thread: a job still being handed over is cancelled after it.
         try:
-            return bool(ray.get(self._actor.cancel.remote(key), timeout=60))
+            return self._handoffs.submit(self._cancel, key).result(timeout=_HANDOFF_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001 - a dead uploader runs nothing: its jobs fail
             logger.warning("could not cancel waiting save %s: %s", key, exc)
             return False
 
+    def _cancel(self, key: str) -> bool:
+        if self._actor is None:
+            return False
+        return bool(ray.get(self._actor.cancel.remote(key), timeout=60))
+
     def close(self) -> None:
+        self._handoffs.shutdown(wait=True)  # queued jobs are handed over first
         if self._actor is not None:
             try:
                 ray.get(self._actor.unregister.remote(os.getpid()), timeout=30)

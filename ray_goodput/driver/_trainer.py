@@ -15,6 +15,7 @@ import ray.train
 import ray.train.torch
 from ray.train.v2.api.callback import RayTrainCallback
 
+from ray_goodput.driver._node_services import NodeServices
 from ray_goodput.driver._recovery import Recovery, load_state
 from ray_goodput.errors import ConfigError
 from ray_goodput.runtime import run_root
@@ -43,6 +44,8 @@ class TorchTrainer(ray.train.torch.TorchTrainer):
         self.recovery = _pick_recovery(merged, recovery)
         if self.recovery is not None and not any(c is self.recovery for c in merged):
             merged.append(self.recovery)
+        if not any(isinstance(c, NodeServices) for c in merged):
+            merged.append(NodeServices())  # node uploaders up before the first save
         super().__init__(train_loop_per_worker,
                          run_config=dataclasses.replace(run_config, callbacks=merged), **kwargs)
 
