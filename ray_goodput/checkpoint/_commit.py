@@ -32,8 +32,9 @@ from ray_goodput.checkpoint import _layout
 from ray_goodput.checkpoint._manifest import (
     Manifest,
     RankMarker,
+    list_rank_markers,
     read_manifest,
-    read_rank_markers,
+    read_rank_marker,
     write_rank_marker,
 )
 from ray_goodput.checkpoint._parts import merge_parts, part_file
@@ -80,12 +81,12 @@ class CommitProtocol:
             step=self.step, rank=rank, world_size=self.world_size, files=tuple(files),
             created=created, nonce=self.save_id, generation=self.generation))
 
-    def _markers(self) -> tuple[dict[int, RankMarker], int]:
-        """This save's markers by rank, and the highest generation of any other save's."""
-        everyone = read_rank_markers(self.step_loc)
-        others = max((m.generation for m in everyone if m.nonce != self.save_id), default=-1)
-        return {m.rank: m for m in everyone
-                if m.step == self.step and m.nonce == self.save_id and m.world_size == self.world_size}, others
+    def _read_markers(self) -> dict[int, RankMarker]:
+        """This save's markers by rank (read only once all are listed: O(world) GETs by
+        the committer, not by every rank)."""
+        markers = (read_rank_marker(self.step_loc, rank, self.save_id) for rank in range(self.world_size))
+        return {m.rank: m for m in markers if m is not None
+                and m.step == self.step and m.nonce == self.save_id and m.world_size == self.world_size}
 
     def check(self) -> Manifest | None:
         """The committed manifest when it is this save's, else None."""
@@ -99,10 +100,14 @@ class CommitProtocol:
             return Finalized(COMMITTED, existing)
         if existing is not None and existing is not _TORN and existing.generation >= self.generation:
             return Finalized(OUTRANKED, existing)
-        markers, others = self._markers()
+        listed = list_rank_markers(self.step_loc)
+        others = max((_layout.generation_of(n) or 0 for n in listed if n != self.save_id), default=-1)
         if existing is _TORN and others >= self.generation:
             # A torn commit is damaged, not absent: only a newer generation's save replaces it.
             return Finalized(OUTRANKED)
+        if listed.get(self.save_id, set()) != set(range(self.world_size)):
+            return Finalized(PENDING)
+        markers = self._read_markers()
         if set(markers) != set(range(self.world_size)):
             return Finalized(PENDING)
         files = [f for m in markers.values() for f in m.files]
@@ -157,10 +162,16 @@ def finish_orphan(step_loc: StorageLocation, step: int, *, above: int = -1) -> M
     """Commit the newest-generation save of ``step`` whose every rank is durable (only
     generations above ``above``); returns the step's manifest when it ends up committed by
     one of them, else None."""
-    saves = {(m.generation, m.nonce, m.world_size) for m in read_rank_markers(step_loc)
-             if m.step == step and m.generation > above}
-    for generation, nonce, world_size in sorted(saves, reverse=True):
-        done = CommitProtocol(step_loc, step, world_size, nonce, generation).finalize()
+    # From the names (one LIST); a candidate's world size from one of its markers.
+    saves = sorted(((_layout.generation_of(nonce) or 0, nonce, ranks)
+                    for nonce, ranks in list_rank_markers(step_loc).items()), reverse=True)
+    for generation, nonce, ranks in saves:
+        if generation <= above:
+            break
+        marker = read_rank_marker(step_loc, min(ranks), nonce)
+        if marker is None or marker.step != step:
+            continue
+        done = CommitProtocol(step_loc, step, marker.world_size, nonce, marker.generation).finalize()
         if done.state == COMMITTED:
             return done.manifest
         if done.state == OUTRANKED:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 import zlib
 from dataclasses import dataclass, field
@@ -102,6 +103,29 @@ class Manifest:
 def write_rank_marker(step_loc: StorageLocation, marker: RankMarker) -> None:
     """Declare ``marker.files`` durable. Call only after every one of them is uploaded."""
     write_bytes(step_loc, _layout.rank_marker(marker.rank, marker.nonce), marker.to_bytes())
+
+
+_MARKER_RE = re.compile(r"^rank-(\d{5,})-(.+)\.json$")
+
+
+def list_rank_markers(step_loc: StorageLocation) -> dict[str, set[int]]:
+    """``{save id: ranks}`` of the markers present, from their names: one LIST, no reads
+    (so checking "is every rank durable?" costs O(1) requests, not O(world))."""
+    found: dict[str, set[int]] = {}
+    for info in list_dir(step_loc, _layout.RANKS_DIR):
+        match = _MARKER_RE.match(info.path.rsplit("/", 1)[-1])
+        if match:
+            found.setdefault(match.group(2), set()).add(int(match.group(1)))
+    return found
+
+
+def read_rank_marker(step_loc: StorageLocation, rank: int, nonce: str) -> RankMarker | None:
+    """One rank's marker of save ``nonce``, or None when absent or unreadable."""
+    try:
+        return RankMarker.from_bytes(read_bytes(step_loc, _layout.rank_marker(rank, nonce)))
+    except (ValueError, KeyError, TypeError, FileNotFoundError):
+        logger.warning("ignoring unreadable rank marker %s/%s", step_loc.uri, _layout.rank_marker(rank, nonce))
+        return None
 
 
 def read_rank_markers(step_loc: StorageLocation) -> list[RankMarker]:
