@@ -499,6 +499,7 @@ class Scan:
 
     steps: dict[int, str] = field(default_factory=dict)
     order: dict[int, tuple[int, int]] = field(default_factory=dict)
+    marked: set[int] = field(default_factory=set)   # QUARANTINED names its commit
 
     def having(self, *states: str) -> list[int]:
         """Steps in these states, oldest first by lineage order."""
@@ -533,6 +534,8 @@ def scan(uri: str) -> Scan:
             good = _intact(loc, list(manifest.files))
             marked = quarantined(manifest, read_quarantine(loc))
             out.steps[step] = "damaged" if not good else "quarantined" if marked else "intact"
+            if marked:
+                out.marked.add(step)
             out.order[step] = (getattr(manifest, "generation", 0), step)
             continue
         generation = _completable(loc)
@@ -548,7 +551,9 @@ def _damage(uri: str, step: int, how: str, rng: random.Random) -> str:
     from ray_goodput.storage import read_bytes, write_bytes
 
     loc = _catalog.step_location(uri, step)
-    entry = rng.choice(sorted(read_manifest(loc).files, key=lambda f: f.name))
+    # Files a restore reads (the ranks' metadata parts only feed .metadata at commit time).
+    files = [f for f in read_manifest(loc).files if not f.name.startswith("parts/")]
+    entry = rng.choice(sorted(files, key=lambda f: f.name))
     data = bytearray(read_bytes(loc, entry.name))
     if how == "truncate":
         data = data[: len(data) // 2]
@@ -746,8 +751,9 @@ def _reference(soak: Soak, schedule: tuple[int, int]) -> Reference:
                                f"{outcome}); see {root}/logs")
     kept = kept_steps(root, {a: w for a, (w, _) in enumerate(legs)})
     final = _read_jsonl(root / "runs" / f"a{len(legs) - 1}.final")[-1]["hash"]
+    fresh = _read_jsonl(root / "runs" / "a0.restore")[-1]["hash"]  # step 0: nothing restored
     return Reference(schedule=schedule, final=final,
-                     hashes={s: r["hash"] for s, r in kept.items()},
+                     hashes={0: fresh, **{s: r["hash"] for s, r in kept.items()}},
                      ids={s: r["ids"] for s, r in kept.items()})
 
 
@@ -817,10 +823,14 @@ def check_restore(pre: Scan, record: dict | None, ref: Reference) -> list[str]:
     if record is None:
         return []  # the run died before restore returned
     step, newest = record["step"], pre.newest("intact", "orphan")
-    if step is None:
-        return [f"restore_lost_progress: restored nothing, step {newest} was intact"] \
-            if newest is not None else []
     out = []
+    if step is None:
+        if newest is not None:
+            out.append(f"restore_lost_progress: restored nothing, step {newest} was intact")
+        if record["hash"] != ref.hashes.get(0):
+            out.append("restored_wrong_state: restore returned None yet changed the state "
+                       "(a damaged checkpoint was partly loaded before the fallback)")
+        return out
     if newest is not None and pre.order.get(step, (-1, step)) < pre.order[newest]:
         out.append(f"restore_lost_progress: restored step {step} {pre.order.get(step)}, "
                    f"step {newest} {pre.order[newest]} was intact")
@@ -832,15 +842,20 @@ def check_restore(pre: Scan, record: dict | None, ref: Reference) -> list[str]:
     return out
 
 
-def check_kept(pre: Scan, post: Scan, keep_last: int) -> list[str]:
-    """An intact committed checkpoint may go only when keep_last newer (by lineage) intact
-    ones exist; a step re-saved by a newer generation replaces it and counts as kept."""
-    after = post.having("intact")
+def check_kept(pre: Scan, post: Scan, keep_last: int, known_bad: set[int] = frozenset()) -> list[str]:
+    """An intact committed checkpoint may go only when keep_last newer (by lineage) ones
+    exist; a step re-saved by a newer generation replaces it and counts as kept.
+
+    Newer ones count when intact, or damaged where the library cannot know it yet
+    (silent damage no reader has met: not quarantined, never skipped by a restore).
+    """
+    after = [s for s in post.having("intact", "damaged") if post.steps[s] == "intact"
+             or (s not in post.marked and s not in known_bad)]
     out = []
     for step in pre.having("intact"):
         if post.steps.get(step) == "intact" and post.order[step] >= pre.order[step]:
             continue
-        newer = [s for s in after if post.order[s] > pre.order[step]]
+        newer = [s for s in after if post.order.get(s, (-1, s)) > pre.order[step]]
         if len(newer) < keep_last:
             out.append(f"committed_lost: step {step} {pre.order[step]} is "
                        f"{post.steps.get(step, 'gone')} with {len(newer)} newer intact "
@@ -1036,7 +1051,7 @@ def run_trial(soak: Soak, trial: Trial) -> dict:
 
 def _run_attempts(soak: Soak, trial: Trial, root: Path, store: _TrialStorage,
                   ref: Reference, result: dict) -> None:
-    pre, late, worlds = scan(store.direct), None, {}
+    pre, late, worlds, known_bad = scan(store.direct), None, {}, set()
     violations = result["violations"]
     for attempt in range(MAX_RUNS):
         world = trial.schedule[0 if attempt == 0 else 1]
@@ -1058,7 +1073,11 @@ def _run_attempts(soak: Soak, trial: Trial, root: Path, store: _TrialStorage,
             status, found = "hang", [f"hang: run {attempt + 1}: {problem}"]
         restored = _read_jsonl(root / "runs" / f"a{attempt}.restore")
         found += check_restore(pre, restored[-1] if restored else None, ref)
-        found += check_kept(pre, post, (_fault_of(trial, attempt) or {}).get("keep_last", trial.keep_last))
+        if restored:  # what restore skipped as newer than its pick, it found damaged
+            pick = pre.order.get(restored[-1]["step"], (-1, -1))
+            known_bad |= {s for s in pre.having("damaged") if pre.order.get(s, (-1, s)) > pick}
+        found += check_kept(pre, post, (_fault_of(trial, attempt) or {}).get("keep_last", trial.keep_last),
+                            known_bad)
         found += check_no_rot(post, {result["info"].get("damaged_step")})
         violations += [f"run {attempt + 1}: {v}" for v in found]
         done = root / "runs" / f"a{attempt}-r0.done"

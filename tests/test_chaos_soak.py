@@ -15,7 +15,7 @@ import pytest
 from benchmarks import chaos_soak as soak
 
 ROOT = Path(__file__).resolve().parents[1]
-REF = soak.Reference(schedule=(1, 1), hashes={2: "h2", 4: "h4", 6: "h6"},
+REF = soak.Reference(schedule=(1, 1), hashes={0: "fresh", 2: "h2", 4: "h4", 6: "h6"},
                      ids={1: [0, 1, 2, 3], 2: [4, 5, 6, 7], 3: [8, 9, 10, 11], 4: [12, 13, 14, 15]},
                      final="h8")
 
@@ -54,6 +54,22 @@ def test_restoring_an_uncommitted_step_or_a_wrong_state_is_a_violation():
     assert "restored_uncommitted" in {v.split(":")[0] for v in found}
     wrong = soak.check_restore(pre, {"step": 2, "hash": "h4"}, REF)
     assert [v.split(":")[0] for v in wrong] == ["restored_wrong_state"]
+
+
+def test_restore_returning_none_after_changing_the_state_is_a_violation():
+    empty = _scan(s4=("damaged", 1))
+    assert soak.check_restore(empty, {"step": None, "hash": "fresh"}, REF) == []
+    found = soak.check_restore(empty, {"step": None, "hash": "h4"}, REF)
+    assert [v.split(":")[0] for v in found] == ["restored_wrong_state"]
+
+
+def test_silent_damage_counts_toward_keep_last_until_a_reader_finds_it():
+    pre = _scan(s2=("intact", 1), s4=("damaged", 1))
+    post = _scan(s4=("damaged", 1), s6=("intact", 1), s8=("intact", 1))
+    assert soak.check_kept(pre, post, keep_last=3) == []
+    assert soak.check_kept(pre, post, keep_last=3, known_bad={4})[0].startswith("committed_lost: step 2")
+    post.marked.add(4)
+    assert soak.check_kept(pre, post, keep_last=3)[0].startswith("committed_lost: step 2")
 
 
 def test_losing_an_intact_checkpoint_is_a_violation_unless_keep_last_newer_ones_exist():
