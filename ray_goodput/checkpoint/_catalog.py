@@ -141,7 +141,7 @@ def verify(step_loc: StorageLocation, manifest: Manifest, *, checksums: bool) ->
             problems.append(f"{entry.name}: missing")
         elif size != entry.size:
             problems.append(f"{entry.name}: {size} bytes, manifest says {entry.size}")
-        elif checksums and object_crc32(step_loc, entry.name)[1] != entry.crc32:
+        elif checksums and object_crc32(step_loc, entry.name, algorithm=entry.algorithm)[1] != entry.crc32:
             problems.append(f"{entry.name}: checksum mismatch")
     return problems
 

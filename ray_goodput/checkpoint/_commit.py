@@ -21,7 +21,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,7 +38,15 @@ from ray_goodput.checkpoint._manifest import (
 )
 from ray_goodput.checkpoint._parts import merge_parts, part_file
 from ray_goodput.errors import CheckpointCorruptError, CheckpointError
-from ray_goodput.storage import FileEntry, StorageLocation, list_dir, read_bytes, write_bytes
+from ray_goodput.storage import (
+    DEFAULT_ALGORITHM,
+    FileEntry,
+    StorageLocation,
+    checksum,
+    list_dir,
+    read_bytes,
+    write_bytes,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -155,7 +162,8 @@ class CommitProtocol:
             tmp = local_dir / f".metadata.tmp-{os.getpid()}-{threading.get_ident()}"
             tmp.write_bytes(data)
             os.replace(tmp, local_dir / _layout.DCP_METADATA)
-        return FileEntry(name=_layout.DCP_METADATA, size=len(data), crc32=zlib.crc32(data))
+        return FileEntry(name=_layout.DCP_METADATA, size=len(data), crc32=checksum(data),
+                         algorithm=DEFAULT_ALGORITHM)
 
 
 def finish_orphan(step_loc: StorageLocation, step: int, *, above: int = -1) -> Manifest | None:

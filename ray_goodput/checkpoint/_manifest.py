@@ -17,11 +17,25 @@ from dataclasses import dataclass, field
 
 from ray_goodput.checkpoint import _layout
 from ray_goodput.errors import CheckpointCorruptError
-from ray_goodput.storage import FileEntry, StorageLocation, list_dir, read_bytes, write_bytes
+from ray_goodput.storage import CRC32, FileEntry, StorageLocation, list_dir, read_bytes, write_bytes
 
 logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
+
+
+def checksum_of(files: tuple[FileEntry, ...]) -> str:
+    """The checksum algorithm the record says its files carry (each file also names its
+    own when it is not CRC32, so a mixed record still verifies)."""
+    algorithms = sorted({f.algorithm for f in files}) or [CRC32]
+    return ",".join(algorithms)
+
+
+def _entries(d: dict) -> tuple[FileEntry, ...]:
+    # Records written before CRC32C have no "checksum" field: CRC32.
+    default = str(d.get("checksum", CRC32))
+    default = default if "," not in default else CRC32
+    return tuple(FileEntry.from_json(f, default) for f in d["files"])
 
 
 @dataclass(frozen=True)
@@ -40,7 +54,7 @@ class RankMarker:
         return json.dumps({
             "step": self.step, "rank": self.rank, "world_size": self.world_size,
             "created": self.created, "nonce": self.nonce, "generation": self.generation,
-            "files": [f.to_json() for f in self.files],
+            "checksum": checksum_of(self.files), "files": [f.to_json() for f in self.files],
         }).encode()
 
     @staticmethod
@@ -49,12 +63,13 @@ class RankMarker:
         return RankMarker(step=int(d["step"]), rank=int(d["rank"]),
                           world_size=int(d["world_size"]), created=float(d["created"]),
                           nonce=str(d["nonce"]), generation=int(d.get("generation", 0)),
-                          files=tuple(FileEntry.from_json(f) for f in d["files"]))
+                          files=_entries(d))
 
 
 @dataclass(frozen=True)
 class Manifest:
-    """Content of ``COMMITTED``: every file of the checkpoint with size and CRC32."""
+    """Content of ``COMMITTED``: every file of the checkpoint with size and checksum
+    (``"checksum"``: CRC32C since it was added; CRC32 when absent)."""
 
     step: int
     world_size: int
@@ -83,7 +98,8 @@ class Manifest:
         return json.dumps({
             "format_version": self.format_version, "step": self.step,
             "world_size": self.world_size, "created": self.created, "nonce": self.nonce,
-            "generation": self.generation, "total_bytes": self.total_bytes, "files": [f.to_json() for f in self.files],
+            "generation": self.generation, "total_bytes": self.total_bytes,
+            "checksum": checksum_of(self.files), "files": [f.to_json() for f in self.files],
         }, indent=1).encode()
 
     @staticmethod
@@ -94,8 +110,7 @@ class Manifest:
                             created=float(d["created"]), nonce=str(d.get("nonce", "")),
                             generation=int(d.get("generation", 0)),
                             format_version=int(d.get("format_version", 1)),
-                            files=tuple(FileEntry.from_json(f) for f in d["files"]),
-                            digest=zlib.crc32(data))
+                            files=_entries(d), digest=zlib.crc32(data))
         except (ValueError, KeyError, TypeError) as exc:
             raise CheckpointCorruptError(f"COMMITTED manifest is unreadable: {exc}") from exc
 

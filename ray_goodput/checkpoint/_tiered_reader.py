@@ -1,6 +1,10 @@
 """A DCP StorageReader that reads each file from the node-local staged copy when that
 copy matches the manifest, and otherwise first downloads it there (parallel-safe,
-atomic, retried, checked against the manifest's size and CRC32)."""
+atomic, retried, checked against the manifest's size and checksum).
+
+Only the files DCP opens for this rank are touched, each checked once, when first
+opened: a rank never reads (nor checksums) another rank's shard in the shared staging
+directory."""
 
 from __future__ import annotations
 
@@ -15,30 +19,46 @@ from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemRe
 from torch.distributed.checkpoint.metadata import Metadata
 
 from ray_goodput.errors import CheckpointCorruptError
-from ray_goodput.storage import FileEntry, RetryPolicy, StorageLocation, download_file
+from ray_goodput.storage import CRC32, FileEntry, RetryPolicy, StorageLocation, download_file, file_crc32
 
 
 class _TieredFs(FileSystemBase):
     """Read-only view of a checkpoint directory: local files first, then remote."""
 
     def __init__(self, remote: StorageLocation, local_dir: Path, local_names: set[str],
-                 entries: dict[str, FileEntry], policy: RetryPolicy):
+                 entries: dict[str, FileEntry], policy: RetryPolicy, *, verified: bool = True):
         self.remote = remote
         self.local_dir = local_dir
-        self.local_names = set(local_names)
+        # ``verified``: the local names were checked already; else they are checked at first open.
+        self.local_names = set(local_names) if verified else set()
+        self.unchecked = set() if verified else set(local_names)
         self.entries = entries
         self.policy = policy
         self.local_reads = 0
         self.remote_reads = 0
 
-    def _fetch(self, name: str) -> None:
-        got = download_file(self.remote, name, self.local_dir / name, self.policy)
+    def _local_ok(self, name: str) -> bool:
+        """Check a node-local file once, at its first open, against the manifest."""
+        self.unchecked.discard(name)
         want = self.entries.get(name)
+        try:
+            ok = want is not None and \
+                file_crc32(self.local_dir / name, want.algorithm) == (want.size, want.crc32)
+        except OSError:
+            ok = False
+        if ok:
+            self.local_names.add(name)
+        return ok
+
+    def _fetch(self, name: str) -> None:
+        want = self.entries.get(name)
+        algorithm = want.algorithm if want is not None else CRC32
+        got = download_file(self.remote, name, self.local_dir / name, self.policy, algorithm)
         if want is not None and (got.size, got.crc32) != (want.size, want.crc32):
             (self.local_dir / name).unlink(missing_ok=True)
             raise CheckpointCorruptError(
-                f"{self.remote.uri}/{name}: {got.size} bytes crc32={got.crc32:#x}, manifest "
-                f"says {want.size} bytes crc32={want.crc32:#x}")
+                f"{self.remote.uri}/{name}: {got.size} bytes {got.algorithm}={got.crc32:#x}, manifest "
+                f"says {want.size} bytes {want.algorithm}={want.crc32:#x}")
         self.local_names.add(name)
 
     @contextmanager
@@ -46,7 +66,7 @@ class _TieredFs(FileSystemBase):
         if "r" not in mode:
             raise PermissionError("checkpoint reader is read-only")
         name = str(path)
-        if name in self.local_names:
+        if name in self.local_names or (name in self.unchecked and self._local_ok(name)):
             self.local_reads += 1
         else:
             self.remote_reads += 1
@@ -72,7 +92,7 @@ class _TieredFs(FileSystemBase):
 
     def exists(self, path: str | os.PathLike) -> bool:
         name = str(path)
-        if name in self.local_names:
+        if name in self.local_names or name in self.unchecked:
             return True
         return self.remote.fs.get_file_info(self.remote.join(name)).type.name != "NotFound"
 
@@ -84,9 +104,9 @@ class TieredReader(FileSystemReader):
     """FileSystemReader over :class:`_TieredFs`."""
 
     def __init__(self, remote: StorageLocation, local_dir: Path, local_names: set[str],
-                 entries: dict[str, FileEntry], policy: RetryPolicy):
+                 entries: dict[str, FileEntry], policy: RetryPolicy, *, verified: bool = True):
         super().__init__(path="")
-        self.fs = _TieredFs(remote, local_dir, local_names, entries, policy)
+        self.fs = _TieredFs(remote, local_dir, local_names, entries, policy, verified=verified)
         self.path = ""
         self._metadata: Metadata | None = None
 

@@ -1,6 +1,6 @@
 """Storage: any ``pyarrow.fs`` URI, parallel retried transfers, listing and deletion."""
 
-from ray_goodput.storage._checksum import CHUNK_BYTES, copy_stream, file_crc32
+from ray_goodput.storage._checksum import CHUNK_BYTES, CRC32, CRC32C, DEFAULT_ALGORITHM, checksum, copy_stream, file_crc32
 from ray_goodput.storage._retry import RetryPolicy, is_transient
 from ray_goodput.storage._transfer import (
     FileEntry,
@@ -18,9 +18,13 @@ from ray_goodput.storage._uri import StorageLocation, resolve
 
 __all__ = [
     "CHUNK_BYTES",
+    "CRC32",
+    "CRC32C",
+    "DEFAULT_ALGORITHM",
     "FileEntry",
     "RetryPolicy",
     "StorageLocation",
+    "checksum",
     "copy_stream",
     "delete_dir",
     "download_file",

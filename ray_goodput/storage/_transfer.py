@@ -14,7 +14,7 @@ from pathlib import Path
 import pyarrow.fs as pafs
 
 from ray_goodput.errors import StorageError
-from ray_goodput.storage._checksum import copy_stream
+from ray_goodput.storage._checksum import CRC32, DEFAULT_ALGORITHM, copy_stream
 from ray_goodput.storage._durable import fsync_dir, fsync_file
 from ray_goodput.storage._retry import RetryPolicy
 from ray_goodput.storage._uri import StorageLocation
@@ -26,18 +26,26 @@ DEFAULT_POLICY = RetryPolicy()
 
 @dataclass(frozen=True)
 class FileEntry:
-    """A file of a checkpoint: path relative to its directory, size in bytes, CRC32."""
+    """A file of a checkpoint: path relative to its directory, size in bytes, checksum.
+
+    ``crc32`` holds the checksum computed with ``algorithm`` (the field name predates
+    CRC32C; records without an algorithm are CRC32)."""
 
     name: str
     size: int
     crc32: int
+    algorithm: str = CRC32
 
     def to_json(self) -> dict:
-        return {"name": self.name, "size": self.size, "crc32": self.crc32}
+        out: dict = {"name": self.name, "size": self.size, "crc32": self.crc32}
+        if self.algorithm != CRC32:
+            out["checksum"] = self.algorithm
+        return out
 
     @staticmethod
-    def from_json(d: dict) -> FileEntry:
-        return FileEntry(name=str(d["name"]), size=int(d["size"]), crc32=int(d["crc32"]))
+    def from_json(d: dict, default_algorithm: str = CRC32) -> FileEntry:
+        return FileEntry(name=str(d["name"]), size=int(d["size"]), crc32=int(d["crc32"]),
+                         algorithm=str(d.get("checksum", default_algorithm)))
 
 
 def _copy_up(local: Path, fs: pafs.FileSystem, dest: str) -> tuple[int, int]:
@@ -59,7 +67,7 @@ def upload_file(local: str | Path, loc: StorageLocation, name: str,
     if loc.is_local:
         fsync_file(dest)
         fsync_dir(parent)
-    return FileEntry(name=name, size=size, crc32=crc)
+    return FileEntry(name=name, size=size, crc32=crc, algorithm=DEFAULT_ALGORITHM)
 
 
 def upload_files(files: Sequence[tuple[str | Path, str]], loc: StorageLocation, *,
@@ -73,35 +81,36 @@ def upload_files(files: Sequence[tuple[str | Path, str]], loc: StorageLocation, 
         return [f.result() for f in futures]
 
 
-def _copy_down(fs: pafs.FileSystem, src: str, local: Path) -> tuple[int, int]:
-    tmp = local.with_name(f".{local.name}.part-{os.getpid()}")
+def _copy_down(fs: pafs.FileSystem, src: str, local: Path, algorithm: str) -> tuple[int, int]:
+    tmp = local.with_name(f".{local.name}.part-{os.getpid()}-{threading.get_ident()}")
     try:
         with fs.open_input_file(src) as inp, open(tmp, "wb") as out:
-            size, crc = copy_stream(inp, out)
+            size, crc = copy_stream(inp, out, algorithm=algorithm)
         os.replace(tmp, local)  # the final name appears only with complete content
     finally:
         tmp.unlink(missing_ok=True)
     return size, crc
 
 
-def object_crc32(loc: StorageLocation, name: str,
-                 policy: RetryPolicy = DEFAULT_POLICY) -> tuple[int, int]:
-    """``(size, crc32)`` of ``<loc>/<name>``, read in full from storage; retried."""
+def object_crc32(loc: StorageLocation, name: str, policy: RetryPolicy = DEFAULT_POLICY,
+                 algorithm: str = DEFAULT_ALGORITHM) -> tuple[int, int]:
+    """``(size, checksum)`` of ``<loc>/<name>``, read in full from storage; retried."""
     def _read() -> tuple[int, int]:
         with loc.fs.open_input_file(loc.join(name)) as inp:
-            return copy_stream(inp)
+            return copy_stream(inp, algorithm=algorithm)
 
     return policy.call(f"checksum of {loc.uri}/{name}", _read)
 
 
 def download_file(loc: StorageLocation, name: str, local: str | Path,
-                  policy: RetryPolicy = DEFAULT_POLICY) -> FileEntry:
-    """Download ``<loc>/<name>`` to ``local`` atomically (temp name + rename); retried."""
+                  policy: RetryPolicy = DEFAULT_POLICY, algorithm: str = DEFAULT_ALGORITHM) -> FileEntry:
+    """Download ``<loc>/<name>`` to ``local`` atomically (temp name + rename); retried;
+    checksummed with ``algorithm`` on the way."""
     local = Path(local)
     local.parent.mkdir(parents=True, exist_ok=True)
     size, crc = policy.call(f"download of {loc.uri}/{name}",
-                            lambda: _copy_down(loc.fs, loc.join(name), local))
-    return FileEntry(name=name, size=size, crc32=crc)
+                            lambda: _copy_down(loc.fs, loc.join(name), local, algorithm))
+    return FileEntry(name=name, size=size, crc32=crc, algorithm=algorithm)
 
 
 def download_files(names: Iterable[str], loc: StorageLocation, local_dir: str | Path, *,
