@@ -72,16 +72,46 @@ def _view(buf: torch.Tensor, slot: TensorSlot) -> torch.Tensor:
     return buf[slot.offset:slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)
 
 
+def _cuda_register(buf: torch.Tensor, size: int) -> bool:
+    """Page-lock ``buf`` (a mapped file) for CUDA, so device-to-host copies into it run
+    at pinned bandwidth and truly asynchronously. False (copies still work, pageable)
+    when the driver refuses, e.g. over the locked-memory limit."""
+    cudart = torch.cuda.cudart()
+    ok = cudart.cudaHostRegister(buf.data_ptr(), size, 0) == cudart.cudaError.success
+    if not ok:
+        logger.warning("could not pin the %d-byte snapshot arena for CUDA; device-to-host copies "
+                       "run at pageable speed (raise the memlock limit: ulimit -l)", size)
+    return ok
+
+
+def _cuda_unregister(buf: torch.Tensor) -> None:
+    torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
+
+
 class Arena:
-    """Writer side: reusable, grows when the state grows. Not thread-safe."""
+    """Writer side: reusable, grows when the state grows. Not thread-safe.
+
+    On CUDA the mapped file is registered as pinned host memory at the first snapshot of
+    a GPU tensor (and again after it grows)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self._buf: torch.Tensor | None = None
         self.size = 0
+        self.pinned = False
+
+    def _pin(self) -> None:
+        if not self.pinned and self._buf is not None and self.size and torch.cuda.is_available():
+            self.pinned = _cuda_register(self._buf, self.size)
+
+    def _unpin(self) -> None:
+        if self.pinned and self._buf is not None:
+            _cuda_unregister(self._buf)
+        self.pinned = False
 
     def _ensure(self, size: int) -> torch.Tensor:
         if self._buf is None or size > self.size:
+            self._unpin()
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with open(self.path, "ab") as f:
                 f.truncate(size)
@@ -96,6 +126,8 @@ class Arena:
             slots.append(TensorSlot(fqn, t.dtype, tuple(t.shape), offset, nbytes))
             offset += -(-nbytes // _ALIGN) * _ALIGN
         buf = self._ensure(offset)
+        if any(t.device.type == "cuda" for t in tensors.values()):
+            self._pin()
         on_gpu = False
         half = len(slots) // 2
         for n, (slot, t) in enumerate(zip(slots, tensors.values())):
@@ -109,6 +141,7 @@ class Arena:
 
     def close(self) -> None:
         """Unlink the file; jobs that accepted a snapshot from it keep their mapping."""
+        self._unpin()
         self._buf = None
         self.path.unlink(missing_ok=True)
         try:

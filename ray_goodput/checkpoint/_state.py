@@ -7,6 +7,7 @@ any DCP ``Stateful``, or plain picklable values. Models and optimizers go throug
 
 from __future__ import annotations
 
+import logging
 import pickle
 import random
 from dataclasses import dataclass
@@ -25,6 +26,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 
 from ray_goodput.errors import ConfigError
+
+logger = logging.getLogger(__name__)
 
 _PLAIN_KEY = "_rg_plain"
 _OPTIONS = StateDictOptions(full_state_dict=False, cpu_offload=False)
@@ -115,4 +118,17 @@ def restore_rng(data: bytes) -> None:
     np.random.set_state(states["numpy"])
     torch.set_rng_state(states["torch"])
     if states.get("cuda") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(states["cuda"])
+        restore_cuda_rng(states["cuda"])
+
+
+def restore_cuda_rng(per_device: list[torch.Tensor]) -> int:
+    """Set the CUDA RNG state of each local device that was saved; returns how many.
+
+    One by one, so a worker that now sees fewer (or more) devices than the one that saved
+    restores those it has instead of failing on the count."""
+    count = min(len(per_device), torch.cuda.device_count())
+    for index in range(count):
+        torch.cuda.set_rng_state(per_device[index], index)
+    if count != len(per_device):
+        logger.info("restored the CUDA RNG state of %d of %d saved devices", count, len(per_device))
+    return count

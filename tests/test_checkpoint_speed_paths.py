@@ -1,0 +1,215 @@
+"""The fast paths of issue 10: save() makes no collective, the commit reads markers only
+once every rank is listed (O(world) requests), restore checks only the files a rank
+opens, CRC32C with old CRC32 manifests still verifying, and node uploaders started
+before the first save with the settings carried by each job."""
+
+from __future__ import annotations
+
+import json
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+
+from ray_goodput import Checkpointer
+from ray_goodput.checkpoint import _catalog, _collective, _layout
+from ray_goodput.checkpoint._commit import COMMITTED, PENDING, CommitProtocol
+from ray_goodput.checkpoint._manifest import Manifest, read_manifest
+from ray_goodput.checkpoint._parts import write_part
+from ray_goodput.checkpoint._shard_plan import REPLICATED, Leaf
+from ray_goodput.checkpoint._state import restore_cuda_rng
+from ray_goodput.checkpoint._tiered_reader import TieredReader
+from ray_goodput.errors import CheckpointError
+from ray_goodput.storage import CRC32, CRC32C, FileEntry, checksum, resolve, upload_files
+from ray_goodput.testing import FlakyProxy, run_world
+
+# ---- save() without collectives (real processes over gloo) ----------------------------
+
+
+def _count_gathers(rank: int, world_size: int, root: str, staging: str) -> dict:
+    calls = {"n": 0}
+    real = _collective.all_gather
+
+    def counting(obj):
+        calls["n"] += 1
+        return real(obj)
+
+    _collective.all_gather = counting  # counts, still the real collective
+    model = torch.nn.Linear(16, 16)
+    per_save = []
+    with Checkpointer(root, staging_dir=f"{staging}/{rank}", uploader="thread", sync_every=100) as ckpt:
+        ckpt.save(1, {"model": model})  # first save: generation claim and owner plan
+        ckpt.wait()
+        for step in (2, 3, 4):
+            before = calls["n"]
+            ckpt.save(step, {"model": model})
+            per_save.append(calls["n"] - before)
+        ckpt.wait()
+        grown = {"model": model, "extra": torch.nn.Linear(4, 4)}  # every rank, same save
+        before = calls["n"]
+        ckpt.save(5, grown)
+        replanned = calls["n"] - before
+        ckpt.wait()
+        committed = list(ckpt.stats.committed)
+        superseded = list(ckpt.stats.superseded)
+    return {"per_save": per_save, "replanned": replanned, "committed": committed, "superseded": superseded}
+
+
+def test_save_makes_no_collective_while_the_state_structure_is_unchanged(tmp_path):
+    out = run_world(_count_gathers, 2, str(tmp_path / "root"), str(tmp_path / "s"), timeout_s=240)
+    for rank in out:
+        assert rank["per_save"] == [0, 0, 0], rank
+        assert rank["replanned"] == 1, rank  # a new structure: one exchange, on every rank
+        # Saves 2-4 come back to back: a waiting one may be superseded, never lost.
+        assert sorted(rank["committed"] + rank["superseded"]) == [1, 2, 3, 4, 5], rank
+        assert rank["committed"][-2:] == [4, 5] and out[0]["committed"] == rank["committed"], rank
+    manifests = [read_manifest(_catalog.step_location(resolve(str(tmp_path / "root")), s)) for s in (4, 5)]
+    assert manifests[0].nonce != manifests[1].nonce  # derived ids still unique per save
+
+
+def _mismatched(rank: int, world_size: int) -> str:
+    try:
+        _collective.gather_tagged("owner plan" if rank == 0 else "save outcomes", rank)
+    except CheckpointError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_ranks_at_different_collectives_all_raise_instead_of_misreading():
+    out = run_world(_mismatched, 2, timeout_s=120)
+    assert all("different checkpoint collectives" in text for text in out), out
+
+
+def test_sync_every_is_validated(tmp_path):
+    with pytest.raises(Exception, match="sync_every"):
+        Checkpointer(str(tmp_path), sync_every=0, uploader="thread")
+
+
+# ---- O(world) requests per commit ---------------------------------------------------------
+
+
+def _stage_rank(step_loc, tmp: Path, rank: int, save_id: str) -> list:
+    out = tmp / f"r{rank}"
+    out.mkdir()
+    names = write_part({"w": torch.ones(3)}, {"w": Leaf(REPLICATED, 12, (3,), (0,))}, {}, rank, save_id, out)
+    return upload_files([(out / n, n) for n in names], step_loc)
+
+
+def test_only_the_committer_reads_rank_markers(s3_server, tmp_path):
+    world, save_id = 4, _layout.save_id(1, "abcdef0123")
+    proxy = FlakyProxy(s3_server.endpoint, 0.0)
+    try:
+        root = resolve(s3_server.bucket_uri("req").replace(s3_server.endpoint, proxy.endpoint))
+        protocol = CommitProtocol(_catalog.step_location(root, 7), 7, world, save_id, 1)
+        marker_gets = []
+        for rank in range(world):
+            entries = _stage_rank(protocol.step_loc, tmp_path, rank, save_id)
+            protocol.declare_durable(rank, entries, created=1.0)
+            before = sum(n for p, n in proxy.gets("").items() if "/.ranks/" in p)
+            done = protocol.finalize()
+            marker_gets.append(sum(n for p, n in proxy.gets("").items() if "/.ranks/" in p) - before)
+            assert done.state == (COMMITTED if rank == world - 1 else PENDING)
+    finally:
+        proxy.close()
+    assert marker_gets == [0, 0, 0, world], marker_gets  # was O(world) per rank: O(world^2)
+
+
+# ---- restore reads and checks only what it opens -------------------------------------------
+
+
+def test_restore_never_checks_a_local_file_it_does_not_open(tmp_path):
+    root, staging = str(tmp_path / "root"), tmp_path / "s"
+    model = torch.nn.Linear(32, 32)
+    with Checkpointer(root, staging_dir=str(staging), uploader="thread") as ckpt:
+        ckpt.save(1, {"model": model})
+    manifest = read_manifest(_catalog.step_location(resolve(root), 1))
+    local_dir = next(staging.iterdir()) / _layout.step_dir(1)
+    stranger = local_dir / "extras" / "rank-00009-unrelated.pkl"  # another rank's, damaged
+    stranger.parent.mkdir(exist_ok=True)
+    stranger.write_bytes(b"garbage")
+    entries = {f.name: f for f in manifest.files}
+    entries[str(stranger.relative_to(local_dir))] = FileEntry(
+        name=str(stranger.relative_to(local_dir)), size=7, crc32=0, algorithm=CRC32C)
+    reader = TieredReader(_catalog.step_location(resolve(root), 1), local_dir, set(entries),
+                          entries, policy=None, verified=False)
+    reader.read_metadata()
+    assert reader.local_reads == 1 and reader.remote_reads == 0
+    assert str(stranger.relative_to(local_dir)) in reader.fs.unchecked  # never read, never checked
+    with Checkpointer(root, staging_dir=str(staging), uploader="thread") as ckpt:
+        fresh = torch.nn.Linear(32, 32)
+        assert ckpt.restore({"model": fresh}) == 1
+        assert ckpt.last_restore.remote_files == 0
+    assert torch.equal(fresh.weight, model.weight)
+
+
+# ---- CRC32C, and old CRC32 manifests --------------------------------------------------------
+
+
+def test_new_manifests_say_crc32c_and_old_crc32_ones_still_verify_and_restore(tmp_path):
+    root = str(tmp_path / "root")
+    model = torch.nn.Linear(64, 64)
+    with Checkpointer(root, staging_dir=str(tmp_path / "s"), uploader="thread") as ckpt:
+        ckpt.save(1, {"model": model})
+    step_loc = _catalog.step_location(resolve(root), 1)
+    committed = Path(step_loc.root) / _layout.COMMITTED
+    raw = json.loads(committed.read_bytes())
+    assert raw["checksum"] == CRC32C
+    manifest = Manifest.from_bytes(committed.read_bytes())
+    for entry in manifest.files:
+        data = (Path(step_loc.root) / entry.name).read_bytes()
+        assert entry.algorithm == CRC32C and entry.crc32 == checksum(data, CRC32C)
+    # Rewrite it as an old manifest: CRC32 values, no "checksum" anywhere.
+    del raw["checksum"]
+    for f in raw["files"]:
+        f.pop("checksum", None)
+        f["crc32"] = zlib.crc32((Path(step_loc.root) / f["name"]).read_bytes())
+    committed.write_bytes(json.dumps(raw).encode())
+    old = read_manifest(step_loc)
+    assert {f.algorithm for f in old.files} == {CRC32}
+    assert _catalog.verify(step_loc, old, checksums=True) == []
+    with Checkpointer(root, staging_dir=str(tmp_path / "other"), uploader="thread", verify_checksums=True) as ckpt:
+        fresh = torch.nn.Linear(64, 64)
+        assert ckpt.restore({"model": fresh}) == 1
+    assert torch.equal(fresh.weight, model.weight)
+    data_file = next(f for f in old.files if f.name.endswith(".distcp"))
+    path = Path(step_loc.root) / data_file.name
+    path.write_bytes(b"\0" + path.read_bytes()[1:])  # same size, other bytes
+    assert any("checksum" in p for p in _catalog.verify(step_loc, old, checksums=True))
+
+
+def test_restore_cuda_rng_on_a_machine_without_devices_restores_none():
+    # CPU CI: the per-device loop runs and sets nothing (device_count() == 0).
+    assert restore_cuda_rng([torch.zeros(16, dtype=torch.uint8)] * 2) == 0
+
+
+# ---- node uploader before the first save (needs Ray) ----------------------------------------
+
+
+class _WorkerGroup:
+    """The one method of Ray Train's worker group the callback uses, run in this process
+    (a driver-side stand-in: the function it runs and the actor it creates are real)."""
+
+    def execute(self, fn, *args):
+        return [fn(*args)]
+
+
+def test_node_services_start_the_uploader_and_jobs_carry_their_settings(ray_local, tmp_path):
+    from ray_goodput.checkpoint._uploader import KIND
+    from ray_goodput.driver._node_services import NodeServices
+    from ray_goodput.runtime import _services
+    from ray_goodput.storage import RetryPolicy
+
+    NodeServices().after_worker_group_start(_WorkerGroup())
+    assert _services.current_node_id() in _services.find(KIND)
+    model = torch.nn.Linear(16, 16)
+    retry = RetryPolicy(attempts=2, initial_delay=0.01, max_delay=0.02)
+    with Checkpointer(str(tmp_path / "root"), staging_dir=str(tmp_path / "s"), uploader="actor",
+                      upload_concurrency=1, retry=retry) as ckpt:
+        ckpt.save(1, {"model": model})
+        ckpt.save(2, {"model": model})
+        ckpt.wait()
+        assert ckpt.stats.committed[-1] == 2
+        fresh = torch.nn.Linear(16, 16)
+        assert ckpt.restore({"model": fresh}) == 2
+    assert torch.equal(fresh.weight, model.weight)
