@@ -457,7 +457,16 @@ def _finish_orphan(uri: str, step: int) -> None:
         _catalog.newest_valid(uri)
 
 
+def _checksum(data: bytes, algorithm: str) -> int:
+    try:
+        from ray_goodput.storage import checksum
+    except ImportError:  # libraries before CRC32C: every record is CRC32
+        return zlib.crc32(data)
+    return checksum(data, algorithm)
+
+
 def _intact(loc: Any, files: list) -> bool:
+    """Every file present with the size and checksum its record names."""
     from ray_goodput.storage import read_bytes
 
     for entry in files:
@@ -465,7 +474,8 @@ def _intact(loc: Any, files: list) -> bool:
             data = read_bytes(loc, entry.name)
         except (FileNotFoundError, OSError):
             return False
-        if len(data) != entry.size or zlib.crc32(data) != entry.crc32:
+        if len(data) != entry.size or \
+                _checksum(data, getattr(entry, "algorithm", "crc32")) != entry.crc32:
             return False
     return True
 
@@ -481,7 +491,10 @@ def _completable(loc: Any) -> tuple[int, int] | None:
         try:
             d = json.loads(read_bytes(loc, f"{_layout.RANKS_DIR}/{info.path.rsplit('/', 1)[-1]}"))
             key = (int(d.get("generation", 0)), str(d["nonce"]), int(d["world_size"]))
-            saves[key][int(d["rank"])] = [FileEntry.from_json(f) for f in d["files"]]
+            algorithm = d.get("checksum")  # named by the record since CRC32C (absent: CRC32)
+            saves[key][int(d["rank"])] = [
+                FileEntry.from_json(f, algorithm) if algorithm else FileEntry.from_json(f)
+                for f in d["files"]]
         except (ValueError, KeyError, TypeError, OSError):
             continue
     done = [g for (g, _, ws), ranks in saves.items()
