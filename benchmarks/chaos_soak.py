@@ -65,7 +65,7 @@ import traceback
 import uuid
 import zlib
 from collections import Counter, defaultdict
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
