@@ -107,7 +107,20 @@ def _location(uri: str | os.PathLike | StorageLocation) -> StorageLocation:
     return uri if isinstance(uri, StorageLocation) else resolve(os.fspath(uri))
 
 
-class PyArrowStorageWriter(FileSystemWriter):
+class _OnPyArrow:
+    """What both plugins share: DCP's file-system plugin pointed at a pyarrow.fs URI."""
+
+    def _attach(self, uri: str | StorageLocation, retry: RetryPolicy | None) -> None:
+        self.fs = _PyArrowFileSystem(retry)
+        self.path = self.fs.init_path(uri)
+        self.uri = _location(uri).uri
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return _PyArrowFileSystem.validate_checkpoint_id(checkpoint_id)
+
+
+class PyArrowStorageWriter(_OnPyArrow, FileSystemWriter):
     """A DCP ``StorageWriter`` that writes a checkpoint to ``uri`` (any ``pyarrow.fs`` URI).
 
     Use it with ``dcp.save`` and ``dcp.async_save`` (it stages like
@@ -119,16 +132,10 @@ class PyArrowStorageWriter(FileSystemWriter):
     def __init__(self, uri: str | StorageLocation, *, thread_count: int = 1, sync_files: bool = False,
                  overwrite: bool = True, retry: RetryPolicy | None = None) -> None:
         super().__init__(os.getcwd(), sync_files=sync_files, thread_count=thread_count, overwrite=overwrite)
-        self.fs = _PyArrowFileSystem(retry)
-        self.path = self.fs.init_path(uri)
-        self.uri = _location(uri).uri
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        return _PyArrowFileSystem.validate_checkpoint_id(checkpoint_id)
+        self._attach(uri, retry)
 
 
-class PyArrowStorageReader(FileSystemReader):
+class PyArrowStorageReader(_OnPyArrow, FileSystemReader):
     """A DCP ``StorageReader`` for a checkpoint at ``uri`` (any ``pyarrow.fs`` URI).
 
     Reads ``.metadata`` and the files this rank needs; each remote file is fetched
@@ -137,10 +144,4 @@ class PyArrowStorageReader(FileSystemReader):
 
     def __init__(self, uri: str | StorageLocation, *, retry: RetryPolicy | None = None) -> None:
         super().__init__(os.getcwd())
-        self.fs = _PyArrowFileSystem(retry)
-        self.path = self.fs.init_path(uri)
-        self.uri = _location(uri).uri
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        return _PyArrowFileSystem.validate_checkpoint_id(checkpoint_id)
+        self._attach(uri, retry)
