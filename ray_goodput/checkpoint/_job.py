@@ -27,7 +27,7 @@ from ray_goodput.checkpoint._parts import write_part
 from ray_goodput.checkpoint._save_state import SaveRecord, SaveState
 from ray_goodput.checkpoint._shard_plan import Leaf
 from ray_goodput.errors import CheckpointError
-from ray_goodput.storage import RetryPolicy, StorageLocation, upload_files
+from ray_goodput.storage import DEFAULT_ALGORITHM, RetryPolicy, StorageLocation, upload_files
 
 logger = logging.getLogger(__name__)
 
@@ -147,9 +147,11 @@ def upload_and_commit(job: ShardJob, names: list[str], *, concurrency: int,
     protocol = job.commit_protocol()
     files = [(Path(job.local_dir) / n, n) for n in names]
     # The rank's small extras file goes last, so a fault between the two is "mid-upload".
-    entries = upload_files(files[:-1], protocol.step_loc, concurrency=concurrency, policy=policy)
+    entries = upload_files(files[:-1], protocol.step_loc, concurrency=concurrency, policy=policy,
+                           algorithm=DEFAULT_ALGORITHM)
     fault_point("upload.mid_upload")
-    entries += upload_files(files[-1:], protocol.step_loc, concurrency=concurrency, policy=policy)
+    entries += upload_files(files[-1:], protocol.step_loc, concurrency=concurrency, policy=policy,
+                            algorithm=DEFAULT_ALGORITHM)
     protocol.declare_durable(job.rank, entries, created=time.time())
     done = protocol.finalize(Path(job.local_dir))
     if done.state == OUTRANKED:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pyarrow.fs as pafs
 
 from ray_goodput.errors import StorageError
-from ray_goodput.storage._checksum import CRC32, DEFAULT_ALGORITHM, copy_stream
+from ray_goodput.storage._checksum import CRC32, copy_stream
 from ray_goodput.storage._durable import fsync_dir, fsync_file
 from ray_goodput.storage._retry import RetryPolicy
 from ray_goodput.storage._uri import StorageLocation
@@ -48,14 +48,15 @@ class FileEntry:
                          algorithm=str(d.get("checksum", default_algorithm)))
 
 
-def _copy_up(local: Path, fs: pafs.FileSystem, dest: str) -> tuple[int, int]:
+def _copy_up(local: Path, fs: pafs.FileSystem, dest: str, algorithm: str) -> tuple[int, int]:
     with open(local, "rb") as src, fs.open_output_stream(dest) as out:
-        return copy_stream(src, out)
+        return copy_stream(src, out, algorithm=algorithm)
 
 
 def upload_file(local: str | Path, loc: StorageLocation, name: str,
-                policy: RetryPolicy = DEFAULT_POLICY) -> FileEntry:
-    """Upload ``local`` to ``<loc>/<name>``; retried; returns size and CRC32 of what was sent.
+                policy: RetryPolicy = DEFAULT_POLICY, *, algorithm: str = CRC32) -> FileEntry:
+    """Upload ``local`` to ``<loc>/<name>``; retried; returns size and checksum (``algorithm``)
+    of what was sent.
 
     On a file system the file and its directory are fsynced before this returns."""
     dest = loc.join(name)
@@ -63,21 +64,23 @@ def upload_file(local: str | Path, loc: StorageLocation, name: str,
     if loc.is_local:
         loc.fs.create_dir(parent, recursive=True)
     size, crc = policy.call(f"upload of {local} to {loc.uri}/{name}",
-                            lambda: _copy_up(Path(local), loc.fs, dest))
+                            lambda: _copy_up(Path(local), loc.fs, dest, algorithm))
     if loc.is_local:
         fsync_file(dest)
         fsync_dir(parent)
-    return FileEntry(name=name, size=size, crc32=crc, algorithm=DEFAULT_ALGORITHM)
+    return FileEntry(name=name, size=size, crc32=crc, algorithm=algorithm)
 
 
 def upload_files(files: Sequence[tuple[str | Path, str]], loc: StorageLocation, *,
-                 concurrency: int = 8, policy: RetryPolicy = DEFAULT_POLICY) -> list[FileEntry]:
+                 concurrency: int = 8, policy: RetryPolicy = DEFAULT_POLICY,
+                 algorithm: str = CRC32) -> list[FileEntry]:
     """Upload ``(local_path, name)`` pairs with up to ``concurrency`` parallel streams."""
     if not files:
         return []
     with ThreadPoolExecutor(max_workers=max(1, min(concurrency, len(files))),
                             thread_name_prefix="rg-upload") as pool:
-        futures = [pool.submit(upload_file, path, loc, name, policy) for path, name in files]
+        futures = [pool.submit(upload_file, path, loc, name, policy, algorithm=algorithm)
+                   for path, name in files]
         return [f.result() for f in futures]
 
 
@@ -93,7 +96,7 @@ def _copy_down(fs: pafs.FileSystem, src: str, local: Path, algorithm: str) -> tu
 
 
 def object_crc32(loc: StorageLocation, name: str, policy: RetryPolicy = DEFAULT_POLICY,
-                 algorithm: str = DEFAULT_ALGORITHM) -> tuple[int, int]:
+                 algorithm: str = CRC32) -> tuple[int, int]:
     """``(size, checksum)`` of ``<loc>/<name>``, read in full from storage; retried."""
     def _read() -> tuple[int, int]:
         with loc.fs.open_input_file(loc.join(name)) as inp:
@@ -103,7 +106,7 @@ def object_crc32(loc: StorageLocation, name: str, policy: RetryPolicy = DEFAULT_
 
 
 def download_file(loc: StorageLocation, name: str, local: str | Path,
-                  policy: RetryPolicy = DEFAULT_POLICY, algorithm: str = DEFAULT_ALGORITHM) -> FileEntry:
+                  policy: RetryPolicy = DEFAULT_POLICY, algorithm: str = CRC32) -> FileEntry:
     """Download ``<loc>/<name>`` to ``local`` atomically (temp name + rename); retried;
     checksummed with ``algorithm`` on the way."""
     local = Path(local)
