@@ -20,6 +20,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -211,6 +213,259 @@ def _measured(kind: str, attempts: list[list[dict]], start: float, every: int, c
             "goodput": ledger["goodput"], "seconds": ledger["seconds"]}
 
 
+# ----------------------------------------------------------------------------- --mode s3-poisson
+# Checkpoints at their real price: S3 (moto over HTTP), FSDP2-sharded state of --mb-per-rank
+# MiB per rank, a seeded Poisson failure schedule, and each system saving at the interval
+# ray_goodput.plan recommends for its own blocking time, measured by a calibration save.
+
+S3_SYSTEMS = {"torch_save_sync": "rank-0 torch.save + report SYNC",
+              "rt_async_dcp": "Ray Train report ASYNC (dcp.save)",
+              "ray_goodput": "ray_goodput Checkpointer"}
+CAL_STEP = 5  # steps 2..5 give the step time; the save after step 5 is the calibration save
+
+
+def poisson_failures(seed: int, mtbf_s: float, horizon_s: float) -> list[float]:
+    """Failure times (wall seconds from the run's first step) of a Poisson process."""
+    rng, t, out = random.Random(seed), 0.0, []
+    while True:
+        t += rng.expovariate(1.0 / mtbf_s)
+        if t > horizon_s:
+            return out
+        out.append(round(t, 2))
+
+
+def _sharded_state(cfg: dict):
+    """FSDP2-sharded Linear stack + AdamW with materialized state: mb_per_rank MiB per rank."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    world = dist.get_world_size()
+    d = 2048 if cfg["mb_per_rank"] >= 128 else 512
+    layers = max(2, round(cfg["mb_per_rank"] * 2**20 * world / 12 / (d * d)))  # fp32 param+exp_avg+exp_avg_sq
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(d, d, bias=False) for _ in range(layers)])
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
+    _adam_step(model, optim)
+    return model, optim
+
+
+def _adam_step(model, optim) -> None:
+    """A training step's update of the whole shard (synthetic gradient; the forward pass is
+    replaced by compute_s of sleep so the 2 shared cores stay free for the savers)."""
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 1e-3)
+    optim.step()
+    optim.zero_grad(set_to_none=True)
+
+
+def _allmax(x: float) -> float:
+    import torch.distributed as dist
+
+    t = torch.tensor([x], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+class _TorchSaveSync:
+    """Rank 0 gathers the full state, torch.save()s it, ray.train.report(SYNC) uploads it."""
+
+    def __init__(self, cfg: dict, model, optim) -> None:
+        import torch.distributed as dist
+
+        self.model, self.optim, self.rank = model, optim, dist.get_rank()
+        self.stage = Path(cfg["stage"]) / f"rank-{self.rank}"
+        self.stage.mkdir(parents=True, exist_ok=True)
+
+    def restore(self) -> int:
+        import ray.train
+        import torch.distributed as dist
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+        ckpt = ray.train.get_checkpoint()
+        if ckpt is None:
+            return 0
+        with ckpt.as_directory() as d:  # every rank downloads it: no rank-0 broadcast on CPU
+            blob = torch.load(os.path.join(d, "state.pt"), weights_only=False, mmap=True)
+            set_state_dict(self.model, self.optim, model_state_dict=blob["model"], optim_state_dict=blob["optim"],
+                           options=StateDictOptions(full_state_dict=True))
+        dist.barrier()
+        return int(blob["step"])
+
+    def save(self, step: int) -> None:
+        import ray.train
+        from ray.train import Checkpoint, CheckpointUploadMode
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        msd, osd = get_state_dict(self.model, self.optim,
+                                  options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        with tempfile.TemporaryDirectory(dir=self.stage) as d:
+            ckpt = None
+            if self.rank == 0:
+                torch.save({"model": msd, "optim": osd, "step": step}, os.path.join(d, "state.pt"))
+                ckpt = Checkpoint.from_directory(d)
+            del msd, osd
+            ray.train.report({"step": step}, checkpoint=ckpt, checkpoint_dir_name=f"step-{step:07d}",
+                             checkpoint_upload_mode=CheckpointUploadMode.SYNC)
+
+    def close(self) -> dict:
+        return {}
+
+
+class _RayAsyncDcp(_TorchSaveSync):
+    """Every rank dcp.save()s its shard into a local directory, then
+    ray.train.report(checkpoint_upload_mode=ASYNC) uploads it in Ray's background thread."""
+
+    def restore(self) -> int:
+        import ray.train
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        ckpt = ray.train.get_checkpoint()
+        if ckpt is None:
+            return 0
+        msd, osd = get_state_dict(self.model, self.optim)
+        sd = {"model": msd, "optim": osd}
+        with ckpt.as_directory() as d:
+            dcp.load(sd, checkpoint_id=d)
+        set_state_dict(self.model, self.optim, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        dist.barrier()
+        return int(Path(ckpt.path).name.split("-")[-1])
+
+    def save(self, step: int) -> None:
+        import ray.train
+        import torch.distributed.checkpoint as dcp
+        from ray.train import Checkpoint, CheckpointUploadMode
+        from torch.distributed.checkpoint import FileSystemWriter
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        name = f"step-{step:07d}"
+        local = self.stage / name
+        msd, osd = get_state_dict(self.model, self.optim)
+        dcp.save({"model": msd, "optim": osd}, storage_writer=FileSystemWriter(str(local), sync_files=False))
+        ray.train.report({"step": step}, checkpoint=Checkpoint.from_directory(str(local)), checkpoint_dir_name=name,
+                         checkpoint_upload_mode=CheckpointUploadMode.ASYNC,
+                         delete_local_checkpoint_after_upload=True)
+
+
+class _GoodputSaver:
+    """ray_goodput's Checkpointer on the run's storage (the same S3 bucket)."""
+
+    def __init__(self, cfg: dict, model, optim) -> None:
+        from ray_goodput import Checkpointer
+
+        self.state = {"model": model, "optim": optim}
+        self.ckpt = Checkpointer(keep_last=2, staging_dir=cfg["stage"])
+
+    def restore(self) -> int:
+        return self.ckpt.restore(self.state) or 0
+
+    def save(self, step: int) -> None:
+        self.ckpt.save(step, self.state)
+
+    def close(self) -> dict:
+        self.ckpt.close()
+        return {"superseded": len(self.ckpt.stats.superseded), "committed": len(self.ckpt.stats.committed)}
+
+
+SAVERS = {"torch_save_sync": _TorchSaveSync, "rt_async_dcp": _RayAsyncDcp, "ray_goodput": _GoodputSaver}
+
+
+def _killer(cfg: dict, t0: float) -> None:
+    """SIGKILL this worker at each scheduled time not yet fired (a marker per failure, so a
+    restarted worker group skips the ones already fired; one overdue during the downtime
+    fires as soon as the next attempt's killer starts)."""
+    from ray_goodput.testing import kill_self
+
+    for i, t in enumerate(cfg["failures_s"]):
+        marker = Path(cfg["markers"]) / f"poisson-{i}.fired"
+        if marker.exists():
+            continue
+        time.sleep(max(0.0, t0 + t - time.time()))
+        marker.write_text(f"{time.time()}")
+        kill_self()
+
+
+def _start_killer(cfg: dict, rank: int, first_step: bool) -> bool:
+    """Start the kill thread on the kill rank once the run's first-step time is known."""
+    import threading
+
+    if rank != 1:
+        return True
+    origin = Path(cfg["markers"]) / "first-step.t"
+    if not origin.exists():
+        if not first_step:
+            return False
+        origin.write_text(f"{time.time()}")
+    threading.Thread(target=_killer, args=(cfg, float(origin.read_text())), daemon=True).start()
+    return True
+
+
+def _plan_every(cfg: dict, step_times: list[float], save_s: float) -> dict:
+    """Daly's interval for this system's measured blocking time, in whole steps (same on all ranks)."""
+    from ray_goodput.plan import optimal_interval_s
+
+    step_s = _allmax(statistics.median(step_times))
+    save_s = _allmax(save_s)
+    interval_s = optimal_interval_s(save_s, cfg["mtbf_s"])
+    return {"step_s": step_s, "save_s": save_s, "interval_s": interval_s,
+            "every": max(1, round(interval_s / step_s))}
+
+
+def s3_loop(cfg: dict) -> None:
+    import ray.train
+    import torch.distributed as dist
+
+    from ray_goodput.goodput import get_recorder, record_step
+
+    torch.set_num_threads(1)
+    rank, rec = dist.get_rank(), get_recorder()
+    model, optim = _sharded_state(cfg)
+    saver = SAVERS[cfg["system"]](cfg, model, optim)
+    killing = _start_killer(cfg, rank, first_step=False)
+    t0 = time.time()
+    step = saver.restore()
+    if cfg["system"] != "ray_goodput":
+        rec.restored(step, t0, time.time())
+    plan_file = Path(cfg["markers"]) / "plan.json"
+    plan = json.loads(plan_file.read_text()) if plan_file.exists() else None
+    log = open(Path(cfg["markers"]) / f"saves-{os.getpid()}-{rank}.jsonl", "a", buffering=1)
+    times, since = [], 0
+    while step < cfg["steps"]:
+        t = time.perf_counter()
+        _adam_step(model, optim)
+        dist.all_reduce(torch.zeros(1))  # data-parallel lockstep
+        time.sleep(cfg["compute_s"])
+        step, since = step + 1, since + 1
+        times.append(time.perf_counter() - t)
+        record_step(step)
+        killing = killing or _start_killer(cfg, rank, first_step=True)
+        if plan is None and len(times) < CAL_STEP:
+            continue
+        if plan is not None and since < plan["every"]:
+            continue
+        b = time.perf_counter()
+        saver.save(step)
+        blocked = time.perf_counter() - b
+        if cfg["system"] != "ray_goodput":
+            rec.add_checkpoint_stall(blocked)
+        since = 0
+        if plan is None:
+            plan = _plan_every(cfg, times[1:], blocked)
+            if rank == 0:
+                plan_file.write_text(json.dumps(plan))
+        log.write(json.dumps({"t": time.time(), "step": step, "blocked": blocked}) + "\n")
+    stats = saver.close()
+    log.write(json.dumps({"t": time.time(), "end": step, **stats}) + "\n")
+    if cfg["system"] != "ray_goodput":
+        rec.end()
+
+
 RESULTS = Path(__file__).resolve().parent / "results" / "goodput_under_failures.json"
 
 
@@ -256,6 +511,123 @@ def print_validation(rows: list[dict]) -> None:
           f"{pair('restore')} | {pair('restart_downtime')} | {r['seen'].get('other', 0.0):.1f} |\n")
 
 
+def run_s3(system: str, root: Path, endpoint: str, args, failures: list[float]) -> dict:
+    """One system's run on its own bucket; its ledger, saves and calibrated plan."""
+    import pyarrow.fs as pafs
+    import ray.train.torch
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+
+    import ray_goodput
+    from ray_goodput import GoodputCallback
+    from ray_goodput.goodput import compute
+    from ray_goodput.goodput._events import read_events
+    from ray_goodput.goodput._report import summary
+    from ray_goodput.storage import StorageLocation
+
+    fs = pafs.S3FileSystem(endpoint_override=endpoint, scheme="http", allow_bucket_creation=True)
+    bucket = f"bench-{system.replace('_', '-')}-{os.getpid()}"
+    fs.create_dir(bucket)
+    markers = root / f"{system}-markers"
+    markers.mkdir(parents=True)
+    cfg = {"system": system, "markers": str(markers), "stage": str(root / f"{system}-stage"),
+           "steps": args.steps, "compute_s": args.compute_s, "mb_per_rank": args.mb_per_rank,
+           "failures_s": failures, "mtbf_s": args.mtbf_s}
+    trainer_cls = ray_goodput.TorchTrainer if system == "ray_goodput" else ray.train.torch.TorchTrainer
+    run_config = RunConfig(name=system, storage_path=f"{bucket}/runs", storage_filesystem=fs,
+                           failure_config=FailureConfig(max_failures=len(failures) + 2),
+                           callbacks=[GoodputCallback(tracking_uri=f"sqlite:///{root}/mlflow.db")])
+    extra = {}
+    if system == "ray_goodput":
+        # One node: the injected kills must not get it isolated (Recovery's default is 2 failures).
+        extra["recovery"] = ray_goodput.Recovery(max_failures_per_node=len(failures) + 3)
+    trainer = trainer_cls(s3_loop, train_loop_config=cfg, scaling_config=ScalingConfig(num_workers=2),
+                          run_config=run_config, **extra)
+    start = time.time()
+    trainer.fit()
+    wall = time.time() - start
+    where = f"{bucket}/runs/{system}"
+    events = read_events(StorageLocation(uri=f"s3://{where}", fs=fs, root=where))
+    ledger = summary(compute(list(events.values()), job_start=start))
+    saves = [json.loads(line) for f in markers.glob("saves-*-0.jsonl") for line in f.read_text().splitlines()]
+    fired = sorted(float(f.read_text()) for f in markers.glob("poisson-*.fired"))
+    origin = float((markers / "first-step.t").read_text())
+    return {"system": system, "wall": wall, "ledger": ledger, "plan": json.loads((markers / "plan.json").read_text()),
+            "saves": sum("step" in r for r in saves), "blocked": [r["blocked"] for r in saves if "step" in r],
+            "failures_fired_s": [round(t - origin, 1) for t in fired]}
+
+
+def _s3_table(results: list[dict], args, failures: list[float]) -> str:
+    out = [f"{args.steps} steps of ~{args.compute_s:.2f} s compute + an AdamW update, 2 workers, "
+           f"{args.mb_per_rank} MiB of FSDP2 state (weights + AdamW) per rank, moto S3 over HTTP; "
+           f"worker SIGKILLs (rank 1) at {failures} s after each run's first step "
+           f"(Poisson, seed {args.seed}, MTBF {args.mtbf_s:.0f} s)\n",
+           "| system | calibration save s | interval s (steps) | wall s | goodput | goodput w/o startup | productive s "
+           "| lost s | checkpoint stall s | restore s | restart downtime s | startup s | other s | failures | saves "
+           "| superseded |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in results:
+        g, p, sec = r["ledger"], r["plan"], r["ledger"]["seconds"]
+        sup = g["checkpoints_superseded"] if r["system"] == "ray_goodput" else "-"
+        out.append(f"| {S3_SYSTEMS[r['system']]} | {p['save_s']:.2f} | {p['interval_s']:.1f} ({p['every']}) | "
+                   f"{r['wall']:.1f} | {g['goodput']:.1%} | {_no_startup(g):.1%} | {sec['productive']:.1f} | "
+                   f"{sec['lost']:.1f} | {sec['checkpoint_stall']:.1f} | {sec['restore']:.1f} | "
+                   f"{sec['restart_downtime']:.1f} | {sec['startup']:.1f} | {sec.get('other', 0.0):.1f} | "
+                   f"{g['failures']} | {r['saves']} | {sup} |")
+    rg = next((r for r in results if r["system"] == "ray_goodput"), None)
+    for name, key in (("goodput", lambda g: g["goodput"]), ("goodput w/o startup", _no_startup)):
+        native = max((r for r in results if r["system"] != "ray_goodput"), key=lambda r: key(r["ledger"]),
+                     default=None)
+        if native and rg:
+            ratio = key(rg["ledger"]) / max(key(native["ledger"]), 1e-9)
+            out.append(f"\nray_goodput {name} / best Ray-native ({S3_SYSTEMS[native['system']]}): {ratio:.2f}x "
+                       f"(target >= 1.4x: {'met' if ratio >= 1.4 else 'NOT met'})")
+    return "\n".join(out) + "\n"
+
+
+def _no_startup(ledger: dict) -> float:
+    """Goodput of the time after startup (Ray, worker group, first restore): what checkpointing can change."""
+    sec = ledger["seconds"]
+    return sec["productive"] / max(1e-9, ledger["total_s"] - sec["startup"])
+
+
+S3_RESULTS = Path(__file__).resolve().parent / "results" / "goodput_s3_poisson.json"
+
+
+def main_s3(args) -> int:
+    import ray
+
+    from ray_goodput.testing._s3 import start_moto_server
+
+    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
+           "AWS_EC2_METADATA_DISABLED": "true"}
+    for k, v in env.items():
+        os.environ.setdefault(k, v)
+    failures = poisson_failures(args.seed, args.mtbf_s, args.horizon_s)
+    moto, endpoint = start_moto_server()
+    root = Path(tempfile.mkdtemp(prefix="goodput-s3-"))
+    results = []
+    try:
+        ray.init(address="local", num_cpus=4, log_to_driver=False, include_dashboard=False,
+                 runtime_env={"env_vars": {**env, "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.1"}})
+        for system in args.systems:
+            results.append(run_s3(system, root, endpoint, args, failures))
+            sys.stdout.write(f"[{system}] {results[-1]['wall']:.0f} s\n")
+            sys.stdout.flush()
+            doc = {"source": f"benchmarks/goodput_under_failures.py --mode s3-poisson, {time.strftime('%Y-%m-%d %H:%M')}",
+                   "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+                   "failures_s": failures, "load_avg": os.getloadavg(), "runs": results}
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(doc, indent=1) + "\n")
+    finally:
+        ray.shutdown()
+        moto.terminate()
+        moto.wait(timeout=10)
+        shutil.rmtree(root, ignore_errors=True)
+    sys.stdout.write("\n" + _s3_table(results, args, failures))
+    sys.stdout.write(f"\nresults written to {args.out}; load average at the end {os.getloadavg()}\n")
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=60)
@@ -265,7 +637,24 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=RESULTS, help="where the measured costs go")
     parser.add_argument("--validate", type=Path, nargs="?", const=RESULTS, default=None,
                         help="only replay a results file through the simulation (no training)")
+    parser.add_argument("--mode", choices=["fixed", "s3-poisson"], default="fixed",
+                        help="fixed: local storage, --every, --fail-at (the default); s3-poisson: moto S3, "
+                             "a Poisson failure schedule, each system at its planned interval")
+    parser.add_argument("--mb-per-rank", type=int, default=256, help="s3-poisson: state per rank, MiB")
+    parser.add_argument("--mtbf-s", type=float, default=60.0, help="s3-poisson: the schedule's mean")
+    parser.add_argument("--seed", type=int, default=0, help="s3-poisson: the schedule's seed")
+    parser.add_argument("--horizon-s", type=float, default=900.0, help="s3-poisson: schedule length")
+    parser.add_argument("--systems", nargs="+", choices=list(S3_SYSTEMS), default=list(S3_SYSTEMS))
+    parser.add_argument("--table", action="store_true", help="s3-poisson: only print the table of --out")
     args = parser.parse_args()
+    if args.mode == "s3-poisson":
+        if args.out == RESULTS:
+            args.out = S3_RESULTS
+        if args.table:
+            doc = json.loads(args.out.read_text())
+            sys.stdout.write(_s3_table(doc["runs"], argparse.Namespace(**doc["args"]), doc["failures_s"]))
+            return 0
+        return main_s3(args)
     if args.validate is not None:
         print_validation(validate(args.validate))
         return 0
