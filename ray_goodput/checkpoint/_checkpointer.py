@@ -192,7 +192,8 @@ class Checkpointer:
         Writing DCP files, uploading and committing go on in the node's uploader, which
         outlives this worker. A save still waiting when a newer one comes is superseded
         (dropped, logged, counted in ``stats.superseded``). A committed save is reported
-        to Ray Train (with ``metrics``) at a later ``save``/``wait``. A failed one is
+        to Ray Train (with ``metrics``) at ``wait``/``close`` or every ``sync_every``-th
+        save (no collective runs on the other saves). A failed one is
         logged and counted (the previous checkpoint stays the recovery point) and raised
         by :meth:`wait` on every rank alike. Collective: every rank saves the same steps.
         """
