@@ -183,6 +183,7 @@ def _unblock_when_isolated(root: Path, node: str, blockers: list, seen: list) ->
 
 
 @pytest.mark.cluster
+@pytest.mark.slow
 def test_node_whose_workers_always_fail_is_isolated_and_run_completes_elsewhere(cluster, tmp_path):
     # Y and Z are busy until X is isolated: Ray's placement has no choice but X until then,
     # whatever the timing of resource release between attempts.
@@ -207,10 +208,13 @@ def test_node_whose_workers_always_fail_is_isolated_and_run_completes_elsewhere(
 
 
 @pytest.mark.cluster
+@pytest.mark.slow
 def test_failing_health_check_keeps_workers_off_the_node_ray_would_pick(cluster, tmp_path):
     checks = tmp_path / "checks"
     checks.mkdir()
-    recovery = Recovery(health_check=_FailsOn(cluster["x"], str(checks)), health_check_timeout_s=30)
+    # A generous timeout: on a loaded machine the check task itself takes seconds to start, and
+    # a timed-out check would exclude X for the wrong reason (the assertions below tell).
+    recovery = Recovery(health_check=_FailsOn(cluster["x"], str(checks)), health_check_timeout_s=180)
     trainer, out = _fit(tmp_path, "health", recovery, 0)
     trainer.fit()
     recs = _records(out)
@@ -220,6 +224,7 @@ def test_failing_health_check_keeps_workers_off_the_node_ray_would_pick(cluster,
 
 
 @pytest.mark.cluster
+@pytest.mark.slow
 def test_not_retryable_error_runs_one_attempt_despite_max_failures_5(cluster, tmp_path):
     trainer, out = _fit(tmp_path, "futile", Recovery(), 5, futile=True)
     with pytest.raises(ControllerError) as info:
@@ -250,6 +255,7 @@ def _ckpt_loop(config: dict) -> None:
 
 
 @pytest.mark.cluster
+@pytest.mark.slow
 def test_after_sigkill_every_rank_restores_the_step_the_driver_chose(cluster, tmp_path):
     out = tmp_path / "kill"
     out.mkdir()
