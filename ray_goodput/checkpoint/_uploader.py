@@ -16,7 +16,7 @@ import os
 import pickle
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -213,16 +213,17 @@ def _chain(source: Future, target: Future) -> None:
 class ActorBackend:
     """Runs a rank's shard jobs in its node's CheckpointUploader (found or created).
 
-    ``submit`` never waits for the actor: one thread of this backend hands jobs over in
-    order (waiting there when the actor is still starting), so ``save`` blocks only for
-    the snapshot copy. A job is the actor's, and survives this worker, once handed over.
+    ``submit`` hands the job over before it returns (one actor round trip, the actor maps
+    the arena): a save that returned survives its worker being killed right after. The
+    trainer pre-starts the uploaders (``driver._node_services``), so the first save does
+    not wait for the actor to start; without it, a save made before the actor is up waits
+    for it (bounded), rather than holding a job that would die with the worker.
     """
 
     def __init__(self) -> None:
         self._actor = None
         self._registered = None
         self._root_blob: bytes | None = None
-        self._handoffs = ThreadPoolExecutor(1, thread_name_prefix="rg-handoff")
 
     def start(self) -> None:
         """Find or create this node's uploader without waiting for it (it starts while the
@@ -241,7 +242,7 @@ class ActorBackend:
         if self._root_blob is None:
             self._root_blob = pickle.dumps(job.root)
         handoff = Handoff(released=Future(), durable=Future(), key=job.key)
-        self._handoffs.submit(self._hand_over, dataclasses.replace(job, root=None), handoff)
+        self._hand_over(dataclasses.replace(job, root=None), handoff)
         return handoff
 
     def _hand_over(self, light: ShardJob, handoff: Handoff) -> None:
@@ -265,20 +266,15 @@ class ActorBackend:
         _chain(actor.wait_durable.remote(light.key).future(), handoff.durable)
 
     def cancel(self, key: str) -> bool:
-        # Through the hand-over thread: a job still being handed over is cancelled after it.
+        if self._actor is None:
+            return False
         try:
-            return self._handoffs.submit(self._cancel, key).result(timeout=_HANDOFF_TIMEOUT_S)
+            return bool(ray.get(self._actor.cancel.remote(key), timeout=60))
         except Exception as exc:  # noqa: BLE001 - a dead uploader runs nothing: its jobs fail
             logger.warning("could not cancel waiting save %s: %s", key, exc)
             return False
 
-    def _cancel(self, key: str) -> bool:
-        if self._actor is None:
-            return False
-        return bool(ray.get(self._actor.cancel.remote(key), timeout=60))
-
     def close(self) -> None:
-        self._handoffs.shutdown(wait=True)  # queued jobs are handed over first
         if self._actor is not None:
             try:
                 ray.get(self._actor.unregister.remote(os.getpid()), timeout=30)
