@@ -49,8 +49,13 @@ def test_quickstart_resumes_from_last_committed(ray_local, tmp_path):
     (mrun,) = client.search_runs([exp.experiment_id], filter_string=f"tags.mlflow.runName = '{out['name']}'")
     assert mrun.info.status == "FINISHED"
     assert mrun.data.metrics["goodput/steps_lost"] == g["steps_lost"]
-    assert {a.path for a in client.list_artifacts(mrun.info.run_id)} >= {"goodput_breakdown.png", "goodput_summary.json"}
+    assert {a.path for a in client.list_artifacts(mrun.info.run_id)} >= {
+        "goodput_breakdown.png", "goodput_timeline.png", "goodput_summary.json"}
     assert "failure_1" in mrun.data.tags
+    # The data wait per step travels as a series next to goodput (from the step events).
+    waits = client.get_metric_history(mrun.info.run_id, "data/fetch_seconds_p95")
+    assert waits and all(m.value >= 0 for m in waits)
+    assert g["isolated_nodes"] == [] and g["stopped"] is None  # the Recovery saw no bad node
     report = subprocess.run([sys.executable, "-m", "ray_goodput.cli", "report", out["name"],
                              "--tracking-uri", out["tracking_uri"]], capture_output=True, text=True, timeout=120)
     assert report.returncode == 0 and "restart_downtime" in report.stdout, report.stdout + report.stderr
