@@ -74,6 +74,20 @@ def test_keep_last_1_after_falling_back_from_a_damaged_checkpoint_does_not_delet
         assert ckpt.restore(_state(3)) == 11
 
 
+def test_a_restore_that_falls_back_to_nothing_leaves_the_fresh_state_untouched(tmp_path):
+    """Found by the chaos soak (seed 0, trial 16): the only commit's RNG extras are damaged;
+    restore loaded the weights, then met the damage and returned None with the live state
+    already changed, so the run 'started fresh' from the damaged checkpoint's weights."""
+    root = str(tmp_path / "root")
+    _save(root, str(tmp_path / "a"), [4], keep_last=1)
+    _flip(root, 4, prefix="extras/")
+    state = _state(7)
+    fresh = _weight(state)
+    with Checkpointer(root, staging_dir=str(tmp_path / "b"), keep_last=1, uploader="thread") as ckpt:
+        assert ckpt.restore(state) is None
+    assert torch.equal(_weight(state), fresh)
+
+
 def test_damaged_checkpoint_is_quarantined_listed_as_damaged_and_removed_by_retention(tmp_path, capsys):
     from argparse import Namespace
 
