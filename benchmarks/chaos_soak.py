@@ -233,14 +233,9 @@ def _watch_peers(spec: RunSpec, rank: int, world: int) -> None:
 
 def _arm_hook(name: str) -> None:
     os.environ["RAY_GOODPUT_FAULT"] = f"{name}:1:kill"
-    try:
-        from ray_goodput import _faults
-    except ImportError:  # a library without fault points: the variable does nothing
-        return
-    # The library parses the variable once, at import; this process imported it long
-    # before the chosen save, so the parsed plan is updated in place.
-    _faults._SPEC.clear()
-    _faults._SPEC.update(_faults.parse(os.environ["RAY_GOODPUT_FAULT"]))
+    from ray_goodput import _faults
+
+    _faults.reload()  # the library parsed the variable at import, long before this save
 
 
 def _kill_uploaders(spec: RunSpec, rank: int, delay: float) -> None:

@@ -4,7 +4,7 @@
 ``action`` is ``kill`` (SIGKILL this process, the default) or ``raise``
 (:class:`ray_goodput.errors.InjectedFault`). ``RAY_GOODPUT_FAULT_SEED`` seeds the draws
 (each process draws from ``seed + pid``, so ranks differ but a rerun repeats). The spec
-is parsed once at import; with none set :func:`fault_point` returns at once.
+is parsed at import (and by :func:`reload`); with none set :func:`fault_point` returns at once.
 
 Points (where they sit, and which process runs them):
 
@@ -49,6 +49,13 @@ def parse(spec: str) -> dict[str, tuple[float, str]]:
 
 
 _SPEC = parse(_env.fault_spec())
+
+
+def reload() -> None:
+    """Read ``RAY_GOODPUT_FAULT`` again (a harness arming a point inside a running process)."""
+    _SPEC.clear()
+    _SPEC.update(parse(_env.fault_spec()))
+
 _rng: random.Random | None = None
 _rng_pid = 0
 
