@@ -86,9 +86,9 @@ def _check_fits(template: dict[str, Any], metadata: Metadata, step: int, uri: st
                 "structure, or use another storage_path")
 
 
-def _load_rng(reader: TieredReader, rank: int, nonce: str) -> None:
+def _read_rng(reader: TieredReader, rank: int, nonce: str) -> bytes:
     with reader.fs.create_stream(_layout.extras_file(rank, nonce), "rb") as f:
-        _state.restore_rng(f.read())
+        return f.read()
 
 
 def load_checkpoint(state: dict[str, Any], *, root: StorageLocation, manifest: Manifest,
@@ -111,6 +111,9 @@ def load_checkpoint(state: dict[str, Any], *, root: StorageLocation, manifest: M
         reader = TieredReader(step_loc, local_dir, local, {f.name: f for f in manifest.files}, policy,
                               verified=False)
         _check_fits(template, reader.read_metadata(), manifest.step, step_loc.uri)
+        # Read (and check) this rank's RNG blob before any weight is loaded in place: a
+        # damaged one must fail the restore while the live state is still untouched.
+        rng = _read_rng(reader, rank, manifest.nonce) if manifest.world_size == world_size else None
     except Exception as exc:  # noqa: BLE001 - agreed below, before DCP's collectives
         error = exc
     # Each rank reads .metadata from its own copy: if any could not, none enters dcp.load.
@@ -123,9 +126,9 @@ def load_checkpoint(state: dict[str, Any], *, root: StorageLocation, manifest: M
             raise CheckpointCorruptError(f"checkpoint step {manifest.step} is damaged: {exc}") from exc
         raise
     _state.apply_state_dict(roles, template, state)
-    same_world = manifest.world_size == world_size
+    same_world = rng is not None
     if same_world:
-        _load_rng(reader, rank, manifest.nonce)
+        _state.restore_rng(rng)
     else:
         logger.info("world size changed %d -> %d: per-rank RNG states not restored",
                     manifest.world_size, world_size)
