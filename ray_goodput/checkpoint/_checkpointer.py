@@ -41,6 +41,7 @@ from ray_goodput.checkpoint._metrics import SaveMetrics
 from ray_goodput.checkpoint._ray_report import report_checkpoint
 from ray_goodput.checkpoint._restore import RestoreInfo, choose, load_checkpoint
 from ray_goodput.checkpoint._save_state import SaveRecord, SaveState, agree
+from ray_goodput.checkpoint._schedule import SaveSchedule
 from ray_goodput.checkpoint._uploader import ActorBackend
 from ray_goodput.errors import CheckpointCorruptError, CheckpointError, ConfigError
 from ray_goodput.goodput import get_recorder
@@ -112,7 +113,8 @@ class Checkpointer:
                  staging_dir: str | None = None, upload_concurrency: int = 8,
                  verify_checksums: bool = False, retry: RetryPolicy | None = None,
                  uploader: Literal["auto", "actor", "thread"] | UploadBackend = "auto",
-                 sync_every: int = 8) -> None:
+                 sync_every: int = 8, every: int | Literal["auto"] | None = None,
+                 mtbf_hours: float | None = None) -> None:
         if keep_last < 1:
             raise ConfigError(f"keep_last must be >= 1 (the newest committed checkpoint is never removed), got {keep_last}")
         if upload_concurrency < 1:
@@ -132,6 +134,8 @@ class Checkpointer:
         self._retry = retry or RetryPolicy()
         self._uploader_choice = uploader
         self.sync_every = sync_every
+        self._schedule = SaveSchedule(every, world_size=self.world_size, mtbf_hours=mtbf_hours)
+        self._tick: float | None = None
         self._token = ""
         self._uploader: UploadBackend | None = None if isinstance(uploader, str) else uploader
         self._arenas: list[Arena] = []
@@ -203,7 +207,8 @@ class Checkpointer:
         if self._last_step is not None and step <= self._last_step:
             raise ConfigError(f"step {step} is not after the last saved step {self._last_step}")
         start = time.perf_counter()  # the loop is blocked for the whole call
-        if self.stats.saves and self.stats.saves % self.sync_every == 0:
+        if self.stats.saves and (self.stats.saves % self.sync_every == 0
+                                 or self._schedule.wants_sync(self.stats.saves)):
             self._resolve(block=False)  # a count: every rank syncs at the same save
         generation = self._ensure_generation()
         # Unique without a collective: a generation is claimed once per Checkpointer and
@@ -221,10 +226,26 @@ class Checkpointer:
         self.stats.saves += 1
         self.stats.last_block_seconds = block
         self.stats.total_block_seconds += block
+        self._schedule.observe_save(block)
         self._recorder.add_checkpoint_stall(block)
         self._recorder.step(step, explicit=False)
         self._pending[step] = _Pending(step=step, metrics=dict(metrics or {}), handoff=handoff,
                                        block_seconds=block, record=SaveRecord(step, save_id))
+
+    def maybe_save(self, step: int, state: dict[str, Any], *,
+                   metrics: dict[str, Any] | None = None) -> bool:
+        """Call once per step: saves when the schedule (``every=N`` or ``every="auto"``) says
+        ``step`` is due, and returns whether it saved. With ``"auto"`` the interval is Daly's
+        optimum from the measured step and save-blocking times and the MTBF (``mtbf_hours``,
+        or 1% AFR per rank); every rank decides the same. Collective like :meth:`save`."""
+        now = time.perf_counter()
+        if self._tick is not None:
+            self._schedule.observe_step(now - self._tick)  # excludes the previous save's block
+        due = self._schedule.due(step, self._last_step)
+        if due:
+            self.save(step, state, metrics=metrics)
+        self._tick = time.perf_counter()
+        return due
 
     def _hand_off(self, step: int, roles: _state._Roles, save_id: str, generation: int) -> Handoff:
         flat, mappings = flatten_state_dict(_state.to_state_dict(roles))
@@ -300,7 +321,10 @@ class Checkpointer:
         """Collective: agree with every rank on the outcome of each pending save; report the
         committed ones to Ray Train in order, count superseded ones, record failures."""
         mine = {s: _state_of(p, block) for s, p in self._pending.items()}
-        views = _collective.gather_tagged("save outcomes", mine)
+        gathered = _collective.gather_tagged("save outcomes", (mine, self._schedule.proposal()))
+        views = [v for v, _ in gathered]
+        if self._schedule.adopt(gathered[0][1]):  # rank 0's proposal, adopted on every rank
+            self._recorder.checkpoint_interval(self._schedule.interval_steps())
         committed: list[tuple[int, dict[str, Any]]] = []
         for step in sorted(self._pending):
             seen = [v.get(step, (SaveState.FAILED.value, "this rank has no such save")) for v in views]

@@ -36,6 +36,7 @@ class Ledger:
     steps_kept: int = 0
     steps_lost: int = 0
     checkpoints_superseded: int = 0
+    checkpoint_interval_steps: int | None = None
     finished: bool = False
 
     @property
@@ -52,6 +53,8 @@ class Ledger:
                     "goodput/attempts": self.attempts, "goodput/failures": self.failures,
                     "goodput/steps_kept": self.steps_kept, "goodput/steps_lost": self.steps_lost,
                     "goodput/checkpoints_superseded": self.checkpoints_superseded})
+        if self.checkpoint_interval_steps is not None:
+            out["goodput/checkpoint_interval_steps"] = self.checkpoint_interval_steps
         return out
 
 
@@ -94,6 +97,8 @@ def compute(attempts: list[list[dict[str, Any]]], *, job_start: float | None = N
     ledger.end = max(job_end or 0.0, attempts[-1][-1]["t"])
     ledger.finished = any(e["e"] == "end" for e in attempts[-1])
     ledger.checkpoints_superseded = sum(e["e"] == "ckpt_superseded" for a in attempts for e in a)
+    ledger.checkpoint_interval_steps = next((e["steps"] for a in reversed(attempts) for e in reversed(a)
+                                             if e["e"] == "ckpt_interval"), None)
     prev_end = ledger.start
     for i, events in enumerate(attempts):
         nxt = attempts[i + 1] if i + 1 < len(attempts) else None

@@ -43,6 +43,11 @@ class StepRecorder:
         with self._lock:
             self._ckpt += seconds
 
+    def checkpoint_interval(self, steps: int | None) -> None:
+        """The checkpoint interval in force changed to ``steps`` (``every="auto"``)."""
+        if self.log is not None and steps is not None:
+            self.log.emit("ckpt_interval", steps=steps)
+
     def restored(self, step: int | None, t0: float, t1: float) -> None:
         """A restore took [t0, t1] and resumed after ``step`` (None: from scratch)."""
         with self._lock:

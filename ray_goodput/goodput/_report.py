@@ -43,4 +43,5 @@ def summary(ledger: Ledger) -> dict[str, Any]:
             "attempts": ledger.attempts, "failures": ledger.failures,
             "steps_kept": ledger.steps_kept, "steps_lost": ledger.steps_lost,
             "checkpoints_superseded": ledger.checkpoints_superseded,
+            "checkpoint_interval_steps": ledger.checkpoint_interval_steps,
             "finished": ledger.finished}
