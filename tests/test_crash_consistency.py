@@ -156,6 +156,23 @@ def test_a_dead_attempts_late_commit_of_a_higher_step_never_outranks_the_live_at
         assert ckpt.restore(_state(2)) == 16  # by step alone, 30 was "newest"
 
 
+def test_the_step_the_driver_chose_survives_the_dead_attempts_late_commits_and_their_retention(tmp_path):
+    """Found by the S3 Poisson benchmark at 256 MiB: the driver chose step 70, then the dead
+    attempt's uploader committed 83 and 96 and its keep_last=2 retention deleted 70, so the
+    new attempt found its chosen step gone and restarted from step 0."""
+    root = str(tmp_path / "root")
+    _save(root, str(tmp_path / "a"), [10], keep_last=2)
+    _catalog.pin_resume(resolve(root), attempt=2, step=10)  # what the Recovery does at its decision
+    _save(root, str(tmp_path / "b"), [20, 30], keep_last=2)  # the dead attempt's late commits
+    assert 10 in _committed(root)
+    set_decision(ResumeDecision(attempt=2, step=10, root_key=root_key(root)))
+    try:
+        with Checkpointer(root, staging_dir=str(tmp_path / "c"), uploader="thread") as ckpt:
+            assert ckpt.restore(_state(3)) == 10
+    finally:
+        set_decision(None)
+
+
 def test_restore_loads_exactly_the_step_the_driver_chose_never_a_newer_one(tmp_path):
     root = str(tmp_path / "root")
     saved = _save(root, str(tmp_path / "a"), [10, 20, 30])
