@@ -13,6 +13,12 @@ and its failure times go to benchmarks/results/goodput_under_failures.json, in t
 schema of ``ray-goodput simulate --costs``. ``--validate [FILE]`` replays those failure
 times through the simulation (ray_goodput.plan.replay) with those costs and prints the
 predicted goodput beside the measured one (done after every run too).
+
+``--mode s3-poisson``: checkpoints at their real price. moto S3 over HTTP, FSDP2 state of
+--mb-per-rank MiB per rank, worker SIGKILLs at seeded Poisson times (wall seconds from the
+run's first step), and three systems (rank-0 torch.save + report SYNC, Ray Train report
+ASYNC with dcp.save, ray_goodput) each saving at Daly's interval for its own blocking time,
+measured by one calibration save. Results: benchmarks/results/goodput_s3_poisson.json.
 """
 
 from __future__ import annotations
