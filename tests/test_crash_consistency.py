@@ -161,9 +161,14 @@ def test_the_step_the_driver_chose_survives_the_dead_attempts_late_commits_and_t
     attempt's uploader committed 83 and 96 and its keep_last=2 retention deleted 70, so the
     new attempt found its chosen step gone and restarted from step 0."""
     root = str(tmp_path / "root")
-    _save(root, str(tmp_path / "a"), [10], keep_last=2)
-    _catalog.pin_resume(resolve(root), attempt=2, step=10)  # what the Recovery does at its decision
-    _save(root, str(tmp_path / "b"), [20, 30], keep_last=2)  # the dead attempt's late commits
+    state = _state(0)
+    with Checkpointer(root, staging_dir=str(tmp_path / "a"), keep_last=2, uploader="thread") as dead:
+        dead.save(10, state)
+        dead.wait()
+        _catalog.pin_resume(resolve(root), attempt=2, step=10)  # the Recovery's decision for attempt 2
+        for step in (20, 30):  # the dead attempt's uploader commits late, and prunes to keep_last
+            dead.save(step, state)
+            dead.wait()
     assert 10 in _committed(root)
     set_decision(ResumeDecision(attempt=2, step=10, root_key=root_key(root)))
     try:

@@ -9,6 +9,7 @@ committed checkpoints (``_layout`` explains generations). One recursive listing 
 from __future__ import annotations
 
 import heapq
+import json
 import logging
 from dataclasses import dataclass, field
 
@@ -25,7 +26,8 @@ from ray_goodput.checkpoint._manifest import (
     read_quarantine,
 )
 from ray_goodput.errors import CheckpointCorruptError
-from ray_goodput.storage import StorageLocation, delete_dir, list_dir, object_crc32, resolve
+from ray_goodput.storage import (StorageLocation, delete_dir, list_dir, object_crc32, read_bytes,
+                                 resolve, write_bytes)
 
 logger = logging.getLogger(__name__)
 
@@ -229,6 +231,30 @@ def _doomed(dirs: list[StepDir], keep_last: int, generation: int | None) -> list
     return out
 
 
+def pin_resume(root: str | StorageLocation, *, attempt: int, step: int) -> None:
+    """Record that attempt ``attempt`` resumes from ``step``: retention never deletes that
+    checkpoint while that attempt has no commit of its own, even when a dead attempt's
+    uploader commits newer ones late and prunes to ``keep_last``."""
+    write_bytes(checkpoints_location(root), _layout.RESUME,
+                json.dumps({"attempt": attempt, "step": step}).encode())
+
+
+def _live_pin(root: str | StorageLocation, found: list[StepDir]) -> int | None:
+    """The step the live attempt resumes from (see :func:`pin_resume`), while it matters:
+    once that attempt (or a later one) has an intact commit of its own, it is the newer
+    recovery point and the pin lapses."""
+    try:
+        pin = json.loads(read_bytes(checkpoints_location(root), _layout.RESUME))
+        attempt, step = int(pin["attempt"]), int(pin["step"])
+    except FileNotFoundError:
+        return None
+    except (ValueError, KeyError, TypeError):
+        logger.warning("unreadable %s under %s: no checkpoint is pinned", _layout.RESUME, root)
+        return None
+    lapsed = any(d.intact and d.manifest.generation >= attempt for d in found)
+    return None if lapsed else step
+
+
 def apply_retention(root: str | StorageLocation, keep_last: int,
                     generation: int | None = None) -> list[int]:
     """Keep the newest ``keep_last`` intact committed checkpoints (by lineage order) and
@@ -240,7 +266,9 @@ def apply_retention(root: str | StorageLocation, keep_last: int,
     with a save of ``generation`` or newer that may still be written (a step above that
     generation's newest commit, or a newer generation).
     """
-    dirs = _doomed(scan(root), keep_last, generation)
+    found = scan(root)
+    pinned = _live_pin(root, found)
+    dirs = [d for d in _doomed(found, keep_last, generation) if d.step != pinned]
     for n, d in enumerate(dirs):
         if n:
             fault_point("retention")

@@ -421,6 +421,8 @@ class Checkpointer:
                                                 manifest, str(exc)[:500])
                 before = manifest.order
                 continue
+            if decision is None and self.rank == 0:  # a Recovery pins its own choice
+                _catalog.pin_resume(self.root, attempt=self._generation or 0, step=manifest.step)
             self._recorder.restored(manifest.step, t0, time.time())
             self._last_step = manifest.step
             return manifest.step

@@ -5,6 +5,7 @@
 <root>/checkpoints/step-<step:09d>/.ranks/rank-<r:05d>-<save id>.json   "rank r is durable"
 <root>/checkpoints/step-<step:09d>/QUARANTINED   the committed save found damaged (JSON)
 <root>/checkpoints/GENERATION                     the highest generation claimed (JSON)
+<root>/checkpoints/RESUME                         the step the live attempt resumes from (JSON)
 ```
 
 A save id is ``g<generation:06d>-<token>``. The generation orders saves by lineage: every
@@ -22,6 +23,7 @@ DCP_METADATA = ".metadata"
 RANKS_DIR = ".ranks"
 QUARANTINED = "QUARANTINED"
 GENERATION = "GENERATION"
+RESUME = "RESUME"
 _STEP_RE = re.compile(r"^step-(\d{9,})$")
 _SAVE_ID_RE = re.compile(r"g(\d{6,})-[0-9a-f]{8,}")
 

@@ -30,7 +30,7 @@ from ray.train.v2._internal.exceptions import WorkerHealthCheckFailedError
 from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
 from ray.train.v2.api.exceptions import ControllerError, WorkerGroupError
 
-from ray_goodput.checkpoint._catalog import newest_valid
+from ray_goodput.checkpoint._catalog import newest_valid, pin_resume
 from ray_goodput.driver import _health
 from ray_goodput.errors import ConfigError, not_retryable
 from ray_goodput.runtime import run_root
@@ -220,6 +220,11 @@ class Recovery(ControllerCallback, WorkerGroupCallback):
                         self.attempt, self._root.uri)
         else:
             logger.info("attempt %d resumes from step %d", self.attempt, step)
+            try:  # before any worker starts: a dead attempt's late retention must keep it
+                pin_resume(self._root, attempt=self.attempt, step=step)
+            except OSError as exc:
+                logger.warning("attempt %d: could not pin step %d against retention: %s",
+                               self.attempt, step, exc)
         return ResumeDecision(attempt=self.attempt, step=step, root_key=root_key(self._root))
 
     def _check_health(self, scaling_config: Any) -> dict[str, str]:
