@@ -67,7 +67,9 @@ def test_bad_recovery_arguments_name_the_fix():
 def test_trainer_merges_callbacks_into_run_config_and_recovery_none_turns_it_off():
     user = Recovery(max_failures_per_node=3)
     t = TorchTrainer(lambda: None, run_config=RunConfig(name="m", callbacks=[user]))
-    assert t.run_config.callbacks == [user] and t.recovery is user and t.run_config.name == "m"
+    assert t.run_config.callbacks[0] is user and t.recovery is user and t.run_config.name == "m"
+    # and the node services that start each node's uploader before the training function
+    assert [type(c).__name__ for c in t.run_config.callbacks[1:]] == ["NodeServices"]
     t = TorchTrainer(lambda: None, recovery=None)
     assert not any(isinstance(c, Recovery) for c in t.run_config.callbacks) and t.recovery is None
     assert isinstance(TorchTrainer(lambda: None).recovery, Recovery)
