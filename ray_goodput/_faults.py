@@ -10,7 +10,7 @@ Points (where they sit, and which process runs them):
 
 * ``save.copying``: in the middle of ``save()``'s snapshot copy (worker).
 * ``save.queued``: the uploader accepted a job that has not started (uploader side:
-  the CheckpointUploader actor, or the worker's upload thread).
+  the CheckpointUploader actor, or the worker's ThreadBackend lane).
 * ``upload.staging_write``: during the node-local DCP write of a shard (uploader side).
 * ``upload.mid_upload``: some files of a shard uploaded, before its rank marker.
 * ``commit.before_committed``: after the last rank marker, before ``COMMITTED``.

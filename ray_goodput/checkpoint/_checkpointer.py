@@ -20,6 +20,7 @@ import shutil
 import time
 import uuid
 from concurrent.futures import FIRST_COMPLETED, Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -82,15 +83,27 @@ def _local(value: Any) -> torch.Tensor:
     return value.to_local() if isinstance(value, DTensor) else value
 
 
-def _state_of(pending: _Pending, block: bool) -> tuple[str | None, str | None]:
+def _state_of(pending: _Pending, block: bool, timeout_s: float) -> tuple[str | None, str | None]:
     """(SaveState value or None while running, error text) of this rank's part."""
     durable = pending.handoff.durable
     if not block and not durable.done():
         return None, None
     try:
-        return durable.result().state.value, None
+        return durable.result(timeout=timeout_s).state.value, None
+    except FutureTimeout:
+        return SaveState.FAILED.value, (
+            f"step {pending.step} was not durable after {timeout_s:.0f}s "
+            "(Checkpointer(wait_timeout_s=...)); see `ray-goodput status` for its uploader")
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - agreed across ranks
         return SaveState.FAILED.value, f"{type(exc).__name__}: {exc}"
+
+
+def _best_effort(what: str, fn: Any) -> None:
+    """Storage bookkeeping that only rank 0 does outside a collective: it must not raise."""
+    try:
+        fn()
+    except OSError as exc:
+        logger.warning("%s failed (the restore goes on): %s", what, exc)
 
 
 def _failed_handoff(exc: BaseException) -> Handoff:
@@ -114,7 +127,7 @@ class Checkpointer:
                  verify_checksums: bool = False, retry: RetryPolicy | None = None,
                  uploader: Literal["auto", "actor", "thread"] | UploadBackend = "auto",
                  sync_every: int = 8, every: int | Literal["auto"] | None = None,
-                 mtbf_hours: float | None = None) -> None:
+                 mtbf_hours: float | None = None, wait_timeout_s: float = 3600.0) -> None:
         if keep_last < 1:
             raise ConfigError(f"keep_last must be >= 1 (the newest committed checkpoint is never removed), got {keep_last}")
         if upload_concurrency < 1:
@@ -134,6 +147,9 @@ class Checkpointer:
         self._retry = retry or RetryPolicy()
         self._uploader_choice = uploader
         self.sync_every = sync_every
+        if wait_timeout_s <= 0:
+            raise ConfigError(f"wait_timeout_s must be > 0 (seconds wait() waits for uploads), got {wait_timeout_s}")
+        self.wait_timeout_s = wait_timeout_s
         self._schedule = SaveSchedule(every, world_size=self.world_size, mtbf_hours=mtbf_hours)
         self._tick: float | None = None
         self._token = ""
@@ -320,7 +336,9 @@ class Checkpointer:
     def _resolve(self, block: bool) -> None:
         """Collective: agree with every rank on the outcome of each pending save; report the
         committed ones to Ray Train in order, count superseded ones, record failures."""
-        mine = {s: _state_of(p, block) for s, p in self._pending.items()}
+        deadline = time.monotonic() + self.wait_timeout_s
+        mine = {s: _state_of(p, block, max(0.0, deadline - time.monotonic()))
+                for s, p in self._pending.items()}
         gathered = _collective.gather_tagged("save outcomes", (mine, self._schedule.proposal()))
         views = [v for v, _ in gathered]
         if self._schedule.adopt(gathered[0][1]):  # rank 0's proposal, adopted on every rank
@@ -416,13 +434,14 @@ class Checkpointer:
                 self._load_agreed(state, manifest)
             except CheckpointCorruptError as exc:  # every rank: agreed in _load_agreed
                 logger.warning("checkpoint step %d is damaged (%s); falling back", manifest.step, exc)
-                if self.rank == 0:
-                    _catalog.quarantine_damaged(_catalog.step_location(self.root, manifest.step),
-                                                manifest, str(exc)[:500])
+                reason, loc = str(exc)[:500], _catalog.step_location(self.root, manifest.step)
+                if self.rank == 0:  # best effort: no rank may raise alone here
+                    _best_effort("quarantining", lambda: _catalog.quarantine_damaged(loc, manifest, reason))
                 before = manifest.order
                 continue
             if decision is None and self.rank == 0:  # a Recovery pins its own choice
-                _catalog.pin_resume(self.root, attempt=self._generation or 0, step=manifest.step)
+                _best_effort("pinning the resume step", lambda: _catalog.pin_resume(
+                    self.root, attempt=self._generation or 0, step=manifest.step))
             self._recorder.restored(manifest.step, t0, time.time())
             self._last_step = manifest.step
             return manifest.step

@@ -83,11 +83,11 @@ class RankLane:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="rg-lane")
 
     def submit(self, ticket: Ticket) -> None:
+        fault_point("save.queued")  # before the lane holds the ticket: a raise leaves no orphan
         with self._lock:
             old, self._waiting = self._waiting, ticket
         if old is not None:
             old.supersede()
-        fault_point("save.queued")
         self._pool.submit(self._drain)
 
     def cancel(self, key: str) -> bool:

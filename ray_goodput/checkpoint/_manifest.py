@@ -143,19 +143,6 @@ def read_rank_marker(step_loc: StorageLocation, rank: int, nonce: str) -> RankMa
         return None
 
 
-def read_rank_markers(step_loc: StorageLocation) -> list[RankMarker]:
-    """The rank markers present in a step directory."""
-    markers = []
-    for info in list_dir(step_loc, _layout.RANKS_DIR):
-        name = info.path.rsplit("/", 1)[-1]
-        if name.endswith(".json"):
-            try:
-                markers.append(RankMarker.from_bytes(read_bytes(step_loc, f"{_layout.RANKS_DIR}/{name}")))
-            except (ValueError, KeyError, TypeError, FileNotFoundError):
-                logger.warning("ignoring unreadable rank marker %s/%s", step_loc.uri, name)
-    return markers
-
-
 def read_manifest(step_loc: StorageLocation) -> Manifest | None:
     """The manifest of a step directory, or None when it is not committed."""
     try:

@@ -19,7 +19,7 @@ from ray_goodput.checkpoint import _catalog, _collective, _layout, _state
 from ray_goodput.checkpoint._manifest import Manifest, read_manifest
 from ray_goodput.checkpoint._tiered_reader import TieredReader
 from ray_goodput.errors import CheckpointCorruptError, StateMismatchError
-from ray_goodput.storage import RetryPolicy, StorageLocation, file_crc32
+from ray_goodput.storage import RetryPolicy, StorageLocation
 
 logger = logging.getLogger(__name__)
 
@@ -35,16 +35,6 @@ class RestoreInfo:
     local_files: int
     remote_files: int
     rng_restored: bool
-
-
-def verified_local_copy(local_dir: Path, manifest: Manifest) -> set[str]:
-    """Names of files whose node-local staged copy matches the manifest (size and checksum)."""
-    good = set()
-    for name in local_candidates(local_dir, manifest):
-        entry = manifest.file(name)
-        if entry is not None and file_crc32(local_dir / name, entry.algorithm) == (entry.size, entry.crc32):
-            good.add(name)
-    return good
 
 
 def local_candidates(local_dir: Path, manifest: Manifest) -> set[str]:

@@ -203,7 +203,9 @@ def _chain(source: Future, target: Future) -> None:
     def _copy(done: Future) -> None:
         if target.done():
             return
-        if done.exception() is not None:
+        if done.cancelled():
+            target.set_exception(CheckpointError("the uploader cancelled this job"))
+        elif done.exception() is not None:
             target.set_exception(done.exception())
         else:
             target.set_result(done.result())

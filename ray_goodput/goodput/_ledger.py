@@ -21,7 +21,6 @@ from typing import Any
 
 BUCKETS = ("productive", "lost", "checkpoint_stall", "data_stall", "restore",
            "restart_downtime", "startup", "other")
-BADPUT = BUCKETS[1:]
 
 
 @dataclass
