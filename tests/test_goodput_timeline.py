@@ -74,3 +74,18 @@ def test_event_reader_reads_only_new_events(run_root):
     again = reader.poll()[log.attempt]
     assert [e.get("step") for e in again] == [None, 1, 2] and reader.reads == reads + 1
     log.close()
+
+
+def test_mlflow_artifacts_go_beside_a_sqlite_store_not_into_the_working_directory(tmp_path, monkeypatch):
+    from ray_goodput.driver._publish import MlflowSink
+
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    attempts = _two_attempts()
+    sink = MlflowSink(f"sqlite:///{tmp_path}/store/mlflow.db", "exp", "run-1")
+    ledger = compute(attempts, job_start=95.0)
+    sink.finish(ledger, 1, {"goodput": ledger.goodput}, attempts, {})
+    stored = {p.name for p in (tmp_path / "store" / "mlartifacts").rglob("*.png")}
+    assert stored == {"goodput_breakdown.png", "goodput_timeline.png"}
+    assert not (tmp_path / "cwd" / "mlruns").exists()

@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import tempfile
+from pathlib import Path
 from typing import Any
 
 import mlflow
@@ -16,13 +17,23 @@ from ray_goodput.goodput import Ledger, chart_png, timeline_png
 logger = logging.getLogger(__name__)
 
 
+def _artifacts_beside(tracking_uri: str) -> str | None:
+    """For a sqlite store, ``<db dir>/mlartifacts`` (MLflow's default is ``./mlruns`` of
+    whichever process creates the experiment — here the Ray Train controller)."""
+    prefix = "sqlite:///"
+    if not tracking_uri.startswith(prefix):
+        return None
+    return (Path(tracking_uri[len(prefix):]).parent / "mlartifacts").as_uri()
+
+
 class MlflowSink:
     """One MLflow run per job; it stays open across worker-group restarts."""
 
     def __init__(self, tracking_uri: str, experiment: str, run_name: str) -> None:
         self._client = mlflow.MlflowClient(tracking_uri=tracking_uri)
         exp = self._client.get_experiment_by_name(experiment)
-        exp_id = exp.experiment_id if exp else self._client.create_experiment(experiment)
+        exp_id = exp.experiment_id if exp else self._client.create_experiment(
+            experiment, artifact_location=_artifacts_beside(tracking_uri))
         self.run_id = self._client.create_run(exp_id, run_name=run_name,
                                               tags={"ray_goodput": "goodput"}).info.run_id
 
