@@ -37,7 +37,14 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
+#: subpackages reachable as attributes (``ray_goodput.data.DataLoader`` after ``import ray_goodput``)
+_SUBPACKAGES = frozenset({"checkpoint", "cli", "data", "driver", "errors", "goodput", "plan", "runtime",
+                          "storage", "testing"})
+
+
 def __getattr__(name: str) -> Any:
+    if name in _SUBPACKAGES:
+        return importlib.import_module(f"ray_goodput.{name}")
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'ray_goodput' has no attribute {name!r}")

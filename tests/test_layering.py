@@ -115,3 +115,14 @@ def test_a_lower_layer_imports_nothing_above_it():
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]", done.stdout
+
+
+def test_public_names_and_subpackages_load_on_first_use():
+    done = subprocess.run([sys.executable, "-c", (
+        "import sys, ray_goodput\n"
+        "assert 'torch' not in sys.modules\n"
+        "assert ray_goodput.data.DataLoader.__name__ == 'DataLoader'\n"
+        "assert ray_goodput.TorchTrainer.__name__ == 'TorchTrainer'\n"
+        "assert set(ray_goodput.__all__) <= set(dir(ray_goodput))\n")],
+        capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
