@@ -4,6 +4,7 @@ Outside a process group (one rank) they are identities."""
 
 from __future__ import annotations
 
+import logging
 import pickle
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -12,6 +13,7 @@ import torch.distributed as dist
 
 from ray_goodput.errors import CheckpointCorruptError, CheckpointError
 
+logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
@@ -85,6 +87,7 @@ def on_rank0(fn: Callable[[], T], what: str) -> T:
         try:
             result = ("ok", fn())
         except Exception as exc:  # noqa: BLE001 - raised on every rank below
+            logger.warning("%s failed on rank 0: %s", what, exc)
             if not distributed():
                 raise
             result = ("error", portable(exc))

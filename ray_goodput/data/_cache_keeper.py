@@ -120,7 +120,7 @@ class CacheKeeper:
     def _fetch(self, key: str, files: FileSet, i: int) -> None:
         try:
             self._fetch_once(key, files, i)
-        except CacheFullError as exc:
+        except CacheFullError:
             with self._lock:  # a full disk: free what we can, then one more try
                 self._make_room(max(files.sizes[i], 1) * 2, keep=key, pressure=True)
             try:

@@ -17,7 +17,7 @@ ranks). With the proposal piggybacked on the broadcast at the *start* of a save,
 save (at ``warmup_steps``) carries no save cost yet, so its proposal keeps ``warmup_steps``;
 the second save carries the first save's cost, and from then on the optimum is in force.
 A restart begins a fresh instance (measurements are per attempt); the restart time does
-not move the optimum (Daly), it is kept for reporting only.
+not move the optimum (Daly), so it is not an input.
 """
 
 from __future__ import annotations
@@ -52,7 +52,6 @@ class AutoInterval:
         self.warmup_steps = warmup_steps
         self._steps: deque[float] = deque(maxlen=window)
         self._saves: deque[float] = deque(maxlen=max(1, window // 4))
-        self.restart_s: float | None = None
         self._steps_in_force = warmup_steps
 
     def observe_step(self, seconds: float) -> None:
@@ -62,10 +61,6 @@ class AutoInterval:
     def observe_save(self, blocking_s: float) -> None:
         """How long one save blocked the loop on this rank."""
         self._saves.append(f._positive("save blocking seconds", blocking_s, zero_ok=True))
-
-    def observe_restart(self, seconds: float) -> None:
-        """The last restart's downtime (reported; it does not move the optimal interval)."""
-        self.restart_s = f._positive("restart seconds", seconds, zero_ok=True)
 
     @property
     def step_s(self) -> float | None:
@@ -79,7 +74,7 @@ class AutoInterval:
         """Daly's optimum in compute seconds from this rank's measurements; None before any save."""
         if self.save_s is None:
             return None
-        return f.optimal_interval_s(max(self.save_s, 1e-6), self.mtbf_s, self.restart_s or 0.0)
+        return f.optimal_interval_s(max(self.save_s, 1e-6), self.mtbf_s)
 
     def proposal(self) -> int:
         """This rank's interval in steps; the interval in force until both costs are measured."""
