@@ -232,10 +232,7 @@ def _watch_peers(spec: RunSpec, rank: int, world: int) -> None:
 
 
 def _arm_hook(name: str) -> None:
-    os.environ["RAY_GOODPUT_FAULT"] = f"{name}:1:kill"
-    from ray_goodput import _faults
-
-    _faults.reload()  # the library parsed the variable at import, long before this save
+    os.environ["RAY_GOODPUT_FAULT"] = f"{name}:1:kill"  # the library reads it at each point
 
 
 def _kill_uploaders(spec: RunSpec, rank: int, delay: float) -> None:

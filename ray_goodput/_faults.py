@@ -4,7 +4,9 @@
 ``action`` is ``kill`` (SIGKILL this process, the default) or ``raise``
 (:class:`ray_goodput.errors.InjectedFault`). ``RAY_GOODPUT_FAULT_SEED`` seeds the draws
 (each process draws from ``seed + pid``, so ranks differ but a rerun repeats). The spec
-is parsed at import (and by :func:`reload`); with none set :func:`fault_point` returns at once.
+is parsed again whenever the variable's value changes, so a harness can arm a point inside
+a running process (or a process forked from a preloaded server sees its own environment);
+with none set :func:`fault_point` costs one environment lookup.
 
 Points (where they sit, and which process runs them):
 
@@ -48,13 +50,16 @@ def parse(spec: str) -> dict[str, tuple[float, str]]:
     return out
 
 
-_SPEC = parse(_env.fault_spec())
+_parsed: tuple[str, dict[str, tuple[float, str]]] = ("", {})
 
 
-def reload() -> None:
-    """Read ``RAY_GOODPUT_FAULT`` again (a harness arming a point inside a running process)."""
-    _SPEC.clear()
-    _SPEC.update(parse(_env.fault_spec()))
+def _spec() -> dict[str, tuple[float, str]]:
+    global _parsed  # noqa: PLW0603 - a cache of the last value seen
+    raw = _env.fault_spec()
+    if raw != _parsed[0]:
+        _parsed = (raw, parse(raw))
+    return _parsed[1]
+
 
 _rng: random.Random | None = None
 _rng_pid = 0
@@ -71,9 +76,10 @@ def _draw() -> float:
 
 def fault_point(name: str) -> None:
     """Maybe inject the fault configured for ``name``; free when none is configured."""
-    if not _SPEC:
+    spec = _spec()
+    if not spec:
         return
-    hit = _SPEC.get(name)
+    hit = spec.get(name)
     if hit is None or _draw() >= hit[0]:
         return
     if hit[1] == "raise":

@@ -191,10 +191,13 @@ def test_fault_spec_errors_name_the_fix():
 
 def test_fault_point_raises_when_asked_and_is_silent_when_unset(monkeypatch):
     _faults.fault_point("retention")  # unset: nothing
-    monkeypatch.setattr(_faults, "_SPEC", {"retention": (1.0, "raise")})
+    # Armed inside the running process: read again because the variable changed.
+    monkeypatch.setenv("RAY_GOODPUT_FAULT", "retention:1:raise")
     with pytest.raises(InjectedFault, match="retention"):
         _faults.fault_point("retention")
     _faults.fault_point("save.copying")  # another point: nothing
+    monkeypatch.setenv("RAY_GOODPUT_FAULT", "retention:0:raise")
+    _faults.fault_point("retention")  # disarmed
 
 
 def test_fault_point_kill_sigkills_the_process():
