@@ -138,14 +138,12 @@ def test_damaged_newest_falls_back_to_previous(root, tmp_path, how, caplog):
 
 @pytest.mark.slow
 def test_unreachable_storage_fails_at_creation_naming_the_uri():
-    """Also the storage probe's test of a down endpoint (a probe costs ~25 s of client
-    retries under load; the Checkpointer's creation is that probe)."""
+    """Also the storage probe's test of a down endpoint: the Checkpointer's creation is
+    that probe, and it names the endpoint that refused the connection."""
     port = free_port()  # nothing listens here
     uri = f"s3://bucket/run?endpoint_override=127.0.0.1:{port}&scheme=http"
-    start = time.monotonic()
-    with pytest.raises(StorageUnusableError, match=f"127.0.0.1:{port}.*not usable"):
+    with pytest.raises(StorageUnusableError, match=f"127.0.0.1:{port}.*not usable.*nothing accepts connections"):
         Checkpointer(uri)
-    assert time.monotonic() - start < 120
 
 
 def test_bad_arguments_name_the_fix(tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import posixpath
+import socket
 import uuid
 from dataclasses import dataclass, field
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
@@ -29,6 +30,20 @@ def _with_default_endpoint(uri: str) -> str:
     ep = urlsplit(endpoint if "://" in endpoint else f"http://{endpoint}")
     query.update(endpoint_override=ep.netloc, scheme=ep.scheme or "http")
     return urlunsplit(parts._replace(query=urlencode(query)))
+
+
+def _s3_endpoint(uri: str) -> tuple[str, int] | None:
+    """(host, port) of an ``s3://`` URI's custom endpoint; None for AWS's own."""
+    parts = urlsplit(_with_default_endpoint(uri))
+    query = dict(parse_qsl(parts.query))
+    if parts.scheme != "s3" or not query.get("endpoint_override"):
+        return None
+    endpoint = urlsplit(f"//{query['endpoint_override']}")
+    default = 80 if query.get("scheme") == "http" else 443
+    try:
+        return endpoint.hostname or "", endpoint.port or default
+    except ValueError:  # a port that is not a number: pyarrow's own error says more
+        return None
 
 
 @dataclass(frozen=True)
@@ -65,6 +80,21 @@ class StorageLocation:
         with self.fs.open_input_file(path) as inp:
             return inp.read()
 
+    def _connect_to_endpoint(self, timeout_s: float = 10.0) -> None:
+        """Fail in a moment, not after the S3 client's retries (~12 s per request), when
+        nothing accepts connections at a custom endpoint."""
+        endpoint = _s3_endpoint(self.uri)
+        if endpoint is None:
+            return
+        try:
+            socket.create_connection(endpoint, timeout=timeout_s).close()
+        except OSError as exc:
+            # from None: the probe's message shows the cause of a retried error, and this
+            # one already says it.
+            raise ConnectionError(
+                f"nothing accepts connections at {endpoint[0]}:{endpoint[1]} "
+                f"({type(exc).__name__}: {exc}; waited up to {timeout_s:.0f} s)") from None
+
     def probe(self) -> None:
         """Write, read back and delete a small object under the root.
 
@@ -75,6 +105,7 @@ class StorageLocation:
         payload = b"ray_goodput probe"
         retry = RetryPolicy(attempts=3, initial_delay=0.2, max_delay=1.0)
         try:
+            self._connect_to_endpoint()
             retry.call("probe mkdir", lambda: self.fs.create_dir(self.root, recursive=True))
             retry.call("probe write", lambda: self._write(path, payload))
             back = retry.call("probe read", lambda: self._read(path))
