@@ -263,6 +263,9 @@ class _Bench:
                            for t in self.tensors]
         self.ckpt = Checkpointer(keep_last=1, staging_dir=str(Path(cfg["work"]) / "rg_staging"))
         self.stager = None  # DCP's async stager, made by the first dcp_async save
+        # dcp.async_save's collectives run in a background thread: on a group of their own,
+        # never interleaved with training's on the default group (as torchtitan does).
+        self.async_group = dist.new_group(backend="gloo")
         self.rg_step = 0
         self.results: dict[str, dict[str, list[float]]] = {}
 
@@ -448,7 +451,8 @@ def m_dcp_async(b: _Bench, i: int) -> None:
     dest, local = b.dcp_dirs(f"dcp-async-{i}")
     t0 = b.start()
     resp = dcp.async_save(_sharded_sd(b.state), storage_writer=FileSystemWriter(local, sync_files=False),
-                          async_checkpointer_type=AsyncCheckpointerType.THREAD, async_stager=stager)
+                          async_checkpointer_type=AsyncCheckpointerType.THREAD, async_stager=stager,
+                          process_group=b.async_group)
     fut = getattr(resp, "upload_completion", resp)
     staged = getattr(resp, "staging_completion", None)
     if staged is not None:

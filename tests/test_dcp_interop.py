@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -42,7 +43,12 @@ def _plugin_round_trip(rank: int, world: int, sync_uri: str, async_uri: str, our
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
     train_steps(model, optim, 2, rank)
     dcp.save({"model": get_model_state_dict(model)}, storage_writer=PyArrowStorageWriter(sync_uri))
-    future = dcp.async_save({"model": get_model_state_dict(model)}, storage_writer=PyArrowStorageWriter(async_uri))
+    # Its own process group, as DCP advises: the save's collectives run in a background
+    # thread while training's run on the default group, and two threads sharing one gloo
+    # group can interleave their collectives differently on each rank (this hung).
+    async_group = dist.new_group(backend="gloo")
+    future = dcp.async_save({"model": get_model_state_dict(model)}, storage_writer=PyArrowStorageWriter(async_uri),
+                            process_group=async_group)
     train_steps(model, optim, 1, rank, start=2)  # mutating after async_save returned must not leak in
     future.result(timeout=120)
     loaded = {}
