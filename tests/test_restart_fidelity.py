@@ -19,10 +19,11 @@ from pathlib import Path
 import pytest
 import ray
 import torch
+import torch.distributed as dist
 
 from ray_goodput import list_checkpoints
 from ray_goodput.checkpoint._layout import step_dir
-from ray_goodput.testing import FailAt, FlakyProxy, wait_for_file
+from ray_goodput.testing import FailAt, FlakyProxy, run_world, wait_for_file
 
 SAMPLES, BATCH, EVERY, STEPS, NODE_LOSS_STEP = 48, 4, 4, 30, 20
 PULL_TIMEOUT_S = 300  # rank 1 waits this long for the test to pull its node
@@ -40,17 +41,16 @@ def _decode(data: bytes) -> int:
 
 
 def _loop(config: dict) -> None:
-    import ray.train
-    from ray.train.torch import prepare_model
-
+    """One attempt of the training function, on any launcher that set up the process
+    group: Ray Train's TorchTrainer (the run with failures) or ``run_world`` (the reference)."""
     from ray_goodput import Checkpointer, list_checkpoints, record_step
     from ray_goodput.data import DataLoader, FileDataset
 
-    ctx = ray.train.get_context()
-    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    model = prepare_model(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(),
-                                              torch.nn.Linear(16, 1)).double())
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)).double()
+    if world > 1:  # as ray.train.torch.prepare_model does on CPU
+        model = torch.nn.parallel.DistributedDataParallel(model)
     optim = torch.optim.Adam(model.parameters(), lr=0.01)
     loader = DataLoader(FileDataset(config["data"], decode=_decode, seed=3, cache=None),
                         batch_size=BATCH, num_workers=0)
@@ -60,7 +60,9 @@ def _loop(config: dict) -> None:
         newest = max((i.step for i in list_checkpoints(config["uri"]) if i.committed), default=None)
         restored = ckpt.restore(state)
         step = restored or 0
-        tag = f"{time.time():.6f}-{os.getpid()}"
+        tag = [f"{time.time():.6f}-{os.getpid()}"]
+        dist.broadcast_object_list(tag, src=0)  # one name per attempt, shared by its ranks
+        tag = tag[0]
         if rank == 0:  # restore commits a save whose every rank was durable on the way
             after = max((i.step for i in list_checkpoints(config["uri"]) if i.committed), default=None)
             (out / f"attempt-{tag}.json").write_text(json.dumps(
@@ -124,29 +126,24 @@ def _fit(config, workers, name, storage, on_trigger=None):
 
 
 def _kept_records(out: Path) -> dict[int, dict]:
-    """step -> {"epoch", "ids" (sorted, all ranks)}, from the last attempt that ran the step.
-
-    Files of one attempt (one per rank) start within a second of each other; attempts are
-    many seconds apart (a restart takes longer than that).
-    """
-    files = sorted(out.glob("records-*.jsonl"), key=lambda p: float(p.name.split("-")[1]))
-    groups: list[list[Path]] = []
-    for path in files:
-        t = float(path.name.split("-")[1])
-        if groups and t - float(groups[-1][0].name.split("-")[1]) < 3.0:
-            groups[-1].append(path)
-        else:
-            groups.append([path])
+    """step -> {"epoch", "ids" (sorted, all ranks)}, from the last attempt that ran the step."""
+    attempts: dict[str, list[Path]] = defaultdict(list)
+    for path in out.glob("records-*.jsonl"):  # records-<attempt start>-<pid>-rank<r>.jsonl
+        attempts[path.name.rsplit("-", 1)[0]].append(path)
     kept: dict[int, dict] = {}
-    for group in groups:  # oldest first: a later attempt that redid a step replaces it whole
-        attempt: dict[int, dict] = {}
-        for path in group:
+    for tag in sorted(attempts, key=lambda t: float(t.split("-")[1])):  # a later attempt that
+        attempt: dict[int, dict] = {}                                     # redid a step wins
+        for path in attempts[tag]:
             for line in path.read_text().splitlines():
                 r = json.loads(line)
                 rec = attempt.setdefault(r["step"], {"epoch": r["epoch"], "ids": []})
                 rec["ids"] = sorted(rec["ids"] + r["ids"])
         kept.update(attempt)
     return kept
+
+
+def _reference_rank(rank: int, world: int, config: dict) -> None:
+    _loop(config)
 
 
 def _attempts(out: Path) -> list[dict]:
@@ -203,13 +200,14 @@ def test_interrupted_run_equals_uninterrupted_run(tmp_path, s3_server, ray_clust
     # later save of step 20 at world size 1).
     assert not [i for i in committed if i.step == NODE_LOSS_STEP and i.world_size == 2], committed
 
-    # 2. Reference without failures, same world sizes: 2 workers to resume_1, then 1.
-    ray_cluster.top_up()  # replaces the removed node
+    # 2. Reference without failures, same world sizes: 2 ranks to resume_1, then 1. The
+    # same training function on plain processes (Ray Train's launch is not under test).
+    ray_cluster.top_up()  # replaces the removed node for the tests after this one
     ref = tmp_path / "ref"
     ref.mkdir()
     base = {"data": str(data), "out": str(ref), "uri": s3_server.bucket_uri("ref"), "faults": []}
-    _fit({**base, "steps": resume_1}, 2, "ref-a", str(tmp_path / "ray"))
-    _fit({**base, "steps": STEPS}, 1, "ref-b", str(tmp_path / "ray"))
+    run_world(_reference_rank, 2, {**base, "steps": resume_1}, timeout_s=300)
+    run_world(_reference_rank, 1, {**base, "steps": STEPS}, timeout_s=300)
 
     got = torch.load(faulty / f"final-{STEPS}.pt")
     want = torch.load(ref / f"final-{STEPS}.pt")
