@@ -88,6 +88,50 @@ def test_a_restore_that_falls_back_to_nothing_leaves_the_fresh_state_untouched(t
     assert torch.equal(_weight(state), fresh)
 
 
+def test_a_restore_that_falls_back_to_nothing_leaves_a_fresh_optimizer_unstepped(tmp_path):
+    """Found by the 200-trial chaos soak (seed 0, trial 16): the only commit's shard file is
+    damaged; building the state dict to load into had initialized the fresh AdamW's state
+    (step 1, zero moments), so after restore returned None the run's first step used the
+    bias correction of step 2 and every weight differed from a fresh start."""
+    def adamw(seed: int) -> dict:
+        model = make_model(seed)
+        return {"model": model, "optim": torch.optim.AdamW(model.parameters(), lr=0.1)}
+
+    root = str(tmp_path / "root")
+    saved = adamw(0)
+    train_steps(saved["model"], saved["optim"], 1, rank=0)
+    with Checkpointer(root, staging_dir=str(tmp_path / "a"), keep_last=1, uploader="thread") as ckpt:
+        ckpt.save(4, saved)
+    _flip(root, 4)
+    state = adamw(7)
+    with Checkpointer(root, staging_dir=str(tmp_path / "b"), keep_last=1, uploader="thread") as ckpt:
+        assert ckpt.restore(state) is None
+    assert len(state["optim"].state) == 0, dict(state["optim"].state)
+
+
+def _save_sharded(rank: int, world: int, root: str, stage: str) -> None:
+    model = wrap(make_model(0), "fsdp")  # every tensor has a shard in each rank's file
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    train_steps(model, optim, 1, rank)
+    with Checkpointer(root, staging_dir=f"{stage}{rank}", keep_last=1, uploader="thread") as ckpt:
+        ckpt.save(4, {"model": model, "optim": optim})
+
+
+def test_a_damaged_second_shard_file_fails_the_restore_before_the_first_is_loaded_in_place(tmp_path):
+    """Resharding 2 -> 1 reads both ranks' files into the live tensors, one file after the
+    other: each file was checked only when DCP opened it, so a damaged second file was found
+    after the first had been copied into the weights."""
+    root = str(tmp_path / "root")
+    run_world(_save_sharded, 2, root, str(tmp_path / "a"))
+    _flip(root, 4, prefix="__1_")
+    state = _state(7)
+    fresh = {k: v.clone() for k, v in state["model"].state_dict().items()}
+    with Checkpointer(root, staging_dir=str(tmp_path / "b"), uploader="thread") as ckpt:
+        assert ckpt.restore(state) is None
+    changed = [k for k, v in state["model"].state_dict().items() if not torch.equal(v, fresh[k])]
+    assert changed == []
+
+
 def test_damaged_checkpoint_is_quarantined_listed_as_damaged_and_removed_by_retention(tmp_path, capsys):
     from argparse import Namespace
 

@@ -263,7 +263,7 @@ class Checkpointer:
         self._tick = time.perf_counter()
         return due
 
-    def _hand_off(self, step: int, roles: _state._Roles, save_id: str, generation: int) -> Handoff:
+    def _hand_off(self, step: int, roles: _state.Roles, save_id: str, generation: int) -> Handoff:
         flat, mappings = flatten_state_dict(_state.to_state_dict(roles))
         leaves = {fqn: _shard_plan.describe(value) for fqn, value in flat.items()}
         keys = _shard_plan.local_keys(leaves, self._owners(leaves), self.rank)

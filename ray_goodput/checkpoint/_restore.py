@@ -87,12 +87,27 @@ def load_checkpoint(state: dict[str, Any], *, root: StorageLocation, manifest: M
     """Load ``manifest``'s checkpoint into ``state`` (in place). Collective across ranks.
 
     RNG states are per rank and only meaningful for the world size that saved them:
-    they are restored when the world size is unchanged, left alone otherwise.
+    they are restored when the world size is unchanged, left alone otherwise. On failure
+    the live state is as it was: no file is loaded before all are checked, and an
+    optimizer that had no state gets none (building the state dict to load into gives a
+    never-stepped optimizer zero moments and step 1).
     """
+    roles = _state.classify(state)
+    unstepped = [optim for optim, _ in roles.optimizers.values() if not optim.state]
+    try:
+        return _load(roles, state, root=root, manifest=manifest, staging=staging, rank=rank,
+                     world_size=world_size, policy=policy)
+    except BaseException:  # DCP's CheckpointException is one
+        for optim in unstepped:
+            optim.state.clear()
+        raise
+
+
+def _load(roles: _state.Roles, state: dict[str, Any], *, root: StorageLocation, manifest: Manifest,
+          staging: Path, rank: int, world_size: int, policy: RetryPolicy) -> RestoreInfo:
     start = time.perf_counter()
     step_loc = _catalog.step_location(root, manifest.step)
     local_dir = staging / _layout.step_dir(manifest.step)
-    roles = _state.classify(state)
     template = _state.to_state_dict(roles)
     error: BaseException | None = None
     try:

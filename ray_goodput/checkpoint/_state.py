@@ -34,7 +34,7 @@ _OPTIONS = StateDictOptions(full_state_dict=False, cpu_offload=False)
 
 
 @dataclass
-class _Roles:
+class Roles:
     modules: dict[str, nn.Module]
     optimizers: dict[str, tuple[torch.optim.Optimizer, nn.Module]]
     statefuls: dict[str, Any]
@@ -52,12 +52,12 @@ def _owner(optim: torch.optim.Optimizer, modules: dict[str, nn.Module], key: str
     )
 
 
-def classify(state: dict[str, Any]) -> _Roles:
+def classify(state: dict[str, Any]) -> Roles:
     """Sort the values of ``state`` by how they are checkpointed."""
     if not isinstance(state, dict) or not state:
         raise ConfigError("state must be a non-empty dict, e.g. {'model': model, 'optim': optim}")
     modules = {k: v for k, v in state.items() if isinstance(v, nn.Module)}
-    roles = _Roles(modules=modules, optimizers={}, statefuls={}, plain={})
+    roles = Roles(modules=modules, optimizers={}, statefuls={}, plain={})
     for key, value in state.items():
         if not isinstance(key, str) or key.startswith("_rg_"):
             raise ConfigError(f"state keys must be strings not starting with '_rg_', got {key!r}")
@@ -72,7 +72,7 @@ def classify(state: dict[str, Any]) -> _Roles:
     return roles
 
 
-def to_state_dict(roles: _Roles) -> dict[str, Any]:
+def to_state_dict(roles: Roles) -> dict[str, Any]:
     """The DCP state dict of the current values (tensors are live, not copies)."""
     sd: dict[str, Any] = {}
     for key, module in roles.modules.items():
@@ -88,7 +88,7 @@ def to_state_dict(roles: _Roles) -> dict[str, Any]:
     return sd
 
 
-def apply_state_dict(roles: _Roles, sd: dict[str, Any], state: dict[str, Any]) -> None:
+def apply_state_dict(roles: Roles, sd: dict[str, Any], state: dict[str, Any]) -> None:
     """Load ``sd`` (as filled by DCP) into the live objects; plain values into ``state``."""
     for key, module in roles.modules.items():
         set_model_state_dict(module, sd[key], options=_OPTIONS)

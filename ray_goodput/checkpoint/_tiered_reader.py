@@ -2,9 +2,11 @@
 copy matches the manifest, and otherwise first downloads it there (parallel-safe,
 atomic, retried, checked against the manifest's size and checksum).
 
-Only the files DCP opens for this rank are touched, each checked once, when first
-opened: a rank never reads (nor checksums) another rank's shard in the shared staging
-directory."""
+Only the files DCP reads for this rank are touched, each checked once: a rank never reads
+(nor checksums) another rank's shard in the shared staging directory. Every file of a
+rank's read plan is checked, and every rank agrees that its files are intact, before DCP
+copies anything into the live tensors: a damaged file fails the load with the state
+untouched, not after another file was loaded in place."""
 
 from __future__ import annotations
 
@@ -17,7 +19,10 @@ from typing import IO, Any
 
 from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
+from torch.futures import Future
 
+from ray_goodput.checkpoint import _collective
 from ray_goodput.errors import CheckpointCorruptError
 from ray_goodput.storage import CRC32, FileEntry, RetryPolicy, StorageLocation, download_file, file_crc32
 
@@ -34,6 +39,7 @@ class _TieredFs(FileSystemBase):
         self.unchecked = set() if verified else set(local_names)
         self.entries = entries
         self.policy = policy
+        self.ready: set[str] = set()
         self.local_reads = 0
         self.remote_reads = 0
 
@@ -61,17 +67,23 @@ class _TieredFs(FileSystemBase):
                 f"says {want.size} bytes {want.algorithm}={want.crc32:#x}")
         self.local_names.add(name)
 
-    @contextmanager
-    def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[IO[bytes], None, None]:
-        if "r" not in mode:
-            raise PermissionError("checkpoint reader is read-only")
-        name = str(path)
+    def prepare(self, name: str) -> None:
+        """Make ``name`` readable, checked, from the local directory (once per file)."""
+        if name in self.ready:
+            return
         if name in self.local_names or (name in self.unchecked and self._local_ok(name)):
             self.local_reads += 1
         else:
             self.remote_reads += 1
             self._fetch(name)
-        with open(self.local_dir / name, "rb") as f:
+        self.ready.add(name)
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[IO[bytes], None, None]:
+        if "r" not in mode:
+            raise PermissionError("checkpoint reader is read-only")
+        self.prepare(str(path))
+        with open(self.local_dir / str(path), "rb") as f:
             yield f
 
     def concat_path(self, path: str | os.PathLike, suffix: str) -> str:
@@ -109,6 +121,19 @@ class TieredReader(FileSystemReader):
         self.fs = _TieredFs(remote, local_dir, local_names, entries, policy, verified=verified)
         self.path = ""
         self._metadata: Metadata | None = None
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """Check (or fetch) every file of the plan, agree across ranks, then let DCP copy.
+
+        Collective: DCP calls it on every rank in the same phase of ``dcp.load``."""
+        error: BaseException | None = None
+        try:
+            for name in sorted({self.storage_data[item.storage_index].relative_path for item in plan.items}):
+                self.fs.prepare(name)
+        except Exception as exc:  # noqa: BLE001 - agreed below, before any rank copies
+            error = exc
+        _collective.agree(error)
+        return super().read_data(plan, planner)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """DCP's metadata, read once (restore checks it before DCP reads it again)."""
