@@ -209,7 +209,7 @@ def test_cache_exits_when_its_job_is_gone(tmp_path):
     script = (f"import ray\nfrom ray_goodput.data import CacheConfig\n"
               f"from ray_goodput.data._cache_actor import get_cache\n"
               f"ray.init(address={address!r}, namespace='x')\n"
-              f"h = get_cache(CacheConfig(directory={str(tmp_path)!r}))\n"
+              f"h = get_cache(CacheConfig(directory={str(tmp_path)!r}, job_check_interval_s=0.5))\n"
               f"print(ray.get(h.describe.remote())['directory'])\n")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                          timeout=120, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})

@@ -24,7 +24,6 @@ logger = logging.getLogger(__name__)
 
 KIND = "cache"
 MAINTAIN_INTERVAL_S = 1.0
-JOB_CHECK_INTERVAL_S = 10.0
 _STATUS_FIELDS = ("node_id", "directory", "bytes_used", "capacity_bytes", "files", "hit_rate",
                   "hits", "misses", "evictions", "bytes_fetched", "inflight", "errors")
 
@@ -38,17 +37,18 @@ class NodeCache:
         self._core = CacheKeeper(config, node_id)
         self._metrics = CacheMetrics(node_id)
         self._job_id = job_id
+        self._job_check_s = config.job_check_interval_s
         self._stop = threading.Event()
         threading.Thread(target=self._loop, name="rg-cache-maintain", daemon=True).start()
 
     def _loop(self) -> None:
         last_job_check = time.monotonic()
-        while not self._stop.wait(MAINTAIN_INTERVAL_S):
+        while not self._stop.wait(min(MAINTAIN_INTERVAL_S, self._job_check_s)):
             try:
                 self._metrics.publish(self._core.stats(), self._core.drain_latencies())
             except Exception as exc:  # noqa: BLE001 - keep serving; say why
                 logger.warning("node cache maintenance failed: %s", exc)
-            if time.monotonic() - last_job_check >= JOB_CHECK_INTERVAL_S:
+            if time.monotonic() - last_job_check >= self._job_check_s:
                 last_job_check = time.monotonic()
                 if not _services.job_alive(self._job_id):
                     logger.info("job %s is gone; node cache exits", self._job_id)

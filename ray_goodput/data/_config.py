@@ -17,12 +17,15 @@ class CacheConfig:
     starts the cache fixes both for the node; later configs that differ are logged and
     ignored. ``lookahead``: files per rank fetched ahead of the training loop.
     ``fetch_concurrency``: parallel downloads of the node's prefetcher.
+    ``job_check_interval_s``: how often the cache checks that the job that started it is
+    alive; it exits within about this long after the job is gone.
     """
 
     directory: str | None = None
     capacity_bytes: int | None = None
     lookahead: int = 512
     fetch_concurrency: int = 16
+    job_check_interval_s: float = 10.0
 
     def __post_init__(self) -> None:
         if self.capacity_bytes is not None and self.capacity_bytes < 1:
@@ -33,3 +36,6 @@ class CacheConfig:
         if self.fetch_concurrency < 1:
             raise ConfigError(f"CacheConfig.fetch_concurrency must be >= 1, "
                               f"got {self.fetch_concurrency}")
+        if not self.job_check_interval_s > 0:
+            raise ConfigError(f"CacheConfig.job_check_interval_s must be > 0 seconds, "
+                              f"got {self.job_check_interval_s}")
