@@ -1,5 +1,5 @@
-"""Restart fidelity, the flagship test: a run with injected failures — SIGKILLs at steps,
-one while an upload is in flight, and a node removed while its upload is in flight so
+"""Restart fidelity, the flagship test: a run with injected failures — a SIGKILL while an
+upload is in flight, and a node removed while its upload is in flight so
 the run resumes on fewer workers (elastic ScalingConfig), resharded 2 -> 1 — ends with
 the same weights, bit for bit, as a run without failures that follows the same schedule
 of world sizes; every resume took the newest committed checkpoint, never a partial one;
@@ -152,12 +152,13 @@ def _attempts(out: Path) -> list[dict]:
 
 
 def _run_with_failures(ray_cluster, s3_server, data: Path, out: Path, storage: str) -> str:
-    """SIGKILL at step 7 (rank 1); SIGKILL right after the save of step 12 (rank 0, its
+    """SIGKILL right after the save of step 12 (rank 0, its
     upload in flight); rank 1's node removed right after the save of step 20, with that
     step's uploads held by a proxy so they are in flight. Returns the checkpoint URI."""
     proxy = FlakyProxy(s3_server.endpoint)
     uri = s3_server.bucket_uri("faulty").replace(s3_server.endpoint, proxy.endpoint)
-    faults = [dict(step=7, rank=1, marker_dir=str(out)), dict(step=12, rank=0, marker_dir=str(out))]
+    # (A SIGKILL between saves is the LM example's fault; one restart fewer here.)
+    faults = [dict(step=12, rank=0, marker_dir=str(out))]
     config = {"data": str(data), "out": str(out), "uri": uri, "steps": STEPS,
               "faults": faults, "node_loss": True}
 
@@ -185,7 +186,7 @@ def test_interrupted_run_equals_uninterrupted_run(tmp_path, s3_server, ray_clust
     faulty.mkdir()
     uri = _run_with_failures(ray_cluster, s3_server, data, faulty, str(tmp_path / "ray"))
     attempts = _attempts(faulty)
-    assert [a["world"] for a in attempts] == [2, 2, 2, 1], attempts
+    assert [a["world"] for a in attempts] == [2, 2, 1], attempts
     assert attempts[0] == {"world": 2, "restored": None, "newest_committed": None,
                            "newest_after_restore": None}
     for a in attempts:  # every resume took the newest committed checkpoint there was
@@ -226,5 +227,5 @@ def test_interrupted_run_equals_uninterrupted_run(tmp_path, s3_server, ray_clust
         if epoch != last:
             assert sorted(ids) == list(range(SAMPLES)), f"samples skipped in epoch {epoch}"
     ledger = json.loads((tmp_path / "ray" / "faulty" / "goodput" / "summary.json").read_text())
-    assert ledger["attempts"] == 4 and ledger["steps_kept"] == STEPS
+    assert ledger["attempts"] == 3 and ledger["steps_kept"] == STEPS
     assert abs(sum(ledger["seconds"].values()) - ledger["total_s"]) <= 0.01 * ledger["total_s"]
