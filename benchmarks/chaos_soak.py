@@ -718,13 +718,17 @@ class Soak:
                      configure_logging=False)
         return ray.get_runtime_context().gcs_address
 
-    def close(self) -> None:
+    def close(self, keep: bool = False) -> None:
+        """Stop the servers; remove the work directory unless ``--keep`` or ``keep`` (a
+        trial found a violation: its directory, with the ranks' logs, stays for study)."""
         if self._moto is not None:
             self._moto.terminate()
             self._moto.wait(timeout=10)
         if "ray" in sys.modules and sys.modules["ray"].is_initialized():
             sys.modules["ray"].shutdown()
-        if not self.args.keep:
+        if keep or self.args.keep:
+            print(f"kept {self.work}", flush=True)
+        else:
             shutil.rmtree(self.work, ignore_errors=True)
 
     def reference(self, schedule: tuple[int, int]) -> Reference:
@@ -1201,7 +1205,7 @@ def main(argv: list[str] | None = None) -> int:
             _write(args, results, t0, [])  # so an interrupted soak leaves what it found
         ref_problems = _check_references(soak)
     finally:
-        soak.close()
+        soak.close(keep=any(r["violations"] for r in results))
     summary = _write(args, results, t0, ref_problems)
     print(markdown(summary))
     return 1 if summary["violations"] else 0
