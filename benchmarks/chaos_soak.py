@@ -55,6 +55,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import sys
@@ -472,6 +473,9 @@ def _intact(loc: Any, files: list) -> bool:
     return True
 
 
+_MARKER_NAME = re.compile(r"^rank-\d+-.+\.json$")
+
+
 def _completable(loc: Any) -> tuple[int, int] | None:
     """Generation of the newest save whose every rank declared itself durable with intact
     files (an orphan that restore may commit), or None."""
@@ -480,8 +484,11 @@ def _completable(loc: Any) -> tuple[int, int] | None:
 
     saves: dict[tuple[int, str, int], dict[int, list]] = defaultdict(dict)
     for info in list_dir(loc, _layout.RANKS_DIR):
+        name = info.path.rsplit("/", 1)[-1]
+        if not _MARKER_NAME.match(name):
+            continue  # a marker's temporary file (killed before its rename) declares nothing
         try:
-            d = json.loads(read_bytes(loc, f"{_layout.RANKS_DIR}/{info.path.rsplit('/', 1)[-1]}"))
+            d = json.loads(read_bytes(loc, f"{_layout.RANKS_DIR}/{name}"))
             key = (int(d.get("generation", 0)), str(d["nonce"]), int(d["world_size"]))
             algorithm = d.get("checksum")  # named by the record since CRC32C (absent: CRC32)
             saves[key][int(d["rank"])] = [

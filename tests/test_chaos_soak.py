@@ -96,6 +96,29 @@ def test_a_repeated_skipped_or_reordered_sample_is_a_violation():
     assert soak.check_data(missing, ref, steps=4)[0].startswith("step_missing")
 
 
+def test_a_rank_marker_never_renamed_into_place_is_not_an_orphan_restore_must_take(tmp_path):
+    """Found by the 200-trial soak (seed 0, trial 1: a kill 13 ms after a save): the kill
+    fell between the fsync of the rank marker's temporary file and its rename. The soak read
+    every file under ``.ranks/`` and called the step a completable orphan; the library
+    (rightly) reads only markers under their final name, found nothing durable and started
+    fresh, which the soak reported as ``restore_lost_progress``."""
+    import torch
+
+    from ray_goodput import Checkpointer
+    from ray_goodput.checkpoint import _catalog, _layout
+    from ray_goodput.storage import list_dir, resolve
+
+    root = str(tmp_path / "root")
+    with Checkpointer(root, staging_dir=str(tmp_path / "s"), uploader="thread") as ckpt:
+        ckpt.save(1, {"model": torch.nn.Linear(4, 4)})
+    loc = _catalog.step_location(resolve(root), 1)
+    loc.fs.delete_file(loc.join(_layout.COMMITTED))  # killed before the commit...
+    (marker,) = [i.path for i in list_dir(loc, _layout.RANKS_DIR)]
+    loc.fs.move(marker, f"{marker}.tmp-123-456")  # ...and before its marker's rename
+    assert _catalog.newest_valid(root) is None
+    assert soak.scan(root).steps == {1: "partial"}
+
+
 def _outcome(tmp_path: Path, **ranks: dict | str) -> dict[int, str]:
     (tmp_path / "runs").mkdir(parents=True, exist_ok=True)
     for key, value in ranks.items():
