@@ -20,8 +20,12 @@ and the floors, measured in the same run, interleaved with the methods:
     both ranks in parallel, 8 MiB writes (the same write size as ray_goodput's uploads)
 
 Then the slowdown of a compute-bound step (~100 ms, calibrated) while a ray_goodput save
-is being written/uploaded in the background. Starts its own moto S3 server (subprocess)
-and its own Ray. Prints a markdown table.
+is being written/uploaded in the background. Then the read: ``--saves`` rounds of
+``Checkpointer.restore`` of the newest committed checkpoint by a new Checkpointer (as a
+restarted worker makes), once with a fresh staging dir (every file from storage) and once
+with the staging dir the save left, against plain reads of the same files (the rank's
+``.metadata``, data file and RNG extras) from the same storage and from the node-local
+copy. Starts its own moto S3 server (subprocess) and its own Ray. Prints markdown tables.
 
     python benchmarks/checkpoint_tax.py                         # defaults: 256 MB/rank, 3 saves
     python benchmarks/checkpoint_tax.py --mb-per-rank 64 --saves 2   # quick mode
@@ -268,6 +272,7 @@ class _Bench:
         self.async_group = dist.new_group(backend="gloo")
         self.rg_step = 0
         self.results: dict[str, dict[str, list[float]]] = {}
+        self.restores: dict[str, list[float]] = {}  # restore phase: seconds (or counts) per round
 
     def sync(self) -> None:
         if self.dev == "cuda":
@@ -284,6 +289,9 @@ class _Bench:
         t = torch.tensor([x], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return float(t.item())
+
+    def record_restore(self, name: str, value: float) -> None:
+        self.restores.setdefault(name, []).append(value)
 
     def record(self, name: str, blocked: float | None, durable: float | None) -> None:
         r = self.results.setdefault(name, {"blocked": [], "durable": []})
@@ -640,6 +648,116 @@ def measure_slowdown(b: _Bench) -> dict[str, Any]:
             **{k: [v for g in gathered for v in g[k]] for k in t}}
 
 
+# ----------------------------------------------------------------------------- restore
+
+def _restore_target(b: _Bench):
+    """The manifest of the newest committed ray_goodput checkpoint (one save first when no
+    ray_goodput method ran)."""
+    from ray_goodput.checkpoint._catalog import step_location
+    from ray_goodput.checkpoint._manifest import read_manifest
+
+    if b.rg_step == 0:
+        _rg_save(b)
+    b.ckpt.wait()
+    manifest = read_manifest(step_location(b.ckpt.root, b.rg_step))
+    if manifest is None:
+        raise RuntimeError(f"ray_goodput step {b.rg_step} is not committed: nothing to restore")
+    return manifest
+
+
+def _rank_files(b: _Bench, manifest) -> list[str]:
+    """What this rank's restore reads at an unchanged world size: DCP's ``.metadata``, the
+    rank's data file, its RNG extras (not the per-rank metadata parts)."""
+    from ray_goodput.checkpoint import _layout
+
+    extras = _layout.extras_file(b.rank, manifest.nonce)
+    return [_layout.DCP_METADATA, *(f.name for f in manifest.files
+                                    if f.name.startswith(f"__{b.rank}_") or f.name == extras)]
+
+
+def _restore_with(b: _Bench, staging_dir: Path, step: int):
+    """(seconds of ``restore()``, its RestoreInfo) by a new Checkpointer, as a restarted
+    worker makes, whose node-local copy lives under ``staging_dir``."""
+    from ray_goodput import Checkpointer
+
+    # Never closed: close() would add a Ray Train report; it saved nothing, so it holds
+    # no uploader and no arena to release.
+    ck = Checkpointer(keep_last=1, staging_dir=str(staging_dir), uploader="thread")
+    got: list = []
+    seconds = _timed(b, lambda: got.append(ck.restore(b.state)))
+    if got != [step]:
+        raise RuntimeError(f"restore loaded step {got[0] if got else None}, expected {step}")
+    return seconds, ck.last_restore
+
+
+def m_restore_cold(b: _Bench, i: int, step: int) -> None:
+    stage = Path(b.cfg["work"]) / f"cold-restore-{i}"  # fresh: every file comes from storage
+    seconds, info = _restore_with(b, stage, step)
+    b.record_restore("rs_cold", b.allmax(seconds))
+    b.record_restore("rs_cold_load", b.allmax(info.seconds))
+    if b.allmax(info.local_files):  # on every rank alike: none raises alone
+        raise RuntimeError("the cold restore read files from a node-local copy; its staging dir was not fresh")
+    if b.rank == 0:  # allmax above: every rank is done reading
+        shutil.rmtree(stage, ignore_errors=True)
+
+
+def m_restore_warm(b: _Bench, step: int) -> None:
+    seconds, info = _restore_with(b, b.ckpt.staging.parent, step)  # the copy the save left
+    b.record_restore("rs_warm", b.allmax(seconds))
+    b.record_restore("rs_warm_load", b.allmax(info.seconds))
+    b.record_restore("rs_warm_remote_files", b.allmax(info.remote_files))
+
+
+def _read_whole(fs, paths: list[str]) -> int:
+    n = 0
+    for path in paths:
+        with fs.open_input_file(path) as f:
+            n += len(f.read())
+    return n
+
+
+def m_read_floor(b: _Bench, loc, names: list[str]) -> None:
+    """Floor: the same files read whole into memory from the same storage, same fs."""
+    n: list[int] = []
+    seconds = _timed(b, lambda: n.append(_read_whole(loc.fs, [loc.join(x) for x in names])))
+    b.record_restore("read_floor", b.allmax(seconds))
+    b.record_restore("read_bytes", b.allmax(n[0]))
+
+
+def m_local_read_floor(b: _Bench, local_dir: Path, names: list[str]) -> None:
+    """Floor: the same files read whole from the node-local copy (plain Python reads)."""
+    seconds = _timed(b, lambda: [(local_dir / x).read_bytes() for x in names])
+    b.record_restore("local_floor", b.allmax(seconds))
+
+
+def measure_restore(b: _Bench) -> list[str]:
+    """``--saves`` rounds of: restore from storage (cold node-local copy), restore from the
+    node-local copy, and both floors, in rotating order; returns rank 0's progress log."""
+    from ray_goodput.checkpoint import _layout
+    from ray_goodput.checkpoint._catalog import step_location
+
+    manifest = _restore_target(b)
+    names = _rank_files(b, manifest)
+    loc = step_location(b.ckpt.root, manifest.step)
+    local_dir = b.ckpt.staging / _layout.step_dir(manifest.step)
+    todo: dict[str, Callable[[int], None]] = {
+        "restore_cold": lambda i: m_restore_cold(b, i, manifest.step),
+        "read_floor": lambda i: m_read_floor(b, loc, names),
+        "restore_warm": lambda i: m_restore_warm(b, manifest.step),
+        "local_floor": lambda i: m_local_read_floor(b, local_dir, names),
+    }
+    order, log = list(todo), []
+    for i in range(b.cfg["saves"]):
+        for name in order[i % len(order):] + order[:i % len(order)]:
+            gc.collect()
+            t = time.perf_counter()
+            todo[name](i)
+            if b.rank == 0:
+                log.append(f"restore round {i} {name}: {time.perf_counter() - t:.1f}s")
+                print(log[-1], flush=True)
+    return log
+
+
 # ----------------------------------------------------------------------------- worker entry
 
 def _write_result(b: _Bench, log: list[str], slow: dict[str, Any]) -> None:
@@ -652,7 +770,7 @@ def _write_result(b: _Bench, log: list[str], slow: dict[str, Any]) -> None:
     if b.rank == 0:
         Path(b.cfg["out"]).write_text(json.dumps({
             "storage": b.cfg["storage"], "world": b.world, "rank_bytes": sizes, "results": b.results,
-            "slowdown": slow, "arena": arena, "log": log,
+            "slowdown": slow, "restore": b.restores, "arena": arena, "log": log,
             "torch_threads": torch.get_num_threads(), "retries_rank0": RETRIES}))
 
 
@@ -661,6 +779,7 @@ def train_loop(cfg: dict) -> None:
     b = _Bench(cfg)
     log = run_rounds(b)
     slow = measure_slowdown(b)
+    log += measure_restore(b)
     _write_result(b, log, slow)
 
 
@@ -761,6 +880,58 @@ def _slowdown_verdicts(run: dict) -> list[str]:
     return out
 
 
+# Issue 10's restore targets, both <= 1.3x: (restore, its floor, where from, the floor in words).
+RESTORE_TARGETS = [("rs_cold", "read_floor", "from storage", "a plain read from storage"),
+                   ("rs_warm", "local_floor", "from the node-local copy", "a plain local read")]
+RESTORE_LABELS = {
+    "read_floor": "floor: plain read of the rank's files from storage (whole files)",
+    "rs_cold": "Checkpointer.restore, cold node-local copy (all from storage)",
+    "rs_cold_load": "  (of which loading: fetch, check, DCP read)",
+    "local_floor": "floor: plain local read of the node-local copy",
+    "rs_warm": "Checkpointer.restore from the node-local copy",
+    "rs_warm_load": "  (of which loading: check, DCP read)",
+}
+RESTORE_FLOOR = {"rs_cold": "read_floor", "rs_cold_load": "read_floor",
+                 "rs_warm": "local_floor", "rs_warm_load": "local_floor"}
+
+
+def _restore_rows(run: dict) -> list[str]:
+    med = {k: _med(v) for k, v in (run.get("restore") or {}).items()}
+    rows = []
+    for key in (k for k in RESTORE_LABELS if med.get(k) is not None):
+        floor = med.get(RESTORE_FLOOR.get(key, key))
+        rows.append(f"| {RESTORE_LABELS[key]} | {run['storage']} | {med[key]:.2f} "
+                    f"| {_f(med[key] / floor if floor else None, '{:.2f}×')} |")
+    return rows
+
+
+def _restore_verdicts(run: dict) -> list[str]:
+    med = {k: _med(v) for k, v in (run.get("restore") or {}).items()}
+    out = []
+    for key, floor, where, floor_words in RESTORE_TARGETS:
+        if med.get(key) is None or not med.get(floor):
+            continue
+        r = med[key] / med[floor]
+        out.append(f"- {run['storage']}: restore {where} {med[key]:.2f} s = {r:.2f}× {floor_words} "
+                   f"({med[floor]:.2f} s) → target ≤ 1.3×: {'MET' if r <= 1.3 else 'NOT met'}")
+    if med.get("rs_warm_remote_files"):
+        out.append(f"- {run['storage']}: the restore from the node-local copy still fetched "
+                   f"{med['rs_warm_remote_files']:.0f} file(s) from storage (median, slowest rank)")
+    return out
+
+
+def _restore_table(runs: list[dict]) -> list[str]:
+    """Restore of the newest committed ray_goodput checkpoint against plain reads."""
+    rows = [row for run in runs for row in _restore_rows(run)]
+    if not rows:
+        return []
+    sizes = ", ".join(f"{r['storage']}: {_med(r['restore'].get('read_bytes', [0])) / 2**20:.0f} MiB"
+                      for r in runs if r.get("restore"))
+    head = [f"Restore (median of the rounds, slowest rank; bytes each rank reads: {sizes}):", "",
+            "| restore | storage | s (median) | / its floor |", "|---|---|---|---|"]
+    return head + rows + [""] + [v for run in runs for v in _restore_verdicts(run)]
+
+
 def render(runs: list[dict], args) -> str:
     lines = ["| method | storage | blocked s (median) | durable s (median) | blocked / copy floor "
              "| durable / upload floor | torch.save rank-0 blocked / ray_goodput blocked | 1st save blocked s |",
@@ -773,7 +944,8 @@ def render(runs: list[dict], args) -> str:
     sizes = ", ".join(f"{r['storage']}: {[round(b / 2**20) for b in r['rank_bytes']]} MiB/rank" for r in runs)
     head = [f"State per rank ({sizes}); {args.saves} saves per method (median over all saves, the first "
             f"one included), {runs[0]['world'] if runs else '?'} ranks, device {args.device}."]
-    return "\n".join(head + [""] + lines + [""] + verdict)
+    restore = _restore_table(runs)
+    return "\n".join(head + [""] + lines + [""] + verdict + ([""] + restore if restore else []))
 
 
 # ----------------------------------------------------------------------------- main
