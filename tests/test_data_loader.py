@@ -226,3 +226,11 @@ def test_forked_worker_does_not_inherit_a_held_fetch_lock(tmp_path):
     thread.join()
     _, status = os.waitpid(pid, 0)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+
+
+def test_bad_cache_config_names_the_setting():
+    for kwargs, name in (({"capacity_bytes": 0}, "capacity_bytes"), ({"lookahead": -1}, "lookahead"),
+                         ({"fetch_concurrency": 0}, "fetch_concurrency"),
+                         ({"job_check_interval_s": 0}, "job_check_interval_s")):
+        with pytest.raises(ConfigError, match=f"CacheConfig.{name} must"):
+            CacheConfig(**kwargs)
