@@ -5,7 +5,6 @@ it guards against."""
 from __future__ import annotations
 
 import os
-import threading
 
 import pytest
 import torch
