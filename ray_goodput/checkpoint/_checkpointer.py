@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 import ray
-import ray.train
 import torch
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
@@ -39,7 +38,7 @@ from ray_goodput.checkpoint._arena import Arena, arena_name, pick_dir, sweep_dea
 from ray_goodput.checkpoint._backends import Handoff, ThreadBackend, UploadBackend
 from ray_goodput.checkpoint._job import ShardJob
 from ray_goodput.checkpoint._metrics import SaveMetrics
-from ray_goodput.checkpoint._ray_report import report_checkpoint
+from ray_goodput.checkpoint._ray_report import report_checkpoint, report_closed
 from ray_goodput.checkpoint._restore import RestoreInfo, choose, load_checkpoint
 from ray_goodput.checkpoint._save_state import SaveRecord, SaveState, agree
 from ray_goodput.checkpoint._schedule import SaveSchedule
@@ -472,9 +471,7 @@ class Checkpointer:
         try:
             self.wait()
             if self._ctx.in_ray_train:
-                # A last report, so the goodput callback sees the end even when no
-                # checkpoint committed since the previous report.
-                ray.train.report({"step": self._last_step, "ray_goodput_closed": 1})
+                report_closed(self._last_step)
         finally:
             self._release()
 

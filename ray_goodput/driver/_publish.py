@@ -9,7 +9,6 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import mlflow
 from ray.util import metrics
 
 from ray_goodput.goodput import Ledger, chart_png, timeline_png
@@ -30,7 +29,11 @@ class MlflowSink:
     """One MLflow run per job; it stays open across worker-group restarts."""
 
     def __init__(self, tracking_uri: str, experiment: str, run_name: str) -> None:
-        self._client = mlflow.MlflowClient(tracking_uri=tracking_uri)
+        # ~1 s to import: loaded by the controller that publishes, not by every worker
+        # process that imports this package to unpickle a training function.
+        from mlflow import MlflowClient  # noqa: PLC0415
+
+        self._client = MlflowClient(tracking_uri=tracking_uri)
         exp = self._client.get_experiment_by_name(experiment)
         exp_id = exp.experiment_id if exp else self._client.create_experiment(
             experiment, artifact_location=_artifacts_beside(tracking_uri))

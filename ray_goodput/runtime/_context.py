@@ -9,11 +9,11 @@ disagree about the world they run in.
 from __future__ import annotations
 
 import logging
+import sys
 from dataclasses import dataclass
 from typing import Any
 
 import ray
-import ray.train
 import torch.distributed as dist
 
 from ray_goodput.errors import ConfigError
@@ -23,7 +23,14 @@ logger = logging.getLogger(__name__)
 
 
 def _ray_train_context() -> Any | None:
-    """The Ray Train context of this process, or None outside a Ray Train worker."""
+    """The Ray Train context of this process, or None outside a Ray Train worker.
+
+    A Ray Train worker imported ``ray.train`` to run its training function; a process
+    that never did is not one, and does not pay for the import (~0.5 s, with pandas)."""
+    if "ray.train" not in sys.modules:
+        return None
+    import ray.train  # noqa: PLC0415 - already imported (checked above): a lookup
+
     try:
         ctx = ray.train.get_context()
         ctx.get_world_rank()  # raises outside a worker (e.g. in the driver)
