@@ -6,8 +6,9 @@ or the ``ray-goodput ls`` command do not pay for torch, Ray Train and MLflow.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from ray_goodput._lazy import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -41,20 +42,7 @@ __all__ = sorted(_EXPORTS)
 _SUBPACKAGES = frozenset({"checkpoint", "cli", "data", "driver", "errors", "goodput", "plan", "runtime",
                           "storage", "testing"})
 
-
-def __getattr__(name: str) -> Any:
-    if name in _SUBPACKAGES:
-        return importlib.import_module(f"ray_goodput.{name}")
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'ray_goodput' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *__all__])
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, _SUBPACKAGES)
 
 
 if TYPE_CHECKING:

@@ -17,7 +17,7 @@ PACKAGE = Path(ray_goodput.__file__).parent
 
 # Low to high. Packages in one layer are siblings: they must not import each other.
 LAYERS: list[tuple[str, ...]] = [
-    ("ray_goodput.errors",),
+    ("ray_goodput.errors", "ray_goodput._lazy"),
     ("ray_goodput._env",),
     ("ray_goodput._faults", "ray_goodput.testing"),
     ("ray_goodput.storage",),
@@ -121,6 +121,9 @@ def test_public_names_and_subpackages_load_on_first_use():
     done = subprocess.run([sys.executable, "-c", (
         "import sys, ray_goodput\n"
         "assert 'torch' not in sys.modules\n"
+        # what a node's health-check task imports: no torch, Ray Train or MLflow
+        "import ray_goodput.driver._health\n"
+        "assert not {'torch', 'ray.train', 'mlflow'} & set(sys.modules), sorted(sys.modules)\n"
         "assert ray_goodput.data.DataLoader.__name__ == 'DataLoader'\n"
         "assert ray_goodput.TorchTrainer.__name__ == 'TorchTrainer'\n"
         "assert set(ray_goodput.__all__) <= set(dir(ray_goodput))\n")],

@@ -22,11 +22,12 @@ from ray.train import FailureConfig, RunConfig, ScalingConfig
 from ray.train.v2.api.exceptions import ControllerError, WorkerGroupError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from ray_goodput.driver import _health
+from ray_goodput.driver import _gpu_check
 from ray_goodput.driver._recovery import NodeLedger, Recovery, futile, load_state, workers_that_fit
 from ray_goodput.driver._trainer import TorchTrainer
 from ray_goodput.errors import ConfigError, StateMismatchError
 from ray_goodput.runtime import _resume
+from tests._node_checks import FailsOn
 
 # ---- pure parts ---------------------------------------------------------------------------
 
@@ -86,19 +87,19 @@ def test_decision_for_another_root_is_ignored(tmp_path):
 
 def test_gpu_check_comparison_catches_nan_inf_and_wrong_results():
     a = torch.randn(8, 8)
-    assert _health.compare_results(a.clone(), a) is None
+    assert _gpu_check.compare_results(a.clone(), a) is None
     bad = a.clone()
     bad[0, 0] = float("nan")
-    assert "NaN" in _health.compare_results(bad, a)
+    assert "NaN" in _gpu_check.compare_results(bad, a)
     bad[0, 0] = float("inf")
-    assert "Inf" in _health.compare_results(bad, a)
-    assert "differs" in _health.compare_results(a + 1.0, a)
+    assert "Inf" in _gpu_check.compare_results(bad, a)
+    assert "differs" in _gpu_check.compare_results(a + 1.0, a)
 
 
 def test_gpu_check_device_path_and_no_gpu_pass_on_cpu():
-    assert _health.check_device(torch.device("cpu"), alloc_gib=0.01) is None
+    assert _gpu_check.check_device(torch.device("cpu"), alloc_gib=0.01) is None
     assert not torch.cuda.is_available()  # this machine: the check passes with a note
-    assert _health.gpu_check() is True
+    assert _gpu_check.gpu_check() is True
 
 
 # ---- a real cluster -----------------------------------------------------------------------
@@ -116,18 +117,6 @@ def cluster():
     yield {"x": x.node_id, "y": y.node_id, "z": z.node_id}
     ray.shutdown()
     c.shutdown()
-
-
-class _FailsOn:
-    """A health check that fails on one node (and records where it ran)."""
-
-    def __init__(self, node_id: str, out: str) -> None:
-        self.node_id, self.out = node_id, out
-
-    def __call__(self) -> bool:
-        node = ray.get_runtime_context().get_node_id()
-        Path(self.out, f"check-{node}-{time.time_ns()}").touch()
-        return node != self.node_id
 
 
 def _record(out: str, **fields) -> dict:
@@ -216,7 +205,7 @@ def test_failing_health_check_keeps_workers_off_the_node_ray_would_pick(cluster,
     checks.mkdir()
     # A generous timeout: on a loaded machine the check task itself takes seconds to start, and
     # a timed-out check would exclude X for the wrong reason (the assertions below tell).
-    recovery = Recovery(health_check=_FailsOn(cluster["x"], str(checks)), health_check_timeout_s=180)
+    recovery = Recovery(health_check=FailsOn(cluster["x"], str(checks)), health_check_timeout_s=180)
     trainer, out = _fit(tmp_path, "health", recovery, 0)
     trainer.fit()
     recs = _records(out)

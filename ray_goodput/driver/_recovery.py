@@ -31,7 +31,7 @@ from ray.train.v2._internal.execution.callback import ControllerCallback, Worker
 from ray.train.v2.api.exceptions import ControllerError, WorkerGroupError
 
 from ray_goodput.checkpoint._catalog import newest_valid, pin_resume
-from ray_goodput.driver import _health
+from ray_goodput.driver import _gpu_check, _health
 from ray_goodput.errors import ConfigError, not_retryable
 from ray_goodput.runtime import run_root
 from ray_goodput.runtime._resume import ResumeDecision, root_key, set_decision
@@ -103,7 +103,7 @@ def workers_that_fit(node_resources: dict[str, float], per_worker: dict[str, flo
 class Recovery(ControllerCallback, WorkerGroupCallback):
     """Driver-side recovery for a Ray Train run; see the module docstring.
 
-    ``health_check``: None, ``"gpu"`` (:func:`ray_goodput.driver._health.gpu_check`) or a
+    ``health_check``: None, ``"gpu"`` (:func:`ray_goodput.driver._gpu_check.gpu_check`) or a
     function run on every candidate node before each attempt; raising or returning False
     excludes the node from that attempt and counts as one of its failures.
     ``storage_path``: where the Checkpointer writes, when not the Ray Train run directory.
@@ -113,7 +113,7 @@ class Recovery(ControllerCallback, WorkerGroupCallback):
                  max_failures_per_node: int = 2, health_check_timeout_s: float = 120.0,
                  storage_path: str | None = None) -> None:
         if health_check == "gpu":
-            health_check = _health.gpu_check
+            health_check = _gpu_check.gpu_check
         if health_check is not None and not callable(health_check):
             raise ConfigError(f"health_check must be None, 'gpu' or a function, got {health_check!r}")
         if max_failures_per_node < 1:

@@ -1,0 +1,21 @@
+"""Health checks for the Recovery tests, in a module that imports neither torch nor Ray
+Train: each check runs in a fresh process on every node, which imports this module."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import ray
+
+
+class FailsOn:
+    """A health check that fails on one node (and records where it ran)."""
+
+    def __init__(self, node_id: str, out: str) -> None:
+        self.node_id, self.out = node_id, out
+
+    def __call__(self) -> bool:
+        node = ray.get_runtime_context().get_node_id()
+        Path(self.out, f"check-{node}-{time.time_ns()}").touch()
+        return node != self.node_id
