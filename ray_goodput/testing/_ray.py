@@ -43,10 +43,11 @@ class ClusterShape:
 # default) for workers that cannot start, then tries again with what is left. On the
 # test cluster the node is known dead in ~1.5 s instead of ~15 s (3 s x 5 missed checks;
 # a killed raylet refuses at once, a slow but live one still has the default timeout
-# per check) and the wait is 25 s: a start timed out under load is retried (Train's
-# controller_failure_limit is unbounded by default), it costs time, not the test.
+# per check) and the wait is 15 s (a 2-worker start takes 7-10 s here): a start timed
+# out under load is retried (Train's controller_failure_limit is unbounded by default),
+# it costs time, not the test.
 _FAST_NODE_DEATH = {"health_check_period_ms": 500, "health_check_failure_threshold": 3}
-_CLUSTER_ENV = {"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "25"}
+_CLUSTER_ENV = {"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "15"}
 
 
 class RayCluster:
