@@ -691,14 +691,21 @@ def _restore_with(b: _Bench, staging_dir: Path, step: int):
 
 
 def m_restore_cold(b: _Bench, i: int, step: int) -> None:
-    stage = Path(b.cfg["work"]) / f"cold-restore-{i}"  # fresh: every file comes from storage
+    from ray_goodput.checkpoint._tiered_reader import wait_for_node_local_copies
+
+    # Fresh and this rank's own: every file comes from storage (in a shared one, DCP's
+    # .metadata fetched by one rank of the node is a local read for the other).
+    stage = Path(b.cfg["work"]) / f"cold-restore-{i}-rank{b.rank}"
     seconds, info = _restore_with(b, stage, step)
     b.record_restore("rs_cold", b.allmax(seconds))
     b.record_restore("rs_cold_load", b.allmax(info.seconds))
     if b.allmax(info.local_files):  # on every rank alike: none raises alone
         raise RuntimeError("the cold restore read files from a node-local copy; its staging dir was not fresh")
-    if b.rank == 0:  # allmax above: every rank is done reading
-        shutil.rmtree(stage, ignore_errors=True)
+    # The files it fetched go into the node-local copy in the background once the load is
+    # over; let that finish before the next round is timed (training would overlap it).
+    if not wait_for_node_local_copies(60):
+        raise RuntimeError("the cold restore's node-local copy was still being written after 60 s")
+    shutil.rmtree(stage, ignore_errors=True)
 
 
 def m_restore_warm(b: _Bench, step: int) -> None:

@@ -19,9 +19,9 @@ from ray_goodput.checkpoint._manifest import Manifest, read_manifest
 from ray_goodput.checkpoint._parts import write_part
 from ray_goodput.checkpoint._shard_plan import REPLICATED, Leaf
 from ray_goodput.checkpoint._state import restore_cuda_rng
-from ray_goodput.checkpoint._tiered_reader import TieredReader
-from ray_goodput.errors import CheckpointError
-from ray_goodput.storage import CRC32, CRC32C, FileEntry, checksum, resolve, upload_files
+from ray_goodput.checkpoint._tiered_reader import TieredReader, wait_for_node_local_copies
+from ray_goodput.errors import CheckpointCorruptError, CheckpointError
+from ray_goodput.storage import CRC32, CRC32C, FileEntry, RetryPolicy, checksum, resolve, upload_files
 from ray_goodput.testing import FlakyProxy, run_world
 
 # ---- save() without collectives (real processes over gloo) ----------------------------
@@ -141,6 +141,61 @@ def test_restore_never_checks_a_local_file_it_does_not_open(tmp_path):
         assert ckpt.restore({"model": fresh}) == 1
         assert ckpt.last_restore.remote_files == 0
     assert torch.equal(fresh.weight, model.weight)
+
+
+def test_restore_from_storage_reads_each_file_once_and_keeps_the_node_local_copy_after_the_load(
+        tmp_path, s3_server):
+    proxy = FlakyProxy(s3_server.endpoint, 0.0)
+    try:
+        root = s3_server.bucket_uri("whole").replace(s3_server.endpoint, proxy.endpoint)
+        model = torch.nn.Linear(1800, 1800)  # a 13 MB data file: two 8 MiB reads before
+        with Checkpointer(root, staging_dir=str(tmp_path / "saved"), uploader="thread") as ckpt:
+            ckpt.save(1, {"model": model})
+        cold = tmp_path / "cold"
+        before = proxy.gets(".distcp")
+        with Checkpointer(root, staging_dir=str(cold), uploader="thread") as ckpt:
+            fresh = torch.nn.Linear(1800, 1800)
+            assert ckpt.restore({"model": fresh}) == 1
+            assert ckpt.last_restore.remote_files > 0 and ckpt.last_restore.local_files == 0
+        gets = {p: n - before.get(p, 0) for p, n in proxy.gets(".distcp").items()}
+        assert list(gets.values()) == [1], gets  # the data file: one request, read whole
+        assert torch.equal(fresh.weight, model.weight)
+        # The fetched files go into the node-local copy once the load is over ...
+        assert wait_for_node_local_copies(30)
+        with Checkpointer(root, staging_dir=str(cold), uploader="thread") as ckpt:
+            again = torch.nn.Linear(1800, 1800)
+            assert ckpt.restore({"model": again}) == 1
+            assert ckpt.last_restore.remote_files == 0  # ... and the next restore reads it there
+        assert torch.equal(again.weight, model.weight)
+    finally:
+        proxy.close()
+
+
+def test_a_file_over_the_memory_budget_is_downloaded_to_the_staging_dir_and_checked(tmp_path):
+    root, staging = str(tmp_path / "root"), tmp_path / "s"
+    with Checkpointer(root, staging_dir=str(tmp_path / "saved"), uploader="thread") as ckpt:
+        ckpt.save(1, {"model": torch.nn.Linear(8, 8)})
+    step_loc = _catalog.step_location(resolve(root), 1)
+    entries = {f.name: f for f in read_manifest(step_loc).files}
+    for budget, held in ((0, False), (1 << 20, True)):
+        local_dir = staging / f"budget-{budget}"
+        local_dir.mkdir(parents=True)
+        reader = TieredReader(step_loc, local_dir, set(), entries, RetryPolicy(), hold_bytes=budget)
+        reader.fs.prepare(_layout.DCP_METADATA)
+        assert (_layout.DCP_METADATA in reader.fs.held) is held
+        assert (local_dir / _layout.DCP_METADATA).exists() is not held  # downloaded: on disk now
+        reader.release()
+        assert reader.fs.held == {}
+    damaged = entries[_layout.DCP_METADATA]
+    entries[damaged.name] = FileEntry(damaged.name, damaged.size, damaged.crc32 ^ 1, damaged.algorithm)
+    for budget in (0, 1 << 20):  # either way a mismatch is an error, and nothing is kept
+        local_dir = staging / f"damaged-{budget}"
+        local_dir.mkdir(parents=True)
+        reader = TieredReader(step_loc, local_dir, set(), entries, RetryPolicy(), hold_bytes=budget)
+        with pytest.raises(CheckpointCorruptError, match="manifest says"):
+            reader.fs.prepare(_layout.DCP_METADATA)
+        reader.release()
+        assert wait_for_node_local_copies(30) and not (local_dir / _layout.DCP_METADATA).exists()
 
 
 # ---- CRC32C, and old CRC32 manifests --------------------------------------------------------

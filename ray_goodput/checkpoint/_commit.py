@@ -19,8 +19,6 @@ under its own id (every file name carries it) and becomes visible only when
 from __future__ import annotations
 
 import logging
-import os
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,6 +44,7 @@ from ray_goodput.storage import (
     list_dir,
     read_bytes,
     write_bytes,
+    write_local_file,
 )
 
 logger = logging.getLogger(__name__)
@@ -159,9 +158,7 @@ class CommitProtocol:
         data = merge_parts(parts, self.step)
         write_bytes(self.step_loc, _layout.DCP_METADATA, data)
         if local_dir is not None and local_dir.is_dir():
-            tmp = local_dir / f".metadata.tmp-{os.getpid()}-{threading.get_ident()}"
-            tmp.write_bytes(data)
-            os.replace(tmp, local_dir / _layout.DCP_METADATA)
+            write_local_file(local_dir / _layout.DCP_METADATA, data)
         return FileEntry(name=_layout.DCP_METADATA, size=len(data), crc32=checksum(data),
                          algorithm=DEFAULT_ALGORITHM)
 

@@ -130,6 +130,8 @@ def _load(roles: _state.Roles, state: dict[str, Any], *, root: StorageLocation, 
         if any(isinstance(e, CheckpointCorruptError) for e in _causes(exc)):
             raise CheckpointCorruptError(f"checkpoint step {manifest.step} is damaged: {exc}") from exc
         raise
+    finally:
+        reader.release()
     _state.apply_state_dict(roles, template, state)
     same_world = rng is not None
     if same_world:

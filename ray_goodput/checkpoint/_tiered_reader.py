@@ -1,17 +1,27 @@
 """A DCP StorageReader that reads each file from the node-local staged copy when that
-copy matches the manifest, and otherwise first downloads it there (parallel-safe,
-atomic, retried, checked against the manifest's size and checksum).
+copy matches the manifest, and otherwise from storage (retried, checked against the
+manifest's size and checksum), keeping a node-local copy for the next restore.
 
 Only the files DCP reads for this rank are touched, each checked once: a rank never reads
 (nor checksums) another rank's shard in the shared staging directory. Every file of a
 rank's read plan is checked, and every rank agrees that its files are intact, before DCP
 copies anything into the live tensors: a damaged file fails the load with the state
-untouched, not after another file was loaded in place."""
+untouched, not after another file was loaded in place.
+
+A file that comes from storage is read whole, in one request, checked in memory, and DCP
+reads it from that buffer (up to ``hold_bytes`` per rank; beyond that files are
+downloaded to the staging directory, then read from there); it is written to the
+node-local copy in the background once the load is over, off the restore's path. A node-local file is checked
+in a streamed pass, then DCP reads it (from the page cache)."""
 
 from __future__ import annotations
 
+import io
+import logging
 import os
 import posixpath
+import threading
+import time
 from collections.abc import Generator
 from contextlib import contextmanager
 from pathlib import Path
@@ -24,14 +34,46 @@ from torch.futures import Future
 
 from ray_goodput.checkpoint import _collective
 from ray_goodput.errors import CheckpointCorruptError
-from ray_goodput.storage import CRC32, FileEntry, RetryPolicy, StorageLocation, download_file, file_crc32
+from ray_goodput.storage import (
+    CRC32,
+    FileEntry,
+    RetryPolicy,
+    StorageLocation,
+    checksum,
+    download_file,
+    file_crc32,
+    read_bytes,
+    write_local_file,
+)
+
+logger = logging.getLogger(__name__)
+
+_copiers: set[threading.Thread] = set()  # background writes into node-local copies, running
+_copiers_lock = threading.Lock()
+
+
+def wait_for_node_local_copies(timeout_s: float) -> bool:
+    """Wait until the background writes of restored files into node-local copies are done;
+    False when some still run after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    with _copiers_lock:
+        running = list(_copiers)
+    for thread in running:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    return not any(t.is_alive() for t in running)
+
+
+#: Bytes of files fetched from storage a rank holds in memory between their check and
+#: DCP's read of them.
+HOLD_BYTES = 2 << 30
 
 
 class _TieredFs(FileSystemBase):
     """Read-only view of a checkpoint directory: local files first, then remote."""
 
     def __init__(self, remote: StorageLocation, local_dir: Path, local_names: set[str],
-                 entries: dict[str, FileEntry], policy: RetryPolicy, *, verified: bool = True):
+                 entries: dict[str, FileEntry], policy: RetryPolicy, *, verified: bool = True,
+                 hold_bytes: int = HOLD_BYTES):
         self.remote = remote
         self.local_dir = local_dir
         # ``verified``: the local names were checked already; else they are checked at first open.
@@ -40,32 +82,82 @@ class _TieredFs(FileSystemBase):
         self.entries = entries
         self.policy = policy
         self.ready: set[str] = set()
+        self.held: dict[str, bytes] = {}  # checked bytes, served to DCP from memory
+        self.hold_left = hold_bytes
+        self.to_keep: list[str] = []  # held files that go into the node-local copy
         self.local_reads = 0
         self.remote_reads = 0
+
+    def _can_hold(self, want: FileEntry | None) -> bool:
+        return want is not None and want.size <= self.hold_left
+
+    def _hold(self, name: str, data: bytes) -> None:
+        self.held[name] = data
+        self.hold_left -= len(data)
+
+    def release(self) -> None:
+        """The load is over: write the fetched files into the node-local copy in the
+        background (during the load, the writes slowed it down by ~80% on 2 cores) and
+        drop the held bytes."""
+        keep = [(name, self.held[name]) for name in self.to_keep]
+        self.to_keep.clear()
+        self.held.clear()
+        if keep:
+            copier = threading.Thread(target=self._keep_local, args=(keep,), daemon=True,
+                                      name="rg-node-local-copy")
+            with _copiers_lock:
+                _copiers.add(copier)
+            copier.start()
 
     def _local_ok(self, name: str) -> bool:
         """Check a node-local file once, at its first open, against the manifest."""
         self.unchecked.discard(name)
         want = self.entries.get(name)
+        if want is None:
+            return False
         try:
-            ok = want is not None and \
-                file_crc32(self.local_dir / name, want.algorithm) == (want.size, want.crc32)
+            # Streamed, not held: a chunked check then DCP's read of the page-cached file
+            # beat reading it whole into a new buffer (measured: 0.11 s against 0.13 s).
+            ok = file_crc32(self.local_dir / name, want.algorithm) == (want.size, want.crc32)
         except OSError:
             ok = False
         if ok:
             self.local_names.add(name)
         return ok
 
+    def _mismatch(self, name: str, size: int, crc: int, want: FileEntry) -> CheckpointCorruptError:
+        return CheckpointCorruptError(
+            f"{self.remote.uri}/{name}: {size} bytes {want.algorithm}={crc:#x}, manifest "
+            f"says {want.size} bytes {want.algorithm}={want.crc32:#x}")
+
     def _fetch(self, name: str) -> None:
         want = self.entries.get(name)
+        if self._can_hold(want):
+            data = read_bytes(self.remote, name, self.policy)  # the whole object, one request
+            crc = checksum(data, want.algorithm)
+            if (len(data), crc) != (want.size, want.crc32):
+                raise self._mismatch(name, len(data), crc, want)
+            self._hold(name, data)
+            self.to_keep.append(name)
+            return
         algorithm = want.algorithm if want is not None else CRC32
         got = download_file(self.remote, name, self.local_dir / name, self.policy, algorithm)
         if want is not None and (got.size, got.crc32) != (want.size, want.crc32):
             (self.local_dir / name).unlink(missing_ok=True)
-            raise CheckpointCorruptError(
-                f"{self.remote.uri}/{name}: {got.size} bytes {got.algorithm}={got.crc32:#x}, manifest "
-                f"says {want.size} bytes {want.algorithm}={want.crc32:#x}")
+            raise self._mismatch(name, got.size, got.crc32, want)
         self.local_names.add(name)
+
+    def _keep_local(self, files: list[tuple[str, bytes]]) -> None:
+        """Write fetched (checked) files into the node-local copy, for the next restore."""
+        try:
+            for name, data in files:
+                try:
+                    write_local_file(self.local_dir / name, data)
+                except OSError as exc:  # the copy only saves a later download
+                    logger.warning("could not keep a node-local copy of %s in %s: %s", name, self.local_dir, exc)
+        finally:
+            with _copiers_lock:
+                _copiers.discard(threading.current_thread())
 
     def prepare(self, name: str) -> None:
         """Make ``name`` readable, checked, from the local directory (once per file)."""
@@ -82,8 +174,13 @@ class _TieredFs(FileSystemBase):
     def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[IO[bytes], None, None]:
         if "r" not in mode:
             raise PermissionError("checkpoint reader is read-only")
-        self.prepare(str(path))
-        with open(self.local_dir / str(path), "rb") as f:
+        name = str(path)
+        self.prepare(name)
+        data = self.held.get(name)
+        if data is not None:
+            yield io.BytesIO(data)
+            return
+        with open(self.local_dir / name, "rb") as f:
             yield f
 
     def concat_path(self, path: str | os.PathLike, suffix: str) -> str:
@@ -104,7 +201,7 @@ class _TieredFs(FileSystemBase):
 
     def exists(self, path: str | os.PathLike) -> bool:
         name = str(path)
-        if name in self.local_names or name in self.unchecked:
+        if name in self.held or name in self.local_names or name in self.unchecked:
             return True
         return self.remote.fs.get_file_info(self.remote.join(name)).type.name != "NotFound"
 
@@ -116,9 +213,11 @@ class TieredReader(FileSystemReader):
     """FileSystemReader over :class:`_TieredFs`."""
 
     def __init__(self, remote: StorageLocation, local_dir: Path, local_names: set[str],
-                 entries: dict[str, FileEntry], policy: RetryPolicy, *, verified: bool = True):
+                 entries: dict[str, FileEntry], policy: RetryPolicy, *, verified: bool = True,
+                 hold_bytes: int = HOLD_BYTES):
         super().__init__(path="")
-        self.fs = _TieredFs(remote, local_dir, local_names, entries, policy, verified=verified)
+        self.fs = _TieredFs(remote, local_dir, local_names, entries, policy, verified=verified,
+                            hold_bytes=hold_bytes)
         self.path = ""
         self._metadata: Metadata | None = None
 
@@ -140,6 +239,10 @@ class TieredReader(FileSystemReader):
         if self._metadata is None:
             self._metadata = super().read_metadata(*args, **kwargs)
         return self._metadata
+
+    def release(self) -> None:
+        """Drop the bytes held for DCP; call when the load is over."""
+        self.fs.release()
 
     @property
     def local_reads(self) -> int:

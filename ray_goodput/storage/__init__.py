@@ -13,6 +13,7 @@ from ray_goodput.storage._transfer import (
     upload_file,
     upload_files,
     write_bytes,
+    write_local_file,
 )
 from ray_goodput.storage._uri import StorageLocation, resolve
 
@@ -38,4 +39,5 @@ __all__ = [
     "upload_file",
     "upload_files",
     "write_bytes",
+    "write_local_file",
 ]

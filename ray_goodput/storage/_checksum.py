@@ -21,6 +21,10 @@ import google_crc32c
 
 #: Bytes per read: large enough for object stores, small enough to bound memory per stream.
 CHUNK_BYTES = 8 << 20
+#: Bytes per read from an object store when downloading: each read is one ranged GET, and
+#: per-request latency (and, on some S3 servers, a cost per request in the object's size)
+#: makes 8 MiB requests several times slower than a few large ones.
+REMOTE_READ_BYTES = 128 << 20
 
 CRC32 = "crc32"
 CRC32C = "crc32c"
@@ -51,15 +55,15 @@ def checksum(data: bytes, algorithm: str = DEFAULT_ALGORITHM) -> int:
 
 def copy_stream(src: BinaryIO, dst: _Writable | None = None, *,
                 check: Callable[[int], None] | None = None,
-                algorithm: str = DEFAULT_ALGORITHM) -> tuple[int, int]:
-    """Copy ``src`` to ``dst`` (or only read it, when ``dst`` is None) in chunks.
+                algorithm: str = DEFAULT_ALGORITHM, chunk_bytes: int = CHUNK_BYTES) -> tuple[int, int]:
+    """Copy ``src`` to ``dst`` (or only read it, when ``dst`` is None) in ``chunk_bytes`` reads.
 
     Returns ``(bytes, checksum)``. ``check(bytes_so_far)`` runs after each chunk is read
     and before it is written; it raises to stop the copy (e.g. a size limit).
     """
     extend = _extender(algorithm)
     crc, size = 0, 0
-    while chunk := src.read(CHUNK_BYTES):
+    while chunk := src.read(chunk_bytes):
         size += len(chunk)
         if check is not None:
             check(size)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pyarrow.fs as pafs
 
 from ray_goodput.errors import StorageError
-from ray_goodput.storage._checksum import CRC32, copy_stream
+from ray_goodput.storage._checksum import CHUNK_BYTES, CRC32, REMOTE_READ_BYTES, copy_stream
 from ray_goodput.storage._durable import fsync_dir, fsync_file
 from ray_goodput.storage._retry import RetryPolicy
 from ray_goodput.storage._uri import StorageLocation
@@ -84,15 +84,32 @@ def upload_files(files: Sequence[tuple[str | Path, str]], loc: StorageLocation, 
         return [f.result() for f in futures]
 
 
-def _copy_down(fs: pafs.FileSystem, src: str, local: Path, algorithm: str) -> tuple[int, int]:
-    tmp = local.with_name(f".{local.name}.part-{os.getpid()}-{threading.get_ident()}")
+def _copy_down(fs: pafs.FileSystem, src: str, local: Path, algorithm: str, chunk_bytes: int) -> tuple[int, int]:
+    tmp = _part_name(local)
     try:
         with fs.open_input_file(src) as inp, open(tmp, "wb") as out:
-            size, crc = copy_stream(inp, out, algorithm=algorithm)
+            size, crc = copy_stream(inp, out, algorithm=algorithm, chunk_bytes=chunk_bytes)
         os.replace(tmp, local)  # the final name appears only with complete content
     finally:
         tmp.unlink(missing_ok=True)
     return size, crc
+
+
+def _part_name(local: Path) -> Path:
+    return local.with_name(f".{local.name}.part-{os.getpid()}-{threading.get_ident()}")
+
+
+def write_local_file(local: str | Path, data: bytes) -> None:
+    """Write ``data`` to ``local`` atomically (temp name + rename; not fsynced: a node-local
+    copy that a reader checks against its manifest before use)."""
+    local = Path(local)
+    local.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _part_name(local)
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, local)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def object_crc32(loc: StorageLocation, name: str, policy: RetryPolicy = DEFAULT_POLICY,
@@ -111,8 +128,9 @@ def download_file(loc: StorageLocation, name: str, local: str | Path,
     checksummed with ``algorithm`` on the way."""
     local = Path(local)
     local.parent.mkdir(parents=True, exist_ok=True)
+    chunk = CHUNK_BYTES if loc.is_local else REMOTE_READ_BYTES
     size, crc = policy.call(f"download of {loc.uri}/{name}",
-                            lambda: _copy_down(loc.fs, loc.join(name), local, algorithm))
+                            lambda: _copy_down(loc.fs, loc.join(name), local, algorithm, chunk))
     return FileEntry(name=name, size=size, crc32=crc, algorithm=algorithm)
 
 
