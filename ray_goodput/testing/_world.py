@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import pickle
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -14,19 +15,23 @@ import torch.multiprocessing as mp
 from ray_goodput.testing._net import free_port
 
 # Ranks fork from a server that imported these once (about 3 s per process on 2 cores
-# when each rank imports them itself, as spawn does). Only third-party modules: the
-# library is imported by each rank, after it took on the caller's environment.
+# when each rank imports them itself, as spawn does). Only third-party modules that read
+# no environment at import: the library, Ray and the function's own module are imported
+# by each rank, after it took on the caller's environment.
 _PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "pyarrow", "pyarrow.fs"]
 
 
-def _entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, args: tuple,
-           results: Any, environ: dict[str, str]) -> None:
+def _entry(rank: int, payload: bytes, world_size: int, port: int, results: Any,
+           environ: dict[str, str]) -> None:
     # A forked rank inherits the server's environment from when it started: use the
-    # caller's as of this call, as a spawned process would.
+    # caller's as of this call, as a spawned process would. The function and its arguments
+    # arrive pickled and are unpickled only now: unpickling imports their modules, and a
+    # module may read the environment at import (``import ray`` reads RAY_AUTH_MODE).
     os.environ.clear()
     os.environ.update(environ)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                       RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    fn, args = pickle.loads(payload)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
         results[rank] = ("ok", fn(rank, world_size, *args))
@@ -48,7 +53,8 @@ def run_world(fn: Callable[..., Any], world_size: int, *args: Any,
     multiprocessing.set_forkserver_preload(_PRELOAD)  # read when the server first starts
     with mp.Manager() as manager:
         results = manager.dict()
-        ctx = mp.start_processes(_entry, args=(fn, world_size, port, args, results, dict(os.environ)),
+        payload = pickle.dumps((fn, args))
+        ctx = mp.start_processes(_entry, args=(payload, world_size, port, results, dict(os.environ)),
                                  nprocs=world_size, join=False, start_method="forkserver")
         for proc in ctx.processes:
             proc.join(timeout_s)
