@@ -186,6 +186,9 @@ def test_a_file_over_the_memory_budget_is_downloaded_to_the_staging_dir_and_chec
         assert (local_dir / _layout.DCP_METADATA).exists() is not held  # downloaded: on disk now
         reader.release()
         assert reader.fs.held == {}
+        reader.fs.prepare(_layout.DCP_METADATA)  # opened after the release: fetched again
+        assert (_layout.DCP_METADATA in reader.fs.held) is held
+        reader.release()
     damaged = entries[_layout.DCP_METADATA]
     entries[damaged.name] = FileEntry(damaged.name, damaged.size, damaged.crc32 ^ 1, damaged.algorithm)
     for budget in (0, 1 << 20):  # either way a mismatch is an error, and nothing is kept

@@ -11,8 +11,8 @@ untouched, not after another file was loaded in place.
 A file that comes from storage is read whole, in one request, checked in memory, and DCP
 reads it from that buffer (up to ``hold_bytes`` per rank; beyond that files are
 downloaded to the staging directory, then read from there); it is written to the
-node-local copy in the background once the load is over, off the restore's path. A node-local file is checked
-in a streamed pass, then DCP reads it (from the page cache)."""
+node-local copy in the background once the load is over, off the restore's path. A
+node-local file is checked in a streamed pass, then DCP reads it (from the page cache)."""
 
 from __future__ import annotations
 
@@ -101,6 +101,8 @@ class _TieredFs(FileSystemBase):
         drop the held bytes."""
         keep = [(name, self.held[name]) for name in self.to_keep]
         self.to_keep.clear()
+        self.ready.difference_update(self.held)  # opened again, they are fetched again
+        self.hold_left += sum(len(data) for data in self.held.values())
         self.held.clear()
         if keep:
             copier = threading.Thread(target=self._keep_local, args=(keep,), daemon=True,
@@ -160,7 +162,8 @@ class _TieredFs(FileSystemBase):
                 _copiers.discard(threading.current_thread())
 
     def prepare(self, name: str) -> None:
-        """Make ``name`` readable, checked, from the local directory (once per file)."""
+        """Make ``name`` readable and checked, from memory or the local directory (once per
+        file until :meth:`release`)."""
         if name in self.ready:
             return
         if name in self.local_names or (name in self.unchecked and self._local_ok(name)):
