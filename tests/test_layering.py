@@ -129,3 +129,21 @@ def test_public_names_and_subpackages_load_on_first_use():
         "assert set(ray_goodput.__all__) <= set(dir(ray_goodput))\n")],
         capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
+
+
+def test_a_process_that_never_uses_ray_does_not_import_it(tmp_path):
+    """A rank that saves through the thread backend and reads without a node cache (a
+    ``run_world`` rank, a plain torchrun job) does not pay ~0.65 s for ``import ray``."""
+    done = subprocess.run([sys.executable, "-c", (
+        "import sys, torch\n"
+        "from ray_goodput import Checkpointer\n"
+        "from ray_goodput.data import DataLoader, FileDataset\n"
+        "from ray_goodput.runtime import WorkerContext\n"
+        "assert WorkerContext.detect().node_id is None\n"
+        f"with Checkpointer({str(tmp_path / 'ckpt')!r}, staging_dir={str(tmp_path / 's')!r}) as ckpt:\n"
+        "    state = {'model': torch.nn.Linear(2, 2)}\n"
+        "    ckpt.restore(state)\n"
+        "    ckpt.save(1, state)\n"
+        "assert 'ray' not in sys.modules, [m for m in sys.modules if m.startswith('ray.')]\n")],
+        capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr

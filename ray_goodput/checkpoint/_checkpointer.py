@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import ray
 import torch
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
@@ -45,7 +44,7 @@ from ray_goodput.checkpoint._schedule import SaveSchedule
 from ray_goodput.checkpoint._uploader import ActorBackend
 from ray_goodput.errors import CheckpointCorruptError, CheckpointError, ConfigError
 from ray_goodput.goodput import get_recorder
-from ray_goodput.runtime import WorkerContext
+from ray_goodput.runtime import WorkerContext, ray_initialized
 from ray_goodput.runtime._resume import resume_decision
 from ray_goodput.storage import RetryPolicy
 
@@ -165,7 +164,7 @@ class Checkpointer:
         self.stats = SaveStats()
         self.last_restore: RestoreInfo | None = None
         self._recorder = get_recorder()
-        self._metrics = SaveMetrics() if ray.is_initialized() else None
+        self._metrics = SaveMetrics() if ray_initialized() else None
         if self._uploader is None and self._uploader_choice != "thread":
             self._uploader = self._make_uploader()
             if hasattr(self._uploader, "start"):
@@ -173,7 +172,7 @@ class Checkpointer:
 
     def _make_uploader(self) -> UploadBackend:
         use_actor = self._uploader_choice == "actor" or (
-            self._uploader_choice == "auto" and ray.is_initialized())
+            self._uploader_choice == "auto" and ray_initialized())
         if use_actor:
             return ActorBackend()
         return ThreadBackend(concurrency=self.upload_concurrency, policy=self._retry)

@@ -3,7 +3,9 @@ queue and throughput, and failed saves as the workers see them."""
 
 from __future__ import annotations
 
-from ray.util import metrics
+from ray_goodput._lazy import LazyModule
+
+metrics = LazyModule("ray.util.metrics")  # built only in a process that runs Ray
 
 
 class SaveMetrics:

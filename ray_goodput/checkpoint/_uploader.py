@@ -11,6 +11,7 @@ worker that handed it a job, and it exits once no live worker on its node uses i
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import pickle
@@ -20,9 +21,9 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-import ray
 import torch
 
+from ray_goodput._lazy import LazyModule
 from ray_goodput.checkpoint._backends import Handoff
 from ray_goodput.checkpoint._job import ShardJob, ShardResult
 from ray_goodput.checkpoint._lane import RankLane, Ticket
@@ -32,6 +33,7 @@ from ray_goodput.errors import CheckpointError
 from ray_goodput.runtime import _services, pid_alive
 from ray_goodput.storage import RetryPolicy, StorageLocation
 
+ray = LazyModule("ray")  # a process that saves through the thread backend never imports it
 logger = logging.getLogger(__name__)
 
 KIND = "uploader"
@@ -44,7 +46,7 @@ _HANDOFF_TIMEOUT_S = 120.0
 
 
 class CheckpointUploader:
-    """The node actor's body: a plain class, made an actor as ``_ACTOR``."""
+    """The node actor's body: a plain class, made an actor by ``_actor_class()``."""
 
     def __init__(self, node_id: str, concurrency: int = 8, policy: RetryPolicy | None = None) -> None:
         # Background work: yield the CPU to the training processes on the same node.
@@ -186,7 +188,10 @@ class CheckpointUploader:
         ray.actor.exit_actor()
 
 
-_ACTOR = ray.remote(CheckpointUploader)
+@functools.cache
+def _actor_class() -> Any:
+    """The ``@ray.remote`` CheckpointUploader (made at first use: that imports Ray)."""
+    return ray.remote(CheckpointUploader)
 
 
 def start_node_uploader() -> None:
@@ -196,7 +201,7 @@ def start_node_uploader() -> None:
     actor is up before the first save needs it. Settings travel with each job.
     """
     node_id = _services.current_node_id()
-    _services.get_or_create(_ACTOR, KIND, node_id, node_id=node_id, max_concurrency=64)
+    _services.get_or_create(_actor_class(), KIND, node_id, node_id=node_id, max_concurrency=64)
 
 
 def _chain(source: Future, target: Future) -> None:
@@ -231,7 +236,7 @@ class ActorBackend:
         """Find or create this node's uploader without waiting for it (it starts while the
         worker builds its model and restores)."""
         node_id = _services.current_node_id()
-        self._actor = _services.get_or_create(_ACTOR, KIND, node_id, node_id=node_id, max_concurrency=64)
+        self._actor = _services.get_or_create(_actor_class(), KIND, node_id, node_id=node_id, max_concurrency=64)
         self._registered = self._actor.register.remote(os.getpid())
 
     def _get(self, fresh: bool = False) -> Any:

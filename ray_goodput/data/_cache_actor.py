@@ -8,12 +8,13 @@ forget); cache hits never reach it.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
+from typing import Any
 
-import ray
-
+from ray_goodput._lazy import LazyModule
 from ray_goodput.data._cache_keeper import CacheKeeper
 from ray_goodput.data._config import CacheConfig
 from ray_goodput.data._metrics import CacheMetrics
@@ -22,15 +23,16 @@ from ray_goodput.runtime import _services
 
 logger = logging.getLogger(__name__)
 
+ray = LazyModule("ray")  # a loader without Ray (its cache in-process) never imports it
 KIND = "cache"
 MAINTAIN_INTERVAL_S = 1.0
 _STATUS_FIELDS = ("node_id", "directory", "bytes_used", "capacity_bytes", "files", "hit_rate",
                   "hits", "misses", "evictions", "bytes_fetched", "inflight", "errors")
 
 
-@ray.remote
 class NodeCache:
-    """One per node. Construct through :func:`get_cache`, never directly."""
+    """One per node, an actor made by :func:`_actor_class`. Construct through
+    :func:`get_cache`, never directly."""
 
     def __init__(self, config: CacheConfig, job_id: str | None) -> None:
         node_id = _services.current_node_id()
@@ -75,10 +77,16 @@ class NodeCache:
         ray.actor.exit_actor()
 
 
+@functools.cache
+def _actor_class() -> Any:
+    """The ``@ray.remote`` NodeCache (made at first use: that imports Ray)."""
+    return ray.remote(NodeCache)
+
+
 def get_cache(config: CacheConfig, node_id: str | None = None):
     """Handle of this node's (or ``node_id``'s) NodeCache, created on first use."""
     job_id = ray.get_runtime_context().get_job_id()
-    return _services.get_or_create(NodeCache, KIND, config, job_id, node_id=node_id)
+    return _services.get_or_create(_actor_class(), KIND, config, job_id, node_id=node_id)
 
 
 def cache_status(timeout_s: float = 10.0) -> list[dict]:

@@ -9,14 +9,15 @@ import logging
 import threading
 from pathlib import Path
 
-import ray
-
+from ray_goodput._lazy import LazyModule
 from ray_goodput.data._cache_actor import get_cache
 from ray_goodput.data._cache_keeper import CacheKeeper
 from ray_goodput.data._cache_files import CacheLayout
 from ray_goodput.data._config import CacheConfig
 from ray_goodput.data._sources import FileSet
+from ray_goodput.runtime import ray_initialized
 
+ray = LazyModule("ray")
 logger = logging.getLogger(__name__)
 _CONNECT_TIMEOUT_S = 120.0
 
@@ -40,7 +41,7 @@ class CacheClient:
                            "requested %s", self.layout.root, self.capacity_bytes, config)
 
     def _connect(self) -> dict:
-        if ray.is_initialized():
+        if ray_initialized():
             self._actor = get_cache(self.config)
             return ray.get(self._actor.describe.remote(), timeout=_CONNECT_TIMEOUT_S)
         self._local = CacheKeeper(self.config)

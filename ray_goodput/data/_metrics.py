@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from ray.util import metrics
+from ray_goodput._lazy import LazyModule
+
+metrics = LazyModule("ray.util.metrics")  # built only in a process that runs Ray
 
 _COUNTERS = ("hits", "misses", "evictions", "bytes_fetched")
 

@@ -14,8 +14,10 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import ray
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+from ray_goodput._lazy import LazyModule
+
+ray = LazyModule("ray")  # imported by the first process that uses a node service
+scheduling = LazyModule("ray.util.scheduling_strategies")
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +49,7 @@ def get_or_create(actor_cls: Any, kind: str, *args: Any, node_id: str | None = N
         num_cpus=0,
         max_concurrency=max_concurrency,
         max_restarts=0,
-        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
+        scheduling_strategy=scheduling.NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
     ).remote(*args, **kwargs)
 
 

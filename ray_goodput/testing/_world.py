@@ -17,8 +17,10 @@ from ray_goodput.testing._net import free_port
 # Ranks fork from a server that imported these once (about 3 s per process on 2 cores
 # when each rank imports them itself, as spawn does). Only third-party modules that read
 # no environment at import: the library, Ray and the function's own module are imported
-# by each rank, after it took on the caller's environment.
-_PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "pyarrow", "pyarrow.fs"]
+# by each rank, after it took on the caller's environment. ``torch._dynamo`` is what the
+# first optimizer imports (~1 s); it reads only its own ``TORCH*`` settings at import.
+_PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "torch.distributed.checkpoint",
+            "pyarrow", "pyarrow.fs"]
 
 
 def _entry(rank: int, payload: bytes, world_size: int, port: int, results: Any,
