@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pyarrow.fs as pafs
@@ -204,16 +205,54 @@ def test_status_reports_each_node_and_hit_rate(s3_server, tmp_path):
     assert row["directory"] == str(tmp_path)
 
 
-def test_cache_exits_when_its_job_is_gone(tmp_path):
+def _creator_job(config_repr: str, until: Path | None = None) -> str:
+    """A driver (its own Ray job) that creates the node cache, prints its job id, waits
+    for ``until`` when given, and exits."""
     address = ray.get_runtime_context().gcs_address  # this test's cluster, not any other
-    script = (f"import ray\nfrom ray_goodput.data import CacheConfig\n"
-              f"from ray_goodput.data._cache_actor import get_cache\n"
-              f"ray.init(address={address!r}, namespace='x')\n"
-              f"h = get_cache(CacheConfig(directory={str(tmp_path)!r}, job_check_interval_s=0.5))\n"
-              f"print(ray.get(h.describe.remote())['directory'])\n")
+    wait = (f"from ray_goodput.testing import wait_for_file\n"
+            f"wait_for_file({str(until)!r}, timeout_s=60)\n") if until else ""
+    return (f"import ray\nfrom ray_goodput.data import CacheConfig\n"
+            f"from ray_goodput.data._cache_actor import get_cache\n"
+            f"ray.init(address={address!r}, namespace='x')\n"
+            f"h = get_cache({config_repr})\n"
+            f"print(ray.get(h.describe.remote())['directory'])\n"
+            f"print('job', ray.get_runtime_context().get_job_id(), flush=True)\n{wait}")
+
+
+def test_cache_exits_when_its_job_is_gone(tmp_path):
+    # A check every 2 s: the cache outlives its creator long enough to be seen here.
+    script = _creator_job(f"CacheConfig(directory={str(tmp_path)!r}, job_check_interval_s=2.0)")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                          timeout=120, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
     assert str(tmp_path) in out.stdout, out.stderr[-2000:]
     assert _services.find(KIND), "the detached cache should outlive its creator briefly"
     wait_for(lambda: not _services.find(KIND), timeout_s=40, what="the orphaned cache to exit",
              interval_s=0.2)
+
+
+def test_cache_in_use_by_a_live_job_outlives_the_job_that_created_it(s3_server, tmp_path):
+    """Found when the data-resume test's second world (a new Ray job) got ActorDiedError
+    from ``register``: the cache exited once the job that created it ended, under the
+    reader of a job still running."""
+    go = tmp_path / "go"
+    creator = subprocess.Popen(
+        [sys.executable, "-c", _creator_job(
+            f"CacheConfig(directory={str(tmp_path / 'c')!r}, job_check_interval_s=0.5)", go)],
+        stdout=subprocess.PIPE, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
+    try:
+        wait_for(lambda: _services.find(KIND), timeout_s=120, what="the creator job's node cache")
+        client = CacheClient(CacheConfig(directory=str(tmp_path / "c")))  # this job attaches
+        go.touch()
+        job = creator.communicate(timeout=60)[0].split("job ")[-1].strip()
+    finally:
+        creator.kill()
+    wait_for(lambda: not _services.job_alive(job), timeout_s=60, what=f"job {job} to be marked dead")
+    before = set(_services.find(KIND))
+    time.sleep(2.0)  # four job checks of the cache: it must not exit
+    assert set(_services.find(KIND)) == before, "the cache exited while this job still used it"
+    blobs = _blobs(4, 10)
+    bucket, prefix = _upload(s3_server, "live", blobs)
+    files = FileDataset(f"s3://{bucket}/{prefix}?endpoint_override={s3_server.endpoint}&scheme=http",
+                        cache=CacheConfig(directory=str(tmp_path / "c"))).files
+    assert client.register(files)
+    client.close()

@@ -38,7 +38,7 @@ class NodeCache:
         node_id = _services.current_node_id()
         self._core = CacheKeeper(config, node_id)
         self._metrics = CacheMetrics(node_id)
-        self._job_id = job_id
+        self._jobs = {job_id} if job_id else set()  # the jobs that use it; it exits with the last
         self._job_check_s = config.job_check_interval_s
         self._stop = threading.Event()
         threading.Thread(target=self._loop, name="rg-cache-maintain", daemon=True).start()
@@ -52,13 +52,23 @@ class NodeCache:
                 logger.warning("node cache maintenance failed: %s", exc)
             if time.monotonic() - last_job_check >= self._job_check_s:
                 last_job_check = time.monotonic()
-                if not _services.job_alive(self._job_id):
-                    logger.info("job %s is gone; node cache exits", self._job_id)
+                jobs = set(self._jobs)
+                gone = {job for job in jobs if not _services.job_alive(job)}
+                self._jobs -= gone
+                if gone and not self._jobs:
+                    logger.info("job(s) %s gone, no other job uses it; node cache exits", sorted(gone))
                     # exit_actor must run in an actor task, not in this thread.
                     ray.get_runtime_context().current_actor.drain_and_exit.remote(5.0)
                     return
 
     def describe(self) -> dict:
+        return self._core.describe()
+
+    def attach(self, job_id: str | None) -> dict:
+        """A client of job ``job_id`` uses this cache (it lives while any such job does);
+        returns :meth:`describe`."""
+        if job_id:
+            self._jobs.add(job_id)
         return self._core.describe()
 
     def register(self, files: FileSet) -> int:

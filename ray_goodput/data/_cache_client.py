@@ -43,7 +43,8 @@ class CacheClient:
     def _connect(self) -> dict:
         if ray_initialized():
             self._actor = get_cache(self.config)
-            return ray.get(self._actor.describe.remote(), timeout=_CONNECT_TIMEOUT_S)
+            job_id = ray.get_runtime_context().get_job_id()
+            return ray.get(self._actor.attach.remote(job_id), timeout=_CONNECT_TIMEOUT_S)
         self._local = CacheKeeper(self.config)
         threading.Thread(target=self._maintain_local, daemon=True,
                          name="rg-cache-local").start()
@@ -72,7 +73,12 @@ class CacheClient:
         self._check_pending()
         ref = getattr(self._actor, method).remote(*args)
         if block:
-            return ray.get(ref, timeout=_CONNECT_TIMEOUT_S)
+            try:
+                return ray.get(ref, timeout=_CONNECT_TIMEOUT_S)
+            except ray.exceptions.RayActorError:  # it exited between lookup and call
+                logger.warning("node cache actor died; recreating it")
+                self._reconnect()
+                return ray.get(getattr(self._actor, method).remote(*args), timeout=_CONNECT_TIMEOUT_S)
         self._pending.append(ref)
         return None
 

@@ -17,8 +17,8 @@ class CacheConfig:
     starts the cache fixes both for the node; later configs that differ are logged and
     ignored. ``lookahead``: files per rank fetched ahead of the training loop.
     ``fetch_concurrency``: parallel downloads of the node's prefetcher.
-    ``job_check_interval_s``: how often the cache checks that the job that started it is
-    alive; it exits within about this long after the job is gone.
+    ``job_check_interval_s``: how often the cache checks that the jobs that use it are
+    alive; it exits within about this long after the last of them is gone.
     """
 
     directory: str | None = None
