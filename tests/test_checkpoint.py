@@ -76,8 +76,10 @@ def test_restore_prefers_verified_local_copy(tmp_path):
     with Checkpointer(root, staging_dir=stage) as ckpt:
         assert ckpt.restore(_state(1)) == 1
         assert ckpt.last_restore.local_files > 0 and ckpt.last_restore.remote_files == 0
-    # A local copy that no longer matches the manifest is ignored.
+    # A local copy that no longer matches the manifest is ignored. (Replaced, not written
+    # in place: on one file system the staged file and the durable one are a hard link.)
     local = next((tmp_path / "stage").rglob("__0_*.distcp"))
+    local.unlink()
     local.write_bytes(b"garbage")
     fresh = _state(2)
     with Checkpointer(root, staging_dir=stage) as ckpt:

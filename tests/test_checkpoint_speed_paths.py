@@ -201,6 +201,40 @@ def test_a_file_over_the_memory_budget_is_downloaded_to_the_staging_dir_and_chec
         assert wait_for_node_local_copies(30) and not (local_dir / _layout.DCP_METADATA).exists()
 
 
+# ---- local storage: one write of the bytes -------------------------------------------------
+
+
+def _staged_and_stored(root: str, staging: Path, step: int) -> list[tuple[Path, Path]]:
+    loc = _catalog.step_location(resolve(root), step)
+    local_dir = next(staging.iterdir()) / _layout.step_dir(step)
+    # What the rank uploaded (the commit writes .metadata into both places itself).
+    return [(local_dir / f.name, Path(loc.join(f.name))) for f in read_manifest(loc).files
+            if (local_dir / f.name).exists() and f.name != _layout.DCP_METADATA]
+
+
+def test_local_storage_on_the_staging_file_system_takes_the_staged_files_as_hard_links(tmp_path):
+    import tempfile
+
+    model = torch.nn.Linear(64, 64)
+    root = str(tmp_path / "root")
+    with Checkpointer(root, staging_dir=str(tmp_path / "s"), uploader="thread") as ckpt:
+        ckpt.save(1, {"model": model})
+    pairs = _staged_and_stored(root, tmp_path / "s", 1)
+    assert len(pairs) >= 3  # the shard, the rank's extras and metadata part
+    assert all(a.stat().st_ino == b.stat().st_ino for a, b in pairs)  # written once
+    # Another file system (/dev/shm is tmpfs): a copy, as for any remote storage.
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as shm:
+        assert Path(shm).stat().st_dev != tmp_path.stat().st_dev
+        with Checkpointer(root, staging_dir=shm, uploader="thread") as ckpt:
+            ckpt.save(2, {"model": model})
+        pairs = _staged_and_stored(root, Path(shm), 2)
+        assert pairs and all(a.stat().st_ino != b.stat().st_ino and b.stat().st_nlink == 1 for a, b in pairs)
+    fresh = torch.nn.Linear(64, 64)
+    with Checkpointer(root, staging_dir=str(tmp_path / "s2"), uploader="thread") as ckpt:
+        assert ckpt.restore({"model": fresh}) == 2  # its staged copies are gone: read from storage
+    assert torch.equal(fresh.weight, model.weight)
+
+
 # ---- CRC32C, and old CRC32 manifests --------------------------------------------------------
 
 

@@ -146,12 +146,14 @@ def upload_and_commit(job: ShardJob, names: list[str], *, concurrency: int,
     """
     protocol = job.commit_protocol()
     files = [(Path(job.local_dir) / n, n) for n in names]
+    # Staged files are never written again (a node-local copy is replaced, not rewritten),
+    # so storage on the staging dir's file system takes them as hard links: one write.
     # The rank's small extras file goes last, so a fault between the two is "mid-upload".
     entries = upload_files(files[:-1], protocol.step_loc, concurrency=concurrency, policy=policy,
-                           algorithm=DEFAULT_ALGORITHM)
+                           algorithm=DEFAULT_ALGORITHM, link=True)
     fault_point("upload.mid_upload")
     entries += upload_files(files[-1:], protocol.step_loc, concurrency=concurrency, policy=policy,
-                            algorithm=DEFAULT_ALGORITHM)
+                            algorithm=DEFAULT_ALGORITHM, link=True)
     protocol.declare_durable(job.rank, entries, created=time.time())
     done = protocol.finalize(Path(job.local_dir))
     if done.state == OUTRANKED:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import posixpath
@@ -14,7 +15,7 @@ from pathlib import Path
 import pyarrow.fs as pafs
 
 from ray_goodput.errors import StorageError
-from ray_goodput.storage._checksum import CHUNK_BYTES, CRC32, REMOTE_READ_BYTES, copy_stream
+from ray_goodput.storage._checksum import CHUNK_BYTES, CRC32, REMOTE_READ_BYTES, copy_stream, file_crc32
 from ray_goodput.storage._durable import fsync_dir, fsync_file
 from ray_goodput.storage._retry import RetryPolicy
 from ray_goodput.storage._uri import StorageLocation
@@ -53,18 +54,43 @@ def _copy_up(local: Path, fs: pafs.FileSystem, dest: str, algorithm: str) -> tup
         return copy_stream(src, out, algorithm=algorithm)
 
 
+def _link_up(local: Path, dest: str, algorithm: str) -> tuple[int, int] | None:
+    """Hard-link ``local`` as ``dest`` (same file system): the bytes are not written a
+    second time. None when the file systems differ or links are not supported there."""
+    tmp = f"{dest}.link-{os.getpid()}-{threading.get_ident()}"
+    try:
+        os.link(local, tmp)
+    except OSError as exc:
+        if exc.errno in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP):
+            return None
+        raise
+    try:
+        size, crc = file_crc32(tmp, algorithm)  # read back from the page cache
+        os.replace(tmp, dest)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+    return size, crc
+
+
 def upload_file(local: str | Path, loc: StorageLocation, name: str,
-                policy: RetryPolicy = DEFAULT_POLICY, *, algorithm: str = CRC32) -> FileEntry:
+                policy: RetryPolicy = DEFAULT_POLICY, *, algorithm: str = CRC32,
+                link: bool = False) -> FileEntry:
     """Upload ``local`` to ``<loc>/<name>``; retried; returns size and checksum (``algorithm``)
     of what was sent.
 
-    On a file system the file and its directory are fsynced before this returns."""
+    On a file system the file and its directory are fsynced before this returns. With
+    ``link`` (the caller never writes ``local`` again: it replaces or deletes it) and
+    ``local`` on the same file system, the upload is a hard link instead of a copy."""
     dest = loc.join(name)
     parent = posixpath.dirname(dest)
     if loc.is_local:
         loc.fs.create_dir(parent, recursive=True)
-    size, crc = policy.call(f"upload of {local} to {loc.uri}/{name}",
-                            lambda: _copy_up(Path(local), loc.fs, dest, algorithm))
+
+    def _send() -> tuple[int, int]:
+        linked = _link_up(Path(local), dest, algorithm) if link and loc.is_local else None
+        return linked or _copy_up(Path(local), loc.fs, dest, algorithm)
+
+    size, crc = policy.call(f"upload of {local} to {loc.uri}/{name}", _send)
     if loc.is_local:
         fsync_file(dest)
         fsync_dir(parent)
@@ -73,13 +99,14 @@ def upload_file(local: str | Path, loc: StorageLocation, name: str,
 
 def upload_files(files: Sequence[tuple[str | Path, str]], loc: StorageLocation, *,
                  concurrency: int = 8, policy: RetryPolicy = DEFAULT_POLICY,
-                 algorithm: str = CRC32) -> list[FileEntry]:
-    """Upload ``(local_path, name)`` pairs with up to ``concurrency`` parallel streams."""
+                 algorithm: str = CRC32, link: bool = False) -> list[FileEntry]:
+    """Upload ``(local_path, name)`` pairs with up to ``concurrency`` parallel streams
+    (``link``: see :func:`upload_file`)."""
     if not files:
         return []
     with ThreadPoolExecutor(max_workers=max(1, min(concurrency, len(files))),
                             thread_name_prefix="rg-upload") as pool:
-        futures = [pool.submit(upload_file, path, loc, name, policy, algorithm=algorithm)
+        futures = [pool.submit(upload_file, path, loc, name, policy, algorithm=algorithm, link=link)
                    for path, name in files]
         return [f.result() for f in futures]
 
