@@ -1,6 +1,6 @@
 """Checkpoint tax: how long training is blocked, and how long until a save is durable.
 
-Compares, on 2 ranks of a Ray Train ``TorchTrainer`` (gloo on CPU, FSDP2-sharded state so
+Compares, on 2 ranks of a ``ray_goodput.TorchTrainer`` (Ray's, which also starts the node uploaders; gloo on CPU, FSDP2-sharded state so
 each rank holds its own distinct shard of model + AdamW state):
 
   * ``torch.save`` of the gathered full state on rank 0 (S3: to a local file, then uploaded)
@@ -1010,12 +1010,15 @@ def _run_config(cfg: dict, work: Path):
 def _fit(cfg: dict, args: argparse.Namespace, work: Path) -> dict | None:
     """One storage's run on a fresh TorchTrainer; its results, or None if it failed."""
     from ray.train import ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.train.torch import TorchConfig
 
+    from ray_goodput import TorchTrainer
     from ray_goodput.runtime import _services
 
+    # ray_goodput's trainer (Ray's plus callbacks) starts each node's uploader when the
+    # worker group starts, as a user of the library gets it; no driver-side Recovery here.
     trainer = TorchTrainer(
-        train_loop, train_loop_config=cfg,
+        train_loop, train_loop_config=cfg, recovery=None,
         scaling_config=ScalingConfig(num_workers=_worker_count(args.device), use_gpu=args.device == "cuda"),
         torch_config=TorchConfig(backend="cpu:gloo,cuda:nccl" if args.device == "cuda" else "gloo"),
         run_config=_run_config(cfg, work))
