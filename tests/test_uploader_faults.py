@@ -1,6 +1,6 @@
 """The node uploader under real faults on a real multi-node Ray cluster (one machine):
-a worker SIGKILLed right after save() returned, the uploader killed mid-upload, and no
-uploader left behind after a run ends."""
+a worker SIGKILLed right after save() returned, the uploader killed mid-upload, a stuck
+upload that the uploader's wait gives up on, and no uploader left behind after a run ends."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from ray_goodput import Checkpointer, CheckpointError, list_checkpoints
 from ray_goodput.runtime import _services
 from ray_goodput.checkpoint._uploader import KIND
-from ray_goodput.testing import wait_for
+from ray_goodput.checkpoint._layout import step_dir
+from ray_goodput.testing import FlakyProxy, wait_for
 
 
 pytestmark = pytest.mark.cluster
@@ -55,6 +56,9 @@ class Worker:
     def wait(self) -> list[int]:
         self.ckpt.wait()
         return self.ckpt.stats.committed
+
+    def key(self, step: int) -> str:
+        return self.ckpt._pending[step].handoff.key  # noqa: SLF001 - the job's name in the uploader
 
     def restore(self) -> tuple[int | None, list]:
         step = self.ckpt.restore(self.state)
@@ -141,3 +145,25 @@ def test_status_then_uploader_exits_when_its_clients_close(ray_cluster, tmp_path
     ray.get(worker.close.remote())
     wait_for(lambda: node not in _services.find(KIND), timeout_s=30,
              what=f"the uploader on {node} to exit after its last client closed", interval_s=0.2)
+
+
+def test_the_uploaders_wait_for_a_result_ends_at_its_bound(ray_cluster, s3_server):
+    """An actor thread that waits for a save's result gives up after its bound (the worker
+    passes twice its ``wait_timeout_s``) instead of waiting on a stuck upload for ever;
+    the upload itself goes on and commits once storage answers."""
+    proxy = FlakyProxy(s3_server.endpoint)
+    uri = s3_server.bucket_uri("stuck").replace(s3_server.endpoint, proxy.endpoint)
+    node = _other_node(ray_cluster)
+    worker = _on(node).remote(uri, seed=6)
+    proxy.stall(f"/{step_dir(1)}/", methods=("PUT", "POST"))
+    try:
+        ray.get(worker.save.remote(1))
+        key = ray.get(worker.key.remote(1))
+        uploader = _services.find(KIND)[node]
+        with pytest.raises(TimeoutError, match=r"step 1 \(rank 0\) was not durable after 1s in the uploader"):
+            ray.get(uploader.wait_durable.remote(key, 1.0), timeout=60)
+    finally:
+        proxy.release()
+    assert ray.get(worker.wait.remote()) == [1]  # it went on, and committed
+    ray.get(worker.close.remote())
+    proxy.close()

@@ -174,7 +174,9 @@ class Checkpointer:
         use_actor = self._uploader_choice == "actor" or (
             self._uploader_choice == "auto" and ray_initialized())
         if use_actor:
-            return ActorBackend()
+            # The actor's wait for the result ends too: a hand-off can queue behind other
+            # saves before wait() starts its clock, hence twice the bound wait() gives.
+            return ActorBackend(durable_timeout_s=2 * self.wait_timeout_s)
         return ThreadBackend(concurrency=self.upload_concurrency, policy=self._retry)
 
     @property

@@ -108,14 +108,22 @@ class CheckpointUploader:
         return lane is not None and lane.cancel(key)
 
     def wait_released(self, key: str) -> None:
+        """Return once job ``key`` let go of its arena. Unbounded here on purpose: a result
+        means "the arena is free", which only the job can say; the worker bounds its own
+        wait for it (``_ARENA_WAIT_S``) and raises when it runs out."""
         ticket = self._jobs.get(key)
         if ticket is None:  # wait_durable already collected it: the job is over
             return
         ticket.released.wait()
 
-    def wait_durable(self, key: str) -> ShardResult:
+    def wait_durable(self, key: str, timeout_s: float) -> ShardResult:
+        """Job ``key``'s result once it is durable (or its error); TimeoutError after
+        ``timeout_s``, so that no actor thread waits on a stuck upload for ever (the job
+        itself goes on, and may still commit)."""
         ticket = self._jobs[key]
-        ticket.done.wait()
+        if not ticket.done.wait(timeout_s):
+            raise TimeoutError(f"step {ticket.job.step} (rank {ticket.job.rank}) was not durable after "
+                               f"{timeout_s:.0f}s in the uploader on node {self.node_id}")
         with self._lock:
             self._jobs.pop(key, None)
         if ticket.error is not None:
@@ -227,10 +235,11 @@ class ActorBackend:
     for it (bounded), rather than holding a job that would die with the worker.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, durable_timeout_s: float) -> None:
         self._actor = None
         self._registered = None
         self._root_blob: bytes | None = None
+        self._durable_timeout_s = durable_timeout_s  # bound of the actor-side wait for a result
 
     def start(self) -> None:
         """Find or create this node's uploader without waiting for it (it starts while the
@@ -270,7 +279,7 @@ class ActorBackend:
             return
         # Asked only after submit returned: the actor knows the key by then.
         _chain(actor.wait_released.remote(light.key).future(), handoff.released)
-        _chain(actor.wait_durable.remote(light.key).future(), handoff.durable)
+        _chain(actor.wait_durable.remote(light.key, self._durable_timeout_s).future(), handoff.durable)
 
     def cancel(self, key: str) -> bool:
         if self._actor is None:
