@@ -242,14 +242,14 @@ def test_cache_in_use_by_a_live_job_outlives_the_job_that_created_it(s3_server, 
     try:
         wait_for(lambda: _services.find(KIND), timeout_s=120, what="the creator job's node cache")
         client = CacheClient(CacheConfig(directory=str(tmp_path / "c")))  # this job attaches
+        before = set(_services.find(KIND))
         go.touch()
         job = creator.communicate(timeout=60)[0].split("job ")[-1].strip()
     finally:
         creator.kill()
     wait_for(lambda: not _services.job_alive(job), timeout_s=60, what=f"job {job} to be marked dead")
-    before = set(_services.find(KIND))
     time.sleep(2.0)  # four job checks of the cache: it must not exit
-    assert set(_services.find(KIND)) == before, "the cache exited while this job still used it"
+    assert before and set(_services.find(KIND)) == before, "the cache exited while this job still used it"
     blobs = _blobs(4, 10)
     bucket, prefix = _upload(s3_server, "live", blobs)
     files = FileDataset(f"s3://{bucket}/{prefix}?endpoint_override={s3_server.endpoint}&scheme=http",
