@@ -117,8 +117,13 @@ def test_a_lower_layer_imports_nothing_above_it():
     assert done.stdout.strip() == "[]", done.stdout
 
 
+def _in_a_fresh_interpreter(script: str) -> None:
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+
+
 def test_public_names_and_subpackages_load_on_first_use():
-    done = subprocess.run([sys.executable, "-c", (
+    _in_a_fresh_interpreter(
         "import sys, ray_goodput\n"
         "assert 'torch' not in sys.modules\n"
         # what a node's health-check task imports: no torch, Ray Train or MLflow
@@ -126,15 +131,13 @@ def test_public_names_and_subpackages_load_on_first_use():
         "assert not {'torch', 'ray.train', 'mlflow'} & set(sys.modules), sorted(sys.modules)\n"
         "assert ray_goodput.data.DataLoader.__name__ == 'DataLoader'\n"
         "assert ray_goodput.TorchTrainer.__name__ == 'TorchTrainer'\n"
-        "assert set(ray_goodput.__all__) <= set(dir(ray_goodput))\n")],
-        capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
+        "assert set(ray_goodput.__all__) <= set(dir(ray_goodput))\n")
 
 
 def test_a_process_that_never_uses_ray_does_not_import_it(tmp_path):
     """A rank that saves through the thread backend and reads without a node cache (a
     ``run_world`` rank, a plain torchrun job) does not pay ~0.65 s for ``import ray``."""
-    done = subprocess.run([sys.executable, "-c", (
+    _in_a_fresh_interpreter(
         "import sys, torch\n"
         "from ray_goodput import Checkpointer\n"
         "from ray_goodput.data import DataLoader, FileDataset\n"
@@ -144,6 +147,4 @@ def test_a_process_that_never_uses_ray_does_not_import_it(tmp_path):
         "    state = {'model': torch.nn.Linear(2, 2)}\n"
         "    ckpt.restore(state)\n"
         "    ckpt.save(1, state)\n"
-        "assert 'ray' not in sys.modules, [m for m in sys.modules if m.startswith('ray.')]\n")],
-        capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
+        "assert 'ray' not in sys.modules, [m for m in sys.modules if m.startswith('ray.')]\n")
