@@ -46,6 +46,8 @@ class LazyModule:
         self._module: Any = None
 
     def __getattr__(self, attr: str) -> Any:
+        if attr.startswith("_"):  # pickle, copy and introspection probe these: no import
+            raise AttributeError(attr)
         if self._module is None:
             self._module = importlib.import_module(self._name)
         return getattr(self._module, attr)

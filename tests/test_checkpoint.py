@@ -152,6 +152,9 @@ def test_bad_arguments_name_the_fix(tmp_path):
         Checkpointer(str(tmp_path), keep_last=0)
     with pytest.raises(ConfigError, match="storage_path"):
         Checkpointer()  # outside Ray Train there is no run storage to default to
+    for bound in (0, float("inf")):  # every wait has a bound (an infinite one overflowed Event.wait)
+        with pytest.raises(ConfigError, match="wait_timeout_s must be > 0 and finite"):
+            Checkpointer(str(tmp_path), wait_timeout_s=bound)
     with Checkpointer(str(tmp_path), staging_dir=str(tmp_path / "s")) as ckpt:
         with pytest.raises(ConfigError, match="non-empty dict"):
             ckpt.save(1, {})

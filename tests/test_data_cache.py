@@ -205,27 +205,34 @@ def test_status_reports_each_node_and_hit_rate(s3_server, tmp_path):
     assert row["directory"] == str(tmp_path)
 
 
-def _creator_job(config_repr: str, until: Path | None = None) -> str:
-    """A driver (its own Ray job) that creates the node cache, prints its job id, waits
-    for ``until`` when given, and exits."""
+def _creator_job(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
+    """A driver (its own Ray job) that creates the node cache (job check every 0.5 s),
+    prints its directory and job id, and exits once the returned file is created."""
     address = ray.get_runtime_context().gcs_address  # this test's cluster, not any other
-    wait = (f"from ray_goodput.testing import wait_for_file\n"
-            f"wait_for_file({str(until)!r}, timeout_s=60)\n") if until else ""
-    return (f"import ray\nfrom ray_goodput.data import CacheConfig\n"
-            f"from ray_goodput.data._cache_actor import get_cache\n"
-            f"ray.init(address={address!r}, namespace='x')\n"
-            f"h = get_cache({config_repr})\n"
-            f"print(ray.get(h.describe.remote())['directory'])\n"
-            f"print('job', ray.get_runtime_context().get_job_id(), flush=True)\n{wait}")
+    go = tmp_path / "go"
+    script = (f"import ray\nfrom ray_goodput.data import CacheConfig\n"
+              f"from ray_goodput.data._cache_actor import get_cache\n"
+              f"from ray_goodput.testing import wait_for_file\n"
+              f"ray.init(address={address!r}, namespace='x')\n"
+              f"h = get_cache(CacheConfig(directory={str(tmp_path / 'c')!r}, job_check_interval_s=0.5))\n"
+              f"print(ray.get(h.describe.remote())['directory'])\n"
+              f"print('job', ray.get_runtime_context().get_job_id(), flush=True)\n"
+              f"wait_for_file({str(go)!r}, timeout_s=60)\n")
+    creator = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                               cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
+    wait_for(lambda: _services.find(KIND) or creator.poll() is not None, timeout_s=120,
+             what="the creator job's node cache")
+    return creator, go
 
 
 def test_cache_exits_when_its_job_is_gone(tmp_path):
-    # A check every 2 s: the cache outlives its creator long enough to be seen here.
-    script = _creator_job(f"CacheConfig(directory={str(tmp_path)!r}, job_check_interval_s=2.0)")
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         timeout=120, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
-    assert str(tmp_path) in out.stdout, out.stderr[-2000:]
-    assert _services.find(KIND), "the detached cache should outlive its creator briefly"
+    creator, go = _creator_job(tmp_path)
+    try:
+        assert _services.find(KIND), "the creator job did not start its cache"
+        go.touch()
+        assert str(tmp_path / "c") in creator.communicate(timeout=60)[0]
+    finally:
+        creator.kill()
     wait_for(lambda: not _services.find(KIND), timeout_s=40, what="the orphaned cache to exit",
              interval_s=0.2)
 
@@ -234,13 +241,8 @@ def test_cache_in_use_by_a_live_job_outlives_the_job_that_created_it(s3_server, 
     """Found when the data-resume test's second world (a new Ray job) got ActorDiedError
     from ``register``: the cache exited once the job that created it ended, under the
     reader of a job still running."""
-    go = tmp_path / "go"
-    creator = subprocess.Popen(
-        [sys.executable, "-c", _creator_job(
-            f"CacheConfig(directory={str(tmp_path / 'c')!r}, job_check_interval_s=0.5)", go)],
-        stdout=subprocess.PIPE, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
+    creator, go = _creator_job(tmp_path)
     try:
-        wait_for(lambda: _services.find(KIND), timeout_s=120, what="the creator job's node cache")
         client = CacheClient(CacheConfig(directory=str(tmp_path / "c")))  # this job attaches
         before = set(_services.find(KIND))
         go.touch()

@@ -278,6 +278,6 @@ def test_loader_workers_exit_at_once_when_their_rank_is_killed(files_dir, tmp_pa
         except psutil.NoSuchProcess:
             return True
 
-    # Well under torch's 5 s status check, well over the 0.2 s poll of the fix.
+    # Well under torch's 5 s status check, well over the 0.1 s poll of the fix.
     wait_for(lambda: all(gone(p) for p in workers), timeout_s=2.5,
              what=f"loader workers {workers} to exit after their rank was SIGKILLed")

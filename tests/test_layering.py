@@ -148,3 +148,15 @@ def test_a_process_that_never_uses_ray_does_not_import_it(tmp_path):
         "    ckpt.restore(state)\n"
         "    ckpt.save(1, state)\n"
         "assert 'ray' not in sys.modules, [m for m in sys.modules if m.startswith('ray.')]\n")
+
+
+def test_a_lazy_module_survives_pickle_and_copy_without_importing():
+    """Pickle, copy and introspection probe private names; they must not import the module
+    (or recurse: ``_module`` is looked up before ``__init__`` ran on an unpickled copy)."""
+    _in_a_fresh_interpreter(
+        "import copy, pickle, sys\n"
+        "from ray_goodput._lazy import LazyModule\n"
+        "m = LazyModule('ray')\n"
+        "copy.copy(pickle.loads(pickle.dumps(m)))\n"
+        "assert not hasattr(m, '__wrapped__') and 'ray' not in sys.modules\n"
+        "assert LazyModule('json').dumps([1]) == '[1]' and 'json' in sys.modules\n")

@@ -17,6 +17,7 @@ import logging
 import os
 import pickle
 import shutil
+import threading
 import time
 import uuid
 from concurrent.futures import FIRST_COMPLETED, Future
@@ -145,8 +146,9 @@ class Checkpointer:
         self._retry = retry or RetryPolicy()
         self._uploader_choice = uploader
         self.sync_every = sync_every
-        if wait_timeout_s <= 0:
-            raise ConfigError(f"wait_timeout_s must be > 0 (seconds wait() waits for uploads), got {wait_timeout_s}")
+        if not 0 < wait_timeout_s < threading.TIMEOUT_MAX / 2:
+            raise ConfigError(f"wait_timeout_s must be > 0 and finite (seconds wait() waits for uploads), "
+                              f"got {wait_timeout_s}")
         self.wait_timeout_s = wait_timeout_s
         self._schedule = SaveSchedule(every, world_size=self.world_size, mtbf_hours=mtbf_hours)
         self._tick: float | None = None

@@ -42,9 +42,13 @@ class CacheClient:
 
     def _connect(self) -> dict:
         if ray_initialized():
-            self._actor = get_cache(self.config)
             job_id = ray.get_runtime_context().get_job_id()
-            return ray.get(self._actor.attach.remote(job_id), timeout=_CONNECT_TIMEOUT_S)
+            try:
+                self._actor = get_cache(self.config)
+                return ray.get(self._actor.attach.remote(job_id), timeout=_CONNECT_TIMEOUT_S)
+            except ray.exceptions.RayActorError:  # it was exiting (its last job just ended)
+                self._actor = get_cache(self.config)
+                return ray.get(self._actor.attach.remote(job_id), timeout=_CONNECT_TIMEOUT_S)
         self._local = CacheKeeper(self.config)
         threading.Thread(target=self._maintain_local, daemon=True,
                          name="rg-cache-local").start()
