@@ -42,17 +42,20 @@ class CacheClient:
 
     def _connect(self) -> dict:
         if ray_initialized():
-            job_id = ray.get_runtime_context().get_job_id()
             try:
-                self._actor = get_cache(self.config)
-                return ray.get(self._actor.attach.remote(job_id), timeout=_CONNECT_TIMEOUT_S)
+                return self._attach()
             except ray.exceptions.RayActorError:  # it was exiting (its last job just ended)
-                self._actor = get_cache(self.config)
-                return ray.get(self._actor.attach.remote(job_id), timeout=_CONNECT_TIMEOUT_S)
+                return self._attach()
         self._local = CacheKeeper(self.config)
         threading.Thread(target=self._maintain_local, daemon=True,
                          name="rg-cache-local").start()
         return self._local.describe()
+
+    def _attach(self) -> dict:
+        """Find or create the node cache and attach this job to it; its description."""
+        self._actor = get_cache(self.config)
+        job_id = ray.get_runtime_context().get_job_id()
+        return ray.get(self._actor.attach.remote(job_id), timeout=_CONNECT_TIMEOUT_S)
 
     def _maintain_local(self) -> None:
         while not self._stop.wait(1.0):
