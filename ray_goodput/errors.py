@@ -31,7 +31,8 @@ class CheckpointError(GoodputError, RuntimeError):
 
 
 class CheckpointCorruptError(CheckpointError):
-    """A committed checkpoint does not match its manifest (missing, truncated or changed file)."""
+    """A committed checkpoint does not match its manifest, or a save's files do not match
+    what its ranks declared durable (missing, truncated or changed file)."""
 
 
 class StateMismatchError(CheckpointError, ValueError):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 
+import pyarrow.fs as pafs
 import pytest
 import torch
 
@@ -15,7 +16,7 @@ from ray_goodput.checkpoint._backends import ThreadBackend
 from ray_goodput.checkpoint._manifest import read_manifest
 from ray_goodput.errors import StorageError
 from ray_goodput.runtime._resume import ResumeDecision, root_key, set_decision
-from ray_goodput.storage import RetryPolicy, list_dir, resolve
+from ray_goodput.storage import RetryPolicy, list_dir, resolve, upload_file
 from ray_goodput.testing import FlakyProxy, run_world, wait_for
 from tests._models import make_model, train_steps, wrap
 
@@ -219,6 +220,76 @@ def test_the_step_the_driver_chose_survives_the_dead_attempts_late_commits_and_t
             assert ckpt.restore(_state(3)) == 10
     finally:
         set_decision(None)
+
+
+def test_a_restore_skips_a_directory_whose_deletion_was_cut_short_instead_of_raising(tmp_path):
+    """Found by the CI soak (seed 11, trial 16): a directory whose COMMITTED was deleted but
+    not yet all of its files (retention killed mid-deletion, or a live retention pruning it
+    while a dead attempt's uploader finished it) still had every rank's marker; finishing
+    that orphan raised "declared durable are missing" out of restore instead of skipping it."""
+    root = str(tmp_path / "root")
+    saved = _save(root, str(tmp_path / "a"), [10, 20])
+    loc = _catalog.step_location(resolve(root), 20)
+    loc.fs.delete_file(loc.join(_layout.COMMITTED))
+    (extras,) = [i.path for i in list_dir(loc, recursive=True) if "/extras/" in i.path]
+    loc.fs.delete_file(extras)
+    state = _state(4)
+    with Checkpointer(root, staging_dir=str(tmp_path / "b"), uploader="thread") as ckpt:
+        assert ckpt.restore(state) == 10
+    assert torch.equal(_weight(state), saved[10])
+
+
+def test_a_dead_attempts_late_commit_never_prunes_where_the_live_attempt_may_upload(tmp_path):
+    """A dead attempt's uploader that commits late used to apply its own keep_last: it
+    deleted directories the live attempt was about to upload into (here step 30, its own
+    late commit), failing the live attempt's save there. Pruning is the live attempt's."""
+    root = str(tmp_path / "root")
+    state = _state(0)
+    dead = Checkpointer(root, staging_dir=str(tmp_path / "a"), uploader="thread", keep_last=1)
+    dead.save(10, state)
+    dead.wait()
+    live_state = _state(1)
+    with Checkpointer(root, staging_dir=str(tmp_path / "b"), uploader="thread", keep_last=3) as live:
+        assert live.restore(live_state) == 10
+        live.save(20, live_state)
+        live.wait()
+        dead.save(30, state)  # late, and keep_last=1 by its own lights
+        dead.wait()
+        assert [i.step for i in list_checkpoints(root)] == [10, 20, 30]
+        live.save(30, live_state)
+        live.wait()
+        assert live.stats.committed == [20, 30] and live.stats.failed_saves == 0
+    dead.close()
+    assert _committed(root) == [10, 20, 30]
+    assert read_manifest(_catalog.step_location(resolve(root), 30)).generation == live.generation
+
+
+def test_retention_after_a_commit_never_deletes_what_another_rank_uploaded_since_its_listing(tmp_path):
+    """Found by the CI soak: a rank's retention after a commit judged a directory above
+    that commit from its listing. One holding only a dead attempt's save looked settled and
+    was deleted whole, with the file another rank of the live attempt had uploaded into it
+    after the listing; that save then failed with "declared durable are missing"."""
+    root = str(tmp_path / "root")
+    _save(root, str(tmp_path / "a"), [10, 30], keep_last=5)
+    try:
+        set_decision(ResumeDecision(attempt=5, step=10, root_key=root_key(root)))
+        with Checkpointer(root, staging_dir=str(tmp_path / "b"), uploader="thread", keep_last=5) as live:
+            assert live.restore(_state(2)) == 10
+            live.save(20, _state(2))
+            live.wait()
+            assert live.generation == 5
+    finally:
+        set_decision(None)
+    listed = _catalog.scan(resolve(root))  # rank 0's retention lists after committing 20 ...
+    loc = _catalog.step_location(resolve(root), 30)
+    (tmp_path / "shard").write_bytes(b"rank 1's shard of step 30")
+    name = f"__1_{_layout.save_id(5, 'abcdef12')}.distcp"
+    upload_file(tmp_path / "shard", loc, name)  # ... rank 1 uploads its step-30 shard ...
+    assert _catalog._prune(resolve(root), listed, 1, 5) == [10, 30]  # ... then rank 0 prunes
+    left = sorted(i.path[len(loc.root) + 1:] for i in list_dir(loc, recursive=True)
+                  if i.type == pafs.FileType.File)
+    assert left == [name]
+    assert [(i.step, i.committed) for i in list_checkpoints(root)] == [(20, True), (30, False)]
 
 
 def test_restore_loads_exactly_the_step_the_driver_chose_never_a_newer_one(tmp_path):

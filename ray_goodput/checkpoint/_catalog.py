@@ -125,8 +125,9 @@ def _read_commit(d: StepDir) -> None:
 
 
 def list_checkpoints(storage_path: str | StorageLocation) -> list[CheckpointInfo]:
-    """Every checkpoint directory under ``<storage_path>/checkpoints``, by step."""
-    return [d.info() for d in scan(storage_path)]
+    """Every checkpoint directory under ``<storage_path>/checkpoints`` that holds a file,
+    by step (retention may leave a pruned directory empty)."""
+    return [d.info() for d in scan(storage_path) if d.files]
 
 
 def verify(step_loc: StorageLocation, manifest: Manifest, *, checksums: bool) -> list[str]:
@@ -206,8 +207,10 @@ def quarantine_damaged(step_loc: StorageLocation, manifest: Manifest | None, rea
         logger.warning("could not quarantine %s: %s", step_loc.uri, exc)
 
 
-def _doomed(dirs: list[StepDir], keep_last: int, generation: int | None) -> list[StepDir]:
-    """Directories retention may delete (see :func:`apply_retention`)."""
+def _doomed(dirs: list[StepDir], keep_last: int, generation: int | None,
+            ) -> list[tuple[StepDir, int | None]]:
+    """What retention may delete (see :func:`apply_retention`): ``(dir, None)`` for a whole
+    directory, ``(dir, g)`` for its files of generations below ``g`` only."""
     intact = sorted((d for d in dirs if d.intact), key=lambda d: d.manifest.order)
     if not intact:
         return []
@@ -220,15 +223,34 @@ def _doomed(dirs: list[StepDir], keep_last: int, generation: int | None) -> list
         # per rank, so a save older than its newest commit will never change again.
         return gen < current or (gen == current and newest is not None and step < newest)
 
-    out = []
+    out: list[tuple[StepDir, int | None]] = []
     for d in dirs:
         if d.step in keep:
+            continue
+        if newest is not None and d.step > newest:
+            # The current attempt's ranks may be uploading into it since the listing (the
+            # committer is its own FIFO's last rank, so no commit lands there meanwhile):
+            # only the files of dead generations go, never the directory.
+            if any((_layout.generation_of(n) or 0) < current for n in d.files):
+                out.append((d, current))
             continue
         own = {d.manifest.generation} if d.intact else set()
         gens = (d.generations - own) if d.intact else (d.generations or {current})
         if all(settled(g, d.step) for g in gens):
-            out.append(d)
+            out.append((d, None))
     return out
+
+
+def claimed_generation(root: str | StorageLocation) -> int:
+    """The highest generation claimed under ``root`` (0 when none; see ``_generation``)."""
+    try:
+        data = read_bytes(checkpoints_location(root), _layout.GENERATION)
+        return int(json.loads(data)["generation"])
+    except FileNotFoundError:
+        return 0
+    except (ValueError, KeyError, TypeError):
+        # A damaged claim file: fall back to what the commits themselves say.
+        return max((i.generation or 0 for i in list_checkpoints(root)), default=0)
 
 
 def pin_resume(root: str | StorageLocation, *, attempt: int, step: int) -> None:
@@ -258,25 +280,46 @@ def _live_pin(root: str | StorageLocation, found: list[StepDir]) -> int | None:
 def apply_retention(root: str | StorageLocation, keep_last: int,
                     generation: int | None = None) -> list[int]:
     """Keep the newest ``keep_last`` intact committed checkpoints (by lineage order) and
-    delete other directories that provably belong to a dead or settled save; returns the
-    deleted steps.
+    delete what provably belongs to a dead or settled save; returns the pruned steps.
 
     ``generation`` is the caller's (a committer passes its own; default: the newest
-    commit's). Never deleted: the newest intact committed checkpoint, and any directory
-    with a save of ``generation`` or newer that may still be written (a step above that
-    generation's newest commit, or a newer generation).
+    commit's). Never deleted: the newest intact committed checkpoint, any directory with a
+    save of ``generation`` or newer that may still be written, and any file of
+    ``generation`` or newer above that generation's newest commit (its other ranks may be
+    uploading there). A committer of an older generation than the newest claimed (a dead
+    attempt's uploader committing late) deletes nothing: the live attempt prunes.
     """
-    found = scan(root)
+    return _prune(root, scan(root), keep_last, generation)
+
+
+def _prune(root: str | StorageLocation, found: list[StepDir], keep_last: int,
+           generation: int | None) -> list[int]:
+    """:func:`apply_retention` from a listing ``found`` that may be stale by now."""
     pinned = _live_pin(root, found)
-    dirs = [d for d in _doomed(found, keep_last, generation) if d.step != pinned]
-    for n, d in enumerate(dirs):
+    doomed = [(d, below) for d, below in _doomed(found, keep_last, generation) if d.step != pinned]
+    for n, (d, below) in enumerate(doomed):
         if n:
             fault_point("retention")
+        if generation is not None and claimed_generation(root) > generation:
+            # Checked before each directory: the live attempt may upload into any of them.
+            logger.info("retention of generation %d stops: a newer attempt has started", generation)
+            return [d.step for d, _ in doomed[:n]]
         # The marker goes first: a half-deleted directory must never look committed.
         try:
             d.loc.fs.delete_file(d.loc.join(_layout.COMMITTED))
         except FileNotFoundError:
             pass
-        delete_dir(checkpoints_location(root), _layout.step_dir(d.step))
-        logger.info("retention removed checkpoint step %d", d.step)
-    return [d.step for d in dirs]
+        if below is None:
+            delete_dir(checkpoints_location(root), _layout.step_dir(d.step))
+            logger.info("retention removed checkpoint step %d", d.step)
+            continue
+        # As listed (whatever landed since belongs to a live save), rank markers first: a
+        # dead save whose markers are gone is never taken for a complete orphan.
+        for name in sorted(d.files, key=lambda n: not n.startswith(_layout.RANKS_DIR)):
+            if name != _layout.COMMITTED and (_layout.generation_of(name) or 0) < below:
+                try:
+                    d.loc.fs.delete_file(d.loc.join(name))
+                except FileNotFoundError:
+                    pass
+        logger.info("retention removed the dead saves in step %d (generations below %d)", d.step, below)
+    return [d.step for d, _ in doomed]

@@ -35,7 +35,7 @@ from ray_goodput.checkpoint._manifest import (
     write_rank_marker,
 )
 from ray_goodput.checkpoint._parts import merge_parts, part_file
-from ray_goodput.errors import CheckpointCorruptError, CheckpointError
+from ray_goodput.errors import CheckpointCorruptError
 from ray_goodput.storage import (
     DEFAULT_ALGORITHM,
     FileEntry,
@@ -146,7 +146,7 @@ class CommitProtocol:
                    for i in list_dir(self.step_loc, recursive=True) if i.type == pafs.FileType.File}
         gone = [f.name for f in files if present.get(f.name) != f.size]
         if gone:
-            raise CheckpointError(
+            raise CheckpointCorruptError(
                 f"step {self.step} save {self.save_id}: {len(gone)} file(s) declared durable are "
                 f"missing or changed ({', '.join(gone[:3])}); this save cannot commit, the previous "
                 "committed checkpoint stays the recovery point")
@@ -176,7 +176,13 @@ def finish_orphan(step_loc: StorageLocation, step: int, *, above: int = -1) -> M
         marker = read_rank_marker(step_loc, min(ranks), nonce)
         if marker is None or marker.step != step:
             continue
-        done = CommitProtocol(step_loc, step, marker.world_size, nonce, marker.generation).finalize()
+        try:
+            done = CommitProtocol(step_loc, step, marker.world_size, nonce, marker.generation).finalize()
+        except CheckpointCorruptError as exc:
+            # Its files went after its markers were written: a deletion cut short (retention
+            # killed mid-way), or a retention pruning it meanwhile. It can never commit.
+            logger.warning("step %d: the orphaned save %s cannot be committed: %s", step, nonce, exc)
+            continue
         if done.state == COMMITTED:
             return done.manifest
         if done.state == OUTRANKED:

@@ -12,23 +12,12 @@ from __future__ import annotations
 import json
 
 from ray_goodput.checkpoint import _catalog, _layout
-from ray_goodput.storage import StorageLocation, read_bytes, write_bytes
-
-
-def claimed(root: StorageLocation) -> int:
-    """The highest generation claimed under ``root`` (0 when none)."""
-    try:
-        return int(json.loads(read_bytes(_catalog.checkpoints_location(root), _layout.GENERATION))["generation"])
-    except FileNotFoundError:
-        return 0
-    except (ValueError, KeyError, TypeError):
-        # A damaged claim file: fall back to what the commits themselves say.
-        return max((i.generation or 0 for i in _catalog.list_checkpoints(root)), default=0)
+from ray_goodput.storage import StorageLocation, write_bytes
 
 
 def claim(root: StorageLocation, attempt: int | None) -> int:
     """Claim and return this attempt's generation (rank 0 only)."""
-    generation = max(claimed(root) + 1, attempt or 0)
+    generation = max(_catalog.claimed_generation(root) + 1, attempt or 0)
     write_bytes(_catalog.checkpoints_location(root), _layout.GENERATION,
                 json.dumps({"generation": generation}).encode())
     return generation
