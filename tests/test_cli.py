@@ -30,7 +30,10 @@ def test_ls_and_verify(tmp_path, capsys):
         for step in (5, 10):
             ckpt.save(step, {"model": torch.nn.Linear(64, 64)})
             ckpt.wait()
-    (tmp_path / "root/checkpoints/step-000000015").mkdir()  # an uncommitted leftover
+    leftover = tmp_path / "root/checkpoints/step-000000015"  # a rank killed mid-save
+    leftover.mkdir()
+    (leftover / "__0_g000009-deadbeef.distcp").write_bytes(b"half a shard")
+    (tmp_path / "root/checkpoints/step-000000020").mkdir()  # emptied by retention: not listed
     code, out, err = _run(capsys, "ls", root)
     assert code == 0, err
     lines = out.splitlines()
