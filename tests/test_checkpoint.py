@@ -68,6 +68,55 @@ def test_round_trip_bit_for_bit_with_rng_and_extras(root, tmp_path):
     assert_same(full_state(state["model"], state["optim"]), full_state(fresh["model"], fresh["optim"]))
 
 
+def test_a_save_before_the_first_optimizer_step_changes_neither_training_nor_the_restored_run(tmp_path):
+    """Saving an AdamW that had not stepped gave it state (step 1, zero moments): DCP's
+    optimizer state dict initializes one to have something to save. The run that saved at
+    step 0 then used step 2's bias correction at its first step, and so did a run restored
+    from that save: both drifted from a run that never saved."""
+    def adamw() -> dict:
+        model = make_model(0)
+        return {"model": model, "optim": torch.optim.AdamW(model.parameters(), lr=1e-2)}
+
+    never_saved = adamw()
+    train_steps(never_saved["model"], never_saved["optim"], 2, rank=0)
+    saved = adamw()
+    with Checkpointer(str(tmp_path / "root"), staging_dir=str(tmp_path / "a"), uploader="thread") as ckpt:
+        ckpt.save(0, saved)
+        assert len(saved["optim"].state) == 0
+        train_steps(saved["model"], saved["optim"], 2, rank=0)
+    assert_same(full_state(never_saved["model"], never_saved["optim"]),
+                full_state(saved["model"], saved["optim"]))
+    restored = adamw()
+    train_steps(restored["model"], restored["optim"], 1, rank=0)  # stepped, then restored
+    with Checkpointer(str(tmp_path / "root"), staging_dir=str(tmp_path / "b"), uploader="thread") as ckpt:
+        assert ckpt.restore(restored) == 0
+    assert len(restored["optim"].state) == 0
+    train_steps(restored["model"], restored["optim"], 2, rank=0)
+    assert_same(full_state(never_saved["model"], never_saved["optim"]),
+                full_state(restored["model"], restored["optim"]))
+
+
+def _save_unstepped_sharded(rank: int, world: int, root: str, stage: str) -> int:
+    model = wrap(make_model(0), "fsdp")
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with Checkpointer(root, staging_dir=f"{stage}{rank}", uploader="thread") as ckpt:
+        ckpt.save(0, {"model": model, "optim": optim})
+    return len(optim.state)
+
+
+def test_an_unstepped_sharded_optimizer_stays_unstepped_when_saved_and_resharded_2_to_1(tmp_path):
+    root = str(tmp_path / "root")
+    assert run_world(_save_unstepped_sharded, 2, root, str(tmp_path / "a")) == [0, 0]
+    state = {"model": make_model(5)}
+    state["optim"] = torch.optim.AdamW(state["model"].parameters(), lr=1e-2)
+    train_steps(state["model"], state["optim"], 1, rank=0)
+    with Checkpointer(root, staging_dir=str(tmp_path / "b"), uploader="thread") as ckpt:
+        assert ckpt.restore(state) == 0
+    assert len(state["optim"].state) == 0
+    fresh = make_model(0).state_dict()
+    assert all(torch.equal(fresh[k], v) for k, v in state["model"].state_dict().items())
+
+
 def test_restore_prefers_verified_local_copy(tmp_path):
     root, stage = str(tmp_path / "root"), str(tmp_path / "stage")
     state = _state(0)

@@ -266,14 +266,15 @@ class Checkpointer:
         return due
 
     def _hand_off(self, step: int, roles: _state.Roles, save_id: str, generation: int) -> Handoff:
-        flat, mappings = flatten_state_dict(_state.to_state_dict(roles))
-        leaves = {fqn: _shard_plan.describe(value) for fqn, value in flat.items()}
-        keys = _shard_plan.local_keys(leaves, self._owners(leaves), self.rank)
-        tensors = {k: _local(flat[k]) for k in keys if leaves[k].kind != _shard_plan.OBJECT}
-        objects = {k: pickle.dumps(flat[k]) for k in keys if leaves[k].kind == _shard_plan.OBJECT}
-        index = self._free_arena(sum(t.numel() * t.element_size() for t in tensors.values()))
-        arena = self._arenas[index]
-        slots = arena.snapshot(tensors)
+        with _state.saving(roles) as sd:
+            flat, mappings = flatten_state_dict(sd)
+            leaves = {fqn: _shard_plan.describe(value) for fqn, value in flat.items()}
+            keys = _shard_plan.local_keys(leaves, self._owners(leaves), self.rank)
+            tensors = {k: _local(flat[k]) for k in keys if leaves[k].kind != _shard_plan.OBJECT}
+            objects = {k: pickle.dumps(flat[k]) for k in keys if leaves[k].kind == _shard_plan.OBJECT}
+            index = self._free_arena(sum(t.numel() * t.element_size() for t in tensors.values()))
+            arena = self._arenas[index]
+            slots = arena.snapshot(tensors)
         job = ShardJob(root=self.root, step=step, rank=self.rank, world_size=self.world_size,
                        arena_path=str(arena.path), slots=tuple(slots), objects=objects,
                        leaves={k: leaves[k] for k in keys}, mappings=mappings,

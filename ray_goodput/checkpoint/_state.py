@@ -10,6 +10,8 @@ from __future__ import annotations
 import logging
 import pickle
 import random
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +32,7 @@ from ray_goodput.errors import ConfigError
 logger = logging.getLogger(__name__)
 
 _PLAIN_KEY = "_rg_plain"
+_UNSTEPPED_KEY = "_rg_unstepped"  # keys of optimizers saved before their first step
 _OPTIONS = StateDictOptions(full_state_dict=False, cpu_offload=False)
 
 
@@ -88,12 +91,42 @@ def to_state_dict(roles: Roles) -> dict[str, Any]:
     return sd
 
 
+@contextmanager
+def saving(roles: Roles) -> Iterator[dict[str, Any]]:
+    """The DCP state dict to save (live tensors: copy them inside the block).
+
+    Building an optimizer's state dict gives one that has not stepped yet state of its
+    own (step 1, zero moments), which would change the run's next step: on exit those
+    optimizers get their empty state back, and the checkpoint names them so that a
+    restore leaves them unstepped too."""
+    fresh = sorted(key for key, (optim, _) in roles.optimizers.items() if not optim.state)
+    try:
+        sd = to_state_dict(roles)
+        if fresh:
+            sd[_UNSTEPPED_KEY] = pickle.dumps(fresh)
+        yield sd
+    finally:
+        for key in fresh:
+            roles.optimizers[key][0].state.clear()
+
+
+def expect_saved_extras(template: dict[str, Any], saved_keys: Any) -> None:
+    """Add to a restore ``template`` what the checkpoint holds beyond the live state's own
+    entries (``saved_keys``: DCP's metadata keys); older checkpoints lack them."""
+    if _UNSTEPPED_KEY in saved_keys:
+        template[_UNSTEPPED_KEY] = pickle.dumps([])
+
+
 def apply_state_dict(roles: Roles, sd: dict[str, Any], state: dict[str, Any]) -> None:
     """Load ``sd`` (as filled by DCP) into the live objects; plain values into ``state``."""
     for key, module in roles.modules.items():
         set_model_state_dict(module, sd[key], options=_OPTIONS)
     for key, (optim, module) in roles.optimizers.items():
         set_optimizer_state_dict(module, optim, sd[key], options=_OPTIONS)
+    unstepped = pickle.loads(sd[_UNSTEPPED_KEY]) if _UNSTEPPED_KEY in sd else []  # noqa: S301
+    for key in unstepped:
+        if key in roles.optimizers:
+            roles.optimizers[key][0].state.clear()
     for key, obj in roles.statefuls.items():
         obj.load_state_dict(sd[key])
     if roles.plain:
