@@ -30,6 +30,7 @@ _EXPORTS = {
     "ConfigError": "ray_goodput.errors",
     "DataError": "ray_goodput.errors",
     "GoodputError": "ray_goodput.errors",
+    "IncompleteSaveError": "ray_goodput.errors",
     "StateMismatchError": "ray_goodput.errors",
     "StorageError": "ray_goodput.errors",
     "StorageUnusableError": "ray_goodput.errors",
@@ -50,6 +51,6 @@ if TYPE_CHECKING:
                                         list_checkpoints)
     from ray_goodput.driver import GoodputCallback, Recovery, TorchTrainer
     from ray_goodput.errors import (CacheFullError, CheckpointCorruptError, CheckpointError,
-                                    ConfigError, DataError, GoodputError, StateMismatchError,
-                                    StorageError, StorageUnusableError)
+                                    ConfigError, DataError, GoodputError, IncompleteSaveError,
+                                    StateMismatchError, StorageError, StorageUnusableError)
     from ray_goodput.goodput import record_end, record_step

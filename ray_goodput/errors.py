@@ -31,8 +31,13 @@ class CheckpointError(GoodputError, RuntimeError):
 
 
 class CheckpointCorruptError(CheckpointError):
-    """A committed checkpoint does not match its manifest, or a save's files do not match
-    what its ranks declared durable (missing, truncated or changed file)."""
+    """A committed checkpoint does not match its manifest (missing, truncated or changed file)."""
+
+
+class IncompleteSaveError(CheckpointError):
+    """A save's files no longer match what its ranks declared durable (one is missing or
+    changed, e.g. deleted by retention): it can never commit; the previous committed
+    checkpoint stays the recovery point."""
 
 
 class StateMismatchError(CheckpointError, ValueError):

@@ -11,10 +11,12 @@ import pytest
 import torch
 
 from ray_goodput import Checkpointer, list_checkpoints
-from ray_goodput.checkpoint import _catalog, _layout
+from ray_goodput.checkpoint import _catalog, _generation, _layout, _retention
 from ray_goodput.checkpoint._backends import ThreadBackend
 from ray_goodput.checkpoint._manifest import read_manifest
-from ray_goodput.errors import StorageError
+from ray_goodput.checkpoint._commit import CommitProtocol
+from ray_goodput.checkpoint._parts import part_file
+from ray_goodput.errors import IncompleteSaveError, StorageError
 from ray_goodput.runtime._resume import ResumeDecision, root_key, set_decision
 from ray_goodput.storage import RetryPolicy, list_dir, resolve, upload_file
 from ray_goodput.testing import FlakyProxy, run_world, wait_for
@@ -209,7 +211,7 @@ def test_the_step_the_driver_chose_survives_the_dead_attempts_late_commits_and_t
     with Checkpointer(root, staging_dir=str(tmp_path / "a"), keep_last=2, uploader="thread") as dead:
         dead.save(10, state)
         dead.wait()
-        _catalog.pin_resume(resolve(root), attempt=2, step=10)  # the Recovery's decision for attempt 2
+        _retention.pin_resume(resolve(root), attempt=2, step=10)  # the Recovery's decision for attempt 2
         for step in (20, 30):  # the dead attempt's uploader commits late, and prunes to keep_last
             dead.save(step, state)
             dead.wait()
@@ -237,6 +239,20 @@ def test_a_restore_skips_a_directory_whose_deletion_was_cut_short_instead_of_rai
     with Checkpointer(root, staging_dir=str(tmp_path / "b"), uploader="thread") as ckpt:
         assert ckpt.restore(state) == 10
     assert torch.equal(_weight(state), saved[10])
+
+
+def test_an_orphan_whose_metadata_part_went_after_the_presence_check_is_skipped_not_raised(tmp_path):
+    """The same deletion racing the commit check: a rank's metadata part went between the
+    presence check and the merge of ``.metadata``; FileNotFoundError escaped restore."""
+    root = str(tmp_path / "root")
+    _save(root, str(tmp_path / "a"), [10, 20])
+    loc = _catalog.step_location(resolve(root), 20)
+    manifest = read_manifest(loc)
+    loc.fs.delete_file(loc.join(_layout.COMMITTED))
+    protocol = CommitProtocol(loc, 20, 1, manifest.nonce, manifest.generation)
+    loc.fs.delete_file(loc.join(part_file(0, manifest.nonce)))
+    with pytest.raises(IncompleteSaveError):
+        protocol._write_dcp_metadata(None)
 
 
 def test_a_dead_attempts_late_commit_never_prunes_where_the_live_attempt_may_upload(tmp_path):
@@ -280,16 +296,70 @@ def test_retention_after_a_commit_never_deletes_what_another_rank_uploaded_since
             assert live.generation == 5
     finally:
         set_decision(None)
-    listed = _catalog.scan(resolve(root))  # rank 0's retention lists after committing 20 ...
     loc = _catalog.step_location(resolve(root), 30)
-    (tmp_path / "shard").write_bytes(b"rank 1's shard of step 30")
-    name = f"__1_{_layout.save_id(5, 'abcdef12')}.distcp"
-    upload_file(tmp_path / "shard", loc, name)  # ... rank 1 uploads its step-30 shard ...
-    assert _catalog._prune(resolve(root), listed, 1, 5) == [10, 30]  # ... then rank 0 prunes
-    left = sorted(i.path[len(loc.root) + 1:] for i in list_dir(loc, recursive=True)
-                  if i.type == pafs.FileType.File)
-    assert left == [name]
+    (tmp_path / "shard").write_bytes(b"a shard of step 30")
+    early = f"__1_{_layout.save_id(5, 'abcdef12')}.distcp"
+    upload_file(tmp_path / "shard", loc, early)  # rank 1's, before the listing ...
+    listed = _catalog.scan(resolve(root))  # ... rank 0's retention lists after committing 20 ...
+    late = f"__2_{_layout.save_id(5, 'abcdef12')}.distcp"
+    upload_file(tmp_path / "shard", loc, late)  # ... rank 2 uploads its step-30 shard ...
+    assert _retention._prune(resolve(root), listed, 1, 5) == [10, 30]  # ... then rank 0 prunes
+    assert _files(loc) == sorted([early, late])
     assert [(i.step, i.committed) for i in list_checkpoints(root)] == [(20, True), (30, False)]
+    assert not (tmp_path / "root" / "checkpoints" / _layout.step_dir(10)).exists()
+
+
+def _files(loc) -> list[str]:
+    return sorted(i.path[len(loc.root) + 1:] for i in list_dir(loc, recursive=True)
+                  if i.type == pafs.FileType.File)
+
+
+def test_a_dead_attempts_retention_from_a_stale_listing_deletes_only_what_it_listed(tmp_path):
+    """A dead attempt's uploader committing late prunes from one listing; the new attempt
+    may claim its generation just after the check and upload into a directory that
+    listing doomed (it resumed below it). That directory used to be deleted whole."""
+    root = str(tmp_path / "root")
+    _save(root, str(tmp_path / "a"), [10, 20, 30], keep_last=5)
+    dead = _catalog.scan(resolve(root))[0].manifest.generation
+    listed = _catalog.scan(resolve(root))
+    loc = _catalog.step_location(resolve(root), 20)
+    (tmp_path / "shard").write_bytes(b"the new attempt's shard of step 20")
+    live = f"__0_{_layout.save_id(dead + 1, 'abcdef12')}.distcp"
+    upload_file(tmp_path / "shard", loc, live)
+    assert _retention._prune(resolve(root), listed, 1, dead) == [10, 20]
+    assert _files(loc) == [live]
+    assert not (tmp_path / "root" / "checkpoints" / _layout.step_dir(10)).exists()
+    assert _committed(root) == [30]
+
+
+def test_a_dead_attempts_retention_stops_once_a_newer_generation_is_claimed(tmp_path):
+    root = str(tmp_path / "root")
+    _save(root, str(tmp_path / "a"), [10, 20, 30], keep_last=5)
+    dead = _catalog.scan(resolve(root))[0].manifest.generation
+    listed = _catalog.scan(resolve(root))
+    _generation.claim(resolve(root), None)  # the new attempt starts
+    assert _retention._prune(resolve(root), listed, 1, dead) == []
+    assert _committed(root) == [10, 20, 30]
+
+
+def test_the_driver_pin_holds_on_a_storage_root_an_earlier_run_used(tmp_path):
+    """The Recovery pinned its own attempt number (1, 2, ...) and the pin lapsed at any
+    commit of that generation or newer; on a root an earlier run had used, generations run
+    ahead of attempts, so the dead attempt's own commits lapsed it and its late retention
+    deleted the step the new attempt was told to resume from."""
+    root = str(tmp_path / "root")
+    _save(root, str(tmp_path / "old-run"), [5], keep_last=5)  # an earlier job: generation 1
+    state = _state(0)
+    with Checkpointer(root, staging_dir=str(tmp_path / "a"), keep_last=1, uploader="thread") as dead:
+        dead.save(10, state)  # this run's attempt 1: generation 2
+        dead.wait()
+        dead.save(20, state)
+        dead.wait()
+        pin = _generation.next_generation(resolve(root), 2)  # what the Recovery pins for attempt 2
+        _retention.pin_resume(resolve(root), attempt=pin, step=20)
+        dead.save(30, state)  # the dead attempt's uploader commits late, keep_last=1
+        dead.wait()
+    assert _committed(root) == [20, 30]
 
 
 def test_restore_loads_exactly_the_step_the_driver_chose_never_a_newer_one(tmp_path):

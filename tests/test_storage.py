@@ -126,3 +126,24 @@ def test_untyped_refusal_is_retried_to_the_bound_then_raised_naming_the_attempts
     with pytest.raises(StorageError, match="op failed after 3 attempt"):
         policy.call("op", denied)
     assert len(calls) == 3
+
+
+def test_a_write_into_a_directory_removed_right_after_its_creation_re_creates_it(tmp_path):
+    """Retention removes a checkpoint directory once empty; a rank that had just created it
+    for its first file lost that write (FileNotFoundError) and with it the save."""
+    from ray_goodput.storage._transfer import _into_dir
+
+    loc = storage.resolve(str(tmp_path / "root"))
+    parent = loc.join("step-000000001", "extras")
+    removed = []
+
+    def write() -> int:
+        if not removed:  # the retention pass, between our mkdir and our write
+            os.rmdir(parent)
+            removed.append(parent)
+        with open(os.path.join(parent, "f"), "wb") as out:
+            return out.write(b"data")
+
+    assert _into_dir(loc, parent, write) == 4 and removed
+    with pytest.raises(FileNotFoundError):  # a missing source still fails
+        _into_dir(loc, parent, lambda: open(tmp_path / "no-such-file", "rb"))

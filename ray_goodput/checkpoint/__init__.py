@@ -1,6 +1,7 @@
 """Checkpointing: sharded DCP saves, committed by a manifest written last."""
 
-from ray_goodput.checkpoint._catalog import CheckpointInfo, apply_retention, list_checkpoints, verify
+from ray_goodput.checkpoint._catalog import CheckpointInfo, list_checkpoints, verify
+from ray_goodput.checkpoint._retention import apply_retention
 from ray_goodput.checkpoint._checkpointer import Checkpointer, SaveStats
 from ray_goodput.checkpoint._manifest import Manifest
 from ray_goodput.checkpoint._restore import RestoreInfo

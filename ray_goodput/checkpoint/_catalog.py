@@ -9,13 +9,11 @@ committed checkpoints (``_layout`` explains generations). One recursive listing 
 from __future__ import annotations
 
 import heapq
-import json
 import logging
 from dataclasses import dataclass, field
 
 import pyarrow.fs as pafs
 
-from ray_goodput._faults import fault_point
 from ray_goodput.checkpoint import _layout
 from ray_goodput.checkpoint._commit import finish_orphan
 from ray_goodput.checkpoint._manifest import (
@@ -26,8 +24,7 @@ from ray_goodput.checkpoint._manifest import (
     read_quarantine,
 )
 from ray_goodput.errors import CheckpointCorruptError
-from ray_goodput.storage import (StorageLocation, delete_dir, list_dir, object_crc32, read_bytes,
-                                 resolve, write_bytes)
+from ray_goodput.storage import StorageLocation, list_dir, object_crc32, resolve
 
 logger = logging.getLogger(__name__)
 
@@ -205,121 +202,3 @@ def quarantine_damaged(step_loc: StorageLocation, manifest: Manifest | None, rea
         quarantine(step_loc, manifest, reason)
     except OSError as exc:
         logger.warning("could not quarantine %s: %s", step_loc.uri, exc)
-
-
-def _doomed(dirs: list[StepDir], keep_last: int, generation: int | None,
-            ) -> list[tuple[StepDir, int | None]]:
-    """What retention may delete (see :func:`apply_retention`): ``(dir, None)`` for a whole
-    directory, ``(dir, g)`` for its files of generations below ``g`` only."""
-    intact = sorted((d for d in dirs if d.intact), key=lambda d: d.manifest.order)
-    if not intact:
-        return []
-    current = generation if generation is not None else intact[-1].manifest.generation
-    keep = {d.step for d in intact[-max(1, keep_last):]}
-    newest = max((d.step for d in intact if d.manifest.generation == current), default=None)
-
-    def settled(gen: int, step: int) -> bool:
-        # Older generations are dead attempts; within the current one uploads are FIFO
-        # per rank, so a save older than its newest commit will never change again.
-        return gen < current or (gen == current and newest is not None and step < newest)
-
-    out: list[tuple[StepDir, int | None]] = []
-    for d in dirs:
-        if d.step in keep:
-            continue
-        if newest is not None and d.step > newest:
-            # The current attempt's ranks may be uploading into it since the listing (the
-            # committer is its own FIFO's last rank, so no commit lands there meanwhile):
-            # only the files of dead generations go, never the directory.
-            if any((_layout.generation_of(n) or 0) < current for n in d.files):
-                out.append((d, current))
-            continue
-        own = {d.manifest.generation} if d.intact else set()
-        gens = (d.generations - own) if d.intact else (d.generations or {current})
-        if all(settled(g, d.step) for g in gens):
-            out.append((d, None))
-    return out
-
-
-def claimed_generation(root: str | StorageLocation) -> int:
-    """The highest generation claimed under ``root`` (0 when none; see ``_generation``)."""
-    try:
-        data = read_bytes(checkpoints_location(root), _layout.GENERATION)
-        return int(json.loads(data)["generation"])
-    except FileNotFoundError:
-        return 0
-    except (ValueError, KeyError, TypeError):
-        # A damaged claim file: fall back to what the commits themselves say.
-        return max((i.generation or 0 for i in list_checkpoints(root)), default=0)
-
-
-def pin_resume(root: str | StorageLocation, *, attempt: int, step: int) -> None:
-    """Record that attempt ``attempt`` resumes from ``step``: retention never deletes that
-    checkpoint while that attempt has no commit of its own, even when a dead attempt's
-    uploader commits newer ones late and prunes to ``keep_last``."""
-    write_bytes(checkpoints_location(root), _layout.RESUME,
-                json.dumps({"attempt": attempt, "step": step}).encode())
-
-
-def _live_pin(root: str | StorageLocation, found: list[StepDir]) -> int | None:
-    """The step the live attempt resumes from (see :func:`pin_resume`), while it matters:
-    once that attempt (or a later one) has an intact commit of its own, it is the newer
-    recovery point and the pin lapses."""
-    try:
-        pin = json.loads(read_bytes(checkpoints_location(root), _layout.RESUME))
-        attempt, step = int(pin["attempt"]), int(pin["step"])
-    except FileNotFoundError:
-        return None
-    except (ValueError, KeyError, TypeError):
-        logger.warning("unreadable %s under %s: no checkpoint is pinned", _layout.RESUME, root)
-        return None
-    lapsed = any(d.intact and d.manifest.generation >= attempt for d in found)
-    return None if lapsed else step
-
-
-def apply_retention(root: str | StorageLocation, keep_last: int,
-                    generation: int | None = None) -> list[int]:
-    """Keep the newest ``keep_last`` intact committed checkpoints (by lineage order) and
-    delete what provably belongs to a dead or settled save; returns the pruned steps.
-
-    ``generation`` is the caller's (a committer passes its own; default: the newest
-    commit's). Never deleted: the newest intact committed checkpoint, any directory with a
-    save of ``generation`` or newer that may still be written, and any file of
-    ``generation`` or newer above that generation's newest commit (its other ranks may be
-    uploading there). A committer of an older generation than the newest claimed (a dead
-    attempt's uploader committing late) deletes nothing: the live attempt prunes.
-    """
-    return _prune(root, scan(root), keep_last, generation)
-
-
-def _prune(root: str | StorageLocation, found: list[StepDir], keep_last: int,
-           generation: int | None) -> list[int]:
-    """:func:`apply_retention` from a listing ``found`` that may be stale by now."""
-    pinned = _live_pin(root, found)
-    doomed = [(d, below) for d, below in _doomed(found, keep_last, generation) if d.step != pinned]
-    for n, (d, below) in enumerate(doomed):
-        if n:
-            fault_point("retention")
-        if generation is not None and claimed_generation(root) > generation:
-            # Checked before each directory: the live attempt may upload into any of them.
-            logger.info("retention of generation %d stops: a newer attempt has started", generation)
-            return [d.step for d, _ in doomed[:n]]
-        # The marker goes first: a half-deleted directory must never look committed.
-        try:
-            d.loc.fs.delete_file(d.loc.join(_layout.COMMITTED))
-        except FileNotFoundError:
-            pass
-        if below is None:
-            delete_dir(checkpoints_location(root), _layout.step_dir(d.step))
-            logger.info("retention removed checkpoint step %d", d.step)
-            continue
-        # As listed (whatever landed since belongs to a live save), rank markers first: a
-        # dead save whose markers are gone is never taken for a complete orphan.
-        for name in sorted(d.files, key=lambda n: not n.startswith(_layout.RANKS_DIR)):
-            if name != _layout.COMMITTED and (_layout.generation_of(name) or 0) < below:
-                try:
-                    d.loc.fs.delete_file(d.loc.join(name))
-                except FileNotFoundError:
-                    pass
-        logger.info("retention removed the dead saves in step %d (generations below %d)", d.step, below)
-    return [d.step for d, _ in doomed]

@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
 from ray_goodput import _env
-from ray_goodput.checkpoint import _catalog, _collective, _generation, _layout, _shard_plan, _state
+from ray_goodput.checkpoint import _catalog, _collective, _generation, _layout, _retention, _shard_plan, _state
 from ray_goodput.checkpoint._arena import Arena, arena_name, pick_dir, sweep_dead
 from ray_goodput.checkpoint._backends import Handoff, ThreadBackend, UploadBackend
 from ray_goodput.checkpoint._job import ShardJob
@@ -443,7 +443,7 @@ class Checkpointer:
                 before = manifest.order
                 continue
             if decision is None and self.rank == 0:  # a Recovery pins its own choice
-                _best_effort("pinning the resume step", lambda: _catalog.pin_resume(
+                _best_effort("pinning the resume step", lambda: _retention.pin_resume(
                     self.root, attempt=self._generation or 0, step=manifest.step))
             self._recorder.restored(manifest.step, t0, time.time())
             self._last_step = manifest.step

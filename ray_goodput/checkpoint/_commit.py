@@ -35,7 +35,7 @@ from ray_goodput.checkpoint._manifest import (
     write_rank_marker,
 )
 from ray_goodput.checkpoint._parts import merge_parts, part_file
-from ray_goodput.errors import CheckpointCorruptError
+from ray_goodput.errors import CheckpointCorruptError, IncompleteSaveError
 from ray_goodput.storage import (
     DEFAULT_ALGORITHM,
     FileEntry,
@@ -146,7 +146,7 @@ class CommitProtocol:
                    for i in list_dir(self.step_loc, recursive=True) if i.type == pafs.FileType.File}
         gone = [f.name for f in files if present.get(f.name) != f.size]
         if gone:
-            raise CheckpointCorruptError(
+            raise IncompleteSaveError(
                 f"step {self.step} save {self.save_id}: {len(gone)} file(s) declared durable are "
                 f"missing or changed ({', '.join(gone[:3])}); this save cannot commit, the previous "
                 "committed checkpoint stays the recovery point")
@@ -154,7 +154,11 @@ class CommitProtocol:
     def _write_dcp_metadata(self, local_dir: Path | None) -> FileEntry:
         """Merge the ranks' metadata parts into DCP's ``.metadata`` (and into the node-local
         staged copy, when there is one, for local-first restore)."""
-        parts = [read_bytes(self.step_loc, part_file(rank, self.save_id)) for rank in range(self.world_size)]
+        try:
+            parts = [read_bytes(self.step_loc, part_file(rank, self.save_id)) for rank in range(self.world_size)]
+        except FileNotFoundError as exc:  # deleted since the presence check
+            raise IncompleteSaveError(f"step {self.step} save {self.save_id}: a metadata part is gone "
+                                      f"({exc}); this save cannot commit") from exc
         data = merge_parts(parts, self.step)
         write_bytes(self.step_loc, _layout.DCP_METADATA, data)
         if local_dir is not None and local_dir.is_dir():
@@ -178,7 +182,7 @@ def finish_orphan(step_loc: StorageLocation, step: int, *, above: int = -1) -> M
             continue
         try:
             done = CommitProtocol(step_loc, step, marker.world_size, nonce, marker.generation).finalize()
-        except CheckpointCorruptError as exc:
+        except IncompleteSaveError as exc:
             # Its files went after its markers were written: a deletion cut short (retention
             # killed mid-way), or a retention pruning it meanwhile. It can never commit.
             logger.warning("step %d: the orphaned save %s cannot be committed: %s", step, nonce, exc)

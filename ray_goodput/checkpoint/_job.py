@@ -20,7 +20,7 @@ from typing import Any
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ray_goodput._faults import fault_point
-from ray_goodput.checkpoint import _catalog, _layout
+from ray_goodput.checkpoint import _catalog, _layout, _retention
 from ray_goodput.checkpoint._arena import TensorSlot, open_slots
 from ray_goodput.checkpoint._commit import COMMITTED, OUTRANKED, CommitProtocol
 from ray_goodput.checkpoint._parts import write_part
@@ -162,7 +162,7 @@ def upload_and_commit(job: ShardJob, names: list[str], *, concurrency: int,
                        done.manifest.generation if done.manifest else "?", job.generation)
     if done.state == COMMITTED:
         try:
-            _catalog.apply_retention(job.root, job.keep_last, generation=job.generation)
+            _retention.apply_retention(job.root, job.keep_last, generation=job.generation)
         except Exception as exc:  # noqa: BLE001 - the save is committed; retention retries next time
             logger.warning("retention after step %d failed: %s", job.step, exc)
     state = SaveState.COMMITTED if done.state == COMMITTED else SaveState.UPLOADED

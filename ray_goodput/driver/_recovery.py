@@ -30,7 +30,9 @@ from ray.train.v2._internal.exceptions import WorkerHealthCheckFailedError
 from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
 from ray.train.v2.api.exceptions import ControllerError, WorkerGroupError
 
-from ray_goodput.checkpoint._catalog import newest_valid, pin_resume
+from ray_goodput.checkpoint._catalog import newest_valid
+from ray_goodput.checkpoint._generation import next_generation
+from ray_goodput.checkpoint._retention import pin_resume
 from ray_goodput.driver import _gpu_check, _health
 from ray_goodput.errors import ConfigError, not_retryable
 from ray_goodput.runtime import run_root
@@ -221,7 +223,9 @@ class Recovery(ControllerCallback, WorkerGroupCallback):
         else:
             logger.info("attempt %d resumes from step %d", self.attempt, step)
             try:  # before any worker starts: a dead attempt's late retention must keep it
-                pin_resume(self._root, attempt=self.attempt, step=step)
+                # Pinned for the generation the attempt will claim: on a storage root used
+                # before, generations run ahead of this run's attempt count.
+                pin_resume(self._root, attempt=next_generation(self._root, self.attempt), step=step)
             except OSError as exc:
                 logger.warning("attempt %d: could not pin step %d against retention: %s",
                                self.attempt, step, exc)

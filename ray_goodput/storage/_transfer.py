@@ -7,10 +7,11 @@ import logging
 import os
 import posixpath
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import pyarrow.fs as pafs
 
@@ -23,6 +24,7 @@ from ray_goodput.storage._uri import StorageLocation
 logger = logging.getLogger(__name__)
 
 DEFAULT_POLICY = RetryPolicy()
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -83,12 +85,12 @@ def upload_file(local: str | Path, loc: StorageLocation, name: str,
     ``local`` on the same file system, the upload is a hard link instead of a copy."""
     dest = loc.join(name)
     parent = posixpath.dirname(dest)
-    if loc.is_local:
-        loc.fs.create_dir(parent, recursive=True)
 
     def _send() -> tuple[int, int]:
-        linked = _link_up(Path(local), dest, algorithm) if link and loc.is_local else None
-        return linked or _copy_up(Path(local), loc.fs, dest, algorithm)
+        if not loc.is_local:
+            return _copy_up(Path(local), loc.fs, dest, algorithm)
+        return _into_dir(loc, parent, lambda: (_link_up(Path(local), dest, algorithm) if link else None)
+                         or _copy_up(Path(local), loc.fs, dest, algorithm))
 
     size, crc = policy.call(f"upload of {local} to {loc.uri}/{name}", _send)
     if loc.is_local:
@@ -185,15 +187,32 @@ def write_bytes(loc: StorageLocation, name: str, data: bytes,
                 out.write(data)
             return
         # A file system shows partial writes: write aside, then rename into place.
-        loc.fs.create_dir(posixpath.dirname(dest), recursive=True)
         tmp = f"{dest}.tmp-{os.getpid()}-{threading.get_ident()}"
-        with loc.fs.open_output_stream(tmp) as out:
-            out.write(data)
-        fsync_file(tmp)
-        loc.fs.move(tmp, dest)
+
+        def _aside() -> None:
+            with loc.fs.open_output_stream(tmp) as out:
+                out.write(data)
+            fsync_file(tmp)
+            loc.fs.move(tmp, dest)
+
+        _into_dir(loc, posixpath.dirname(dest), _aside)
         fsync_dir(posixpath.dirname(dest))
 
     policy.call(f"write of {loc.uri}/{name}", _write)
+
+
+def _into_dir(loc: StorageLocation, parent: str, write: Callable[[], T]) -> T:
+    """``write`` into the local directory ``parent``, created first, and once more if it
+    vanished meanwhile: retention removes a checkpoint directory once it is empty, which
+    it may be between our creating it and our first file landing there."""
+    loc.fs.create_dir(parent, recursive=True)
+    try:
+        return write()
+    except FileNotFoundError:
+        if os.path.isdir(parent):
+            raise  # not the directory: the source is missing
+        loc.fs.create_dir(parent, recursive=True)
+        return write()
 
 
 def read_bytes(loc: StorageLocation, name: str, policy: RetryPolicy = DEFAULT_POLICY) -> bytes:

@@ -1,0 +1,175 @@
+"""Retention: which checkpoints to delete, and deleting them without racing live saves.
+
+Keep the newest ``keep_last`` intact commits by lineage order; delete what provably
+belongs to a dead or settled save. Deletion works from one listing that may be stale by
+the time it runs: it deletes only files that listing found (never a directory whole), so a
+file a live rank uploaded meanwhile survives; a directory goes only once empty.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+from ray_goodput._faults import fault_point
+from ray_goodput.checkpoint import _layout
+from ray_goodput.checkpoint._catalog import StepDir, checkpoints_location, list_checkpoints, scan
+from ray_goodput.checkpoint._manifest import read_manifest
+from ray_goodput.errors import CheckpointCorruptError
+from ray_goodput.storage import RetryPolicy, StorageLocation, read_bytes, write_bytes
+
+logger = logging.getLogger(__name__)
+
+_POLICY = RetryPolicy()
+
+
+def _doomed(dirs: list[StepDir], keep_last: int, generation: int | None,
+            ) -> list[tuple[StepDir, int | None]]:
+    """What retention may delete (see :func:`apply_retention`): ``(dir, None)`` for a whole
+    directory, ``(dir, g)`` for its files of generations below ``g`` only."""
+    intact = sorted((d for d in dirs if d.intact), key=lambda d: d.manifest.order)
+    if not intact:
+        return []
+    current = generation if generation is not None else intact[-1].manifest.generation
+    keep = {d.step for d in intact[-max(1, keep_last):]}
+    newest = max((d.step for d in intact if d.manifest.generation == current), default=None)
+
+    def settled(gen: int, step: int) -> bool:
+        # Older generations are dead attempts; within the current one uploads are FIFO
+        # per rank, so a save older than its newest commit will never change again.
+        return gen < current or (gen == current and newest is not None and step < newest)
+
+    out: list[tuple[StepDir, int | None]] = []
+    for d in dirs:
+        if d.step in keep:
+            continue
+        if newest is not None and d.step > newest:
+            # The current attempt's ranks may be uploading into it since the listing (the
+            # committer is its own FIFO's last rank, so no commit lands there meanwhile):
+            # only the files of dead generations go, never the directory.
+            if any((_layout.generation_of(n) or 0) < current for n in d.files):
+                out.append((d, current))
+            continue
+        own = {d.manifest.generation} if d.intact else set()
+        gens = (d.generations - own) if d.intact else (d.generations or {current})
+        if all(settled(g, d.step) for g in gens):
+            out.append((d, None))
+    return out
+
+
+def claimed_generation(root: str | StorageLocation) -> int:
+    """The highest generation claimed under ``root`` (0 when none; see ``_generation``)."""
+    try:
+        data = read_bytes(checkpoints_location(root), _layout.GENERATION)
+        return int(json.loads(data)["generation"])
+    except FileNotFoundError:
+        return 0
+    except (ValueError, KeyError, TypeError):
+        # A damaged claim file: fall back to what the commits themselves say.
+        return max((i.generation or 0 for i in list_checkpoints(root)), default=0)
+
+
+def pin_resume(root: str | StorageLocation, *, attempt: int, step: int) -> None:
+    """Record that the attempt of generation ``attempt`` (or higher) resumes from ``step``:
+    retention never deletes that checkpoint while no such attempt has a commit, even when
+    a dead attempt's uploader commits newer ones late and prunes to ``keep_last``."""
+    write_bytes(checkpoints_location(root), _layout.RESUME,
+                json.dumps({"attempt": attempt, "step": step}).encode())
+
+
+def _live_pin(root: str | StorageLocation, found: list[StepDir]) -> int | None:
+    """The step the live attempt resumes from (see :func:`pin_resume`), while it matters:
+    once that attempt (or a later one) has an intact commit of its own, it is the newer
+    recovery point and the pin lapses."""
+    try:
+        pin = json.loads(read_bytes(checkpoints_location(root), _layout.RESUME))
+        attempt, step = int(pin["attempt"]), int(pin["step"])
+    except FileNotFoundError:
+        return None
+    except (ValueError, KeyError, TypeError):
+        logger.warning("unreadable %s under %s: no checkpoint is pinned", _layout.RESUME, root)
+        return None
+    lapsed = any(d.intact and d.manifest.generation >= attempt for d in found)
+    return None if lapsed else step
+
+
+def apply_retention(root: str | StorageLocation, keep_last: int,
+                    generation: int | None = None) -> list[int]:
+    """Keep the newest ``keep_last`` intact committed checkpoints (by lineage order) and
+    delete what provably belongs to a dead or settled save; returns the pruned steps.
+
+    ``generation`` is the caller's (a committer passes its own; default: the newest
+    commit's). Never deleted: the newest intact committed checkpoint, any directory with a
+    save of ``generation`` or newer that may still be written, and any file of
+    ``generation`` or newer above that generation's newest commit (its other ranks may be
+    uploading there). A committer of an older generation than the newest claimed (a dead
+    attempt's uploader committing late) deletes nothing: the live attempt prunes.
+    """
+    return _prune(root, scan(root), keep_last, generation)
+
+
+def _prune(root: str | StorageLocation, found: list[StepDir], keep_last: int,
+           generation: int | None) -> list[int]:
+    """:func:`apply_retention` from a listing ``found`` that may be stale by now."""
+    pruned = []
+    for n, (d, below) in enumerate(_doomed(found, keep_last, generation)):
+        if n:
+            fault_point("retention")
+        # Both re-read before each directory: a new attempt may claim (and upload into any
+        # of them), or the driver pin the step it resumes from, while this pass runs.
+        if generation is not None and claimed_generation(root) > generation:
+            logger.info("retention of generation %d stops: a newer attempt has started", generation)
+            break
+        if d.step == _live_pin(root, found):
+            continue
+        _delete_listed(d, below)
+        if below is None and d.loc.is_local:
+            _remove_empty_dirs(d.loc)
+        logger.info("retention removed %s step %d", "checkpoint" if below is None else
+                    f"the saves below generation {below} in", d.step)
+        pruned.append(d.step)
+    return pruned
+
+
+def _delete_listed(d: StepDir, below: int | None) -> None:
+    """Delete the files the listing ``d`` found (only those of generations below ``below``,
+    when given), never one that landed since: ``COMMITTED`` first, if it is still the listed
+    commit (a half-deleted directory never looks committed), then the rank markers (a save
+    without them is never taken for a complete orphan), then the rest."""
+    if _layout.COMMITTED in d.files and _still_listed_commit(d):
+        _delete_file(d.loc, _layout.COMMITTED)
+    names = [n for n in d.files if n != _layout.COMMITTED
+             and (below is None or (_layout.generation_of(n) or 0) < below)]
+    for name in sorted(names, key=lambda n: not n.startswith(_layout.RANKS_DIR)):
+        _delete_file(d.loc, name)
+
+
+def _still_listed_commit(d: StepDir) -> bool:
+    try:
+        now = read_manifest(d.loc)
+    except CheckpointCorruptError:
+        return d.manifest is None  # torn then and now
+    except FileNotFoundError:
+        return False
+    return d.manifest is not None and now is not None and now.nonce == d.manifest.nonce
+
+
+def _delete_file(loc: StorageLocation, name: str, policy: RetryPolicy = _POLICY) -> None:
+    def _delete() -> None:
+        try:
+            loc.fs.delete_file(loc.join(name))
+        except FileNotFoundError:
+            pass
+
+    policy.call(f"deletion of {loc.uri}/{name}", _delete)
+
+
+def _remove_empty_dirs(loc: StorageLocation) -> None:
+    """Remove the directories under (and at) a local ``loc`` that are empty, bottom-up;
+    never one that holds a file (a writer that loses its directory re-creates it)."""
+    for path, _, _ in os.walk(loc.root, topdown=False):
+        try:
+            os.rmdir(path)
+        except OSError:
+            pass
