@@ -332,6 +332,27 @@ def test_a_dead_attempts_retention_from_a_stale_listing_deletes_only_what_it_lis
     assert _committed(root) == [30]
 
 
+def test_retention_from_a_stale_listing_leaves_a_directory_committed_again_since_intact(tmp_path):
+    """``.metadata`` carries no save id: deleting the listed one of a directory that was
+    committed again since the listing deleted the new commit's, and that commit read as
+    damaged."""
+    root = str(tmp_path / "root")
+    _save(root, str(tmp_path / "a"), [10, 20, 30], keep_last=5)
+    listed = _catalog.scan(resolve(root))
+    try:
+        set_decision(ResumeDecision(attempt=5, step=10, root_key=root_key(root)))
+        with Checkpointer(root, staging_dir=str(tmp_path / "b"), uploader="thread", keep_last=5) as live:
+            assert live.restore(_state(2)) == 10
+            live.save(20, _state(2))  # 20 committed again, by generation 5
+            live.wait()
+    finally:
+        set_decision(None)
+    assert _retention._prune(resolve(root), listed, 1, None) == [10]
+    loc = _catalog.step_location(resolve(root), 20)
+    manifest = read_manifest(loc)
+    assert manifest.generation == 5 and _catalog.verify(loc, manifest, checksums=True) == []
+
+
 def test_a_dead_attempts_retention_stops_once_a_newer_generation_is_claimed(tmp_path):
     root = str(tmp_path / "root")
     _save(root, str(tmp_path / "a"), [10, 20, 30], keep_last=5)

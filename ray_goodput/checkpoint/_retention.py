@@ -123,7 +123,9 @@ def _prune(root: str | StorageLocation, found: list[StepDir], keep_last: int,
             break
         if d.step == _live_pin(root, found):
             continue
-        _delete_listed(d, below)
+        if not _delete_listed(d, below):
+            logger.info("retention skips step %d: it was committed again since the listing", d.step)
+            continue
         if below is None and d.loc.is_local:
             _remove_empty_dirs(d.loc)
         logger.info("retention removed %s step %d", "checkpoint" if below is None else
@@ -132,27 +134,37 @@ def _prune(root: str | StorageLocation, found: list[StepDir], keep_last: int,
     return pruned
 
 
-def _delete_listed(d: StepDir, below: int | None) -> None:
+def _delete_listed(d: StepDir, below: int | None) -> bool:
     """Delete the files the listing ``d`` found (only those of generations below ``below``,
-    when given), never one that landed since: ``COMMITTED`` first, if it is still the listed
-    commit (a half-deleted directory never looks committed), then the rank markers (a save
-    without them is never taken for a complete orphan), then the rest."""
-    if _layout.COMMITTED in d.files and _still_listed_commit(d):
+    when given), never one that landed since; False, deleting nothing, when the directory's
+    commit changed since the listing (its ``.metadata`` and ``QUARANTINED`` carry no save
+    id, so a new commit's would go too). ``COMMITTED`` first (a half-deleted directory
+    never looks committed), then the rank markers (a save without them is never taken for a
+    complete orphan), then the rest."""
+    if _commit_now(d) != _commit_listed(d):
+        return False
+    if _layout.COMMITTED in d.files:
         _delete_file(d.loc, _layout.COMMITTED)
     names = [n for n in d.files if n != _layout.COMMITTED
              and (below is None or (_layout.generation_of(n) or 0) < below)]
     for name in sorted(names, key=lambda n: not n.startswith(_layout.RANKS_DIR)):
         _delete_file(d.loc, name)
+    return True
 
 
-def _still_listed_commit(d: StepDir) -> bool:
+_TORN = "<torn>"
+
+
+def _commit_listed(d: StepDir) -> str | None:
+    return d.manifest.nonce if d.manifest is not None else (_TORN if d.torn else None)
+
+
+def _commit_now(d: StepDir) -> str | None:
     try:
         now = read_manifest(d.loc)
     except CheckpointCorruptError:
-        return d.manifest is None  # torn then and now
-    except FileNotFoundError:
-        return False
-    return d.manifest is not None and now is not None and now.nonce == d.manifest.nonce
+        return _TORN
+    return now.nonce if now is not None else None
 
 
 def _delete_file(loc: StorageLocation, name: str, policy: RetryPolicy = _POLICY) -> None:
