@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 from ray_goodput._faults import fault_point
 from ray_goodput.checkpoint import _layout
@@ -22,6 +23,7 @@ from ray_goodput.storage import RetryPolicy, StorageLocation, read_bytes, write_
 logger = logging.getLogger(__name__)
 
 _POLICY = RetryPolicy()
+_DELETE_CONCURRENCY = 8  # object stores delete one object per request
 
 
 def _doomed(dirs: list[StepDir], keep_last: int, generation: int | None,
@@ -147,8 +149,11 @@ def _delete_listed(d: StepDir, below: int | None) -> bool:
         _delete_file(d.loc, _layout.COMMITTED)
     names = [n for n in d.files if n != _layout.COMMITTED
              and (below is None or (_layout.generation_of(n) or 0) < below)]
-    for name in sorted(names, key=lambda n: not n.startswith(_layout.RANKS_DIR)):
-        _delete_file(d.loc, name)
+    markers = [n for n in names if n.startswith(_layout.RANKS_DIR)]
+    rest = [n for n in names if not n.startswith(_layout.RANKS_DIR)]
+    with ThreadPoolExecutor(max_workers=_DELETE_CONCURRENCY, thread_name_prefix="rg-retention") as pool:
+        for batch in (markers, rest):  # all markers gone before any data file
+            list(pool.map(lambda name: _delete_file(d.loc, name), batch))
     return True
 
 
