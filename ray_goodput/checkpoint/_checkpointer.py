@@ -33,7 +33,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
 from ray_goodput import _env
-from ray_goodput.checkpoint import _catalog, _collective, _generation, _layout, _retention, _shard_plan, _state
+from ray_goodput.checkpoint import (_catalog, _collective, _generation, _layout, _retention, _shard_plan,
+                                    _state)
 from ray_goodput.checkpoint._arena import Arena, arena_name, pick_dir, sweep_dead
 from ray_goodput.checkpoint._backends import Handoff, ThreadBackend, UploadBackend
 from ray_goodput.checkpoint._job import ShardJob

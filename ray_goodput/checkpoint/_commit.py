@@ -155,7 +155,8 @@ class CommitProtocol:
         """Merge the ranks' metadata parts into DCP's ``.metadata`` (and into the node-local
         staged copy, when there is one, for local-first restore)."""
         try:
-            parts = [read_bytes(self.step_loc, part_file(rank, self.save_id)) for rank in range(self.world_size)]
+            parts = [read_bytes(self.step_loc, part_file(rank, self.save_id))
+                     for rank in range(self.world_size)]
         except FileNotFoundError as exc:  # deleted since the presence check
             raise IncompleteSaveError(f"step {self.step} save {self.save_id}: a metadata part is gone "
                                       f"({exc}); this save cannot commit") from exc

@@ -47,9 +47,9 @@ def _doomed(dirs: list[StepDir], keep_last: int, generation: int | None,
         if d.step in keep:
             continue
         if newest is not None and d.step > newest:
-            # The current attempt's ranks may be uploading into it since the listing (the
-            # committer is its own FIFO's last rank, so no commit lands there meanwhile):
-            # only the files of dead generations go, never the directory.
+            # The current attempt's other ranks may be uploading into it since the listing;
+            # none of its saves can commit there meanwhile (this committer's own later
+            # saves wait behind this job): only the files of dead generations go.
             if any((_layout.generation_of(n) or 0) < current for n in d.files):
                 out.append((d, current))
             continue
@@ -102,11 +102,12 @@ def apply_retention(root: str | StorageLocation, keep_last: int,
     delete what provably belongs to a dead or settled save; returns the pruned steps.
 
     ``generation`` is the caller's (a committer passes its own; default: the newest
-    commit's). Never deleted: the newest intact committed checkpoint, any directory with a
-    save of ``generation`` or newer that may still be written, and any file of
-    ``generation`` or newer above that generation's newest commit (its other ranks may be
-    uploading there). A committer of an older generation than the newest claimed (a dead
-    attempt's uploader committing late) deletes nothing: the live attempt prunes.
+    commit's). Never deleted: the newest intact committed checkpoint, the step the live
+    attempt resumes from (:func:`pin_resume`), a file that landed after the listing, and a
+    file of ``generation`` or newer that may still be written (above that generation's
+    newest commit its other ranks may be uploading). A committer of an older generation
+    than the newest claimed (a dead attempt's uploader committing late) stops: the live
+    attempt prunes.
     """
     return _prune(root, scan(root), keep_last, generation)
 
