@@ -147,3 +147,29 @@ def test_a_write_into_a_directory_removed_right_after_its_creation_re_creates_it
     assert _into_dir(loc, parent, write) == 4 and removed
     with pytest.raises(FileNotFoundError):  # a missing source still fails
         _into_dir(loc, parent, lambda: open(tmp_path / "no-such-file", "rb"))
+
+
+def test_a_small_write_to_s3_is_one_request_not_a_three_request_multipart_upload(s3_server):
+    """pyarrow's S3 output stream starts a multipart upload when opened: every marker,
+    manifest and metadata part cost three round trips (POST, PUT, POST) instead of one PUT."""
+    from ray_goodput.testing import FlakyProxy
+
+    proxy = FlakyProxy(s3_server.endpoint)
+    try:
+        uri = s3_server.bucket_uri("small").replace(s3_server.endpoint, proxy.endpoint)
+        loc = storage.resolve(uri)
+        proxy.requests.clear()
+        storage.write_bytes(loc, "marker.json", b'{"rank": 0}')
+        assert {m for m, _ in proxy.requests} == {"PUT"} and sum(proxy.requests.values()) == 1, \
+            dict(proxy.requests)
+        assert storage.read_bytes(loc, "marker.json") == b'{"rank": 0}'
+    finally:
+        proxy.close()
+
+
+def test_a_missing_bucket_fails_the_probe_at_start_although_streams_open_lazily(s3_server):
+    """With lazily opened S3 streams the error comes at close, not at open: the probe still
+    meets it, at start."""
+    uri = f"s3://no-such-bucket-{os.getpid()}/run?endpoint_override={s3_server.endpoint}&scheme=http"
+    with pytest.raises(StorageUnusableError, match="not usable"):
+        storage.resolve(uri).probe()

@@ -32,6 +32,19 @@ def _with_default_endpoint(uri: str) -> str:
     return urlunsplit(parts._replace(query=urlencode(query)))
 
 
+def _with_delayed_open(uri: str) -> str:
+    """Let an ``s3://`` stream open lazily unless the URI says otherwise: opened eagerly,
+    pyarrow starts a multipart upload, and every small write (a marker, a manifest) costs
+    three round trips instead of one PUT. Errors then surface at write or close, which
+    every writer here reaches inside its retried call (the storage probe included)."""
+    parts = urlsplit(uri)
+    query = dict(parse_qsl(parts.query))
+    if parts.scheme != "s3" or "allow_delayed_open" in query:
+        return uri
+    query["allow_delayed_open"] = "true"
+    return urlunsplit(parts._replace(query=urlencode(query)))
+
+
 def _s3_endpoint(uri: str) -> tuple[str, int] | None:
     """(host, port) of an ``s3://`` URI's custom endpoint; None for AWS's own."""
     parts = urlsplit(_with_default_endpoint(uri))
@@ -140,7 +153,7 @@ def resolve(uri: str | StorageLocation) -> StorageLocation:
         root = posixpath.abspath(uri)
         return StorageLocation(uri=root, fs=fs, root=root)
     try:
-        fs, root = pafs.FileSystem.from_uri(_with_default_endpoint(uri))
+        fs, root = pafs.FileSystem.from_uri(_with_delayed_open(_with_default_endpoint(uri)))
     except Exception as exc:  # noqa: BLE001
         raise ConfigError(
             f"cannot resolve storage URI {uri!r}: {exc}. Use a local path, file://, s3://bucket/"
