@@ -17,7 +17,6 @@ import argparse
 import os
 import tempfile
 import threading
-import time
 import uuid
 from collections import Counter
 from typing import Any
@@ -58,15 +57,18 @@ def _rank(rank: int, world_size: int, uri: str, staging: str, saves: int, warm: 
     return len(ckpt.stats.committed)
 
 
-def count(endpoint: str, world_size: int, saves: int = 3) -> Counter:
+def count(endpoint: str, world_size: int, saves: int = 3, eager_open: bool = False) -> Counter:
     """Requests per checkpoint by method (floats) for one world size; ``marker GETs``
-    (reads of rank markers, already among the GETs) on the side."""
+    (reads of rank markers, already among the GETs) on the side. ``eager_open``: S3
+    streams open at once (pyarrow's default: a multipart upload per write)."""
     import pyarrow.fs as pafs
 
     bucket = f"b-{uuid.uuid4().hex[:12]}"
     pafs.S3FileSystem(endpoint_override=endpoint, scheme="http", allow_bucket_creation=True).create_dir(bucket)
     proxy = FlakyProxy(endpoint, 0.0)
     uri = f"s3://{bucket}/run?endpoint_override={proxy.endpoint}&scheme=http"
+    if eager_open:
+        uri += "&allow_delayed_open=false"
     snap: dict[str, Counter] = {}
     try:
         with mp.Manager() as manager, tempfile.TemporaryDirectory() as staging:
@@ -99,29 +101,44 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--saves", type=int, default=3)
+    parser.add_argument("--open", choices=["lazy", "eager", "both"], default="lazy",
+                        help="S3 streams: lazy (the library's default), eager (pyarrow's), both")
     args = parser.parse_args(argv)
     from ray_goodput.testing._s3 import start_moto_server
 
+    modes = ["eager", "lazy"] if args.open == "both" else [args.open]
     proc, endpoint = start_moto_server()
     try:
-        rows = []
-        for world in args.worlds:
-            t0 = time.perf_counter()
-            counts = count(endpoint, world, args.saves)
-            rows.append((world, counts, time.perf_counter() - t0))
+        tables = {mode: [(world, count(endpoint, world, args.saves, eager_open=mode == "eager"))
+                         for world in args.worlds] for mode in modes}
     finally:
         proc.terminate()
         proc.wait(timeout=10)
-    methods = sorted({m for _, c, _ in rows for m in c} - {"marker GETs"}) + ["marker GETs"]
+    for mode, rows in tables.items():
+        print(f"\nS3 streams opened {'at once (pyarrow default)' if mode == 'eager' else 'lazily'}:\n")
+        _print_table(rows)
+    if len(tables) == 2:
+        print("\n| world | total, eager | total, lazy | lazy / eager |\n|---|---|---|---|")
+        for (world, eager), (_, lazy) in zip(tables["eager"], tables["lazy"]):
+            e, z = _total(eager), _total(lazy)
+            print(f"| {world} | {e:.1f} | {z:.1f} | {z / e:.2f}x |")
+    return 0
+
+
+def _total(counts: Counter) -> float:
+    return sum(v for m, v in counts.items() if m != "marker GETs")
+
+
+def _print_table(rows: list[tuple[int, Counter]]) -> None:
+    methods = sorted({m for _, c in rows for m in c} - {"marker GETs"}) + ["marker GETs"]
     print("| world | " + " | ".join(methods) + " | total / checkpoint | per rank | vs world "
           f"{rows[0][0]} |")
     print("|---|" + "---|" * (len(methods) + 3))
-    base = sum(v for m, v in rows[0][1].items() if m != "marker GETs")
-    for world, counts, _ in rows:
-        total = sum(v for m, v in counts.items() if m != "marker GETs")
+    base = _total(rows[0][1])
+    for world, counts in rows:
+        total = _total(counts)
         cells = " | ".join(f"{counts.get(m, 0):.1f}" for m in methods)
         print(f"| {world} | {cells} | {total:.1f} | {total / world:.1f} | {total / base:.2f}x |")
-    return 0
 
 
 if __name__ == "__main__":
