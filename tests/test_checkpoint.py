@@ -11,7 +11,7 @@ import torch
 
 from ray_goodput import Checkpointer, list_checkpoints
 from ray_goodput.checkpoint import _catalog, _layout
-from ray_goodput.errors import ConfigError, StateMismatchError, StorageUnusableError
+from ray_goodput.errors import CheckpointError, ConfigError, StateMismatchError, StorageUnusableError
 from ray_goodput.checkpoint._backends import ThreadBackend
 from ray_goodput.checkpoint._job import write_local
 from ray_goodput.storage import RetryPolicy, list_dir, resolve
@@ -115,6 +115,50 @@ def test_an_unstepped_sharded_optimizer_stays_unstepped_when_saved_and_resharded
     assert len(state["optim"].state) == 0
     fresh = make_model(0).state_dict()
     assert all(torch.equal(fresh[k], v) for k, v in state["model"].state_dict().items())
+
+
+def _one_rank_never_steps(rank: int, world: int, root: str, stage: str) -> tuple[int, int]:
+    """Rank 1's parameters are frozen (a pipeline stage that gets no gradients): its
+    optimizer never has state, while rank 0's steps."""
+    model = make_model(rank)
+    for p in model.parameters():
+        p.requires_grad_(rank == 0)
+    state = {f"model{rank}": model, f"optim{rank}": torch.optim.AdamW(model.parameters(), lr=1e-2)}
+    with Checkpointer(root, staging_dir=f"{stage}{rank}", uploader="thread") as ckpt:
+        ckpt.save(0, state)  # both fresh
+        if rank == 0:
+            train_steps(model, state["optim0"], 1, rank)
+        ckpt.save(1, state)  # rank 0 stepped, rank 1 still fresh
+        ckpt.wait()
+    restored = {f"model{rank}": make_model(rank + 7)}
+    for p in restored[f"model{rank}"].parameters():
+        p.requires_grad_(rank == 0)
+    restored[f"optim{rank}"] = torch.optim.AdamW(restored[f"model{rank}"].parameters(), lr=1e-2)
+    with Checkpointer(root, staging_dir=f"{stage}{rank}-b", uploader="thread") as ckpt:
+        step = ckpt.restore(restored)
+    return step, len(restored[f"optim{rank}"].state)
+
+
+def test_ranks_that_disagree_on_whether_an_optimizer_stepped_keep_the_stepped_state(tmp_path):
+    """One rank's "never stepped" was saved as the answer for all: a restore cleared rank
+    0's real moments, and the save after rank 0's first step changed only its own saved
+    structure, so the ranks re-planned at different saves and the save failed."""
+    got = run_world(_one_rank_never_steps, 2, str(tmp_path / "root"), str(tmp_path / "s"))
+    assert got == [(1, 4), (1, 0)]
+
+
+def test_a_failed_save_of_a_never_stepped_optimizer_leaves_its_lr_and_grads_alone(tmp_path):
+    """DCP steps a fresh optimizer at lr 0 with zero grads to make state to save; LBFGS
+    raises there (it needs a closure), and the optimizer was left with lr 0 and zero grads,
+    training on at lr 0 until wait() reported the failure."""
+    model = make_model(0)
+    lbfgs = torch.optim.LBFGS(model.parameters(), lr=0.5)
+    with Checkpointer(str(tmp_path / "root"), staging_dir=str(tmp_path / "s"), uploader="thread") as ckpt:
+        ckpt.save(0, {"model": model, "optim": lbfgs})
+        assert lbfgs.param_groups[0]["lr"] == 0.5
+        assert all(p.grad is None for p in model.parameters()) and len(lbfgs.state) == 0
+        with pytest.raises(CheckpointError):
+            ckpt.wait()
 
 
 def test_restore_prefers_verified_local_copy(tmp_path):

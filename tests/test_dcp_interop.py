@@ -152,3 +152,15 @@ def test_plugin_rejects_empty_uri():
         PyArrowStorageWriter("")
     with pytest.raises(ConfigError):
         PyArrowStorageReader("   ")
+
+
+def test_export_of_a_save_before_the_first_step_has_no_made_up_optimizer_state(tmp_path):
+    """The library's own keys leaked into the export, and with --optim it held the state DCP
+    makes up to save a never-stepped optimizer (step 1, zero moments)."""
+    root = str(tmp_path / "root")
+    model = make_model(0)
+    with Checkpointer(root, staging_dir=str(tmp_path / "s"), uploader="thread") as ckpt:
+        ckpt.save(0, {"model": model, "optim": torch.optim.AdamW(model.parameters())})
+    assert set(torch.load(export_torch_save(root, 0, tmp_path / "m.pt"), weights_only=True)) == {"model"}
+    full = torch.load(export_torch_save(root, 0, tmp_path / "f.pt", optim=True), weights_only=True)
+    assert set(full) == {"model", "optim"} and full["optim"]["state"] == {} and full["optim"]["param_groups"]

@@ -267,7 +267,7 @@ class Checkpointer:
         return due
 
     def _hand_off(self, step: int, roles: _state.Roles, save_id: str, generation: int) -> Handoff:
-        with _state.saving(roles) as sd:
+        with _state.saving(roles, self.rank) as sd:
             flat, mappings = flatten_state_dict(sd)
             leaves = {fqn: _shard_plan.describe(value) for fqn, value in flat.items()}
             keys = _shard_plan.local_keys(leaves, self._owners(leaves), self.rank)

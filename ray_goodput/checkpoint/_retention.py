@@ -153,8 +153,10 @@ def _delete_listed(d: StepDir, below: int | None) -> bool:
     markers = [n for n in names if n.startswith(_layout.RANKS_DIR)]
     rest = [n for n in names if not n.startswith(_layout.RANKS_DIR)]
     with ThreadPoolExecutor(max_workers=_DELETE_CONCURRENCY, thread_name_prefix="rg-retention") as pool:
-        for batch in (markers, rest):  # all markers gone before any data file
-            list(pool.map(lambda name: _delete_file(d.loc, name), batch))
+        list(pool.map(lambda name: _delete_file(d.loc, name), markers))  # before any data file
+        if _commit_now(d) is not None:  # the listed one is gone: someone finished an orphan
+            return False                # meanwhile (it read the markers in time); keep its files
+        list(pool.map(lambda name: _delete_file(d.loc, name), rest))
     return True
 
 

@@ -32,7 +32,8 @@ from ray_goodput.errors import ConfigError
 logger = logging.getLogger(__name__)
 
 _PLAIN_KEY = "_rg_plain"
-_UNSTEPPED_KEY = "_rg_unstepped"  # keys of optimizers saved before their first step
+_INTERNAL_PREFIX = "_rg_"  # keys the library adds to a saved state dict
+_UNSTEPPED_PREFIX = "_rg_unstepped_r"  # + rank: that rank's optimizers saved before their first step
 _OPTIONS = StateDictOptions(full_state_dict=False, cpu_offload=False)
 
 
@@ -92,29 +93,54 @@ def to_state_dict(roles: Roles) -> dict[str, Any]:
 
 
 @contextmanager
-def saving(roles: Roles) -> Iterator[dict[str, Any]]:
+def saving(roles: Roles, rank: int) -> Iterator[dict[str, Any]]:
     """The DCP state dict to save (live tensors: copy them inside the block).
 
-    Building an optimizer's state dict gives one that has not stepped yet state of its
-    own (step 1, zero moments), which would change the run's next step: on exit those
-    optimizers get their empty state back, and the checkpoint names them so that a
-    restore leaves them unstepped too."""
+    Building the state dict of an optimizer that has not stepped gives it state (step 1,
+    zero moments; DCP steps it with zero grads at lr 0), which would change the run's next
+    step: on exit those optimizers get their empty state back (and their lr and grads,
+    should that step fail, as LBFGS's does without a closure). Each rank records which of
+    its optimizers were fresh under a key of its own, written at every save so the saved
+    structure does not change when one first steps; a restore leaves an optimizer unstepped
+    only if it was fresh on every rank that saved (:func:`unstepped`)."""
     fresh = sorted(key for key, (optim, _) in roles.optimizers.items() if not optim.state)
+    before = {key: _lrs_and_grads(roles.optimizers[key][0]) for key in fresh}
     try:
         sd = to_state_dict(roles)
-        if fresh:
-            sd[_UNSTEPPED_KEY] = pickle.dumps(fresh)
+        sd[f"{_UNSTEPPED_PREFIX}{rank:05d}"] = pickle.dumps(fresh)
         yield sd
     finally:
         for key in fresh:
-            roles.optimizers[key][0].state.clear()
+            optim = roles.optimizers[key][0]
+            optim.state.clear()
+            _put_back(optim, *before[key])
+
+
+def _lrs_and_grads(optim: torch.optim.Optimizer) -> tuple[list[Any], list[Any]]:
+    params = [p for group in optim.param_groups for p in group["params"]]
+    return [group.get("lr") for group in optim.param_groups], [p.grad for p in params]
+
+
+def _put_back(optim: torch.optim.Optimizer, lrs: list[Any], grads: list[Any]) -> None:
+    for group, lr in zip(optim.param_groups, lrs):
+        if lr is not None:
+            group["lr"] = lr
+    for param, grad in zip((p for group in optim.param_groups for p in group["params"]), grads):
+        param.grad = grad
 
 
 def expect_saved_extras(template: dict[str, Any], saved_keys: Any) -> None:
     """Add to a restore ``template`` what the checkpoint holds beyond the live state's own
     entries (``saved_keys``: DCP's metadata keys); older checkpoints lack them."""
-    if _UNSTEPPED_KEY in saved_keys:
-        template[_UNSTEPPED_KEY] = pickle.dumps([])
+    for key in saved_keys:
+        if key.startswith(_UNSTEPPED_PREFIX):
+            template[key] = pickle.dumps([])
+
+
+def unstepped(sd: dict[str, Any]) -> set[str]:
+    """Keys of the optimizers that were fresh on every rank that saved ``sd`` (as loaded)."""
+    per_rank = [set(pickle.loads(v)) for k, v in sd.items() if k.startswith(_UNSTEPPED_PREFIX)]  # noqa: S301
+    return set.intersection(*per_rank) if per_rank else set()
 
 
 def apply_state_dict(roles: Roles, sd: dict[str, Any], state: dict[str, Any]) -> None:
@@ -123,8 +149,7 @@ def apply_state_dict(roles: Roles, sd: dict[str, Any], state: dict[str, Any]) ->
         set_model_state_dict(module, sd[key], options=_OPTIONS)
     for key, (optim, module) in roles.optimizers.items():
         set_optimizer_state_dict(module, optim, sd[key], options=_OPTIONS)
-    unstepped = pickle.loads(sd[_UNSTEPPED_KEY]) if _UNSTEPPED_KEY in sd else []  # noqa: S301
-    for key in unstepped:
+    for key in unstepped(sd):
         if key in roles.optimizers:
             roles.optimizers[key][0].state.clear()
     for key, obj in roles.statefuls.items():

@@ -25,6 +25,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_POLICY = RetryPolicy()
 T = TypeVar("T")
+_DIR_ATTEMPTS = 3  # a directory removed between our mkdir and our write, more than once
 
 
 @dataclass(frozen=True)
@@ -205,14 +206,14 @@ def _into_dir(loc: StorageLocation, parent: str, write: Callable[[], T]) -> T:
     """``write`` into the local directory ``parent``, created first, and once more if it
     vanished meanwhile: retention removes a checkpoint directory once it is empty, which
     it may be between our creating it and our first file landing there."""
-    loc.fs.create_dir(parent, recursive=True)
-    try:
-        return write()
-    except FileNotFoundError:
-        if os.path.isdir(parent):
-            raise  # not the directory: the source is missing
+    for attempt in range(_DIR_ATTEMPTS):
         loc.fs.create_dir(parent, recursive=True)
-        return write()
+        try:
+            return write()
+        except FileNotFoundError:
+            if os.path.isdir(parent) or attempt == _DIR_ATTEMPTS - 1:
+                raise  # not the directory (the source is missing), or it keeps vanishing
+    raise AssertionError("unreachable")
 
 
 def read_bytes(loc: StorageLocation, name: str, policy: RetryPolicy = DEFAULT_POLICY) -> bytes:
