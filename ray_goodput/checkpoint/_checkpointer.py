@@ -267,7 +267,7 @@ class Checkpointer:
         return due
 
     def _hand_off(self, step: int, roles: _state.Roles, save_id: str, generation: int) -> Handoff:
-        with _state.saving(roles, self.rank) as sd:
+        with _state.saving(roles) as (sd, unstepped):
             flat, mappings = flatten_state_dict(sd)
             leaves = {fqn: _shard_plan.describe(value) for fqn, value in flat.items()}
             keys = _shard_plan.local_keys(leaves, self._owners(leaves), self.rank)
@@ -283,7 +283,7 @@ class Checkpointer:
                        local_dir=str(self.staging / _layout.step_dir(step)),
                        keep_last=self.keep_last, owner_pid=os.getpid(), nonce=save_id,
                        num_bytes=sum(s.nbytes for s in slots), generation=generation,
-                       concurrency=self.upload_concurrency, retry=self._retry)
+                       concurrency=self.upload_concurrency, retry=self._retry, unstepped=unstepped)
         if self._uploader is None:
             self._uploader = self._make_uploader()
         handoff = self._uploader.submit(job)

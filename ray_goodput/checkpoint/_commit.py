@@ -81,11 +81,14 @@ class CommitProtocol:
     save_id: str
     generation: int
 
-    def declare_durable(self, rank: int, files: list[FileEntry], created: float) -> None:
-        """Rank ``rank``'s ``files`` are durable. Call only after every one is uploaded."""
+    def declare_durable(self, rank: int, files: list[FileEntry], created: float,
+                        unstepped: tuple[str, ...] = ()) -> None:
+        """Rank ``rank``'s ``files`` are durable. Call only after every one is uploaded.
+        ``unstepped``: the rank's optimizers saved before their first step."""
         write_rank_marker(self.step_loc, RankMarker(
             step=self.step, rank=rank, world_size=self.world_size, files=tuple(files),
-            created=created, nonce=self.save_id, generation=self.generation))
+            created=created, nonce=self.save_id, generation=self.generation,
+            unstepped=tuple(unstepped)))
 
     def _read_markers(self) -> dict[int, RankMarker]:
         """This save's markers by rank (read only once all are listed: O(world) GETs by
@@ -128,9 +131,12 @@ class CommitProtocol:
                 pass
         files.append(self._write_dcp_metadata(local_dir))
         files.sort(key=lambda f: f.name)
+        # Unstepped only where every rank says so (a frozen stage's optimizer never steps).
+        unstepped = set.intersection(*(set(m.unstepped) for m in markers.values()))
         manifest = Manifest(step=self.step, world_size=self.world_size, files=tuple(files),
                             nonce=self.save_id, generation=self.generation,
-                            created=max(m.created for m in markers.values()))
+                            created=max(m.created for m in markers.values()),
+                            unstepped=tuple(sorted(unstepped)))
         fault_point("commit.before_committed")
         data = manifest.to_bytes()
         write_bytes(self.step_loc, _layout.COMMITTED, data)

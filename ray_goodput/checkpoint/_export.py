@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from ray_goodput.checkpoint._catalog import list_checkpoints, step_location, verify
 from ray_goodput.checkpoint._dcp_storage import PyArrowStorageReader
 from ray_goodput.checkpoint._manifest import read_manifest
-from ray_goodput.checkpoint._state import _INTERNAL_PREFIX, _UNSTEPPED_PREFIX, unstepped
+from ray_goodput.checkpoint._state import _PLAIN_KEY
 from ray_goodput.errors import CheckpointCorruptError, ConfigError
 
 __all__ = ["export_torch_save"]
@@ -50,11 +50,7 @@ def _is_optimizer(key: str, metadata: Metadata) -> bool:
 
 def _keys_to_export(metadata: Metadata, optim: bool) -> set[str]:
     top = {path[0] for path in metadata.planner_data.values() if path}
-    return {k for k in top if not k.startswith(_INTERNAL_PREFIX) and (optim or not _is_optimizer(k, metadata))}
-
-
-def _unstepped_keys(metadata: Metadata) -> set[str]:
-    return {path[0] for path in metadata.planner_data.values() if path and path[0].startswith(_UNSTEPPED_PREFIX)}
+    return {k for k in top if k != _PLAIN_KEY and (optim or not _is_optimizer(k, metadata))}
 
 
 def export_torch_save(uri: str, step: int | None, out: str | os.PathLike, *, optim: bool = False) -> Path:
@@ -77,14 +73,12 @@ def export_torch_save(uri: str, step: int | None, out: str | os.PathLike, *, opt
         raise CheckpointCorruptError(f"checkpoint step {step} at {loc.uri} is damaged: {'; '.join(problems[:5])}; "
                                      "export an older step (`ray-goodput ls`)")
     reader = PyArrowStorageReader(loc)
-    metadata = reader.read_metadata()
-    keys = _keys_to_export(metadata, optim) | (_unstepped_keys(metadata) if optim else set())
+    keys = _keys_to_export(reader.read_metadata(), optim)
     state: dict[str, Any] = {}
     _load_state_dict(state, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(keys=keys), no_dist=True)
-    for key in unstepped(state):  # saved before its first step: the state DCP made up is not real
+    for key in manifest.unstepped:  # saved before its first step: DCP made its state up
         if isinstance(state.get(key), dict):
             state[key]["state"] = {}
-    state = {k: v for k, v in state.items() if not k.startswith(_INTERNAL_PREFIX)}
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")

@@ -49,11 +49,14 @@ class RankMarker:
     created: float
     nonce: str
     generation: int = 0
+    #: this rank's optimizers (state keys) saved before their first step
+    unstepped: tuple[str, ...] = ()
 
     def to_bytes(self) -> bytes:
         return json.dumps({
             "step": self.step, "rank": self.rank, "world_size": self.world_size,
             "created": self.created, "nonce": self.nonce, "generation": self.generation,
+            "unstepped": list(self.unstepped),
             "checksum": checksum_of(self.files), "files": [f.to_json() for f in self.files],
         }).encode()
 
@@ -63,7 +66,7 @@ class RankMarker:
         return RankMarker(step=int(d["step"]), rank=int(d["rank"]),
                           world_size=int(d["world_size"]), created=float(d["created"]),
                           nonce=str(d["nonce"]), generation=int(d.get("generation", 0)),
-                          files=_entries(d))
+                          unstepped=tuple(d.get("unstepped", ())), files=_entries(d))
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,9 @@ class Manifest:
     nonce: str = ""
     generation: int = 0
     format_version: int = FORMAT_VERSION
+    #: optimizers (state keys) saved before their first step on every rank: their saved
+    #: state is what DCP made up to have something to save, and restore leaves them empty
+    unstepped: tuple[str, ...] = ()
     extra: dict = field(default_factory=dict, compare=False)
     #: CRC32 of the ``COMMITTED`` bytes it was read from (names this commit in QUARANTINED).
     digest: int = field(default=0, compare=False)
@@ -99,6 +105,7 @@ class Manifest:
             "format_version": self.format_version, "step": self.step,
             "world_size": self.world_size, "created": self.created, "nonce": self.nonce,
             "generation": self.generation, "total_bytes": self.total_bytes,
+            "unstepped": list(self.unstepped),
             "checksum": checksum_of(self.files), "files": [f.to_json() for f in self.files],
         }, indent=1).encode()
 
@@ -110,6 +117,7 @@ class Manifest:
                             created=float(d["created"]), nonce=str(d.get("nonce", "")),
                             generation=int(d.get("generation", 0)),
                             format_version=int(d.get("format_version", 1)),
+                            unstepped=tuple(str(k) for k in d.get("unstepped", ())),
                             files=_entries(d), digest=zlib.crc32(data))
         except (ValueError, KeyError, TypeError) as exc:
             raise CheckpointCorruptError(f"COMMITTED manifest is unreadable: {exc}") from exc

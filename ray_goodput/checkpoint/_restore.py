@@ -115,9 +115,7 @@ def _load(roles: _state.Roles, state: dict[str, Any], *, root: StorageLocation, 
         local_dir.mkdir(parents=True, exist_ok=True)
         reader = TieredReader(step_loc, local_dir, local, {f.name: f for f in manifest.files}, policy,
                               verified=False)
-        metadata = reader.read_metadata()
-        _state.expect_saved_extras(template, metadata.state_dict_metadata)
-        _check_fits(template, metadata, manifest.step, step_loc.uri)
+        _check_fits(template, reader.read_metadata(), manifest.step, step_loc.uri)
         # Read (and check) this rank's RNG blob before any weight is loaded in place: a
         # damaged one must fail the restore while the live state is still untouched.
         rng = _read_rng(reader, rank, manifest.nonce) if manifest.world_size == world_size else None
@@ -135,6 +133,7 @@ def _load(roles: _state.Roles, state: dict[str, Any], *, root: StorageLocation, 
     finally:
         reader.release()
     _state.apply_state_dict(roles, template, state)
+    _state.forget_state(roles, manifest.unstepped)
     same_world = rng is not None
     if same_world:
         _state.restore_rng(rng)

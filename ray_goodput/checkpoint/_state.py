@@ -32,8 +32,6 @@ from ray_goodput.errors import ConfigError
 logger = logging.getLogger(__name__)
 
 _PLAIN_KEY = "_rg_plain"
-_INTERNAL_PREFIX = "_rg_"  # keys the library adds to a saved state dict
-_UNSTEPPED_PREFIX = "_rg_unstepped_r"  # + rank: that rank's optimizers saved before their first step
 _OPTIONS = StateDictOptions(full_state_dict=False, cpu_offload=False)
 
 
@@ -93,22 +91,20 @@ def to_state_dict(roles: Roles) -> dict[str, Any]:
 
 
 @contextmanager
-def saving(roles: Roles, rank: int) -> Iterator[dict[str, Any]]:
-    """The DCP state dict to save (live tensors: copy them inside the block).
+def saving(roles: Roles) -> Iterator[tuple[dict[str, Any], tuple[str, ...]]]:
+    """The DCP state dict to save (live tensors: copy them inside the block), and the keys
+    of the optimizers that had not stepped yet.
 
     Building the state dict of an optimizer that has not stepped gives it state (step 1,
     zero moments; DCP steps it with zero grads at lr 0), which would change the run's next
     step: on exit those optimizers get their empty state back (and their lr and grads,
-    should that step fail, as LBFGS's does without a closure). Each rank records which of
-    its optimizers were fresh under a key of its own, written at every save so the saved
-    structure does not change when one first steps; a restore leaves an optimizer unstepped
-    only if it was fresh on every rank that saved (:func:`unstepped`)."""
-    fresh = sorted(key for key, (optim, _) in roles.optimizers.items() if not optim.state)
+    should that step fail, as LBFGS's does without a closure). The save records them in
+    its rank marker; the manifest keeps those fresh on every rank (:func:`forget_state`
+    at restore)."""
+    fresh = tuple(sorted(key for key, (optim, _) in roles.optimizers.items() if not optim.state))
     before = {key: _lrs_and_grads(roles.optimizers[key][0]) for key in fresh}
     try:
-        sd = to_state_dict(roles)
-        sd[f"{_UNSTEPPED_PREFIX}{rank:05d}"] = pickle.dumps(fresh)
-        yield sd
+        yield to_state_dict(roles), fresh
     finally:
         for key in fresh:
             optim = roles.optimizers[key][0]
@@ -129,18 +125,12 @@ def _put_back(optim: torch.optim.Optimizer, lrs: list[Any], grads: list[Any]) ->
         param.grad = grad
 
 
-def expect_saved_extras(template: dict[str, Any], saved_keys: Any) -> None:
-    """Add to a restore ``template`` what the checkpoint holds beyond the live state's own
-    entries (``saved_keys``: DCP's metadata keys); older checkpoints lack them."""
-    for key in saved_keys:
-        if key.startswith(_UNSTEPPED_PREFIX):
-            template[key] = pickle.dumps([])
-
-
-def unstepped(sd: dict[str, Any]) -> set[str]:
-    """Keys of the optimizers that were fresh on every rank that saved ``sd`` (as loaded)."""
-    per_rank = [set(pickle.loads(v)) for k, v in sd.items() if k.startswith(_UNSTEPPED_PREFIX)]  # noqa: S301
-    return set.intersection(*per_rank) if per_rank else set()
+def forget_state(roles: Roles, unstepped: tuple[str, ...]) -> None:
+    """Empty the state of the optimizers a checkpoint saved before their first step: what
+    was loaded into them is what DCP made up to have something to save."""
+    for key in unstepped:
+        if key in roles.optimizers:
+            roles.optimizers[key][0].state.clear()
 
 
 def apply_state_dict(roles: Roles, sd: dict[str, Any], state: dict[str, Any]) -> None:
@@ -149,9 +139,6 @@ def apply_state_dict(roles: Roles, sd: dict[str, Any], state: dict[str, Any]) ->
         set_model_state_dict(module, sd[key], options=_OPTIONS)
     for key, (optim, module) in roles.optimizers.items():
         set_optimizer_state_dict(module, optim, sd[key], options=_OPTIONS)
-    for key in unstepped(sd):
-        if key in roles.optimizers:
-            roles.optimizers[key][0].state.clear()
     for key, obj in roles.statefuls.items():
         obj.load_state_dict(sd[key])
     if roles.plain:
