@@ -117,26 +117,27 @@ def test_an_unstepped_sharded_optimizer_stays_unstepped_when_saved_and_resharded
     assert all(torch.equal(fresh[k], v) for k, v in state["model"].state_dict().items())
 
 
-def _one_rank_never_steps(rank: int, world: int, root: str, stage: str) -> tuple[int, int]:
-    """Rank 1's parameters are frozen (a pipeline stage that gets no gradients): its
-    optimizer never has state, while rank 0's steps."""
-    model = make_model(rank)
+def _frozen_unless(rank: int, seed: int) -> dict:
+    model = make_model(seed)
     for p in model.parameters():
         p.requires_grad_(rank == 0)
-    state = {f"model{rank}": model, f"optim{rank}": torch.optim.AdamW(model.parameters(), lr=1e-2)}
+    return {"model": model, "optim": torch.optim.AdamW(model.parameters(), lr=1e-2)}
+
+
+def _one_rank_never_steps(rank: int, world: int, root: str, stage: str) -> tuple[int, int]:
+    """Rank 1's parameters are frozen (a pipeline stage that gets no gradients): its
+    optimizer never has state, while rank 0's steps. Same keys on both ranks."""
+    state = _frozen_unless(rank, rank)
     with Checkpointer(root, staging_dir=f"{stage}{rank}", uploader="thread") as ckpt:
         ckpt.save(0, state)  # both fresh
         if rank == 0:
-            train_steps(model, state["optim0"], 1, rank)
+            train_steps(state["model"], state["optim"], 1, rank)
         ckpt.save(1, state)  # rank 0 stepped, rank 1 still fresh
         ckpt.wait()
-    restored = {f"model{rank}": make_model(rank + 7)}
-    for p in restored[f"model{rank}"].parameters():
-        p.requires_grad_(rank == 0)
-    restored[f"optim{rank}"] = torch.optim.AdamW(restored[f"model{rank}"].parameters(), lr=1e-2)
+    restored = _frozen_unless(rank, rank + 7)
     with Checkpointer(root, staging_dir=f"{stage}{rank}-b", uploader="thread") as ckpt:
         step = ckpt.restore(restored)
-    return step, len(restored[f"optim{rank}"].state)
+    return step, len(restored["optim"].state)
 
 
 def test_ranks_that_disagree_on_whether_an_optimizer_stepped_keep_the_stepped_state(tmp_path):
