@@ -164,3 +164,10 @@ def test_export_of_a_save_before_the_first_step_has_no_made_up_optimizer_state(t
     assert set(torch.load(export_torch_save(root, 0, tmp_path / "m.pt"), weights_only=True)) == {"model"}
     full = torch.load(export_torch_save(root, 0, tmp_path / "f.pt", optim=True), weights_only=True)
     assert set(full) == {"model", "optim"} and full["optim"]["state"] == {} and full["optim"]["param_groups"]
+
+
+def test_a_writer_with_more_threads_is_refused_since_dcp_drops_their_errors(tmp_path):
+    """DCP's extra writer threads drop their exceptions: dcp.save returned and wrote
+    .metadata naming a file whose upload had failed."""
+    with pytest.raises(ConfigError, match="thread_count=1"):
+        PyArrowStorageWriter(str(tmp_path / "ckpt"), thread_count=2)

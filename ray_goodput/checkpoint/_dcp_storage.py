@@ -131,6 +131,11 @@ class PyArrowStorageWriter(_OnPyArrow, FileSystemWriter):
 
     def __init__(self, uri: str | StorageLocation, *, thread_count: int = 1, sync_files: bool = False,
                  overwrite: bool = True, retry: RetryPolicy | None = None) -> None:
+        if thread_count != 1:
+            # DCP's extra writer threads drop their exceptions: a failed upload (on S3 it
+            # surfaces when the stream closes) would still get a .metadata that names it.
+            raise ConfigError(f"PyArrowStorageWriter(thread_count={thread_count}) would lose the errors "
+                              "of DCP's writer threads; use thread_count=1 (the default)")
         super().__init__(os.getcwd(), sync_files=sync_files, thread_count=thread_count, overwrite=overwrite)
         self._attach(uri, retry)
 
