@@ -148,6 +148,54 @@ def test_ranks_that_disagree_on_whether_an_optimizer_stepped_keep_the_stepped_st
     assert got == [(1, 4), (1, 0)]
 
 
+def _stages_with_own_keys(rank: int, world: int, root: str, stage: str) -> tuple[int, int]:
+    model = make_model(rank)
+    state = {f"model{rank}": model, f"optim{rank}": torch.optim.AdamW(model.parameters())}
+    with Checkpointer(root, staging_dir=f"{stage}{rank}", uploader="thread") as ckpt:
+        ckpt.save(0, state)
+    fresh = make_model(rank + 3)
+    restored = {f"model{rank}": fresh, f"optim{rank}": torch.optim.AdamW(fresh.parameters())}
+    with Checkpointer(root, staging_dir=f"{stage}{rank}-b", uploader="thread") as ckpt:
+        step = ckpt.restore(restored)
+    return step, len(restored[f"optim{rank}"].state)
+
+
+def test_pipeline_stages_with_optimizers_of_their_own_restore_them_unstepped(tmp_path):
+    """Each rank's optimizer under a key of its own: "fresh on every rank" was empty, so the
+    state DCP made up (step 1, zero moments) was restored as real."""
+    assert run_world(_stages_with_own_keys, 2, str(tmp_path / "root"), str(tmp_path / "s")) == [(0, 0), (0, 0)]
+
+
+def test_a_save_between_backward_and_the_first_step_restores_into_a_fresh_optimizer(tmp_path):
+    """With gradients set, DCP gives a fresh optimizer no state to save; a fresh optimizer
+    to restore into gets made-up state, so the restore raised StateMismatchError."""
+    state = _state(0)
+    state["model"](torch.randn(2, 16)).sum().backward()
+    grads = [p.grad for p in state["model"].parameters()]
+    with Checkpointer(str(tmp_path / "root"), staging_dir=str(tmp_path / "a"), uploader="thread") as ckpt:
+        ckpt.save(0, state)
+    assert all(p.grad is g for p, g in zip(state["model"].parameters(), grads)) and not state["optim"].state
+    fresh = _state(1)
+    with Checkpointer(str(tmp_path / "root"), staging_dir=str(tmp_path / "b"), uploader="thread") as ckpt:
+        assert ckpt.restore(fresh) == 0
+    assert len(fresh["optim"].state) == 0
+
+
+def test_a_failed_restore_into_a_never_stepped_optimizer_leaves_its_lr_and_grads_alone(tmp_path):
+    model = make_model(0)
+    saved = {"model": model, "optim": torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)}
+    train_steps(model, saved["optim"], 1, rank=0)
+    with Checkpointer(str(tmp_path / "root"), staging_dir=str(tmp_path / "a"), uploader="thread") as ckpt:
+        ckpt.save(1, saved)
+    model = make_model(0)
+    lbfgs = torch.optim.LBFGS(model.parameters(), lr=0.5)
+    with Checkpointer(str(tmp_path / "root"), staging_dir=str(tmp_path / "b"), uploader="thread") as ckpt:
+        with pytest.raises(Exception):  # noqa: B017 - DCP's own TypeError: LBFGS needs a closure
+            ckpt.restore({"model": model, "optim": lbfgs})
+    assert lbfgs.param_groups[0]["lr"] == 0.5 and len(lbfgs.state) == 0
+    assert all(p.grad is None for p in model.parameters())
+
+
 def test_a_failed_save_of_a_never_stepped_optimizer_leaves_its_lr_and_grads_alone(tmp_path):
     """DCP steps a fresh optimizer at lr 0 with zero grads to make state to save; LBFGS
     raises there (it needs a closure), and the optimizer was left with lr 0 and zero grads,

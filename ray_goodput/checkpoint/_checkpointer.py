@@ -283,7 +283,8 @@ class Checkpointer:
                        local_dir=str(self.staging / _layout.step_dir(step)),
                        keep_last=self.keep_last, owner_pid=os.getpid(), nonce=save_id,
                        num_bytes=sum(s.nbytes for s in slots), generation=generation,
-                       concurrency=self.upload_concurrency, retry=self._retry, unstepped=unstepped)
+                       concurrency=self.upload_concurrency, retry=self._retry, unstepped=unstepped,
+                       stepped=tuple(sorted(set(roles.optimizers) - set(unstepped))))
         if self._uploader is None:
             self._uploader = self._make_uploader()
         handoff = self._uploader.submit(job)

@@ -82,13 +82,13 @@ class CommitProtocol:
     generation: int
 
     def declare_durable(self, rank: int, files: list[FileEntry], created: float,
-                        unstepped: tuple[str, ...] = ()) -> None:
+                        unstepped: tuple[str, ...] = (), stepped: tuple[str, ...] = ()) -> None:
         """Rank ``rank``'s ``files`` are durable. Call only after every one is uploaded.
-        ``unstepped``: the rank's optimizers saved before their first step."""
+        ``unstepped``/``stepped``: the rank's optimizers saved before / after their first step."""
         write_rank_marker(self.step_loc, RankMarker(
             step=self.step, rank=rank, world_size=self.world_size, files=tuple(files),
             created=created, nonce=self.save_id, generation=self.generation,
-            unstepped=tuple(unstepped)))
+            unstepped=tuple(unstepped), stepped=tuple(stepped)))
 
     def _read_markers(self) -> dict[int, RankMarker]:
         """This save's markers by rank (read only once all are listed: O(world) GETs by
@@ -131,8 +131,10 @@ class CommitProtocol:
                 pass
         files.append(self._write_dcp_metadata(local_dir))
         files.sort(key=lambda f: f.name)
-        # Unstepped only where every rank says so (a frozen stage's optimizer never steps).
-        unstepped = set.intersection(*(set(m.unstepped) for m in markers.values()))
+        # Unstepped: fresh on some rank and stepped on none (a frozen stage's optimizer never
+        # steps while the others' do; pipeline stages may each have an optimizer of their own).
+        unstepped = set().union(*(m.unstepped for m in markers.values())) - \
+            set().union(*(m.stepped for m in markers.values()))
         manifest = Manifest(step=self.step, world_size=self.world_size, files=tuple(files),
                             nonce=self.save_id, generation=self.generation,
                             created=max(m.created for m in markers.values()),

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from ray_goodput.checkpoint._catalog import list_checkpoints, step_location, verify
 from ray_goodput.checkpoint._dcp_storage import PyArrowStorageReader
 from ray_goodput.checkpoint._manifest import read_manifest
-from ray_goodput.checkpoint._state import _PLAIN_KEY
+from ray_goodput.checkpoint._state import _INTERNAL_PREFIX
 from ray_goodput.errors import CheckpointCorruptError, ConfigError
 
 __all__ = ["export_torch_save"]
@@ -50,7 +50,7 @@ def _is_optimizer(key: str, metadata: Metadata) -> bool:
 
 def _keys_to_export(metadata: Metadata, optim: bool) -> set[str]:
     top = {path[0] for path in metadata.planner_data.values() if path}
-    return {k for k in top if k != _PLAIN_KEY and (optim or not _is_optimizer(k, metadata))}
+    return {k for k in top if not k.startswith(_INTERNAL_PREFIX) and (optim or not _is_optimizer(k, metadata))}
 
 
 def export_torch_save(uri: str, step: int | None, out: str | os.PathLike, *, optim: bool = False) -> Path:

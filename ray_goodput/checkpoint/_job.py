@@ -57,6 +57,7 @@ class ShardJob:
     concurrency: int = 8
     retry: RetryPolicy | None = None
     unstepped: tuple[str, ...] = ()    # this rank's optimizers saved before their first step
+    stepped: tuple[str, ...] = ()      # ... and those saved after it
 
     @property
     def key(self) -> str:
@@ -155,7 +156,8 @@ def upload_and_commit(job: ShardJob, names: list[str], *, concurrency: int,
     fault_point("upload.mid_upload")
     entries += upload_files(files[-1:], protocol.step_loc, concurrency=concurrency, policy=policy,
                             algorithm=DEFAULT_ALGORITHM, link=True)
-    protocol.declare_durable(job.rank, entries, created=time.time(), unstepped=job.unstepped)
+    protocol.declare_durable(job.rank, entries, created=time.time(), unstepped=job.unstepped,
+                             stepped=job.stepped)
     done = protocol.finalize(Path(job.local_dir))
     if done.state == OUTRANKED:
         logger.warning("step %d: a save of the same or a newer generation (%s) holds it; this save "

@@ -49,14 +49,15 @@ class RankMarker:
     created: float
     nonce: str
     generation: int = 0
-    #: this rank's optimizers (state keys) saved before their first step
+    #: this rank's optimizers (state keys) saved before / after their first step
     unstepped: tuple[str, ...] = ()
+    stepped: tuple[str, ...] = ()
 
     def to_bytes(self) -> bytes:
         return json.dumps({
             "step": self.step, "rank": self.rank, "world_size": self.world_size,
             "created": self.created, "nonce": self.nonce, "generation": self.generation,
-            "unstepped": list(self.unstepped),
+            "unstepped": list(self.unstepped), "stepped": list(self.stepped),
             "checksum": checksum_of(self.files), "files": [f.to_json() for f in self.files],
         }).encode()
 
@@ -66,7 +67,8 @@ class RankMarker:
         return RankMarker(step=int(d["step"]), rank=int(d["rank"]),
                           world_size=int(d["world_size"]), created=float(d["created"]),
                           nonce=str(d["nonce"]), generation=int(d.get("generation", 0)),
-                          unstepped=tuple(d.get("unstepped", ())), files=_entries(d))
+                          unstepped=tuple(str(k) for k in d.get("unstepped", ())),
+                          stepped=tuple(str(k) for k in d.get("stepped", ())), files=_entries(d))
 
 
 @dataclass(frozen=True)

@@ -93,14 +93,9 @@ def load_checkpoint(state: dict[str, Any], *, root: StorageLocation, manifest: M
     never-stepped optimizer zero moments and step 1).
     """
     roles = _state.classify(state)
-    unstepped = [optim for optim, _ in roles.optimizers.values() if not optim.state]
-    try:
+    with _state.made_up_state(roles, keep=True):  # a failed load leaves them as they were
         return _load(roles, state, root=root, manifest=manifest, staging=staging, rank=rank,
                      world_size=world_size, policy=policy)
-    except BaseException:  # DCP's CheckpointException is one
-        for optim in unstepped:
-            optim.state.clear()
-        raise
 
 
 def _load(roles: _state.Roles, state: dict[str, Any], *, root: StorageLocation, manifest: Manifest,

@@ -31,6 +31,7 @@ from ray_goodput.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
+_INTERNAL_PREFIX = "_rg_"  # state keys of the library's own (a user's may not start so)
 _PLAIN_KEY = "_rg_plain"
 _OPTIONS = StateDictOptions(full_state_dict=False, cpu_offload=False)
 
@@ -61,8 +62,8 @@ def classify(state: dict[str, Any]) -> Roles:
     modules = {k: v for k, v in state.items() if isinstance(v, nn.Module)}
     roles = Roles(modules=modules, optimizers={}, statefuls={}, plain={})
     for key, value in state.items():
-        if not isinstance(key, str) or key.startswith("_rg_"):
-            raise ConfigError(f"state keys must be strings not starting with '_rg_', got {key!r}")
+        if not isinstance(key, str) or key.startswith(_INTERNAL_PREFIX):
+            raise ConfigError(f"state keys must be strings not starting with {_INTERNAL_PREFIX!r}, got {key!r}")
         if key in modules:
             continue
         if isinstance(value, torch.optim.Optimizer):
@@ -93,36 +94,48 @@ def to_state_dict(roles: Roles) -> dict[str, Any]:
 @contextmanager
 def saving(roles: Roles) -> Iterator[tuple[dict[str, Any], tuple[str, ...]]]:
     """The DCP state dict to save (live tensors: copy them inside the block), and the keys
-    of the optimizers that had not stepped yet.
+    of the optimizers that had not stepped yet, whose saved state DCP made up; on exit
+    those optimizers are as they were (see :func:`made_up_state`)."""
+    with made_up_state(roles, keep=False) as fresh:
+        yield to_state_dict(roles), fresh
 
-    Building the state dict of an optimizer that has not stepped gives it state (step 1,
-    zero moments; DCP steps it with zero grads at lr 0), which would change the run's next
-    step: on exit those optimizers get their empty state back (and their lr and grads,
-    should that step fail, as LBFGS's does without a closure). The save records them in
-    its rank marker; the manifest keeps those fresh on every rank (:func:`forget_state`
-    at restore)."""
+
+@contextmanager
+def made_up_state(roles: Roles, *, keep: bool) -> Iterator[tuple[str, ...]]:
+    """For the block, the keys of the optimizers with no state yet, whose grads are set
+    aside so that DCP's state-dict builder gives each state of the same structure (it
+    steps them at lr 0 with zero grads: step 1, zero moments; with any grad set it gives
+    none). On exit their grads come back; their state and lr too, unless the block
+    succeeded and ``keep`` (a restore keeps what it loaded). A failed step (LBFGS needs a
+    closure) leaves lr 0 and zero grads behind: they are put back as well."""
     fresh = tuple(sorted(key for key, (optim, _) in roles.optimizers.items() if not optim.state))
     before = {key: _lrs_and_grads(roles.optimizers[key][0]) for key in fresh}
+    for key in fresh:
+        for param in _params(roles.optimizers[key][0]):
+            param.grad = None
+    done = False
     try:
-        yield to_state_dict(roles), fresh
+        yield fresh
+        done = True
     finally:
         for key in fresh:
             optim = roles.optimizers[key][0]
-            optim.state.clear()
-            _put_back(optim, *before[key])
+            lrs, grads = before[key]
+            if not (done and keep):
+                optim.state.clear()
+                for group, lr in zip(optim.param_groups, lrs):
+                    if lr is not None:
+                        group["lr"] = lr
+            for param, grad in zip(_params(optim), grads):
+                param.grad = grad
+
+
+def _params(optim: torch.optim.Optimizer) -> list[Any]:
+    return [p for group in optim.param_groups for p in group["params"]]
 
 
 def _lrs_and_grads(optim: torch.optim.Optimizer) -> tuple[list[Any], list[Any]]:
-    params = [p for group in optim.param_groups for p in group["params"]]
-    return [group.get("lr") for group in optim.param_groups], [p.grad for p in params]
-
-
-def _put_back(optim: torch.optim.Optimizer, lrs: list[Any], grads: list[Any]) -> None:
-    for group, lr in zip(optim.param_groups, lrs):
-        if lr is not None:
-            group["lr"] = lr
-    for param, grad in zip((p for group in optim.param_groups for p in group["params"]), grads):
-        param.grad = grad
+    return [group.get("lr") for group in optim.param_groups], [p.grad for p in _params(optim)]
 
 
 def forget_state(roles: Roles, unstepped: tuple[str, ...]) -> None:
