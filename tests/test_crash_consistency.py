@@ -255,6 +255,31 @@ def test_an_orphan_whose_metadata_part_went_after_the_presence_check_is_skipped_
         protocol._write_dcp_metadata(None)
 
 
+def test_finishing_an_orphan_whose_commit_write_retention_prunes_is_skipped_not_raised(tmp_path, monkeypatch):
+    """Found by the CI soak (seed 11, trial 16, again): while restore's catalog finished an
+    orphan, the live attempt's retention deleted the listed ``COMMITTED.tmp-…`` of that
+    commit's write (it carries no save id), and the rename's FileNotFoundError came out of
+    restore as a StorageError."""
+    from ray_goodput.storage import _transfer
+
+    root = str(tmp_path / "root")
+    saved = _save(root, str(tmp_path / "a"), [10, 20])
+    loc = _catalog.step_location(resolve(root), 20)
+    loc.fs.delete_file(loc.join(_layout.COMMITTED))
+    real = _transfer.fsync_file
+
+    def pruned_meanwhile(path):  # the retention pass, between the write and the rename
+        if "COMMITTED.tmp-" in str(path):
+            os.unlink(path)
+        return real(path)
+
+    monkeypatch.setattr(_transfer, "fsync_file", pruned_meanwhile)
+    state = _state(4)
+    with Checkpointer(root, staging_dir=str(tmp_path / "b"), uploader="thread") as ckpt:
+        assert ckpt.restore(state) == 10
+    assert torch.equal(_weight(state), saved[10])
+
+
 def test_a_dead_attempts_late_commit_never_prunes_where_the_live_attempt_may_upload(tmp_path):
     """A dead attempt's uploader that commits late used to apply its own keep_last: it
     deleted directories the live attempt was about to upload into (here step 30, its own

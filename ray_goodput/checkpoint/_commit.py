@@ -19,6 +19,8 @@ under its own id (every file name carries it) and becomes visible only when
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,7 +37,7 @@ from ray_goodput.checkpoint._manifest import (
     write_rank_marker,
 )
 from ray_goodput.checkpoint._parts import merge_parts, part_file
-from ray_goodput.errors import CheckpointCorruptError, IncompleteSaveError
+from ray_goodput.errors import CheckpointCorruptError, IncompleteSaveError, StorageError
 from ray_goodput.storage import (
     DEFAULT_ALGORITHM,
     FileEntry,
@@ -129,7 +131,8 @@ class CommitProtocol:
                 self.step_loc.fs.delete_file(self.step_loc.join(name))
             except FileNotFoundError:
                 pass
-        files.append(self._write_dcp_metadata(local_dir))
+        with self._pruned_meanwhile():
+            files.append(self._write_dcp_metadata(local_dir))
         files.sort(key=lambda f: f.name)
         # Unstepped: fresh on some rank and stepped on none (a frozen stage's optimizer never
         # steps while the others' do; pipeline stages may each have an optimizer of their own).
@@ -141,13 +144,27 @@ class CommitProtocol:
                             unstepped=tuple(sorted(unstepped)))
         fault_point("commit.before_committed")
         data = manifest.to_bytes()
-        write_bytes(self.step_loc, _layout.COMMITTED, data)
+        with self._pruned_meanwhile():
+            write_bytes(self.step_loc, _layout.COMMITTED, data)
         logger.info("committed checkpoint step %d generation %d (%d files, %d bytes) at %s",
                     self.step, self.generation, len(files), manifest.total_bytes, self.step_loc.uri)
         # A newer generation that finished meanwhile must end up holding the step.
         newer = finish_orphan(self.step_loc, self.step, above=self.generation)
         return Finalized(COMMITTED if newer is None else OUTRANKED,
                          Manifest.from_bytes(data) if newer is None else newer)
+
+    @contextmanager
+    def _pruned_meanwhile(self) -> Iterator[None]:
+        """A write whose file vanished under it (retention deletes the files it listed,
+        a ``.tmp-`` of ``.metadata`` or ``COMMITTED`` among them, which carry no save id):
+        the save is being pruned and can never commit."""
+        try:
+            yield
+        except StorageError as exc:
+            if not isinstance(exc.__cause__, FileNotFoundError):
+                raise
+            raise IncompleteSaveError(f"step {self.step} save {self.save_id}: a commit file went while "
+                                      f"it was written ({exc.__cause__}); retention is pruning it") from exc
 
     def _check_present(self, files: list[FileEntry]) -> None:
         present = {i.path[len(self.step_loc.root) + 1:]: i.size
