@@ -378,6 +378,29 @@ def test_retention_from_a_stale_listing_leaves_a_directory_committed_again_since
     assert manifest.generation == 5 and _catalog.verify(loc, manifest, checksums=True) == []
 
 
+def test_retention_never_deletes_the_metadata_of_a_commit_that_lands_above_its_newest(tmp_path):
+    """Found by a world-2 S3 soak (seed 53, trial 4): two ranks finalized step 6 at once;
+    one deleted the COMMITTED the other had just written (it had read "none" a moment
+    before), and the other's retention, listing in that moment, saw step 6 above its newest
+    commit and deleted the listed ``.metadata`` as a dead generation's file (it carries no
+    save id). Step 6 was then committed without it: damaged."""
+    root = str(tmp_path / "root")
+    try:
+        set_decision(ResumeDecision(attempt=5, step=None, root_key=root_key(root)))
+        _save(root, str(tmp_path / "a"), [20, 30], keep_last=5)
+    finally:
+        set_decision(None)
+    loc = _catalog.step_location(resolve(root), 30)
+    committed = loc.fs.open_input_file(loc.join(_layout.COMMITTED)).read()
+    loc.fs.delete_file(loc.join(_layout.COMMITTED))  # the racing finalizer's delete ...
+    listed = _catalog.scan(resolve(root))  # ... the retention lists in that moment ...
+    _retention._prune(resolve(root), listed, 1, 5)  # ... and prunes before ...
+    with loc.fs.open_output_stream(loc.join(_layout.COMMITTED)) as out:
+        out.write(committed)  # ... the commit lands again
+    manifest = read_manifest(loc)
+    assert manifest.generation == 5 and _catalog.verify(loc, manifest, checksums=True) == []
+
+
 def test_a_dead_attempts_retention_stops_once_a_newer_generation_is_claimed(tmp_path):
     root = str(tmp_path / "root")
     _save(root, str(tmp_path / "a"), [10, 20, 30], keep_last=5)

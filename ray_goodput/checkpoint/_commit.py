@@ -125,8 +125,9 @@ class CommitProtocol:
         self._check_present(files)
         # Replacing an older generation's commit (or a torn one): it stops being one first,
         # so that no reader pairs its manifest with the new .metadata (and calls it damaged);
-        # its quarantine record goes with it.
-        for name in (_layout.COMMITTED, _layout.QUARANTINED):
+        # its quarantine record goes with it. With none seen, a COMMITTED there now is a
+        # racing finalizer's of this very save: deleting it would un-commit the step.
+        for name in ((_layout.COMMITTED,) if existing is not None else ()) + (_layout.QUARANTINED,):
             try:
                 self.step_loc.fs.delete_file(self.step_loc.join(name))
             except FileNotFoundError:

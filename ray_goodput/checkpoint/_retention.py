@@ -146,10 +146,9 @@ def _delete_listed(d: StepDir, below: int | None) -> bool:
     complete orphan), then the rest."""
     if _commit_now(d) != _commit_listed(d):
         return False
-    if _layout.COMMITTED in d.files:
+    if _layout.COMMITTED in d.files and (below is None or _dead(d, _layout.COMMITTED, below)):
         _delete_file(d.loc, _layout.COMMITTED)
-    names = [n for n in d.files if n != _layout.COMMITTED
-             and (below is None or (_layout.generation_of(n) or 0) < below)]
+    names = [n for n in d.files if n != _layout.COMMITTED and (below is None or _dead(d, n, below))]
     markers = [n for n in names if n.startswith(_layout.RANKS_DIR)]
     rest = [n for n in names if not n.startswith(_layout.RANKS_DIR)]
     with ThreadPoolExecutor(max_workers=_DELETE_CONCURRENCY, thread_name_prefix="rg-retention") as pool:
@@ -158,6 +157,17 @@ def _delete_listed(d: StepDir, below: int | None) -> bool:
             return False                # meanwhile (it read the markers in time); keep its files
         list(pool.map(lambda name: _delete_file(d.loc, name), rest))
     return True
+
+
+def _dead(d: StepDir, name: str, below: int) -> bool:
+    """Whether ``name`` belongs to a save of a generation below ``below``. ``.metadata``,
+    ``QUARANTINED`` and temp files carry no save id: they are a dead save's only when the
+    listed commit is (a live rank may be finalizing the step, and a racing finalizer may
+    have just deleted its COMMITTED)."""
+    generation = _layout.generation_of(name)
+    if generation is not None:
+        return generation < below
+    return d.manifest is not None and d.manifest.generation < below
 
 
 _TORN = "<torn>"
