@@ -72,16 +72,31 @@ def _view(buf: torch.Tensor, slot: TensorSlot) -> torch.Tensor:
     return buf[slot.offset:slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)
 
 
-def _cuda_register(buf: torch.Tensor, size: int) -> bool:
+def _cuda_register(buf: torch.Tensor, size: int, path: Path) -> bool:
     """Page-lock ``buf`` (a mapped file) for CUDA, so device-to-host copies into it run
     at pinned bandwidth and truly asynchronously. False (copies still work, pageable)
-    when the driver refuses, e.g. over the locked-memory limit."""
+    when the driver refuses: over the locked-memory limit, or (Linux 6.5 on) a file
+    outside tmpfs, whose shared mappings the kernel does not let anyone pin for long."""
     cudart = torch.cuda.cudart()
     ok = cudart.cudaHostRegister(buf.data_ptr(), size, 0) == cudart.cudaError.success
     if not ok:
-        logger.warning("could not pin the %d-byte snapshot arena for CUDA; device-to-host copies "
-                       "run at pageable speed (raise the memlock limit: ulimit -l)", size)
+        _clear_last_cuda_error()
+        logger.warning("could not pin the %d-byte snapshot arena %s for CUDA; device-to-host copies "
+                       "run at pageable speed. Give /dev/shm room for twice the rank's state (the "
+                       "arena goes there when it fits; the kernel pins no shared file mapping "
+                       "outside tmpfs), or raise the memlock limit (ulimit -l)", size, path)
     return ok
+
+
+def _clear_last_cuda_error() -> None:
+    """Take a failed ``cudaHostRegister``'s error off the CUDA runtime. It stays there as
+    the thread's last error, and torch's check after the next kernel launch would raise
+    it in the user's training step. That check reads and clears it; a launch here takes
+    it instead (torch exposes no ``cudaGetLastError``)."""
+    try:
+        torch.zeros(1, device="cuda")
+    except RuntimeError:  # torch.AcceleratorError: the registration's error, now cleared
+        torch.zeros(1, device="cuda")  # a real device fault raises again, to the caller
 
 
 def _cuda_unregister(buf: torch.Tensor) -> None:
@@ -102,7 +117,7 @@ class Arena:
 
     def _pin(self) -> None:
         if not self.pinned and self._buf is not None and self.size and torch.cuda.is_available():
-            self.pinned = _cuda_register(self._buf, self.size)
+            self.pinned = _cuda_register(self._buf, self.size, self.path)
 
     def _unpin(self) -> None:
         if self.pinned and self._buf is not None:
