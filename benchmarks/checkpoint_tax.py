@@ -267,6 +267,7 @@ class _Bench:
                            for t in self.tensors]
         self.ckpt = Checkpointer(keep_last=1, staging_dir=str(Path(cfg["work"]) / "rg_staging"))
         self.stager = None  # DCP's async stager, made by the first dcp_async save
+        self.stagers_made = 0
         # dcp.async_save's collectives run in a background thread: on a group of their own,
         # never interleaved with training's on the default group (as torchtitan does).
         self.async_group = dist.new_group(backend="gloo")
@@ -427,11 +428,17 @@ def m_dcp_sync(b: _Bench, i: int) -> None:
 def _dcp_stager(b: _Bench):
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-    if b.stager is None:
+    # torch <= 2.11's async_save closes a stager it was given once the save is done (2.13
+    # leaves that to the caller), and a closed one cannot stage again (its copy table is
+    # emptied): then each save gets a new stager, which allocates its buffers anew.
+    closed = b.stager is not None and not getattr(getattr(b.stager, "_state_dict_stager", None),
+                                                  "_deepcopy_dispatch", True)
+    if b.stager is None or closed:
         # CPU: no accelerator -> no pinned memory, no async (stream) staging, no
         # non-blocking copies. CUDA: DCP's defaults (pinned, shared memory, async).
         b.stager = DefaultStager(StagingOptions(False, False, False, False)) if b.dev == "cpu" \
             else DefaultStager()
+        b.stagers_made += 1
     return b.stager
 
 
@@ -440,17 +447,22 @@ def _durable_at(b: _Bench, fut, local: Path, dest: str) -> float:
 
     The main thread joins rather than waits itself so it makes no collective while DCP's
     thread uses the process group."""
-    done: dict[str, float] = {}
+    done: dict[str, Any] = {}
 
     def finish() -> None:
-        fut.result()
-        if b.s3:
-            _upload_rank_files(b.fs, local, dest, b.rank)
-        done["t"] = time.perf_counter()
+        try:
+            fut.result()
+            if b.s3:
+                _upload_rank_files(b.fs, local, dest, b.rank)
+            done["t"] = time.perf_counter()
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+            done["error"] = exc
 
     th = threading.Thread(target=finish)
     th.start()
     th.join()
+    if "error" in done:
+        raise done["error"]
     return done["t"]
 
 
@@ -767,27 +779,35 @@ def measure_restore(b: _Bench) -> list[str]:
 
 # ----------------------------------------------------------------------------- worker entry
 
-def _write_result(b: _Bench, log: list[str], slow: dict[str, Any]) -> None:
-    arena = str(b.ckpt._arenas[0].path) if b.ckpt._arenas else None  # noqa: SLF001 - report only
-    b.ckpt.close()
-    if b.stager is not None:
-        b.stager.close()
+def _write_result(b: _Bench, log: list[str], slow: dict[str, Any], *, final: bool) -> None:
+    """Rank 0 writes what was measured so far to ``cfg["out"]`` (after each phase, so a run
+    stopped at a time limit still leaves its finished phases); ``final`` also closes."""
+    arenas = b.ckpt._arenas  # noqa: SLF001 - report only
+    arena = str(arenas[0].path) if arenas else None
+    pinned = [a.pinned for a in arenas] if b.dev == "cuda" else None
+    if final:
+        b.ckpt.close()
+        if b.stager is not None:
+            b.stager.close()
     sizes: list[Any] = [None] * b.world
     dist.all_gather_object(sizes, b.rank_bytes)
     if b.rank == 0:
         Path(b.cfg["out"]).write_text(json.dumps({
             "storage": b.cfg["storage"], "world": b.world, "rank_bytes": sizes, "results": b.results,
-            "slowdown": slow, "restore": b.restores, "arena": arena, "log": log,
-            "torch_threads": torch.get_num_threads(), "retries_rank0": RETRIES}))
+            "slowdown": slow, "restore": b.restores, "arena": arena, "arena_pinned": pinned, "log": log,
+            "torch_threads": torch.get_num_threads(), "retries_rank0": RETRIES,
+            "dcp_stagers_made": b.stagers_made, "torch": torch.__version__, "final": final}))
 
 
 def train_loop(cfg: dict) -> None:
     """Ray Train worker: every measurement on this rank; rank 0 writes ``cfg["out"]``."""
     b = _Bench(cfg)
     log = run_rounds(b)
+    _write_result(b, log, {}, final=False)
     slow = measure_slowdown(b)
+    _write_result(b, log, slow, final=False)
     log += measure_restore(b)
-    _write_result(b, log, slow)
+    _write_result(b, log, slow, final=True)
 
 
 # ----------------------------------------------------------------------------- report
@@ -810,9 +830,17 @@ def _medians(run: dict) -> dict[str, tuple[float | None, float | None]]:
     return {k: (_med(v["blocked"]), _med(v["durable"])) for k, v in run["results"].items()}
 
 
+def _copy_floor(med: dict) -> float | None:
+    """The copy that blocking is measured against: on CUDA the device-to-host copy into
+    preallocated pinned memory (what a save's copy can be at best; a fresh pageable copy
+    there is page faults, not a floor), else a fresh in-memory copy."""
+    key = "d2h_pinned" if "d2h_pinned" in med else "copy_floor"
+    return med.get(key, (None, None))[0]
+
+
 def _table_rows(run: dict, med: dict) -> list[str]:
     res, st = run["results"], run["storage"]
-    copy_floor = med.get("copy_floor", (None, None))[0]
+    copy_floor = _copy_floor(med)
     up_floor = med.get("upload_floor", (None, None))[1]
     rg_block = med.get("rg", (None, None))[0]
     rows = []
@@ -830,12 +858,13 @@ def _table_rows(run: dict, med: dict) -> list[str]:
 def _target_verdicts(run: dict, med: dict) -> list[str]:
     """The three targets: blocking vs copy floor, durable vs upload floor, vs torch.save."""
     st, out = run["storage"], []
-    copy_floor = med.get("copy_floor", (None, None))[0]
+    copy_floor = _copy_floor(med)
     up_floor = med.get("upload_floor", (None, None))[1]
     rg_block = med.get("rg", (None, None))[0]
     if "rg" in med and copy_floor:
         r = med["rg"][0] / copy_floor
-        out.append(f"- {st}: ray_goodput blocking {med['rg'][0]:.2f} s = {r:.2f}× copy floor "
+        floor = "pinned D2H floor" if "d2h_pinned" in med else "copy floor"
+        out.append(f"- {st}: ray_goodput blocking {med['rg'][0]:.2f} s = {r:.2f}× {floor} "
                    f"({copy_floor:.2f} s) → target ≤ 1.2×: {'MET' if r <= 1.2 else 'NOT met'}")
     if "rg" in med and up_floor and med["rg"][1] is not None:
         r = med["rg"][1] / up_floor
@@ -857,7 +886,9 @@ def _phase_verdicts(run: dict, med: dict, device: str) -> list[str]:
         out.append(f"- {st}: D2H of {gb:.1f} GB/rank: fresh pageable {bw.get('copy_floor', 0):.1f} GB/s, "
                    f"preallocated pageable {bw.get('copy_warm', 0):.1f} GB/s, pinned "
                    f"{bw.get('d2h_pinned', 0):.1f} GB/s; ray_goodput staging (blocked) "
-                   f"{med.get('rg', (0,))[0]:.2f} s = {bw.get('rg', 0):.1f} GB/s into arena {run.get('arena')}")
+                   f"{med.get('rg', (0,))[0]:.2f} s = {bw.get('rg', 0):.1f} GB/s into arena {run.get('arena')} "
+                   f"(pinned: {run.get('arena_pinned')}); DCP stagers made: {run.get('dcp_stagers_made')} "
+                   f"(torch {run.get('torch')})")
     if "rg_write" in med:
         out.append(f"- {st}: ray_goodput background phases (median, slowest rank): local DCP write "
                    f"{med['rg_write'][0]:.2f} s, upload+marker+commit {med['rg_upload'][0]:.2f} s")
@@ -940,7 +971,9 @@ def _restore_table(runs: list[dict]) -> list[str]:
 
 
 def render(runs: list[dict], args) -> str:
-    lines = ["| method | storage | blocked s (median) | durable s (median) | blocked / copy floor "
+    cuda = any("d2h_pinned" in run["results"] for run in runs)
+    lines = [f"| method | storage | blocked s (median) | durable s (median) | blocked / "
+             f"{'pinned D2H floor' if cuda else 'copy floor'} "
              "| durable / upload floor | torch.save rank-0 blocked / ray_goodput blocked | 1st save blocked s |",
              "|---|---|---|---|---|---|---|---|"]
     verdict = []
@@ -969,6 +1002,9 @@ def _parse_args() -> argparse.Namespace:
     ap.add_argument("--step-ms", type=float, default=100.0, help="compute step length to calibrate to")
     ap.add_argument("--json", default=None, help="also write the raw results here")
     ap.add_argument("--markdown", default=None, help="also write the table here")
+    ap.add_argument("--render", nargs="+", default=None, metavar="RESULT_JSON",
+                    help="only print the tables of runs' result files (a run's result-<storage>.json, "
+                         "written after each phase, so also a run stopped early)")
     args = ap.parse_args()
     if args.device == "cuda" and args.params < 1e9:
         ap.error("--device cuda measures a >=1B-parameter model: --params >= 1e9")
@@ -1058,6 +1094,9 @@ def _run_all(args: argparse.Namespace, work: Path, endpoint: str | None) -> list
 
 def main() -> None:
     args = _parse_args()
+    if args.render:
+        print(render([json.loads(Path(p).read_text()) for p in args.render], args))
+        return
     work = Path(tempfile.mkdtemp(prefix="ckpt_tax_"))
     moto = endpoint = None
     env = {k: os.environ[k] for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION",
