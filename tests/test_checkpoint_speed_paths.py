@@ -265,6 +265,27 @@ def test_a_superseded_node_local_copy_is_deleted_off_the_thread_that_saves(tmp_p
     assert on_caller and not any(on_caller), f"deleted on the saving thread: {on_caller}"
 
 
+def test_arena_tensors_handed_to_dcp_own_their_bytes_so_dcp_does_not_clone_them(tmp_path):
+    """DCP's writer clones a tensor whose storage is larger than the tensor. Views into one
+    storage of the whole arena were all cloned: a second copy of the shard into fresh
+    memory before the write (fresh pages: 1.3 GB/s on the H200 run)."""
+    from ray_goodput.checkpoint._arena import Arena, open_slots
+
+    tensors = {"a": torch.randn(100, 30), "b": torch.arange(5, dtype=torch.int16), "e": torch.empty(0)}
+    arena = Arena(tmp_path / "rank-00000-1-0.arena")
+    try:
+        got = open_slots(arena.path, arena.snapshot(tensors))
+        for name, t in tensors.items():
+            assert torch.equal(got[name], t), name
+            assert got[name].untyped_storage().nbytes() == t.nbytes, name
+        # Still the arena's memory, not a copy: a newer snapshot shows through.
+        tensors["a"].add_(1)
+        arena.snapshot(tensors)
+        assert torch.equal(got["a"], tensors["a"])
+    finally:
+        arena.close()
+
+
 # ---- CRC32C, and old CRC32 manifests --------------------------------------------------------
 
 
