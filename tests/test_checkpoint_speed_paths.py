@@ -286,6 +286,32 @@ def test_arena_tensors_handed_to_dcp_own_their_bytes_so_dcp_does_not_clone_them(
         arena.close()
 
 
+def test_the_uploaders_dcp_write_skips_torch_saves_zip_crc32_and_puts_the_setting_back(tmp_path):
+    """``torch.save`` (DCP writes each tensor with it) computes a CRC32 of every zip record
+    at ~0.25 GB/s: 2.05 s of a 512 MiB write that takes 0.44 s without it, here. The
+    manifest's CRC32C already covers every file, so the uploader's write skips it; the
+    process-wide setting is put back for the user's own saves."""
+    import io
+    import pickle
+    import zipfile
+
+    from torch.utils.serialization import config
+
+    from ray_goodput.checkpoint._parts import data_file, part_file
+
+    assert config.save.compute_crc32
+    names = write_part({"w": torch.randn(64, 64), "b": torch.arange(7)}, {}, {}, 0, "n1", tmp_path)
+    assert names == [data_file(0, "n1"), part_file(0, "n1")]
+    assert config.save.compute_crc32  # put back
+    meta = pickle.loads((tmp_path / part_file(0, "n1")).read_bytes())
+    data = (tmp_path / data_file(0, "n1")).read_bytes()
+    crcs = []
+    for info in meta.storage_data.values():
+        record = zipfile.ZipFile(io.BytesIO(data[info.offset:info.offset + info.length]))
+        crcs += [entry.CRC for entry in record.infolist()]
+    assert crcs and set(crcs) == {0}, crcs
+
+
 # ---- CRC32C, and old CRC32 manifests --------------------------------------------------------
 
 

@@ -15,6 +15,9 @@ import io
 import os
 import pickle
 import shutil
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +34,11 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ray_goodput.checkpoint._shard_plan import SHARD, Leaf
+
+try:  # torch >= 2.6
+    from torch.utils.serialization import config as _serialization_config
+except ImportError:  # pragma: no cover - older torch: records keep their CRC32
+    _serialization_config = None
 
 
 def data_file(rank: int, nonce: str) -> str:
@@ -59,6 +67,40 @@ def _globalize(meta: Metadata, rank: int, nonce: str, leaves: dict[str, Leaf],
                     storage_data=storage, storage_meta=None, version=meta.version)
 
 
+_crc_lock = threading.Lock()
+_crc_writers = 0
+_crc_before = True
+
+
+@contextmanager
+def _without_zip_crc32() -> Iterator[None]:
+    """While inside, ``torch.save`` writes its zip records without a CRC32.
+
+    DCP writes each tensor with ``torch.save``, whose CRC32 runs at ~0.25 GB/s: most of a
+    shard's write time. Every file of a checkpoint is covered by the manifest's CRC32C,
+    so it adds nothing here. The setting is process-wide (an uploader thread in a worker
+    shares it with the user's code): counted across concurrent writers, and the last one
+    out puts back what was there before the first came in.
+    """
+    global _crc_writers, _crc_before  # noqa: PLW0603 - one setting per process
+    save_config = getattr(_serialization_config, "save", None)
+    if save_config is None or not hasattr(save_config, "compute_crc32"):
+        yield  # a torch without the setting: records keep their CRC32
+        return
+    with _crc_lock:
+        if _crc_writers == 0:
+            _crc_before = save_config.compute_crc32
+            save_config.compute_crc32 = False
+        _crc_writers += 1
+    try:
+        yield
+    finally:
+        with _crc_lock:
+            _crc_writers -= 1
+            if _crc_writers == 0:
+                save_config.compute_crc32 = _crc_before
+
+
 def write_part(flat: dict[str, Any], leaves: dict[str, Leaf], mappings: dict[str, Any],
                rank: int, nonce: str, out_dir: Path) -> list[str]:
     """DCP-write ``flat`` (this rank's leaves) into ``out_dir``; returns the file names.
@@ -69,8 +111,9 @@ def write_part(flat: dict[str, Any], leaves: dict[str, Leaf], mappings: dict[str
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         writer = FileSystemWriter(tmp, single_file_per_rank=True, sync_files=False, thread_count=1)
-        dcp.save(flat, storage_writer=writer, no_dist=True,
-                 planner=DefaultSavePlanner(flatten_state_dict=False))
+        with _without_zip_crc32():
+            dcp.save(flat, storage_writer=writer, no_dist=True,
+                     planner=DefaultSavePlanner(flatten_state_dict=False))
         with open(tmp / ".metadata", "rb") as f:
             meta = pickle.load(f)  # noqa: S301 - written just now by DCP
         os.replace(tmp / "__0_0.distcp", out_dir / data_file(rank, nonce))  # DCP's own name
