@@ -16,7 +16,6 @@ import hashlib
 import logging
 import os
 import pickle
-import shutil
 import threading
 import time
 import uuid
@@ -38,6 +37,7 @@ from ray_goodput.checkpoint import (_catalog, _collective, _generation, _layout,
 from ray_goodput.checkpoint._arena import Arena, arena_name, pick_dir, sweep_dead
 from ray_goodput.checkpoint._backends import Handoff, ThreadBackend, UploadBackend
 from ray_goodput.checkpoint._job import ShardJob
+from ray_goodput.checkpoint._local_copies import LocalCopyDropper
 from ray_goodput.checkpoint._metrics import SaveMetrics
 from ray_goodput.checkpoint._ray_report import report_checkpoint, report_closed
 from ray_goodput.checkpoint._restore import RestoreInfo, choose, load_checkpoint
@@ -55,6 +55,9 @@ logger = logging.getLogger(__name__)
 #: Bound on waiting for an arena that the uploader has already let go (it is immediate
 #: unless the uploader is wedged).
 _ARENA_WAIT_S = 600.0
+#: How long ``close()`` lets superseded node-local copies finish being deleted (seconds
+#: for a GPU-sized shard); what is left is collected by the run's next Checkpointer here.
+_DROP_JOIN_S = 60.0
 
 
 @dataclass
@@ -114,16 +117,6 @@ def _failed_handoff(exc: BaseException) -> Handoff:
     return Handoff(released=released, durable=durable, key="")
 
 
-
-#: Node-local copies renamed out of view, waiting for the background delete.
-_DROPPED_PREFIX = ".dropped-"
-
-
-def _delete_dirs(paths: list[Path]) -> None:
-    for path in paths:
-        shutil.rmtree(path, ignore_errors=True)
-
-
 class Checkpointer:
     """Sharded, committed, asynchronous checkpoints for one training worker (rank).
 
@@ -151,6 +144,8 @@ class Checkpointer:
         self.root.probe()
         self._run_key = hashlib.sha1(self.root.uri.encode()).hexdigest()[:16]
         self.staging = (Path(staging_dir) if staging_dir else _env.staging_root()) / self._run_key
+        self._dropper = LocalCopyDropper(self.staging)
+        self._dropper.sweep()  # what a dead worker of this run on this node was deleting
         self.keep_last = keep_last
         self.verify_checksums = verify_checksums
         self.upload_concurrency = upload_concurrency
@@ -396,30 +391,7 @@ class Checkpointer:
             if self._ctx.in_ray_train:
                 report_checkpoint(self._ctx, _catalog.step_location(self.root, step), {**metrics, "step": step})
         if committed:
-            self._drop_local_copies(before=max(step for step, _ in committed))
-
-    def _drop_local_copies(self, before: int) -> None:
-        """Drop the node-local copies of steps older than ``before``. Each is renamed out of
-        view here and deleted by a background thread: freeing a GPU-sized shard takes
-        seconds (4.8 s for 14 GB on ext4), which the caller (``save()``'s outcome agreement,
-        ``wait()``) must not pay. Leftovers of a process that died first go the same way."""
-        if not self.staging.exists():
-            return
-        doomed = []
-        for child in self.staging.iterdir():
-            step = _layout.parse_step(child.name)
-            if step is not None and step < before and step not in self._pending:
-                target = child.with_name(f"{_DROPPED_PREFIX}{child.name}-{uuid.uuid4().hex[:8]}")
-                try:
-                    child.rename(target)
-                except OSError:
-                    continue  # already gone (another rank of this node dropped it)
-                doomed.append(target)
-            elif child.name.startswith(_DROPPED_PREFIX) and child.is_dir():
-                doomed.append(child)
-        if doomed:
-            threading.Thread(target=_delete_dirs, args=(doomed,), name="ray_goodput-drop-local",
-                             daemon=True).start()
+            self._dropper.drop_older(max(step for step, _ in committed), keep=self._pending)
 
     def wait(self) -> None:
         """Block until every save issued so far has committed, been superseded or failed
@@ -512,6 +484,7 @@ class Checkpointer:
             self._uploader.close()
         for arena in self._arenas:
             arena.close()  # jobs that accepted a snapshot keep their own mapping
+        self._dropper.join(_DROP_JOIN_S)
 
     def __enter__(self) -> Checkpointer:
         return self
