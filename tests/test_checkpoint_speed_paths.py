@@ -341,6 +341,23 @@ def test_the_uploaders_dcp_write_skips_torch_saves_zip_crc32_and_puts_the_settin
     assert crcs and set(crcs) == {0}, crcs
 
 
+def test_the_zip_crc32_switch_is_counted_across_concurrent_writers_and_put_back_after_an_error():
+    from torch.utils.serialization import config
+
+    from ray_goodput.checkpoint._parts import _without_zip_crc32
+
+    first, second = _without_zip_crc32(), _without_zip_crc32()
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)
+    assert not config.save.compute_crc32  # the second writer is still writing
+    second.__exit__(None, None, None)
+    assert config.save.compute_crc32
+    with pytest.raises(OSError), _without_zip_crc32():
+        raise OSError("disk full")
+    assert config.save.compute_crc32
+
+
 # ---- CRC32C, and old CRC32 manifests --------------------------------------------------------
 
 
