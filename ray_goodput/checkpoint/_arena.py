@@ -114,10 +114,17 @@ class Arena:
         self._buf: torch.Tensor | None = None
         self.size = 0
         self.pinned = False
+        self._refused_size = -1
 
-    def _pin(self) -> None:
-        if not self.pinned and self._buf is not None and self.size and torch.cuda.is_available():
+    def _pin(self, device: torch.device) -> None:
+        """Register the arena for CUDA, once per size: after a refusal the same mapping is
+        not tried again at every save (each try costs a failed call and a warning)."""
+        if self.pinned or self._buf is None or not self.size or self._refused_size == self.size:
+            return
+        with torch.cuda.device(device):  # a failure's error is taken off this device's runtime
             self.pinned = _cuda_register(self._buf, self.size, self.path)
+        if not self.pinned:
+            self._refused_size = self.size
 
     def _unpin(self) -> None:
         if self.pinned and self._buf is not None:
@@ -141,8 +148,9 @@ class Arena:
             slots.append(TensorSlot(fqn, t.dtype, tuple(t.shape), offset, nbytes))
             offset += -(-nbytes // _ALIGN) * _ALIGN
         buf = self._ensure(offset)
-        if any(t.device.type == "cuda" for t in tensors.values()):
-            self._pin()
+        device = next((t.device for t in tensors.values() if t.device.type == "cuda"), None)
+        if device is not None:
+            self._pin(device)
         on_gpu = False
         half = len(slots) // 2
         for n, (slot, t) in enumerate(zip(slots, tensors.values())):

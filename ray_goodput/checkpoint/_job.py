@@ -111,7 +111,7 @@ def _out_of_space(exc: BaseException) -> bool:
 
 
 def write_local(job: ShardJob, tensors: dict[str, Any] | None = None) -> list[str]:
-    """DCP-write the snapshot (``tensors``: views of the arena, mapped when the job was
+    """DCP-write the snapshot (``tensors``: over the arena's bytes, mapped when the job was
     accepted; mapped here when None) into the staging dir; after this the arena may be reused."""
     out = Path(job.local_dir)
     out.mkdir(parents=True, exist_ok=True)
