@@ -55,8 +55,9 @@ logger = logging.getLogger(__name__)
 #: Bound on waiting for an arena that the uploader has already let go (it is immediate
 #: unless the uploader is wedged).
 _ARENA_WAIT_S = 600.0
-#: How long ``close()`` lets superseded node-local copies finish being deleted (seconds
-#: for a GPU-sized shard); what is left is collected by the run's next Checkpointer here.
+#: How long a clean ``close()`` lets superseded node-local copies finish being deleted
+#: (seconds for a GPU-sized shard); what is left is collected by the run's next
+#: Checkpointer on the node.
 _DROP_JOIN_S = 60.0
 
 
@@ -475,6 +476,9 @@ class Checkpointer:
             self.wait()
             if self._ctx.in_ray_train:
                 report_closed(self._last_step)
+            # Only on a clean close: an error on its way up (a restart coming) is not held
+            # back; the restarted worker's Checkpointer deletes what is left.
+            self._dropper.join(_DROP_JOIN_S)
         finally:
             self._release()
 
@@ -484,7 +488,6 @@ class Checkpointer:
             self._uploader.close()
         for arena in self._arenas:
             arena.close()  # jobs that accepted a snapshot keep their own mapping
-        self._dropper.join(_DROP_JOIN_S)
 
     def __enter__(self) -> Checkpointer:
         return self
