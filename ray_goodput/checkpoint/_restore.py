@@ -35,6 +35,8 @@ class RestoreInfo:
     local_files: int
     remote_files: int
     rng_restored: bool
+    #: Tensors read straight into the live state (the rest went through DCP's own read).
+    direct_tensors: int = 0
 
 
 def local_candidates(local_dir: Path, manifest: Manifest) -> set[str]:
@@ -138,7 +140,7 @@ def _load(roles: _state.Roles, state: dict[str, Any], *, root: StorageLocation, 
     info = RestoreInfo(step=manifest.step, saved_world_size=manifest.world_size,
                        world_size=world_size, seconds=time.perf_counter() - start,
                        local_files=reader.local_reads, remote_files=reader.remote_reads,
-                       rng_restored=same_world)
+                       rng_restored=same_world, direct_tensors=reader.direct_tensors)
     logger.info("rank %d restored step %d in %.2fs (%d local, %d remote file reads)",
                 rank, info.step, info.seconds, info.local_files, info.remote_files)
     return info

@@ -16,6 +16,7 @@ node-local file is checked in a streamed pass, then DCP reads it (from the page 
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import logging
 import os
@@ -29,10 +30,10 @@ from typing import IO, Any
 
 from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
-from ray_goodput.checkpoint import _collective
+from ray_goodput.checkpoint import _collective, _direct_read
 from ray_goodput.errors import CheckpointCorruptError
 from ray_goodput.storage import (
     CRC32,
@@ -223,6 +224,7 @@ class TieredReader(FileSystemReader):
                             hold_bytes=hold_bytes)
         self.path = ""
         self._metadata: Metadata | None = None
+        self.direct_tensors = 0  # tensors read straight into the live state
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Check (or fetch) every file of the plan, agree across ranks, then let DCP copy.
@@ -235,7 +237,51 @@ class TieredReader(FileSystemReader):
         except Exception as exc:  # noqa: BLE001 - agreed below, before any rank copies
             error = exc
         _collective.agree(error)
-        return super().read_data(plan, planner)
+        rest = self._read_direct(plan, planner)
+        return super().read_data(dataclasses.replace(plan, items=rest), planner)
+
+    def _read_direct(self, plan: LoadPlan, planner: LoadPlanner) -> list[ReadItem]:
+        """Read the plan's whole-record tensors straight into their targets; returns the
+        items left for DCP's own read (see ``_direct_read``)."""
+        per_file: dict[str, list[ReadItem]] = {}
+        rest: list[ReadItem] = []
+        for item in plan.items:
+            info = self.storage_data[item.storage_index]
+            if item.type == LoadItemType.TENSOR and not getattr(info, "transform_descriptors", None):
+                per_file.setdefault(info.relative_path, []).append(item)
+            else:
+                rest.append(item)
+        for name, items in per_file.items():
+            held = self.fs.held.get(name)
+            if held is not None:
+                rest += self._direct_items(items, planner, lambda at, n, b=held: b[at:at + n], held, None)
+                continue
+            with open(self.fs.local_dir / name, "rb") as f:
+                rest += self._direct_items(items, planner, _reader_of(f), None, f)
+        return rest
+
+    def _direct_items(self, items: list[ReadItem], planner: LoadPlanner, read_at: Any,
+                      held: bytes | None, f: Any) -> list[ReadItem]:
+        rest = []
+        for item in items:
+            info = self.storage_data[item.storage_index]
+            target = planner.resolve_tensor(item).detach()
+            try:
+                record = _direct_read.parse_record(read_at, info.offset, info.length)
+            except _direct_read.Unparsable:
+                rest.append(item)
+                continue
+            whole = all(o == 0 for o in item.storage_offsets) and tuple(item.lengths) == record.size
+            if not whole or not _direct_read.fits(record, target):
+                rest.append(item)
+                continue
+            if held is not None:
+                _direct_read.fill_from_buffer(target, held, record.data_offset, record.nbytes)
+            else:
+                _direct_read.fill_from_file(target, f, record.data_offset, record.nbytes)
+            planner.commit_tensor(item, target)
+            self.direct_tensors += 1
+        return rest
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """DCP's metadata, read once (restore checks it before DCP reads it again)."""
@@ -254,3 +300,10 @@ class TieredReader(FileSystemReader):
     @property
     def remote_reads(self) -> int:
         return self.fs.remote_reads
+
+
+def _reader_of(f: Any) -> Any:
+    def read_at(offset: int, size: int) -> bytes:
+        f.seek(offset)
+        return f.read(size)
+    return read_at

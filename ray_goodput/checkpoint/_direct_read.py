@@ -1,0 +1,179 @@
+"""Reading a checkpoint's tensors straight into the live state.
+
+DCP reads each tensor of a data file with ``torch.load`` (a copy of the record into a new
+storage) and then copies that into the live tensor: with the file read and its check,
+three passes over the bytes where the floor is one. A DCP data file is a row of
+``torch.save`` records (zip archives, stored uncompressed), so when a record holds exactly
+the tensor the live one expects (same dtype and shape, contiguous from the start of its
+storage, the whole chunk, not a slice of it, a CPU target) its bytes are read from the
+file, or copied from the held buffer, into the live tensor directly.
+
+Anything else (a resharded slice, a non-contiguous record, a GPU target, a storage
+transform, a record this module cannot parse) goes through DCP's own read, unchanged.
+The file's checksum was verified before either runs (``TieredReader.read_data``).
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import struct
+import sys
+import zipfile
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+#: ``read_at(offset, size)``: bytes of the data file.
+ReadAt = Callable[[int, int], bytes]
+
+_LOCAL_HEADER = struct.Struct("<4s2B4HL2L2H")
+_LOCAL_SIGNATURE = b"PK\x03\x04"
+
+
+@dataclass(frozen=True)
+class Record:
+    """The one tensor of a ``torch.save`` record, and where its bytes are in the file."""
+
+    dtype: torch.dtype
+    size: tuple[int, ...]
+    data_offset: int  # in the data file
+    nbytes: int
+
+
+class Unparsable(Exception):
+    """A record this module does not read directly; DCP's own read takes it."""
+
+
+class _Slice(io.RawIOBase):
+    """A seekable read-only window ``[base, base + length)`` of the data file, for zipfile
+    to find the record's directory (at the end) without reading the data."""
+
+    def __init__(self, read_at: ReadAt, base: int, length: int) -> None:
+        super().__init__()
+        self._read_at, self._base, self._length, self._pos = read_at, base, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        start = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._length}[whence]
+        self._pos = max(0, start + offset)
+        return self._pos
+
+    def read(self, size: int = -1) -> bytes:
+        end = self._length if size is None or size < 0 else min(self._length, self._pos + size)
+        data = self._read_at(self._base + self._pos, max(0, end - self._pos))
+        self._pos += len(data)
+        return data
+
+    def readinto(self, buffer: Any) -> int:
+        data = self.read(len(buffer))
+        buffer[:len(data)] = data
+        return len(data)
+
+
+class _TensorPickle(pickle.Unpickler):
+    """Reads the pickle of a saved tensor without building it: only the names a plain
+    tensor's pickle uses are resolved, anything else is refused."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return _rebuild_args
+        if (module, name) == ("collections", "OrderedDict"):
+            return OrderedDict
+        if module == "torch" and name.endswith("Storage"):
+            dtype = getattr(getattr(torch, name, None), "dtype", None)
+            if isinstance(dtype, torch.dtype):
+                return dtype
+        raise Unparsable(f"{module}.{name}")
+
+    def persistent_load(self, pid: Any) -> Any:
+        return pid
+
+
+def _rebuild_args(storage: Any, offset: int, size: Any, stride: Any, *_: Any) -> tuple:
+    return storage, offset, tuple(size), tuple(stride)
+
+
+def _entry_data(read_at: ReadAt, base: int, info: zipfile.ZipInfo) -> int:
+    """Offset in the data file where the (stored) entry's bytes begin."""
+    if info.compress_type != zipfile.ZIP_STORED:
+        raise Unparsable(f"{info.filename} is compressed")
+    header = read_at(base + info.header_offset, _LOCAL_HEADER.size)
+    fields = _LOCAL_HEADER.unpack(header)
+    if fields[0] != _LOCAL_SIGNATURE:
+        raise Unparsable(f"{info.filename}: no local header")
+    return base + info.header_offset + _LOCAL_HEADER.size + fields[-2] + fields[-1]
+
+
+def _contiguous(size: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for dim in reversed(size):
+        strides.append(step)
+        step *= max(dim, 1)
+    return tuple(reversed(strides))
+
+
+def parse_record(read_at: ReadAt, base: int, length: int) -> Record:
+    """The tensor in the ``torch.save`` record at ``[base, base + length)``; raises
+    ``Unparsable`` for what a direct read cannot take."""
+    try:
+        entries = {i.filename.split("/", 1)[-1]: i for i in zipfile.ZipFile(_Slice(read_at, base, length)).infolist()}
+    except (zipfile.BadZipFile, OSError, ValueError) as exc:
+        raise Unparsable(str(exc)) from exc
+    order = entries.get("byteorder")
+    if order is not None and read_at(_entry_data(read_at, base, order), order.file_size) != sys.byteorder.encode():
+        raise Unparsable("byte order")
+    pkl = entries.get("data.pkl")
+    if pkl is None:
+        raise Unparsable("no data.pkl")
+    raw = read_at(_entry_data(read_at, base, pkl), pkl.file_size)
+    try:
+        storage, offset, size, stride = _TensorPickle(io.BytesIO(raw)).load()
+        _, dtype, key, location, numel = storage
+    except (pickle.UnpicklingError, TypeError, ValueError, EOFError) as exc:
+        raise Unparsable(str(exc)) from exc
+    data = entries.get(f"data/{key}")
+    if data is None or location != "cpu" or offset != 0 or stride != _contiguous(size):
+        raise Unparsable("not a whole contiguous storage")
+    nbytes = int(np.prod(size, dtype=np.int64)) * dtype.itemsize
+    if data.file_size != nbytes or int(numel) * dtype.itemsize != nbytes:
+        raise Unparsable("storage larger than the tensor")
+    return Record(dtype=dtype, size=size, data_offset=_entry_data(read_at, base, data), nbytes=nbytes)
+
+
+def fits(record: Record, target: torch.Tensor) -> bool:
+    """Whether ``record``'s bytes can be read straight into ``target``."""
+    return (target.device.type == "cpu" and target.dtype == record.dtype
+            and tuple(target.shape) == record.size and target.is_contiguous()
+            and target.numel() * target.element_size() == record.nbytes)
+
+
+def byte_view(target: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous CPU tensor's memory."""
+    return memoryview(target.detach().reshape(-1).view(torch.uint8).numpy()).cast("B")
+
+
+def fill_from_buffer(target: torch.Tensor, data: bytes | memoryview, offset: int, nbytes: int) -> None:
+    byte_view(target)[:nbytes] = memoryview(data)[offset:offset + nbytes]
+
+
+def fill_from_file(target: torch.Tensor, f: Any, offset: int, nbytes: int) -> None:
+    view, done = byte_view(target), 0
+    f.seek(offset)
+    while done < nbytes:
+        got = f.readinto(view[done:nbytes])
+        if not got:
+            raise EOFError(f"the data file ended {nbytes - done} bytes early")
+        done += got

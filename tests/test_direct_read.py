@@ -1,0 +1,109 @@
+"""Restore reads whole tensors straight into the live state (``checkpoint/_direct_read.py``),
+and leaves everything else to DCP's own read, with the same result."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from torch import nn
+
+from ray_goodput import Checkpointer
+from ray_goodput.checkpoint import _direct_read
+
+
+class _Mixed(nn.Module):
+    """fp32 and bf16 parameters, an int64 buffer and a 0-dim buffer."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.lin = nn.Linear(16, 8)
+        self.low = nn.Parameter(torch.randn(5, 3).to(torch.bfloat16))
+        self.register_buffer("ids", torch.randint(0, 1000, (7,)))
+        self.register_buffer("scale", torch.tensor(float(seed)))
+
+
+def _state(seed: int) -> dict:
+    model = _Mixed(seed)
+    optim = torch.optim.AdamW([model.lin.weight, model.lin.bias], lr=0.1)
+    model.lin(torch.randn(4, 16)).sum().backward()
+    optim.step()
+    return {"model": model, "optim": optim}
+
+
+def _tensors(state: dict) -> dict:
+    out = {f"model.{k}": v.clone() for k, v in state["model"].state_dict().items()}
+    for i, s in enumerate(state["optim"].state.values()):
+        out.update({f"optim.{i}.{k}": v.clone() for k, v in s.items()})
+    return out
+
+
+def test_restore_reads_whole_tensors_straight_into_the_live_state_from_storage_and_the_local_copy(tmp_path):
+    root, saved = str(tmp_path / "root"), _state(1)
+    with Checkpointer(root, staging_dir=str(tmp_path / "s"), uploader="thread") as ckpt:
+        ckpt.save(3, saved)
+    expected = _tensors(saved)
+    for staging, local in ((tmp_path / "cold", False), (tmp_path / "s", True)):
+        fresh = _state(2)
+        with Checkpointer(root, staging_dir=str(staging), uploader="thread") as ckpt:
+            assert ckpt.restore(fresh) == 3
+            info = ckpt.last_restore
+        assert (info.local_files > 0) == local and (info.remote_files > 0) != local
+        got = _tensors(fresh)
+        assert got.keys() == expected.keys()
+        for name, value in expected.items():
+            assert got[name].dtype == value.dtype and torch.equal(got[name], value), name
+        # Every model tensor and moment was read directly (optimizer steps may be 0-dim
+        # tensors too); only DCP's byte items (param groups) are left to it.
+        assert info.direct_tensors >= len(expected), (info, len(expected))
+
+
+def test_a_non_contiguous_live_tensor_is_left_to_dcp_and_still_restored(tmp_path):
+    root, saved = str(tmp_path / "root"), _state(1)
+    with Checkpointer(root, staging_dir=str(tmp_path / "s"), uploader="thread") as ckpt:
+        ckpt.save(1, saved)
+    fresh = _state(2)
+    fresh["model"].low = nn.Parameter(torch.zeros(3, 5, dtype=torch.bfloat16).t())  # a transposed view
+    assert not fresh["model"].low.is_contiguous()
+    with Checkpointer(root, staging_dir=str(tmp_path / "cold"), uploader="thread") as ckpt:
+        assert ckpt.restore(fresh) == 1
+        direct = ckpt.last_restore.direct_tensors
+    assert torch.equal(fresh["model"].low, saved["model"].low)
+    with Checkpointer(root, staging_dir=str(tmp_path / "cold2"), uploader="thread") as ckpt:
+        assert ckpt.restore(_state(3)) == 1
+        assert ckpt.last_restore.direct_tensors == direct + 1  # the one DCP took above
+
+
+def _record(t: torch.Tensor) -> bytes:
+    buf = io.BytesIO()
+    torch.save(t, buf)
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("tensor", [torch.arange(12, dtype=torch.float64).reshape(3, 4),
+                                    torch.randn(4, 2).to(torch.bfloat16), torch.tensor(7),
+                                    torch.empty(0, 3)], ids=["f64", "bf16", "0-dim", "empty"])
+def test_a_whole_contiguous_record_is_located_byte_for_byte(tensor):
+    pad = b"x" * 100  # records sit at offsets inside a DCP data file
+    data = pad + _record(tensor) + pad
+    record = _direct_read.parse_record(lambda at, n: data[at:at + n], len(pad), len(data) - 2 * len(pad))
+    assert (record.dtype, record.size, record.nbytes) == (tensor.dtype, tuple(tensor.shape), tensor.nbytes)
+    target = torch.empty_like(tensor)
+    _direct_read.fill_from_buffer(target, data, record.data_offset, record.nbytes)
+    assert torch.equal(target, tensor)
+
+
+@pytest.mark.parametrize("tensor", [torch.arange(12.).reshape(3, 4).t(), torch.arange(12.).reshape(3, 4)[:, 1:],
+                                    torch.arange(12.)[4:]], ids=["transposed", "column-slice", "offset"])
+def test_a_record_that_is_not_a_whole_contiguous_storage_is_left_to_dcp(tensor):
+    data = _record(tensor)
+    with pytest.raises(_direct_read.Unparsable):
+        _direct_read.parse_record(lambda at, n: data[at:at + n], 0, len(data))
+
+
+def test_a_record_that_is_not_a_zip_is_left_to_dcp():
+    data = b"\0" * 64
+    with pytest.raises(_direct_read.Unparsable):
+        _direct_read.parse_record(lambda at, n: data[at:at + n], 0, len(data))
