@@ -83,6 +83,18 @@ class _Slice(io.RawIOBase):
         return len(data)
 
 
+#: The legacy storage names a plain tensor's pickle names (a table: asking torch's storage
+#: classes for their dtype warns that TypedStorage is deprecated). Others (float8, the
+#: wider unsigned types: ``_rebuild_tensor_v3``) go through DCP's read.
+_STORAGE_DTYPES = {
+    "DoubleStorage": torch.float64, "FloatStorage": torch.float32, "HalfStorage": torch.float16,
+    "BFloat16Storage": torch.bfloat16, "LongStorage": torch.int64, "IntStorage": torch.int32,
+    "ShortStorage": torch.int16, "CharStorage": torch.int8, "ByteStorage": torch.uint8,
+    "BoolStorage": torch.bool, "ComplexFloatStorage": torch.complex64,
+    "ComplexDoubleStorage": torch.complex128,
+}
+
+
 class _TensorPickle(pickle.Unpickler):
     """Reads the pickle of a saved tensor without building it: only the names a plain
     tensor's pickle uses are resolved, anything else is refused."""
@@ -92,17 +104,18 @@ class _TensorPickle(pickle.Unpickler):
             return _rebuild_args
         if (module, name) == ("collections", "OrderedDict"):
             return OrderedDict
-        if module == "torch" and name.endswith("Storage"):
-            dtype = getattr(getattr(torch, name, None), "dtype", None)
-            if isinstance(dtype, torch.dtype):
-                return dtype
+        if module == "torch" and name in _STORAGE_DTYPES:
+            return _STORAGE_DTYPES[name]
         raise Unparsable(f"{module}.{name}")
 
     def persistent_load(self, pid: Any) -> Any:
         return pid
 
 
-def _rebuild_args(storage: Any, offset: int, size: Any, stride: Any, *_: Any) -> tuple:
+def _rebuild_args(storage: Any, offset: int, size: Any, stride: Any, requires_grad: bool = False,
+                  hooks: Any = None, metadata: Any = None, *rest: Any) -> tuple:
+    if metadata or rest:  # e.g. {"conj": True}: the raw bytes alone read wrong
+        raise Unparsable(f"tensor metadata {metadata!r}")
     return storage, offset, tuple(size), tuple(stride)
 
 
@@ -129,9 +142,14 @@ def parse_record(read_at: ReadAt, base: int, length: int) -> Record:
     """The tensor in the ``torch.save`` record at ``[base, base + length)``; raises
     ``Unparsable`` for what a direct read cannot take."""
     try:
-        entries = {i.filename.split("/", 1)[-1]: i for i in zipfile.ZipFile(_Slice(read_at, base, length)).infolist()}
-    except (zipfile.BadZipFile, OSError, ValueError) as exc:
-        raise Unparsable(str(exc)) from exc
+        return _parse(read_at, base, length)
+    except (zipfile.BadZipFile, OSError, ValueError, TypeError, EOFError, pickle.UnpicklingError,
+            struct.error, KeyError, IndexError, AttributeError) as exc:
+        raise Unparsable(f"{type(exc).__name__}: {exc}") from exc
+
+
+def _parse(read_at: ReadAt, base: int, length: int) -> Record:
+    entries = {i.filename.split("/", 1)[-1]: i for i in zipfile.ZipFile(_Slice(read_at, base, length)).infolist()}
     order = entries.get("byteorder")
     if order is not None and read_at(_entry_data(read_at, base, order), order.file_size) != sys.byteorder.encode():
         raise Unparsable("byte order")
@@ -139,11 +157,8 @@ def parse_record(read_at: ReadAt, base: int, length: int) -> Record:
     if pkl is None:
         raise Unparsable("no data.pkl")
     raw = read_at(_entry_data(read_at, base, pkl), pkl.file_size)
-    try:
-        storage, offset, size, stride = _TensorPickle(io.BytesIO(raw)).load()
-        _, dtype, key, location, numel = storage
-    except (pickle.UnpicklingError, TypeError, ValueError, EOFError) as exc:
-        raise Unparsable(str(exc)) from exc
+    storage, offset, size, stride = _TensorPickle(io.BytesIO(raw)).load()
+    _, dtype, key, location, numel = storage
     data = entries.get(f"data/{key}")
     if data is None or location != "cpu" or offset != 0 or stride != _contiguous(size):
         raise Unparsable("not a whole contiguous storage")
@@ -153,10 +168,17 @@ def parse_record(read_at: ReadAt, base: int, length: int) -> Record:
     return Record(dtype=dtype, size=size, data_offset=_entry_data(read_at, base, data), nbytes=nbytes)
 
 
+def can_take(target: torch.Tensor) -> bool:
+    """Whether bytes can be written straight into ``target``'s memory (a plain, strided,
+    contiguous CPU tensor without a conj or neg bit). Cheap: checked before parsing."""
+    return (type(target) is torch.Tensor and target.layout == torch.strided
+            and target.device.type == "cpu" and not target.is_conj() and not target.is_neg()
+            and target.is_contiguous())
+
+
 def fits(record: Record, target: torch.Tensor) -> bool:
     """Whether ``record``'s bytes can be read straight into ``target``."""
-    return (target.device.type == "cpu" and target.dtype == record.dtype
-            and tuple(target.shape) == record.size and target.is_contiguous()
+    return (can_take(target) and target.dtype == record.dtype and tuple(target.shape) == record.size
             and target.numel() * target.element_size() == record.nbytes)
 
 

@@ -12,7 +12,8 @@ A file that comes from storage is read whole, in one request, checked in memory,
 reads it from that buffer (up to ``hold_bytes`` per rank; beyond that files are
 downloaded to the staging directory, then read from there); it is written to the
 node-local copy in the background once the load is over, off the restore's path. A
-node-local file is checked in a streamed pass, then DCP reads it (from the page cache)."""
+node-local file is checked in a streamed pass, then read (from the page cache): whole
+tensors straight into the live ones (``_direct_read``), the rest by DCP."""
 
 from __future__ import annotations
 
@@ -227,7 +228,8 @@ class TieredReader(FileSystemReader):
         self.direct_tensors = 0  # tensors read straight into the live state
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        """Check (or fetch) every file of the plan, agree across ranks, then let DCP copy.
+        """Check (or fetch) every file of the plan, agree across ranks, then read whole
+        tensors straight into the live ones and let DCP read the rest.
 
         Collective: DCP calls it on every rank in the same phase of ``dcp.load``."""
         error: BaseException | None = None
@@ -266,13 +268,15 @@ class TieredReader(FileSystemReader):
         for item in items:
             info = self.storage_data[item.storage_index]
             target = planner.resolve_tensor(item).detach()
+            if any(item.storage_offsets) or not _direct_read.can_take(target):
+                rest.append(item)  # a slice of the record (resharding), or a GPU target
+                continue
             try:
                 record = _direct_read.parse_record(read_at, info.offset, info.length)
             except _direct_read.Unparsable:
                 rest.append(item)
                 continue
-            whole = all(o == 0 for o in item.storage_offsets) and tuple(item.lengths) == record.size
-            if not whole or not _direct_read.fits(record, target):
+            if tuple(item.lengths) != record.size or not _direct_read.fits(record, target):
                 rest.append(item)
                 continue
             if held is not None:
