@@ -141,3 +141,87 @@ def test_a_record_that_is_not_a_zip_is_left_to_dcp():
     data = b"\0" * 64
     with pytest.raises(_direct_read.Unparsable):
         _direct_read.parse_record(lambda at, n: data[at:at + n], 0, len(data))
+
+
+# ---- another rank's data file: streamed past its checksum, only the needed ranges kept ----
+
+
+def _fsdp_state(world: int, seed: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(seed)
+    model = nn.Sequential(*[nn.Linear(256, 256, bias=False) for _ in range(3)])
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optim = torch.optim.AdamW(model.parameters())
+    for _ in range(seed + 1):  # the step counters differ too
+        for p in model.parameters():
+            p.grad = torch.full_like(p, 0.1)
+        optim.step()
+    return {"model": model, "optim": optim}
+
+
+def _full(state: dict) -> dict:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    msd, osd = get_state_dict(state["model"], state["optim"], options=StateDictOptions(full_state_dict=True))
+    return {"model": msd, "optim": osd["state"]}
+
+
+def _restore_from_parts(rank: int, world: int, root: str, staging: str, damage: str | None) -> dict:
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from ray_goodput.checkpoint import _layout, _tiered_reader
+    from ray_goodput.checkpoint._tiered_reader import wait_for_node_local_copies
+
+    saved = _fsdp_state(world, 0)
+    with Checkpointer(root, staging_dir=f"{staging}/saved", uploader="thread") as ckpt:
+        ckpt.save(1, saved)
+    expected = _full(saved)
+    dist.barrier()
+    step_dir = Path(root) / "checkpoints" / _layout.step_dir(1)
+    mine = next(p.name for p in step_dir.iterdir() if p.name.startswith(f"__{rank}_"))
+    other = next(p.name for p in step_dir.iterdir() if p.name.startswith(f"__{1 - rank}_"))
+    if damage is not None and rank == 0:  # one byte of rank 1's file that nobody loads
+        path = step_dir / other
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        path.write_bytes(bytes(data))
+    dist.barrier()
+    _tiered_reader.SPARSE_MIN_BYTES = 0  # this test's files are small; the rule is the same
+    fresh = _fsdp_state(world, 1)
+    cold = Path(staging) / f"cold-{rank}"
+    with Checkpointer(root, staging_dir=str(cold), uploader="thread") as ckpt:
+        restored = ckpt.restore(fresh)
+    assert wait_for_node_local_copies(30)
+    kept = {p.name for p in cold.rglob("*.distcp")}
+    got = _full(fresh)
+    same = all(torch.equal(got["model"][k], v) for k, v in expected["model"].items())
+    same &= all(torch.equal(got["optim"][k][s], v) for k, d in expected["optim"].items() for s, v in d.items())
+    return {"restored": restored, "same": same, "kept_mine": mine in kept, "kept_other": other in kept}
+
+
+def test_another_ranks_file_is_checked_whole_but_only_its_needed_ranges_are_kept(tmp_path):
+    """Each FSDP2 rank needs a few replicated records (the optimizer steps) from the other
+    rank's data file: that file streams past its checksum, only those records are kept in
+    memory, and it is neither held whole nor written to this rank's staging disk."""
+    from ray_goodput.testing import run_world
+
+    for rank_result in run_world(_restore_from_parts, 2, str(tmp_path / "root"), str(tmp_path / "st"), None):
+        assert rank_result == {"restored": 1, "same": True, "kept_mine": True, "kept_other": False}, rank_result
+
+
+def test_a_damaged_byte_outside_the_needed_ranges_still_rejects_the_checkpoint(tmp_path):
+    """The kept ranges are not all that is checked: the whole file is. Damage where no
+    rank loads anything still makes the checkpoint damaged (quarantined; with no older
+    one, every rank starts fresh with its state untouched)."""
+    from ray_goodput.testing import run_world
+
+    results = run_world(_restore_from_parts, 2, str(tmp_path / "root"), str(tmp_path / "st"), "flip")
+    assert [(r["restored"], r["same"]) for r in results] == [(None, False), (None, False)], results
+    assert (tmp_path / "root" / "checkpoints" / "step-000000001" / "QUARANTINED").exists()

@@ -34,14 +34,17 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
-from ray_goodput.checkpoint import _collective, _direct_read
+from ray_goodput.checkpoint import _collective, _direct_read, _sparse
 from ray_goodput.errors import CheckpointCorruptError
 from ray_goodput.storage import (
+    CHUNK_BYTES,
     CRC32,
+    REMOTE_READ_BYTES,
     FileEntry,
     RetryPolicy,
     StorageLocation,
     checksum,
+    copy_stream,
     download_file,
     file_crc32,
     read_bytes,
@@ -68,6 +71,10 @@ def wait_for_node_local_copies(timeout_s: float) -> bool:
 #: Bytes of files fetched from storage a rank holds in memory between their check and
 #: DCP's read of them.
 HOLD_BYTES = 2 << 30
+#: A file from storage of which the rank needs at most a quarter (and that is this large)
+#: is streamed past its checksum keeping only the needed ranges (``_sparse``): typically
+#: another rank's data file, for the few replicated records its owner wrote.
+SPARSE_MIN_BYTES = 64 << 20
 
 
 class _TieredFs(FileSystemBase):
@@ -85,6 +92,7 @@ class _TieredFs(FileSystemBase):
         self.policy = policy
         self.ready: set[str] = set()
         self.held: dict[str, bytes] = {}  # checked bytes, served to DCP from memory
+        self.sparse: dict[str, _sparse.Capture] = {}  # checked files of which only parts are kept
         self.hold_left = hold_bytes
         self.to_keep: list[str] = []  # held files that go into the node-local copy
         self.local_reads = 0
@@ -104,8 +112,10 @@ class _TieredFs(FileSystemBase):
         keep = [(name, self.held[name]) for name in self.to_keep]
         self.to_keep.clear()
         self.ready.difference_update(self.held)  # opened again, they are fetched again
+        self.ready.difference_update(self.sparse)
         self.hold_left += sum(len(data) for data in self.held.values())
         self.held.clear()
+        self.sparse.clear()
         if keep:
             copier = threading.Thread(target=self._keep_local, args=(keep,), daemon=True,
                                       name="rg-node-local-copy")
@@ -134,8 +144,12 @@ class _TieredFs(FileSystemBase):
             f"{self.remote.uri}/{name}: {size} bytes {want.algorithm}={crc:#x}, manifest "
             f"says {want.size} bytes {want.algorithm}={want.crc32:#x}")
 
-    def _fetch(self, name: str) -> None:
+    def _fetch(self, name: str, ranges: list[tuple[int, int]] | None) -> None:
         want = self.entries.get(name)
+        if want is not None and ranges is not None and want.size >= SPARSE_MIN_BYTES \
+                and 4 * sum(length for _, length in ranges) <= want.size:
+            self._fetch_parts(name, ranges, want)
+            return
         if self._can_hold(want):
             data = read_bytes(self.remote, name, self.policy)  # the whole object, one request
             crc = checksum(data, want.algorithm)
@@ -151,6 +165,22 @@ class _TieredFs(FileSystemBase):
             raise self._mismatch(name, got.size, got.crc32, want)
         self.local_names.add(name)
 
+    def _fetch_parts(self, name: str, ranges: list[tuple[int, int]], want: FileEntry) -> None:
+        """Stream the whole file past its checksum, keeping only ``ranges`` (not written
+        to the node-local copy: the rank that owns the file keeps its own there)."""
+        chunk = CHUNK_BYTES if self.remote.is_local else REMOTE_READ_BYTES
+
+        def read() -> tuple[int, int, _sparse.Capture]:
+            sink = _sparse.Capture(ranges)
+            with self.remote.fs.open_input_file(self.remote.join(name)) as inp:
+                size, crc = copy_stream(inp, sink, algorithm=want.algorithm, chunk_bytes=chunk)
+            return size, crc, sink
+
+        size, crc, sink = self.policy.call(f"read of {self.remote.uri}/{name}", read)
+        if (size, crc) != (want.size, want.crc32):
+            raise self._mismatch(name, size, crc, want)
+        self.sparse[name] = sink
+
     def _keep_local(self, files: list[tuple[str, bytes]]) -> None:
         """Write fetched (checked) files into the node-local copy, for the next restore."""
         try:
@@ -163,16 +193,16 @@ class _TieredFs(FileSystemBase):
             with _copiers_lock:
                 _copiers.discard(threading.current_thread())
 
-    def prepare(self, name: str) -> None:
+    def prepare(self, name: str, ranges: list[tuple[int, int]] | None = None) -> None:
         """Make ``name`` readable and checked, from memory or the local directory (once per
-        file until :meth:`release`)."""
+        file until :meth:`release`); ``ranges``: the only byte ranges that will be read."""
         if name in self.ready:
             return
         if name in self.local_names or (name in self.unchecked and self._local_ok(name)):
             self.local_reads += 1
         else:
             self.remote_reads += 1
-            self._fetch(name)
+            self._fetch(name, ranges)
         self.ready.add(name)
 
     @contextmanager
@@ -184,6 +214,10 @@ class _TieredFs(FileSystemBase):
         data = self.held.get(name)
         if data is not None:
             yield io.BytesIO(data)
+            return
+        parts = self.sparse.get(name)
+        if parts is not None:
+            yield _sparse.CapturedFile(parts, self.entries[name].size)
             return
         with open(self.local_dir / name, "rb") as f:
             yield f
@@ -206,7 +240,7 @@ class _TieredFs(FileSystemBase):
 
     def exists(self, path: str | os.PathLike) -> bool:
         name = str(path)
-        if name in self.held or name in self.local_names or name in self.unchecked:
+        if name in self.held or name in self.sparse or name in self.local_names or name in self.unchecked:
             return True
         return self.remote.fs.get_file_info(self.remote.join(name)).type.name != "NotFound"
 
@@ -233,9 +267,13 @@ class TieredReader(FileSystemReader):
 
         Collective: DCP calls it on every rank in the same phase of ``dcp.load``."""
         error: BaseException | None = None
+        ranges: dict[str, list[tuple[int, int]]] = {}
+        for item in plan.items:
+            info = self.storage_data[item.storage_index]
+            ranges.setdefault(info.relative_path, []).append((info.offset, info.length))
         try:
-            for name in sorted({self.storage_data[item.storage_index].relative_path for item in plan.items}):
-                self.fs.prepare(name)
+            for name in sorted(ranges):
+                self.fs.prepare(name, ranges[name])
         except Exception as exc:  # noqa: BLE001 - agreed below, before any rank copies
             error = exc
         _collective.agree(error)
@@ -258,12 +296,16 @@ class TieredReader(FileSystemReader):
             if held is not None:
                 rest += self._direct_items(items, planner, lambda at, n, b=held: b[at:at + n], held, None)
                 continue
+            parts = self.fs.sparse.get(name)
+            if parts is not None:
+                rest += self._direct_items(items, planner, parts.read_at, parts, None)
+                continue
             with open(self.fs.local_dir / name, "rb") as f:
                 rest += self._direct_items(items, planner, _reader_of(f), None, f)
         return rest
 
     def _direct_items(self, items: list[ReadItem], planner: LoadPlanner, read_at: Any,
-                      held: bytes | None, f: Any) -> list[ReadItem]:
+                      held: bytes | _sparse.Capture | None, f: Any) -> list[ReadItem]:
         rest = []
         for item in items:
             info = self.storage_data[item.storage_index]
@@ -279,7 +321,9 @@ class TieredReader(FileSystemReader):
             if tuple(item.lengths) != record.size or not _direct_read.fits(record, target):
                 rest.append(item)
                 continue
-            if held is not None:
+            if isinstance(held, _sparse.Capture):
+                _direct_read.fill_from_buffer(target, held.read_at(record.data_offset, record.nbytes), 0, record.nbytes)
+            elif held is not None:
                 _direct_read.fill_from_buffer(target, held, record.data_offset, record.nbytes)
             else:
                 _direct_read.fill_from_file(target, f, record.data_offset, record.nbytes)

@@ -1,6 +1,15 @@
 """Storage: any ``pyarrow.fs`` URI, parallel retried transfers, listing and deletion."""
 
-from ray_goodput.storage._checksum import CHUNK_BYTES, CRC32, CRC32C, DEFAULT_ALGORITHM, checksum, copy_stream, file_crc32
+from ray_goodput.storage._checksum import (
+    CHUNK_BYTES,
+    CRC32,
+    CRC32C,
+    DEFAULT_ALGORITHM,
+    REMOTE_READ_BYTES,
+    checksum,
+    copy_stream,
+    file_crc32,
+)
 from ray_goodput.storage._retry import RetryPolicy, is_transient
 from ray_goodput.storage._transfer import (
     FileEntry,
@@ -23,6 +32,7 @@ __all__ = [
     "CRC32C",
     "DEFAULT_ALGORITHM",
     "FileEntry",
+    "REMOTE_READ_BYTES",
     "RetryPolicy",
     "StorageLocation",
     "checksum",
