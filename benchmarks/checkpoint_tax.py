@@ -64,6 +64,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
+from ray_goodput.storage._durable import fsync_dir, fsync_file
 from ray_goodput.testing._s3 import start_moto_server
 
 os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
@@ -382,18 +383,10 @@ def m_upload_floor(b: _Bench, i: int) -> None:
         # directory): the same write, then fsync. Shown beside the plain write, the target's floor.
         t0 = b.start()
         _write_views(b.fs, f"{dest}/rank-{b.rank}-synced.bin", b.host_views())
-        _fsync_path(f"{dest}/rank-{b.rank}-synced.bin")
-        _fsync_path(dest)
+        fsync_file(f"{dest}/rank-{b.rank}-synced.bin")
+        fsync_dir(dest)
         b.record("upload_floor_fsync", None, b.allmax(time.perf_counter() - t0))
     b.rm_remote(dest)
-
-
-def _fsync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # ----------------------------------------------------------------------------- methods

@@ -28,6 +28,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from ray_goodput.checkpoint._sparse import ReadAtFile
+
 #: ``read_at(offset, size)``: bytes of the data file.
 ReadAt = Callable[[int, int], bytes]
 
@@ -47,40 +49,6 @@ class Record:
 
 class Unparsable(Exception):
     """A record this module does not read directly; DCP's own read takes it."""
-
-
-class _Slice(io.RawIOBase):
-    """A seekable read-only window ``[base, base + length)`` of the data file, for zipfile
-    to find the record's directory (at the end) without reading the data."""
-
-    def __init__(self, read_at: ReadAt, base: int, length: int) -> None:
-        super().__init__()
-        self._read_at, self._base, self._length, self._pos = read_at, base, length, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        start = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._length}[whence]
-        self._pos = max(0, start + offset)
-        return self._pos
-
-    def read(self, size: int = -1) -> bytes:
-        end = self._length if size is None or size < 0 else min(self._length, self._pos + size)
-        data = self._read_at(self._base + self._pos, max(0, end - self._pos))
-        self._pos += len(data)
-        return data
-
-    def readinto(self, buffer: Any) -> int:
-        data = self.read(len(buffer))
-        buffer[:len(data)] = data
-        return len(data)
 
 
 #: The legacy storage names a plain tensor's pickle names (a table: asking torch's storage
@@ -119,6 +87,12 @@ def _rebuild_args(storage: Any, offset: int, size: Any, stride: Any, requires_gr
     return storage, offset, tuple(size), tuple(stride)
 
 
+def _window(read_at: ReadAt, base: int, length: int) -> ReadAtFile:
+    """The record as a file of its own, for zipfile to find its directory (at the end)
+    without reading the data."""
+    return ReadAtFile(lambda offset, size: read_at(base + offset, size), length)
+
+
 def _entry_data(read_at: ReadAt, base: int, info: zipfile.ZipInfo) -> int:
     """Offset in the data file where the (stored) entry's bytes begin."""
     if info.compress_type != zipfile.ZIP_STORED:
@@ -149,7 +123,7 @@ def parse_record(read_at: ReadAt, base: int, length: int) -> Record:
 
 
 def _parse(read_at: ReadAt, base: int, length: int) -> Record:
-    entries = {i.filename.split("/", 1)[-1]: i for i in zipfile.ZipFile(_Slice(read_at, base, length)).infolist()}
+    entries = {i.filename.split("/", 1)[-1]: i for i in zipfile.ZipFile(_window(read_at, base, length)).infolist()}
     order = entries.get("byteorder")
     if order is not None and read_at(_entry_data(read_at, base, order), order.file_size) != sys.byteorder.encode():
         raise Unparsable("byte order")

@@ -11,6 +11,7 @@ budget it was written to the staging disk (3.0 s of a 5.4 s restore at 1 GiB per
 from __future__ import annotations
 
 import io
+from collections.abc import Callable
 from typing import Any
 
 
@@ -48,12 +49,13 @@ class Capture:
         raise ValueError(f"bytes {offset}..{offset + size} of the file were not kept")
 
 
-class CapturedFile(io.RawIOBase):
-    """A read-only file over a :class:`Capture`: reads inside the kept ranges only."""
+class ReadAtFile(io.RawIOBase):
+    """A seekable read-only file of ``size`` bytes over ``read_at(offset, n)``: a window of
+    a larger file, or the kept ranges of a :class:`Capture` (reading elsewhere raises)."""
 
-    def __init__(self, capture: Capture, size: int) -> None:
+    def __init__(self, read_at: Callable[[int, int], Any], size: int) -> None:
         super().__init__()
-        self._capture, self._size, self._pos = capture, size, 0
+        self._read_at, self._size, self._pos = read_at, size, 0
 
     def readable(self) -> bool:
         return True
@@ -73,6 +75,7 @@ class CapturedFile(io.RawIOBase):
         size = min(len(buffer), max(0, self._size - self._pos))
         if size == 0:
             return 0
-        buffer[:size] = self._capture.read_at(self._pos, size)
-        self._pos += size
-        return size
+        data = self._read_at(self._pos, size)
+        buffer[:len(data)] = data
+        self._pos += len(data)
+        return len(data)

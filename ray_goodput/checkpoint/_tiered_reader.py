@@ -217,7 +217,7 @@ class _TieredFs(FileSystemBase):
             return
         parts = self.sparse.get(name)
         if parts is not None:
-            yield _sparse.CapturedFile(parts, self.entries[name].size)
+            yield _sparse.ReadAtFile(parts.read_at, self.entries[name].size)
             return
         with open(self.local_dir / name, "rb") as f:
             yield f
