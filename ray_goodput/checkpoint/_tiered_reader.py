@@ -292,20 +292,20 @@ class TieredReader(FileSystemReader):
             else:
                 rest.append(item)
         for name, items in per_file.items():
-            held = self.fs.held.get(name)
+            held, parts = self.fs.held.get(name), self.fs.sparse.get(name)
             if held is not None:
-                rest += self._direct_items(items, planner, lambda at, n, b=held: b[at:at + n], held, None)
-                continue
-            parts = self.fs.sparse.get(name)
-            if parts is not None:
-                rest += self._direct_items(items, planner, parts.read_at, parts, None)
-                continue
-            with open(self.fs.local_dir / name, "rb") as f:
-                rest += self._direct_items(items, planner, _reader_of(f), None, f)
+                rest += self._direct_items(items, planner, lambda at, n, b=memoryview(held): b[at:at + n])
+            elif parts is not None:
+                rest += self._direct_items(items, planner, parts.read_at)
+            else:
+                with open(self.fs.local_dir / name, "rb") as f:
+                    rest += self._direct_items(items, planner, _reader_of(f), f)
         return rest
 
     def _direct_items(self, items: list[ReadItem], planner: LoadPlanner, read_at: Any,
-                      held: bytes | _sparse.Capture | None, f: Any) -> list[ReadItem]:
+                      f: Any = None) -> list[ReadItem]:
+        """``read_at(offset, size)``: the file's bytes (from memory: a view, no copy); ``f``:
+        the open file when it is read from disk (then read straight into the target)."""
         rest = []
         for item in items:
             info = self.storage_data[item.storage_index]
@@ -321,10 +321,8 @@ class TieredReader(FileSystemReader):
             if tuple(item.lengths) != record.size or not _direct_read.fits(record, target):
                 rest.append(item)
                 continue
-            if isinstance(held, _sparse.Capture):
-                _direct_read.fill_from_buffer(target, held.read_at(record.data_offset, record.nbytes), 0, record.nbytes)
-            elif held is not None:
-                _direct_read.fill_from_buffer(target, held, record.data_offset, record.nbytes)
+            if f is None:
+                _direct_read.fill_from_buffer(target, read_at(record.data_offset, record.nbytes), 0, record.nbytes)
             else:
                 _direct_read.fill_from_file(target, f, record.data_offset, record.nbytes)
             planner.commit_tensor(item, target)
