@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from ray_goodput import list_checkpoints
 from ray_goodput.checkpoint._layout import step_dir
-from ray_goodput.testing import FailAt, FlakyProxy, run_world, wait_for_file
+from ray_goodput.testing import FailAt, FlakyProxy, run_world, wait_for, wait_for_file
 
 SAMPLES, BATCH, EVERY, STEPS, NODE_LOSS_STEP = 48, 4, 4, 30, 20
 PULL_TIMEOUT_S = 300  # rank 1 waits this long for the test to pull its node
@@ -151,6 +151,20 @@ def _attempts(out: Path) -> list[dict]:
     return [json.loads(p.read_text()) for p in paths]
 
 
+def _refresh_trains_view_without(node_id: str) -> None:
+    """Once Ray knows ``node_id`` is dead, make Ray Train's elastic sizing see it too.
+
+    Train sizes a restarted worker group from the nodes that Ray's autoscaling coordinator
+    actor cached at its last refresh, which runs every 20 s: until then a restart asks
+    for the dead node's worker too and waits out the worker-group start timeout, once or
+    twice (30 s of this test's 70 s). The coordinator refreshes on demand when asked for
+    a recomputed reservation; the restart then takes the one node left."""
+    wait_for(lambda: not any(n["NodeID"] == node_id and n["Alive"] for n in ray.nodes()),
+             timeout_s=60, what=f"Ray to mark removed node {node_id} dead")
+    coordinator = ray.get_actor("AutoscalingCoordinator", namespace="AutoscalingCoordinator")
+    ray.get(coordinator.get_reserved_resources.remote("ray_goodput-tests", recompute=True), timeout=60)
+
+
 def _run_with_failures(ray_cluster, s3_server, data: Path, out: Path, storage: str) -> str:
     """SIGKILL right after the save of step 12 (rank 0, its
     upload in flight); rank 1's node removed right after the save of step 20, with that
@@ -164,6 +178,7 @@ def _run_with_failures(ray_cluster, s3_server, data: Path, out: Path, storage: s
 
     def pull(node_id: str) -> None:
         ray_cluster.remove(node_id)  # kills its worker and its uploader mid-upload
+        _refresh_trains_view_without(node_id)
         proxy.release()
 
     proxy.stall(f"/{step_dir(NODE_LOSS_STEP)}/", methods=("PUT", "POST"))
