@@ -173,3 +173,27 @@ def test_a_missing_bucket_fails_the_probe_at_start_although_streams_open_lazily(
     uri = f"s3://no-such-bucket-{os.getpid()}/run?endpoint_override={s3_server.endpoint}&scheme=http"
     with pytest.raises(StorageUnusableError, match="not usable"):
         storage.resolve(uri).probe()
+
+
+def test_a_failing_s3_request_is_retried_by_the_retry_policy_not_dozens_of_times_by_the_client(s3_server):
+    """pyarrow's S3 client retries on its own under RetryPolicy: a read of an endpoint that
+    answers every request with an error took 6 s and ~40 requests before RetryPolicy saw it,
+    so a policy of 6 attempts meant minutes, not the bound it states. The client now makes
+    ``S3_CLIENT_RETRIES`` quick retries, also on a location passed to an actor."""
+    import pickle
+
+    from ray_goodput.storage._uri import S3_CLIENT_RETRIES
+    from ray_goodput.testing import FlakyProxy
+
+    proxy = FlakyProxy(s3_server.endpoint, failure_rate=1.0)
+    try:
+        loc = storage.resolve(s3_server.bucket_uri("failing").replace(s3_server.endpoint, proxy.endpoint))
+        for where in (loc, pickle.loads(pickle.dumps(loc))):
+            before = proxy.counts["failed"]
+            with pytest.raises(OSError):
+                with where.fs.open_input_file(where.join("obj")) as f:
+                    f.read()
+            # (curl itself sends a request once more when a reused connection was reset)
+            assert proxy.counts["failed"] - before <= 2 * (1 + S3_CLIENT_RETRIES), proxy.counts
+    finally:
+        proxy.close()
