@@ -5,8 +5,6 @@ upload that the uploader's wait gives up on, and no uploader left behind after a
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import ray
@@ -17,6 +15,7 @@ from ray_goodput import Checkpointer, CheckpointError, list_checkpoints
 from ray_goodput.runtime import _services
 from ray_goodput.checkpoint._uploader import KIND
 from ray_goodput.checkpoint._layout import step_dir
+from ray_goodput.cli import main as cli_main
 from ray_goodput.testing import FlakyProxy, wait_for
 
 
@@ -124,7 +123,7 @@ def test_uploader_killed_mid_upload(ray_cluster, s3_server):
     ray.get(worker.close.remote())
 
 
-def test_status_then_uploader_exits_when_its_clients_close(ray_cluster, tmp_path):
+def test_status_then_uploader_exits_when_its_clients_close(ray_cluster, tmp_path, capsys):
     uri = str(tmp_path / "root")
     node = _other_node(ray_cluster)
     worker = _on(node).remote(uri, seed=4)
@@ -137,11 +136,12 @@ def test_status_then_uploader_exits_when_its_clients_close(ray_cluster, tmp_path
     # At least this test's one checkpoint: every tensor byte of the model (metadata on top).
     tensor_bytes = sum(t.numel() * t.element_size() for t in _big_state(4)["model"].state_dict().values())
     assert uploaded >= tensor_bytes
-    status = subprocess.run([sys.executable, "-m", "ray_goodput.cli", "status", "--address", ray_cluster.address],
-                            capture_output=True, text=True, timeout=120)
-    assert status.returncode == 0, status.stderr
-    line = next(ln for ln in status.stdout.splitlines() if node[:12] in ln)
-    assert "queue 0" in line and f"uploaded {uploaded / 1e6:.1f} MB" in line and "last error: -" in line, status.stdout
+    # In-process through the CLI's main (a subprocess costs seconds of imports and a Ray
+    # connection; test_cli runs the entry point as a real process).
+    assert cli_main(["status", "--address", ray_cluster.address]) == 0
+    stdout = capsys.readouterr().out
+    line = next(ln for ln in stdout.splitlines() if node[:12] in ln)
+    assert "queue 0" in line and f"uploaded {uploaded / 1e6:.1f} MB" in line and "last error: -" in line, stdout
     ray.get(worker.close.remote())
     wait_for(lambda: node not in _services.find(KIND), timeout_s=30,
              what=f"the uploader on {node} to exit after its last client closed", interval_s=0.2)
