@@ -6,9 +6,16 @@ every request. The ranks make one warm-up save (storage probe, generation claim,
 plan), then the parent snapshots the counts and lets them make ``--saves`` more saves,
 each waited for. Requests per checkpoint = (final - snapshot) / saves.
 
-    python benchmarks/storage_requests.py [--worlds 2 4 8] [--saves 3]
+    python benchmarks/storage_requests.py [--worlds 2 4 8] [--saves 3] [--restore-only]
 
 Prints a markdown table: requests per checkpoint by method, and per rank.
+
+Then bytes read per rank at restore, same world sizes: an FSDP2-sharded MLP with AdamW
+(``--layers`` x 512 x 512, fp32) saved once to the S3 server and restored cold (empty
+staging directory) by every rank, side by side with block checksums in use and without
+(as for a manifest written before them: each rank then read every other rank's file
+whole for its few replicated records). Blocks are ``--block-kib`` (the library's 8 MiB
+scaled down with the model, so that shards span many blocks as multi-GB ones do).
 """
 
 from __future__ import annotations
@@ -97,20 +104,97 @@ def count(endpoint: str, world_size: int, saves: int = 3, eager_open: bool = Fal
     return by_method
 
 
+def _fsdp(world_size: int, layers: int, seed: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(*[torch.nn.Linear(512, 512, bias=False) for _ in range(layers)])
+    mesh = init_device_mesh("cpu", (world_size,))
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optim = torch.optim.AdamW(model.parameters())
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    optim.step()
+    return {"model": model, "optim": optim}
+
+
+def _restore_rank(rank: int, world_size: int, uri: str, staging: str, layers: int, block_kib: int) -> dict:
+    import torch.distributed as dist
+
+    from ray_goodput import Checkpointer
+    from ray_goodput.checkpoint import _layout, _tiered_reader
+    from ray_goodput.storage import _checksum, list_dir, resolve
+
+    _checksum.BLOCK_BYTES = block_kib << 10
+    with Checkpointer(uri, staging_dir=f"{staging}/save-{rank}", uploader="thread") as ckpt:
+        ckpt.save(1, _fsdp(world_size, layers, 0))
+        ckpt.wait()
+    dist.barrier()
+    files = list_dir(resolve(uri).child("checkpoints", _layout.step_dir(1)))
+    own = sum(i.size for i in files if i.base_name.startswith(f"__{rank}_"))
+    total = sum(i.size for i in files if i.base_name.endswith(".distcp"))
+    out = {"own": own, "total": total}
+    block_runs = _tiered_reader._block_runs
+    for mode in ("blocks", "whole"):
+        if mode == "whole":  # as for a manifest without block checksums
+            _tiered_reader._block_runs = lambda want, ranges: None
+        with Checkpointer(uri, staging_dir=f"{staging}/cold-{mode}-{rank}", uploader="thread") as ckpt:
+            assert ckpt.restore(_fsdp(world_size, layers, 1)) == 1
+            out[mode] = ckpt.last_restore.remote_bytes
+            out[f"{mode}_s"] = ckpt.last_restore.seconds
+        _tiered_reader._block_runs = block_runs
+        dist.barrier()
+    return out
+
+
+def restore_bytes(endpoint: str, world_size: int, layers: int, block_kib: int) -> list[dict]:
+    """Per rank: own shard bytes, checkpoint bytes, bytes read at restore with and
+    without block checksums."""
+    import pyarrow.fs as pafs
+
+    bucket = f"r-{uuid.uuid4().hex[:12]}"
+    pafs.S3FileSystem(endpoint_override=endpoint, scheme="http", allow_bucket_creation=True).create_dir(bucket)
+    uri = f"s3://{bucket}/run?endpoint_override={endpoint}&scheme=http"
+    with tempfile.TemporaryDirectory() as staging:
+        return run_world(_restore_rank, world_size, uri, staging, layers, block_kib, timeout_s=_WAIT_S)
+
+
+def _print_restore_table(rows: list[tuple[int, list[dict]]]) -> None:
+    mib = 1 << 20
+    print("| world | checkpoint (MiB) | own shard / rank (MiB) | read / rank, whole files (MiB) | "
+          "read / rank, blocks (MiB) | blocks / own shard | whole / blocks | all ranks read, "
+          "blocks / checkpoint |")
+    print("|---|---|---|---|---|---|---|---|")
+    for world, ranks in rows:
+        own = sum(r["own"] for r in ranks) / world
+        whole = sum(r["whole"] for r in ranks) / world
+        blocks = sum(r["blocks"] for r in ranks) / world
+        total = ranks[0]["total"]
+        print(f"| {world} | {total / mib:.1f} | {own / mib:.2f} | {whole / mib:.2f} | {blocks / mib:.2f} | "
+              f"{blocks / own:.2f}x | {whole / blocks:.2f}x | {blocks * world / total:.2f}x |")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--saves", type=int, default=3)
     parser.add_argument("--open", choices=["lazy", "eager", "both"], default="lazy",
                         help="S3 streams: lazy (the library's default), eager (pyarrow's), both")
+    parser.add_argument("--layers", type=int, default=8, help="restore: 512x512 layers of the MLP")
+    parser.add_argument("--block-kib", type=int, default=64, help="restore: block checksum size")
+    parser.add_argument("--restore-only", action="store_true", help="only the restore table")
     args = parser.parse_args(argv)
     from ray_goodput.testing._s3 import start_moto_server
 
-    modes = ["eager", "lazy"] if args.open == "both" else [args.open]
+    modes = [] if args.restore_only else ["eager", "lazy"] if args.open == "both" else [args.open]
     proc, endpoint = start_moto_server()
     try:
         tables = {mode: [(world, count(endpoint, world, args.saves, eager_open=mode == "eager"))
                          for world in args.worlds] for mode in modes}
+        restores = [(world, restore_bytes(endpoint, world, args.layers, args.block_kib)) for world in args.worlds]
     finally:
         proc.terminate()
         proc.wait(timeout=10)
@@ -122,6 +206,9 @@ def main(argv: list[str] | None = None) -> int:
         for (world, eager), (_, lazy) in zip(tables["eager"], tables["lazy"]):
             e, z = _total(eager), _total(lazy)
             print(f"| {world} | {e:.1f} | {z:.1f} | {z / e:.2f}x |")
+    print(f"\nBytes read per rank at a cold restore from S3 (FSDP2 MLP, {args.layers} x 512 x 512 + "
+          f"AdamW, blocks of {args.block_kib} KiB):\n")
+    _print_restore_table(restores)
     return 0
 
 

@@ -4,6 +4,7 @@ and leaves everything else to DCP's own read, with the same result."""
 from __future__ import annotations
 
 import io
+import os
 
 import pytest
 import torch
@@ -225,3 +226,106 @@ def test_a_damaged_byte_outside_the_needed_ranges_still_rejects_the_checkpoint(t
     results = run_world(_restore_from_parts, 2, str(tmp_path / "root"), str(tmp_path / "st"), "flip")
     assert [(r["restored"], r["same"]) for r in results] == [(None, False), (None, False)], results
     assert (tmp_path / "root" / "checkpoints" / "step-000000001" / "QUARANTINED").exists()
+
+
+def _restore_reading_blocks(rank: int, world: int, root: str, staging: str) -> dict:
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from ray_goodput.checkpoint import _layout
+    from ray_goodput.storage import _checksum
+
+    _checksum.BLOCK_BYTES = 16 << 10  # this test's files are small; the rule is the same
+    saved = _fsdp_state(world, 0)
+    with Checkpointer(root, staging_dir=f"{staging}/saved", uploader="thread") as ckpt:
+        ckpt.save(1, saved)
+    expected = _full(saved)
+    dist.barrier()
+    step_dir = Path(root) / "checkpoints" / _layout.step_dir(1)
+    sizes = {p.name: p.stat().st_size for p in step_dir.iterdir()}
+    mine = next(n for n in sizes if n.startswith(f"__{rank}_"))
+    other = next(n for n in sizes if n.startswith(f"__{1 - rank}_"))
+    fresh = _fsdp_state(world, 1)
+    with Checkpointer(root, staging_dir=f"{staging}/cold-{rank}", uploader="thread") as ckpt:
+        restored = ckpt.restore(fresh)
+        read = ckpt.last_restore.remote_bytes
+    got = _full(fresh)
+    same = all(torch.equal(got["model"][k], v) for k, v in expected["model"].items())
+    same &= all(torch.equal(got["optim"][k][s], v) for k, d in expected["optim"].items() for s, v in d.items())
+    return {"restored": restored, "same": same, "read": read, "mine": sizes[mine],
+            "other": sizes[other], "metadata": sizes[_layout.DCP_METADATA]}
+
+
+def test_another_ranks_file_is_read_only_in_the_blocks_that_hold_what_this_rank_needs(tmp_path):
+    """O(own shard) per rank: the other rank's data file is read (and checked) only in the
+    blocks of its manifest entry that hold this rank's few replicated records, not whole:
+    at world size W every rank used to read every file, W x the checkpoint in all."""
+    from ray_goodput.testing import run_world
+
+    for r in run_world(_restore_reading_blocks, 2, str(tmp_path / "root"), str(tmp_path / "st")):
+        assert r["restored"] == 1 and r["same"], r
+        assert r["other"] > 8 * (16 << 10), r  # many blocks, of which a few are needed
+        assert r["mine"] + r["metadata"] <= r["read"] <= r["mine"] + r["metadata"] + r["other"] // 2, r
+
+
+def _entry_with_blocks(path, block):
+    from ray_goodput.storage import CRC32C, FileEntry, file_crc32
+
+    blocks: list[int] = []
+    size, crc = file_crc32(path, CRC32C, blocks=blocks, block_bytes=block)
+    return FileEntry(path.name, size, crc, CRC32C, block_bytes=block, blocks=tuple(blocks))
+
+
+def test_a_damaged_block_fails_the_read_of_a_range_in_it_and_other_blocks_still_read(tmp_path):
+    from ray_goodput.checkpoint._tiered_reader import _TieredFs
+    from ray_goodput.errors import CheckpointCorruptError
+    from ray_goodput.storage import RetryPolicy, resolve
+
+    store = tmp_path / "store"
+    store.mkdir()
+    data = bytearray(os.urandom(10 * 4096))
+    (store / "f.distcp").write_bytes(data)
+    entry = _entry_with_blocks(store / "f.distcp", 4096)
+    data[5 * 4096 + 7] ^= 0x01  # block 5 damaged after the manifest was written
+    (store / "f.distcp").write_bytes(data)
+
+    def fs() -> _TieredFs:
+        return _TieredFs(resolve(str(store)), tmp_path / "local", set(), {"f.distcp": entry}, RetryPolicy())
+
+    good = fs()
+    good.prepare("f.distcp", [(4096 + 10, 100), (8 * 4096, 4096)])  # blocks 1 and 8
+    assert good.remote_bytes == 2 * 4096
+    assert bytes(good.sparse["f.distcp"].read_at(4096 + 10, 100)) == bytes(data[4096 + 10:4096 + 110])
+    with pytest.raises(CheckpointCorruptError, match="block 5"):
+        fs().prepare("f.distcp", [(5 * 4096 + 100, 10)])
+
+
+def test_another_ranks_node_local_file_is_checked_only_in_the_needed_blocks(tmp_path):
+    """The node-local copy of another rank's file is checked only in the blocks this rank
+    reads (a rank on an 8-GPU node used to checksum all 8 files); a needed block that is
+    damaged there comes from storage instead."""
+    from ray_goodput.checkpoint._tiered_reader import _TieredFs
+    from ray_goodput.storage import RetryPolicy, resolve
+
+    store, local = tmp_path / "store", tmp_path / "local"
+    store.mkdir()
+    local.mkdir()
+    data = bytearray(os.urandom(10 * 4096))
+    (store / "f.distcp").write_bytes(data)
+    entry = _entry_with_blocks(store / "f.distcp", 4096)
+    data[5 * 4096 + 7] ^= 0x01  # the node-local copy is damaged in block 5 only
+    (local / "f.distcp").write_bytes(data)
+
+    def fs() -> _TieredFs:
+        return _TieredFs(resolve(str(store)), local, {"f.distcp"}, {"f.distcp": entry}, RetryPolicy(),
+                         verified=False)
+
+    fine = fs()
+    fine.prepare("f.distcp", [(4096 + 10, 100)])
+    assert (fine.local_reads, fine.remote_reads, fine.checked_blocks["f.distcp"]) == (1, 0, {1})
+    damaged = fs()
+    damaged.prepare("f.distcp", [(5 * 4096 + 100, 10)])
+    assert (damaged.local_reads, damaged.remote_reads, damaged.remote_bytes) == (0, 1, 4096)
+    assert bytes(damaged.sparse["f.distcp"].read_at(5 * 4096 + 100, 10)) == \
+        (store / "f.distcp").read_bytes()[5 * 4096 + 100:5 * 4096 + 110]

@@ -197,3 +197,32 @@ def test_a_failing_s3_request_is_retried_by_the_retry_policy_not_dozens_of_times
             assert proxy.counts["failed"] - before <= 2 * (1 + S3_CLIENT_RETRIES), proxy.counts
     finally:
         proxy.close()
+
+
+@pytest.mark.parametrize("algorithm", [storage.CRC32, storage.CRC32C])
+def test_block_checksums_check_each_block_and_combine_into_the_whole_files(algorithm, tmp_path):
+    import io
+
+    data = os.urandom(3 * 1000 + 517)
+    blocks: list[int] = []
+    size, crc = storage.copy_stream(io.BytesIO(data), algorithm=algorithm, chunk_bytes=700,
+                                    blocks=blocks, block_bytes=1000)  # chunks cross block edges
+    assert (size, crc) == (len(data), storage.checksum(data, algorithm))
+    assert blocks == [storage.checksum(data[i:i + 1000], algorithm) for i in range(0, len(data), 1000)]
+    for cut in (0, 1, 999, 1000, len(data)):
+        head, tail = data[:cut], data[cut:]
+        assert storage.combine_checksums(storage.checksum(head, algorithm), storage.checksum(tail, algorithm),
+                                         len(tail), algorithm) == storage.checksum(data, algorithm)
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    again: list[int] = []
+    assert storage.file_crc32(path, algorithm, blocks=again, block_bytes=1000) == (size, crc) and again == blocks
+
+
+def test_a_file_entry_keeps_its_block_checksums_and_older_entries_have_none():
+    entry = storage.FileEntry("a", 2500, 7, storage.CRC32C, block_bytes=1000, blocks=(1, 2, 3))
+    assert storage.FileEntry.from_json(entry.to_json()) == entry
+    old = storage.FileEntry.from_json({"name": "a", "size": 2500, "crc32": 7})
+    assert old.blocks == () and old.block_bytes == 0 and old.algorithm == storage.CRC32
+    with pytest.raises(ValueError, match="3 block checksums"):
+        storage.FileEntry("a", 2500, 7, storage.CRC32C, block_bytes=1000, blocks=(1, 2))

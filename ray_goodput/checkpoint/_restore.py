@@ -37,6 +37,8 @@ class RestoreInfo:
     rng_restored: bool
     #: Tensors read straight into the live state (the rest went through DCP's own read).
     direct_tensors: int = 0
+    #: Bytes this rank read from storage (not counting the node-local copy).
+    remote_bytes: int = 0
 
 
 def local_candidates(local_dir: Path, manifest: Manifest) -> set[str]:
@@ -140,7 +142,8 @@ def _load(roles: _state.Roles, state: dict[str, Any], *, root: StorageLocation, 
     info = RestoreInfo(step=manifest.step, saved_world_size=manifest.world_size,
                        world_size=world_size, seconds=time.perf_counter() - start,
                        local_files=reader.local_reads, remote_files=reader.remote_reads,
-                       rng_restored=same_world, direct_tensors=reader.direct_tensors)
+                       rng_restored=same_world, direct_tensors=reader.direct_tensors,
+                       remote_bytes=reader.remote_bytes)
     logger.info("rank %d restored step %d in %.2fs (%d local, %d remote file reads)",
                 rank, info.step, info.seconds, info.local_files, info.remote_files)
     return info

@@ -29,6 +29,13 @@ class Capture:
                 self._parts.append((offset, bytearray(length)))
         self._pos = 0
 
+    @classmethod
+    def of(cls, parts: list[tuple[int, bytes]]) -> Capture:
+        """The kept ranges given as ``(offset, bytes)``, read already (no stream)."""
+        out = cls([])
+        out._parts = sorted(parts, key=lambda p: p[0])  # type: ignore[assignment]
+        return out
+
     @property
     def kept_bytes(self) -> int:
         return sum(len(data) for _, data in self._parts)

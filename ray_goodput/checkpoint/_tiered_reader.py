@@ -8,8 +8,11 @@ rank's read plan is checked, and every rank agrees that its files are intact, be
 copies anything into the live tensors: a damaged file fails the load with the state
 untouched, not after another file was loaded in place.
 
-A file that comes from storage is read whole, in one request, checked in memory, and DCP
-reads it from that buffer (up to ``hold_bytes`` per rank; beyond that files are
+A file from storage of which this rank needs only some ranges (another rank's data file,
+for the few replicated records its owner wrote) is read only in the blocks of its
+manifest entry that hold them, each block checked against its own checksum: a rank reads
+O(its own shard), not every file of the checkpoint. Any other file that comes from
+storage is read whole, in one request, checked in memory, and DCP reads it from that buffer (up to ``hold_bytes`` per rank; beyond that files are
 downloaded to the staging directory, then read from there); it is written to the
 node-local copy in the background once the load is over, off the restore's path. A
 node-local file is checked in a streamed pass, then read (from the page cache): whole
@@ -29,6 +32,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
 
+import pyarrow as pa
 from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
@@ -97,6 +101,9 @@ class _TieredFs(FileSystemBase):
         self.to_keep: list[str] = []  # held files that go into the node-local copy
         self.local_reads = 0
         self.remote_reads = 0
+        self.remote_bytes = 0  # read from storage
+        self.checked_blocks: dict[str, set[int]] = {}  # of node-local files checked by block
+        self.partly_checked: set[str] = set()  # ready for this load's ranges only
 
     def _can_hold(self, want: FileEntry | None) -> bool:
         return want is not None and want.size <= self.hold_left
@@ -113,6 +120,8 @@ class _TieredFs(FileSystemBase):
         self.to_keep.clear()
         self.ready.difference_update(self.held)  # opened again, they are fetched again
         self.ready.difference_update(self.sparse)
+        self.ready.difference_update(self.partly_checked)
+        self.partly_checked.clear()
         self.hold_left += sum(len(data) for data in self.held.values())
         self.held.clear()
         self.sparse.clear()
@@ -139,6 +148,27 @@ class _TieredFs(FileSystemBase):
             self.local_names.add(name)
         return ok
 
+    def _local_blocks_ok(self, name: str, runs: list[tuple[int, int]], want: FileEntry) -> bool:
+        """Check only the blocks of a node-local file that hold the needed ranges (each
+        block once): another rank's file on this node is not read whole."""
+        done = self.checked_blocks.setdefault(name, set())
+        size = want.block_bytes
+        try:
+            with open(self.local_dir / name, "rb") as f:
+                for first, last in runs:
+                    for block in range(first, last + 1):
+                        if block in done:
+                            continue
+                        f.seek(block * size)
+                        data = f.read(min(size, want.size - block * size))
+                        if len(data) != min(size, want.size - block * size) \
+                                or checksum(data, want.algorithm) != want.blocks[block]:
+                            return False
+                        done.add(block)
+        except OSError:
+            return False
+        return True
+
     def _mismatch(self, name: str, size: int, crc: int, want: FileEntry) -> CheckpointCorruptError:
         return CheckpointCorruptError(
             f"{self.remote.uri}/{name}: {size} bytes {want.algorithm}={crc:#x}, manifest "
@@ -146,12 +176,17 @@ class _TieredFs(FileSystemBase):
 
     def _fetch(self, name: str, ranges: list[tuple[int, int]] | None) -> None:
         want = self.entries.get(name)
+        runs = _block_runs(want, ranges) if want is not None and ranges is not None else None
+        if runs is not None:
+            self._fetch_blocks(name, runs, want)
+            return
         if want is not None and ranges is not None and want.size >= SPARSE_MIN_BYTES \
                 and 4 * sum(length for _, length in ranges) <= want.size:
             self._fetch_parts(name, ranges, want)
             return
         if self._can_hold(want):
             data = read_bytes(self.remote, name, self.policy)  # the whole object, one request
+            self.remote_bytes += len(data)
             crc = checksum(data, want.algorithm)
             if (len(data), crc) != (want.size, want.crc32):
                 raise self._mismatch(name, len(data), crc, want)
@@ -160,6 +195,7 @@ class _TieredFs(FileSystemBase):
             return
         algorithm = want.algorithm if want is not None else CRC32
         got = download_file(self.remote, name, self.local_dir / name, self.policy, algorithm)
+        self.remote_bytes += got.size
         if want is not None and (got.size, got.crc32) != (want.size, want.crc32):
             (self.local_dir / name).unlink(missing_ok=True)
             raise self._mismatch(name, got.size, got.crc32, want)
@@ -177,9 +213,35 @@ class _TieredFs(FileSystemBase):
             return size, crc, sink
 
         size, crc, sink = self.policy.call(f"read of {self.remote.uri}/{name}", read)
+        self.remote_bytes += size
         if (size, crc) != (want.size, want.crc32):
             raise self._mismatch(name, size, crc, want)
         self.sparse[name] = sink
+
+    def _fetch_blocks(self, name: str, runs: list[tuple[int, int]], want: FileEntry) -> None:
+        """Read blocks ``first..last`` of each run (one ranged read per run) and check each
+        block against its own checksum; keep them (not in the node-local copy: the rank
+        that owns the file keeps its own there)."""
+        size = want.block_bytes
+
+        def read() -> list[tuple[int, bytes]]:
+            with self.remote.fs.open_input_file(self.remote.join(name)) as inp:
+                return [(first * size, inp.read_at(min(want.size, (last + 1) * size) - first * size, first * size))
+                        for first, last in runs]
+
+        got = self.policy.call(f"read of blocks of {self.remote.uri}/{name}", read)
+        for (start, data), (first, last) in zip(got, runs):
+            self.remote_bytes += len(data)
+            view = pa.py_buffer(data)  # slices without copies, which google-crc32c takes
+            for block in range(first, last + 1):
+                at = (block - first) * size
+                piece = view.slice(at, min(size, want.size - block * size))
+                crc = checksum(piece, want.algorithm)
+                if len(piece) != min(size, want.size - block * size) or crc != want.blocks[block]:
+                    raise CheckpointCorruptError(
+                        f"{self.remote.uri}/{name}: block {block} ({len(piece)} bytes at {block * size}) has "
+                        f"{want.algorithm}={crc:#x}, manifest says {want.blocks[block]:#x}")
+        self.sparse[name] = _sparse.Capture.of(got)
 
     def _keep_local(self, files: list[tuple[str, bytes]]) -> None:
         """Write fetched (checked) files into the node-local copy, for the next restore."""
@@ -198,9 +260,17 @@ class _TieredFs(FileSystemBase):
         file until :meth:`release`); ``ranges``: the only byte ranges that will be read."""
         if name in self.ready:
             return
-        if name in self.local_names or (name in self.unchecked and self._local_ok(name)):
+        want = self.entries.get(name)
+        runs = _block_runs(want, ranges) if want is not None and ranges is not None else None
+        if name in self.local_names:
+            self.local_reads += 1
+        elif name in self.unchecked and runs is not None and self._local_blocks_ok(name, runs, want):
+            self.local_reads += 1
+            self.partly_checked.add(name)  # checked for these ranges only: again at the next load
+        elif name in self.unchecked and runs is None and self._local_ok(name):
             self.local_reads += 1
         else:
+            self.unchecked.discard(name)  # a damaged local copy: storage from now on
             self.remote_reads += 1
             self._fetch(name, ranges)
         self.ready.add(name)
@@ -346,6 +416,29 @@ class TieredReader(FileSystemReader):
     @property
     def remote_reads(self) -> int:
         return self.fs.remote_reads
+
+    @property
+    def remote_bytes(self) -> int:
+        return self.fs.remote_bytes
+
+
+def _block_runs(want: FileEntry, ranges: list[tuple[int, int]]) -> list[tuple[int, int]] | None:
+    """Runs ``(first, last)`` of the blocks of ``want`` that hold ``ranges``; None when the
+    entry has no block checksums or the blocks are over half the file (then one whole read
+    is as good)."""
+    if not want.blocks:
+        return None
+    size = want.block_bytes
+    needed = sorted({b for offset, length in ranges if length > 0
+                     for b in range(offset // size, (offset + length - 1) // size + 1)})
+    runs: list[tuple[int, int]] = []
+    for block in needed:
+        if runs and runs[-1][1] == block - 1:
+            runs[-1] = (runs[-1][0], block)
+        else:
+            runs.append((block, block))
+    nbytes = sum(min(want.size, (last + 1) * size) - first * size for first, last in runs)
+    return runs if runs and 2 * nbytes <= want.size else None
 
 
 def _reader_of(f: Any) -> Any:

@@ -1,12 +1,14 @@
 """Storage: any ``pyarrow.fs`` URI, parallel retried transfers, listing and deletion."""
 
 from ray_goodput.storage._checksum import (
+    BLOCK_BYTES,
     CHUNK_BYTES,
     CRC32,
     CRC32C,
     DEFAULT_ALGORITHM,
     REMOTE_READ_BYTES,
     checksum,
+    combine_checksums,
     copy_stream,
     file_crc32,
 )
@@ -27,6 +29,7 @@ from ray_goodput.storage._transfer import (
 from ray_goodput.storage._uri import StorageLocation, resolve
 
 __all__ = [
+    "BLOCK_BYTES",
     "CHUNK_BYTES",
     "CRC32",
     "CRC32C",
@@ -36,6 +39,7 @@ __all__ = [
     "RetryPolicy",
     "StorageLocation",
     "checksum",
+    "combine_checksums",
     "copy_stream",
     "delete_dir",
     "download_file",

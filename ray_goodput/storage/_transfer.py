@@ -16,6 +16,7 @@ from typing import TypeVar
 import pyarrow.fs as pafs
 
 from ray_goodput.errors import StorageError
+from ray_goodput.storage import _checksum
 from ray_goodput.storage._checksum import CHUNK_BYTES, CRC32, REMOTE_READ_BYTES, copy_stream, file_crc32
 from ray_goodput.storage._durable import fsync_dir, fsync_file
 from ray_goodput.storage._retry import RetryPolicy
@@ -33,31 +34,47 @@ class FileEntry:
     """A file of a checkpoint: path relative to its directory, size in bytes, checksum.
 
     ``crc32`` holds the checksum computed with ``algorithm`` (the field name predates
-    CRC32C; records without an algorithm are CRC32)."""
+    CRC32C; records without an algorithm are CRC32). ``blocks``: the checksum of each
+    ``block_bytes`` block (the last one shorter), so that a range can be checked without
+    reading the whole file; empty in records written before they existed."""
 
     name: str
     size: int
     crc32: int
     algorithm: str = CRC32
+    block_bytes: int = 0
+    blocks: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.blocks and (self.block_bytes < 1 or len(self.blocks) != -(-self.size // self.block_bytes)):
+            raise ValueError(f"{self.name}: {self.size} bytes in blocks of {self.block_bytes} need "
+                             f"{-(-self.size // max(1, self.block_bytes))} block checksums, got {len(self.blocks)}")
 
     def to_json(self) -> dict:
         out: dict = {"name": self.name, "size": self.size, "crc32": self.crc32}
         if self.algorithm != CRC32:
             out["checksum"] = self.algorithm
+        if self.blocks:
+            out["block_bytes"] = self.block_bytes
+            out["blocks"] = list(self.blocks)
         return out
 
     @staticmethod
     def from_json(d: dict, default_algorithm: str = CRC32) -> FileEntry:
         return FileEntry(name=str(d["name"]), size=int(d["size"]), crc32=int(d["crc32"]),
-                         algorithm=str(d.get("checksum", default_algorithm)))
+                         algorithm=str(d.get("checksum", default_algorithm)),
+                         block_bytes=int(d.get("block_bytes", 0)),
+                         blocks=tuple(int(b) for b in d.get("blocks", ())))
 
 
-def _copy_up(local: Path, fs: pafs.FileSystem, dest: str, algorithm: str) -> tuple[int, int]:
+def _copy_up(local: Path, fs: pafs.FileSystem, dest: str, algorithm: str,
+             blocks: list[int], block_bytes: int) -> tuple[int, int]:
+    blocks.clear()  # a retried copy starts over
     with open(local, "rb") as src, fs.open_output_stream(dest) as out:
-        return copy_stream(src, out, algorithm=algorithm)
+        return copy_stream(src, out, algorithm=algorithm, blocks=blocks, block_bytes=block_bytes)
 
 
-def _link_up(local: Path, dest: str, algorithm: str) -> tuple[int, int] | None:
+def _link_up(local: Path, dest: str, algorithm: str, blocks: list[int], block_bytes: int) -> tuple[int, int] | None:
     """Hard-link ``local`` as ``dest`` (same file system): the bytes are not written a
     second time. None when the file systems differ or links are not supported there."""
     tmp = f"{dest}.link-{os.getpid()}-{threading.get_ident()}"
@@ -68,7 +85,8 @@ def _link_up(local: Path, dest: str, algorithm: str) -> tuple[int, int] | None:
             return None
         raise
     try:
-        size, crc = file_crc32(tmp, algorithm)  # read back from the page cache
+        blocks.clear()
+        size, crc = file_crc32(tmp, algorithm, blocks=blocks, block_bytes=block_bytes)  # page cache
         os.replace(tmp, dest)
     finally:
         Path(tmp).unlink(missing_ok=True)
@@ -86,18 +104,22 @@ def upload_file(local: str | Path, loc: StorageLocation, name: str,
     ``local`` on the same file system, the upload is a hard link instead of a copy."""
     dest = loc.join(name)
     parent = posixpath.dirname(dest)
+    blocks: list[int] = []
+    block_bytes = _checksum.BLOCK_BYTES
 
     def _send() -> tuple[int, int]:
         if not loc.is_local:
-            return _copy_up(Path(local), loc.fs, dest, algorithm)
-        return _into_dir(loc, parent, lambda: (_link_up(Path(local), dest, algorithm) if link else None)
-                         or _copy_up(Path(local), loc.fs, dest, algorithm))
+            return _copy_up(Path(local), loc.fs, dest, algorithm, blocks, block_bytes)
+        return _into_dir(loc, parent, lambda: (_link_up(Path(local), dest, algorithm, blocks, block_bytes)
+                                               if link else None)
+                         or _copy_up(Path(local), loc.fs, dest, algorithm, blocks, block_bytes))
 
     size, crc = policy.call(f"upload of {local} to {loc.uri}/{name}", _send)
     if loc.is_local:
         fsync_file(dest)
         fsync_dir(parent)
-    return FileEntry(name=name, size=size, crc32=crc, algorithm=algorithm)
+    return FileEntry(name=name, size=size, crc32=crc, algorithm=algorithm, block_bytes=block_bytes,
+                     blocks=tuple(blocks))
 
 
 def upload_files(files: Sequence[tuple[str | Path, str]], loc: StorageLocation, *,
