@@ -4,11 +4,14 @@
 a head with no CPUs; a driver script (this file, run as ``__main__``) connects with
 ``ray.init(address=...)`` and fits a ``ray_goodput.TorchTrainer`` with two one-CPU workers,
 so the autoscaler has to launch two nodes (real raylets on this machine) before any worker
-runs. The job checkpoints with ``Checkpointer`` and reads a ``FileDataset`` through the
-``DataLoader``, which starts each node's uploader and cache actor. The test then checks
-that the training finished on autoscaled nodes only and that each of them got exactly one
+runs. The job checkpoints with ``Checkpointer`` to a custom S3 endpoint (moto's server,
+outside the run directory) and reads a ``FileDataset`` through the ``DataLoader``, which
+starts each node's uploader and cache actor. The test then checks that the training
+finished on autoscaled nodes only and that each of them got exactly one
 ``uploader:<node_id>`` and one ``cache:<node_id>`` actor, which found the staging and
-cache directories exported to ``ray start`` (as ``cluster.yaml`` exports them).
+cache directories exported to ``ray start`` (as ``cluster.yaml`` exports them); that the
+run's reported checkpoint is a pointer to the S3 checkpoint, endpoint included; and that
+each uploader exits on its own once its workers closed.
 
 Everything Ray runs in subprocesses, never in the pytest process, so the suite's shared
 Ray instances are not involved. Teardown ends the processes of this cluster only (tagged
@@ -32,6 +35,7 @@ import time
 import uuid
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -85,7 +89,7 @@ def _train(config: dict[str, Any]) -> None:
     optim = torch.optim.SGD(model.parameters(), lr=0.1)
     state = {"model": model, "optim": optim, "loader": loader}
     step = 0
-    with Checkpointer(keep_last=2) as ckpt:
+    with Checkpointer(config["uri"], keep_last=2) as ckpt:
         for epoch in range(EPOCHS):
             loader.set_epoch(epoch)
             for batch in loader:
@@ -105,12 +109,14 @@ def _alive_nodes() -> dict[str, float]:
     return {n["NodeID"]: n["Resources"].get("CPU", 0.0) for n in ray.nodes() if n["Alive"]}
 
 
-def _drive(address: str, data: str, work: Path) -> None:
+def _drive(address: str, data: str, work: Path, uri: str) -> None:
     import ray
     from ray.train import FailureConfig, RunConfig, ScalingConfig
 
     import ray_goodput
+    from ray_goodput.checkpoint._ray_report import POINTER_FILE
     from ray_goodput.data import cache_status
+    from ray_goodput.runtime import _services
 
     ray.init(address=address, logging_level="WARNING")
     head = ray.get_runtime_context().get_node_id()
@@ -118,14 +124,20 @@ def _drive(address: str, data: str, work: Path) -> None:
     print(f"head {head} ({before.get(head, 0):g} CPUs); nodes before fit: {len(before)}", flush=True)
     started = time.monotonic()
     trainer = ray_goodput.TorchTrainer(
-        _train, train_loop_config={"data": data, "out": str(work / "in_loop.json")},
+        _train, train_loop_config={"data": data, "out": str(work / "in_loop.json"), "uri": uri},
         scaling_config=ScalingConfig(num_workers=2, use_gpu=False, resources_per_worker={"CPU": 1}),
         run_config=RunConfig(name="fake", storage_path=str(work / "runs"),
                              failure_config=FailureConfig(max_failures=0, controller_failure_limit=1)))
     result = trainer.fit()
     fit_s = time.monotonic() - started
     seen = json.loads((work / "in_loop.json").read_text())
-    steps = [c.step for c in ray_goodput.list_checkpoints(str(work / "runs" / "fake")) if c.committed]
+    steps = [c.step for c in ray_goodput.list_checkpoints(uri) if c.committed]
+    with result.checkpoint.as_directory() as d:
+        pointer = json.loads((Path(d) / POINTER_FILE).read_text())["uri"]
+    deadline = time.monotonic() + 30  # an uploader exits ~2 s after its last client closed
+    while _services.find("uploader") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    uploaders_left = sorted(_services.find("uploader"))
     after = _alive_nodes()
     caches = {c["node_id"]: c.get("directory") for c in cache_status()}
     for rank, node in enumerate(seen["rank_nodes"]):
@@ -135,7 +147,7 @@ def _drive(address: str, data: str, work: Path) -> None:
           f"error {result.error!r}", flush=True)
     (work / "driver.json").write_text(json.dumps({
         "head": head, "before": before, "after": after, "fit_s": fit_s, "error": repr(result.error),
-        "committed": steps, "caches": caches, **seen}))
+        "committed": steps, "caches": caches, "pointer": pointer, "uploaders_left": uploaders_left, **seen}))
 
 
 # ---- the cluster -----------------------------------------------------------------------
@@ -210,9 +222,9 @@ class FakeCluster:
         print("RAY_FAKE_CLUSTER=1", " ".join(self.command))
         return done.stdout
 
-    def drive(self, data: Path) -> subprocess.CompletedProcess:
+    def drive(self, data: Path, uri: str) -> subprocess.CompletedProcess:
         command = [sys.executable, __file__, "--address", self.address, "--data", str(data),
-                   "--work", str(self.work)]
+                   "--work", str(self.work), "--uri", uri]
         try:
             return subprocess.run(command, env=self.env, cwd=REPO, capture_output=True, text=True,
                                   timeout=DRIVER_TIMEOUT_S)
@@ -248,8 +260,9 @@ def _write_files(root: Path) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.cluster
-def test_quickstart_runs_on_autoscaled_nodes_with_one_uploader_and_cache_each(fake_cluster):
-    run = fake_cluster.drive(_write_files(fake_cluster.work / "data"))
+def test_quickstart_runs_on_autoscaled_nodes_with_one_uploader_and_cache_each(fake_cluster, s3_server):
+    uri = s3_server.bucket_uri("fake")
+    run = fake_cluster.drive(_write_files(fake_cluster.work / "data"), uri)
     print(run.stdout)  # the driver's summary lines (shown with -s, or on failure)
     assert run.returncode == 0, f"driver failed:\n{run.stdout}\n{run.stderr[-6000:]}"
     out = json.loads((fake_cluster.work / "driver.json").read_text())
@@ -264,6 +277,11 @@ def test_quickstart_runs_on_autoscaled_nodes_with_one_uploader_and_cache_each(fa
     cache_dir = str(fake_cluster.work / "cache")
     assert out["caches"] == {n: cache_dir for n in nodes}, "the exported cache dir must reach the actor"
     assert any((fake_cluster.work / "staging").rglob("*")), "nothing was staged in the exported dir"
+    # The checkpoint on custom S3 storage, outside the run directory: Ray Train's result
+    # points to it (endpoint included) and each node's uploader exited once its workers closed.
+    assert urlsplit(out["pointer"]).path.endswith("fake/checkpoints/step-000000004"), out["pointer"]
+    assert "endpoint_override=" in out["pointer"]
+    assert out["uploaders_left"] == [], out["uploaders_left"]
 
 
 def _main() -> None:
@@ -271,8 +289,9 @@ def _main() -> None:
     parser.add_argument("--address", required=True)
     parser.add_argument("--data", required=True)
     parser.add_argument("--work", required=True, type=Path)
+    parser.add_argument("--uri", required=True)
     args = parser.parse_args()
-    _drive(args.address, args.data, args.work)
+    _drive(args.address, args.data, args.work, args.uri)
 
 
 if __name__ == "__main__":
