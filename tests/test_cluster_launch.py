@@ -131,7 +131,8 @@ def _drive(address: str, data: str, work: Path, uri: str) -> None:
     result = trainer.fit()
     fit_s = time.monotonic() - started
     seen = json.loads((work / "in_loop.json").read_text())
-    steps = [c.step for c in ray_goodput.list_checkpoints(uri) if c.committed]
+    committed = [(c.step, c.world_size) for c in ray_goodput.list_checkpoints(uri) if c.committed]
+    steps = [step for step, _ in committed]
     with result.checkpoint.as_directory() as d:
         pointer = json.loads((Path(d) / POINTER_FILE).read_text())["uri"]
     deadline = time.monotonic() + 30  # an uploader exits ~2 s after its last client closed
@@ -147,7 +148,7 @@ def _drive(address: str, data: str, work: Path, uri: str) -> None:
           f"error {result.error!r}", flush=True)
     (work / "driver.json").write_text(json.dumps({
         "head": head, "before": before, "after": after, "fit_s": fit_s, "error": repr(result.error),
-        "committed": steps, "caches": caches, "pointer": pointer, "uploaders_left": uploaders_left, **seen}))
+        "committed": steps, "world_sizes": [w for _, w in committed], "caches": caches, "pointer": pointer, "uploaders_left": uploaders_left, **seen}))
 
 
 # ---- the cluster -----------------------------------------------------------------------
@@ -267,7 +268,7 @@ def test_quickstart_runs_on_autoscaled_nodes_with_one_uploader_and_cache_each(fa
     assert run.returncode == 0, f"driver failed:\n{run.stdout}\n{run.stderr[-6000:]}"
     out = json.loads((fake_cluster.work / "driver.json").read_text())
     assert out["error"] == "None"
-    assert out["committed"] == [2, 4], out["committed"]
+    assert out["committed"] == [2, 4] and out["world_sizes"] == [2, 2], out
     head, nodes = out["head"], out["rank_nodes"]
     assert out["before"] == {head: 0.0}, "the cluster must start as a head without CPUs"
     assert len(set(nodes)) == 2 and head not in nodes, nodes  # one autoscaled node per worker

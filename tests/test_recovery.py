@@ -134,18 +134,37 @@ def _records(out: Path) -> list[dict]:
 
 
 def _loop(config: dict) -> None:
-    rec = _record(config["out"])
-    if rec["node"] == config.get("bad"):
-        raise RuntimeError("simulated GPU fault on this node")
+    _record(config["out"])
     if config.get("futile"):
         raise StateMismatchError("the model has 3 layers, the checkpoint 4: pass the right model")
 
 
-def _fit(tmp_path: Path, name: str, recovery: Recovery | None, max_failures: int, **config):
+def _dies_on_bad_node_loop(config: dict) -> None:
+    """Attempt 1 saves steps 1-3 (committed) and every attempt on the bad node loses a
+    worker to SIGKILL: a node whose workers always die."""
+    from ray_goodput import Checkpointer
+    from ray_goodput.testing import kill_self
+
+    model = torch.nn.Linear(4, 4)
+    state = {"model": model}
+    with Checkpointer(keep_last=5) as ckpt:
+        restored = ckpt.restore(state)
+        rec = _record(config["out"], restored=restored)
+        if restored is None:
+            for step in (1, 2, 3):
+                ckpt.save(step, state)
+            ckpt.wait()
+        if rec["node"] == config["bad"]:
+            if rec["rank"] == 1:
+                kill_self()
+            time.sleep(60)  # bounded: the controller tears this rank down once rank 1 is gone
+
+
+def _fit(tmp_path: Path, name: str, recovery: Recovery | None, max_failures: int, loop=_loop, **config):
     out = tmp_path / name
     out.mkdir()
     trainer = TorchTrainer(
-        _loop, train_loop_config={"out": str(out), **config}, recovery=recovery,
+        loop, train_loop_config={"out": str(out), **config}, recovery=recovery,
         scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1}),
         run_config=RunConfig(name=name, storage_path=str(tmp_path / "runs"),
                              failure_config=FailureConfig(max_failures=max_failures,
@@ -175,7 +194,12 @@ def _unblock_when_isolated(root: Path, node: str, blockers: list, seen: list) ->
 
 @pytest.mark.cluster
 @pytest.mark.slow
-def test_node_whose_workers_always_fail_is_isolated_and_run_completes_elsewhere(cluster, tmp_path):
+def test_node_whose_workers_always_die_is_isolated_and_every_rank_restores_the_step_the_driver_chose(
+        cluster, tmp_path):
+    """Two behaviours, one run (each restart costs ~10 s here): X, where a worker is
+    SIGKILLed in every attempt, is isolated after two and the run completes on Y and Z; and
+    after each SIGKILL every rank restores the step the driver chose (3, committed by
+    attempt 1), on X and then on other nodes."""
     # Y and Z are busy until X is isolated: Ray's placement has no choice but X until then,
     # whatever the timing of resource release between attempts.
     blockers = [_Blocker.options(scheduling_strategy=NodeAffinitySchedulingStrategy(cluster[n], soft=False)).remote()
@@ -185,7 +209,8 @@ def test_node_whose_workers_always_fail_is_isolated_and_run_completes_elsewhere(
     watcher = threading.Thread(target=_unblock_when_isolated, daemon=True,
                                args=(tmp_path / "runs" / "isolate", cluster["x"], blockers, seen))
     watcher.start()
-    trainer, out = _fit(tmp_path, "isolate", Recovery(max_failures_per_node=2), 4, bad=cluster["x"])
+    trainer, out = _fit(tmp_path, "isolate", Recovery(max_failures_per_node=2), 4,
+                        loop=_dies_on_bad_node_loop, bad=cluster["x"])
     trainer.fit()
     watcher.join(timeout=5)
     assert seen, "node X was never isolated"
@@ -195,7 +220,15 @@ def test_node_whose_workers_always_fail_is_isolated_and_run_completes_elsewhere(
     assert on_x == [1, 2], recs  # Ray's placement picked X until X was isolated
     assert {r["node"] for r in recs if r["attempt"] == last} == {cluster["y"], cluster["z"]}
     assert trainer.recovery.isolated_nodes == [cluster["x"]]
-    assert load_state(str(tmp_path / "runs" / "isolate"))["attempts"][-1]["excluded_nodes"] == [cluster["x"]]
+    state = load_state(str(tmp_path / "runs" / "isolate"))
+    assert state["attempts"][-1]["excluded_nodes"] == [cluster["x"]]
+    # After each SIGKILL, every rank restored the step the driver chose.
+    assert all(r["restored"] is None and r["step"] is None for r in recs if r["attempt"] == 1), recs
+    for attempt in range(2, last + 1):
+        ranks = [r for r in recs if r["attempt"] == attempt]
+        assert [r["rank"] for r in ranks] == [0, 1], recs
+        assert all(r["step"] == 3 and r["restored"] == 3 for r in ranks), ranks
+        assert state["attempts"][attempt - 1]["resume_step"] == 3, state["attempts"]
 
 
 @pytest.mark.cluster
@@ -220,40 +253,3 @@ def test_failing_health_check_keeps_workers_off_x_and_a_not_retryable_error_ther
     assert isinstance(info.value.controller_failure, StateMismatchError)
     assert {r["attempt"] for r in recs} == {1}
     assert trainer.recovery.stopped["error"].startswith("StateMismatchError")
-
-
-def _ckpt_loop(config: dict) -> None:
-    import ray.train
-
-    from ray_goodput import Checkpointer
-    from ray_goodput.testing import kill_self
-
-    model = torch.nn.Linear(4, 4)
-    state = {"model": model}
-    with Checkpointer(keep_last=5) as ckpt:
-        restored = ckpt.restore(state)
-        rec = _record(config["out"], restored=restored)
-        if restored is None:
-            for step in (1, 2, 3):
-                ckpt.save(step, state)
-            ckpt.wait()
-            if rec["rank"] == 1:
-                kill_self()
-            time.sleep(60)  # bounded: the controller tears this rank down once rank 1 is gone
-
-
-@pytest.mark.cluster
-@pytest.mark.slow
-def test_after_sigkill_every_rank_restores_the_step_the_driver_chose(cluster, tmp_path):
-    out = tmp_path / "kill"
-    out.mkdir()
-    trainer = TorchTrainer(
-        _ckpt_loop, train_loop_config={"out": str(out)},
-        scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1}),
-        run_config=RunConfig(name="kill", storage_path=str(tmp_path / "runs"),
-                             failure_config=FailureConfig(max_failures=2, controller_failure_limit=3)))
-    trainer.fit()
-    second = [r for r in _records(out) if r["attempt"] == 2]
-    assert [r["rank"] for r in second] == [0, 1]
-    assert all(r["step"] == 3 and r["restored"] == 3 for r in second), second
-    assert load_state(str(tmp_path / "runs" / "kill"))["attempts"][1]["resume_step"] == 3

@@ -12,11 +12,12 @@ A file from storage of which this rank needs only some ranges (another rank's da
 for the few replicated records its owner wrote) is read only in the blocks of its
 manifest entry that hold them, each block checked against its own checksum: a rank reads
 O(its own shard), not every file of the checkpoint. Any other file that comes from
-storage is read whole, in one request, checked in memory, and DCP reads it from that buffer (up to ``hold_bytes`` per rank; beyond that files are
-downloaded to the staging directory, then read from there); it is written to the
-node-local copy in the background once the load is over, off the restore's path. A
-node-local file is checked in a streamed pass, then read (from the page cache): whole
-tensors straight into the live ones (``_direct_read``), the rest by DCP."""
+storage is read whole, in one request, checked in memory, and DCP reads it from that
+buffer (up to ``hold_bytes`` per rank; beyond that files are downloaded to the staging
+directory, then read from there); it is written to the node-local copy in the background
+once the load is over, off the restore's path. A node-local file is checked in a
+streamed pass (another rank's: only the blocks this rank reads), then read (from the
+page cache): whole tensors straight into the live ones (``_direct_read``), the rest by DCP."""
 
 from __future__ import annotations
 
