@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import os
+from typing import Any
 
 import pytest
 import torch
@@ -172,20 +173,37 @@ def _full(state: dict) -> dict:
     return {"model": msd, "optim": osd["state"]}
 
 
+def _save_fsdp(world: int, root: str, staging: str) -> tuple[dict, Any]:
+    """Save the seed-0 FSDP2 state at step 1; returns its full state and the step directory."""
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from ray_goodput.checkpoint import _layout
+
+    saved = _fsdp_state(world, 0)
+    with Checkpointer(root, staging_dir=f"{staging}/saved", uploader="thread") as ckpt:
+        ckpt.save(1, saved)
+    dist.barrier()
+    return _full(saved), Path(root) / "checkpoints" / _layout.step_dir(1)
+
+
+def _equal_full(state: dict, expected: dict) -> bool:
+    got = _full(state)
+    same = all(torch.equal(got["model"][k], v) for k, v in expected["model"].items())
+    return same and all(torch.equal(got["optim"][k][s], v)
+                        for k, d in expected["optim"].items() for s, v in d.items())
+
+
 def _restore_from_parts(rank: int, world: int, root: str, staging: str, damage: str | None) -> dict:
     from pathlib import Path
 
     import torch.distributed as dist
 
-    from ray_goodput.checkpoint import _layout, _tiered_reader
+    from ray_goodput.checkpoint import _tiered_reader
     from ray_goodput.checkpoint._tiered_reader import wait_for_node_local_copies
 
-    saved = _fsdp_state(world, 0)
-    with Checkpointer(root, staging_dir=f"{staging}/saved", uploader="thread") as ckpt:
-        ckpt.save(1, saved)
-    expected = _full(saved)
-    dist.barrier()
-    step_dir = Path(root) / "checkpoints" / _layout.step_dir(1)
+    expected, step_dir = _save_fsdp(world, root, staging)
     mine = next(p.name for p in step_dir.iterdir() if p.name.startswith(f"__{rank}_"))
     other = next(p.name for p in step_dir.iterdir() if p.name.startswith(f"__{1 - rank}_"))
     if damage is not None and rank == 0:  # one byte of rank 1's file that nobody loads
@@ -201,10 +219,8 @@ def _restore_from_parts(rank: int, world: int, root: str, staging: str, damage: 
         restored = ckpt.restore(fresh)
     assert wait_for_node_local_copies(30)
     kept = {p.name for p in cold.rglob("*.distcp")}
-    got = _full(fresh)
-    same = all(torch.equal(got["model"][k], v) for k, v in expected["model"].items())
-    same &= all(torch.equal(got["optim"][k][s], v) for k, d in expected["optim"].items() for s, v in d.items())
-    return {"restored": restored, "same": same, "kept_mine": mine in kept, "kept_other": other in kept}
+    return {"restored": restored, "same": _equal_full(fresh, expected), "kept_mine": mine in kept,
+            "kept_other": other in kept}
 
 
 def test_another_ranks_file_is_checked_whole_but_only_its_needed_ranges_are_kept(tmp_path):
@@ -229,20 +245,11 @@ def test_a_damaged_byte_outside_the_needed_ranges_still_rejects_the_checkpoint(t
 
 
 def _restore_reading_blocks(rank: int, world: int, root: str, staging: str) -> dict:
-    from pathlib import Path
-
-    import torch.distributed as dist
-
     from ray_goodput.checkpoint import _layout
     from ray_goodput.storage import _checksum
 
     _checksum.BLOCK_BYTES = 16 << 10  # this test's files are small; the rule is the same
-    saved = _fsdp_state(world, 0)
-    with Checkpointer(root, staging_dir=f"{staging}/saved", uploader="thread") as ckpt:
-        ckpt.save(1, saved)
-    expected = _full(saved)
-    dist.barrier()
-    step_dir = Path(root) / "checkpoints" / _layout.step_dir(1)
+    expected, step_dir = _save_fsdp(world, root, staging)
     sizes = {p.name: p.stat().st_size for p in step_dir.iterdir()}
     mine = next(n for n in sizes if n.startswith(f"__{rank}_"))
     other = next(n for n in sizes if n.startswith(f"__{1 - rank}_"))
@@ -250,10 +257,7 @@ def _restore_reading_blocks(rank: int, world: int, root: str, staging: str) -> d
     with Checkpointer(root, staging_dir=f"{staging}/cold-{rank}", uploader="thread") as ckpt:
         restored = ckpt.restore(fresh)
         read = ckpt.last_restore.remote_bytes
-    got = _full(fresh)
-    same = all(torch.equal(got["model"][k], v) for k, v in expected["model"].items())
-    same &= all(torch.equal(got["optim"][k][s], v) for k, d in expected["optim"].items() for s, v in d.items())
-    return {"restored": restored, "same": same, "read": read, "mine": sizes[mine],
+    return {"restored": restored, "same": _equal_full(fresh, expected), "read": read, "mine": sizes[mine],
             "other": sizes[other], "metadata": sizes[_layout.DCP_METADATA]}
 
 
