@@ -333,3 +333,44 @@ def test_another_ranks_node_local_file_is_checked_only_in_the_needed_blocks(tmp_
     assert (damaged.local_reads, damaged.remote_reads, damaged.remote_bytes) == (0, 1, 4096)
     assert bytes(damaged.sparse["f.distcp"].read_at(5 * 4096 + 100, 10)) == \
         (store / "f.distcp").read_bytes()[5 * 4096 + 100:5 * 4096 + 110]
+
+
+def test_a_file_cut_short_inside_a_needed_block_is_a_damaged_checkpoint_not_a_read_error(tmp_path):
+    """Found in review: a ranged read past the end of a truncated file raised pyarrow's
+    ArrowIndexError (or, on S3, a retried IOError), which restore took for a failure of
+    its own instead of a damaged checkpoint to fall back from."""
+    from ray_goodput.checkpoint._tiered_reader import _TieredFs
+    from ray_goodput.errors import CheckpointCorruptError
+    from ray_goodput.storage import RetryPolicy, resolve
+
+    store = tmp_path / "store"
+    store.mkdir()
+    data = os.urandom(10 * 4096)
+    (store / "f.distcp").write_bytes(data)
+    entry = _entry_with_blocks(store / "f.distcp", 4096)
+    (store / "f.distcp").write_bytes(data[:8 * 4096 + 100])  # cut inside block 8
+    for ranges in ([(8 * 4096, 200)], [(9 * 4096 + 1, 10)]):  # into block 8; wholly past the end
+        fs = _TieredFs(resolve(str(store)), tmp_path / "local", set(), {"f.distcp": entry},
+                       RetryPolicy(attempts=1))
+        with pytest.raises(CheckpointCorruptError, match="bytes"):
+            fs.prepare("f.distcp", ranges)
+
+
+def test_block_reads_count_against_the_hold_budget_and_give_it_back(tmp_path):
+    """Found in review: the blocks kept for DCP were not charged to ``hold_bytes``, so a
+    reshard of large shards could hold far more than the budget in memory."""
+    from ray_goodput.checkpoint._tiered_reader import _TieredFs
+    from ray_goodput.storage import RetryPolicy, resolve
+
+    store = tmp_path / "store"
+    store.mkdir()
+    (store / "f.distcp").write_bytes(os.urandom(10 * 4096))
+    entry = _entry_with_blocks(store / "f.distcp", 4096)
+    fs = _TieredFs(resolve(str(store)), tmp_path / "local", set(), {"f.distcp": entry}, RetryPolicy(),
+                   hold_bytes=3 * 4096)
+    fs.prepare("f.distcp", [(0, 10), (2 * 4096, 10)])  # blocks 0 and 2: within the budget
+    assert fs.hold_left == 4096 and "f.distcp" in fs.sparse
+    fs.release()
+    assert fs.hold_left == 3 * 4096
+    fs.prepare("f.distcp", [(0, 10), (2 * 4096, 10), (4 * 4096, 10), (6 * 4096, 10)])  # over it
+    assert fs.hold_left == 3 * 4096 and "f.distcp" not in fs.sparse  # another path took it

@@ -114,7 +114,7 @@ def _fit(config, workers, name, storage, on_trigger=None):
     if on_trigger is None:
         return trainer.fit()
     box: dict = {}
-    thread = threading.Thread(target=lambda: box.update(result=trainer.fit()))
+    thread = threading.Thread(target=lambda: box.update(result=trainer.fit()), daemon=True)
     thread.start()
     trigger = wait_for_file(Path(config["out"]) / "trigger", timeout_s=PULL_TIMEOUT_S,
                             what=f"rank 1 to reach step {NODE_LOSS_STEP} (or the run died: {box})")
@@ -177,9 +177,11 @@ def _run_with_failures(ray_cluster, s3_server, data: Path, out: Path, storage: s
               "faults": faults, "node_loss": True}
 
     def pull(node_id: str) -> None:
-        ray_cluster.remove(node_id)  # kills its worker and its uploader mid-upload
-        _refresh_trains_view_without(node_id)
-        proxy.release()
+        try:
+            ray_cluster.remove(node_id)  # kills its worker and its uploader mid-upload
+            _refresh_trains_view_without(node_id)
+        finally:
+            proxy.release()  # else a failed refresh would leave the run held for ever
 
     proxy.stall(f"/{step_dir(NODE_LOSS_STEP)}/", methods=("PUT", "POST"))
     try:

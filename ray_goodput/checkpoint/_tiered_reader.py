@@ -103,6 +103,7 @@ class _TieredFs(FileSystemBase):
         self.local_reads = 0
         self.remote_reads = 0
         self.remote_bytes = 0  # read from storage
+        self.block_bytes_held = 0  # of the blocks kept in ``sparse``, charged to hold_left
         self.checked_blocks: dict[str, set[int]] = {}  # of node-local files checked by block
         self.partly_checked: set[str] = set()  # ready for this load's ranges only
 
@@ -123,7 +124,8 @@ class _TieredFs(FileSystemBase):
         self.ready.difference_update(self.sparse)
         self.ready.difference_update(self.partly_checked)
         self.partly_checked.clear()
-        self.hold_left += sum(len(data) for data in self.held.values())
+        self.hold_left += sum(len(data) for data in self.held.values()) + self.block_bytes_held
+        self.block_bytes_held = 0
         self.held.clear()
         self.sparse.clear()
         if keep:
@@ -178,7 +180,7 @@ class _TieredFs(FileSystemBase):
     def _fetch(self, name: str, ranges: list[tuple[int, int]] | None) -> None:
         want = self.entries.get(name)
         runs = _block_runs(want, ranges) if want is not None and ranges is not None else None
-        if runs is not None:
+        if runs is not None and _runs_bytes(want, runs) <= self.hold_left:
             self._fetch_blocks(name, runs, want)
             return
         if want is not None and ranges is not None and want.size >= SPARSE_MIN_BYTES \
@@ -225,24 +227,31 @@ class _TieredFs(FileSystemBase):
         that owns the file keeps its own there)."""
         size = want.block_bytes
 
-        def read() -> list[tuple[int, bytes]]:
+        def read() -> tuple[int, list[tuple[int, bytes]]]:
             with self.remote.fs.open_input_file(self.remote.join(name)) as inp:
-                return [(first * size, inp.read_at(min(want.size, (last + 1) * size) - first * size, first * size))
-                        for first, last in runs]
+                actual = inp.size()
+                if actual != want.size:  # cut short or grown: no ranged read past its end
+                    return actual, []
+                return actual, [(first * size, inp.read_at(min(want.size, (last + 1) * size) - first * size,
+                                                           first * size)) for first, last in runs]
 
-        got = self.policy.call(f"read of blocks of {self.remote.uri}/{name}", read)
+        actual, got = self.policy.call(f"read of blocks of {self.remote.uri}/{name}", read)
+        if actual != want.size:
+            raise CheckpointCorruptError(f"{self.remote.uri}/{name}: {actual} bytes, manifest says {want.size} bytes")
         for (start, data), (first, last) in zip(got, runs):
             self.remote_bytes += len(data)
             view = pa.py_buffer(data)  # slices without copies, which google-crc32c takes
             for block in range(first, last + 1):
-                at = (block - first) * size
-                piece = view.slice(at, min(size, want.size - block * size))
+                at, expected = (block - first) * size, min(size, want.size - block * size)
+                piece = view.slice(at, expected) if at + expected <= len(data) else view.slice(min(at, len(data)))
                 crc = checksum(piece, want.algorithm)
-                if len(piece) != min(size, want.size - block * size) or crc != want.blocks[block]:
+                if len(piece) != expected or crc != want.blocks[block]:
                     raise CheckpointCorruptError(
-                        f"{self.remote.uri}/{name}: block {block} ({len(piece)} bytes at {block * size}) has "
-                        f"{want.algorithm}={crc:#x}, manifest says {want.blocks[block]:#x}")
+                        f"{self.remote.uri}/{name}: block {block} ({len(piece)} of {expected} bytes at "
+                        f"{block * size}) has {want.algorithm}={crc:#x}, manifest says {want.blocks[block]:#x}")
         self.sparse[name] = _sparse.Capture.of(got)
+        self.hold_left -= sum(len(data) for _, data in got)
+        self.block_bytes_held += sum(len(data) for _, data in got)
 
     def _keep_local(self, files: list[tuple[str, bytes]]) -> None:
         """Write fetched (checked) files into the node-local copy, for the next restore."""
@@ -438,8 +447,11 @@ def _block_runs(want: FileEntry, ranges: list[tuple[int, int]]) -> list[tuple[in
             runs[-1] = (runs[-1][0], block)
         else:
             runs.append((block, block))
-    nbytes = sum(min(want.size, (last + 1) * size) - first * size for first, last in runs)
-    return runs if runs and 2 * nbytes <= want.size else None
+    return runs if runs and 2 * _runs_bytes(want, runs) <= want.size else None
+
+
+def _runs_bytes(want: FileEntry, runs: list[tuple[int, int]]) -> int:
+    return sum(min(want.size, (last + 1) * want.block_bytes) - first * want.block_bytes for first, last in runs)
 
 
 def _reader_of(f: Any) -> Any:

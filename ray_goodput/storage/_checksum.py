@@ -103,6 +103,8 @@ def combine_checksums(first: int, second: int, second_bytes: int, algorithm: str
     ``second_bytes`` long), without the bytes (as zlib's ``crc32_combine``)."""
     if algorithm not in _POLYNOMIAL:
         _extender(algorithm)  # the error that names the known ones
+    if second_bytes < 0:
+        raise ValueError(f"second_bytes must be >= 0, got {second_bytes}")
     if second_bytes == 0:
         return first
     return _gf2_times(_append_zeros(_POLYNOMIAL[algorithm], second_bytes), first) ^ second

@@ -118,8 +118,8 @@ def upload_file(local: str | Path, loc: StorageLocation, name: str,
     if loc.is_local:
         fsync_file(dest)
         fsync_dir(parent)
-    return FileEntry(name=name, size=size, crc32=crc, algorithm=algorithm, block_bytes=block_bytes,
-                     blocks=tuple(blocks))
+    return FileEntry(name=name, size=size, crc32=crc, algorithm=algorithm,
+                     block_bytes=block_bytes if blocks else 0, blocks=tuple(blocks))
 
 
 def upload_files(files: Sequence[tuple[str | Path, str]], loc: StorageLocation, *,
