@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-import mlflow
 import ray
 import ray.train
 import torch
@@ -103,6 +102,8 @@ def train_loop(config: dict[str, Any]) -> None:
 def _ensure_experiment(tracking_uri: str, root: Path) -> None:
     """Create the MLflow experiment with its artifacts under ``root`` (else MLflow puts
     them in ``./mlruns`` of whichever process creates the experiment)."""
+    import mlflow  # here, not at the top: every training worker imports this module
+
     client = mlflow.MlflowClient(tracking_uri=tracking_uri)
     location = (root / "mlartifacts").as_uri()
     exp = client.get_experiment_by_name(EXPERIMENT)
@@ -114,6 +115,8 @@ def _ensure_experiment(tracking_uri: str, root: Path) -> None:
 
 def _chart_path(tracking_uri: str, name: str) -> str | None:
     """Local path of the run's goodput chart, when its artifact store is a directory."""
+    import mlflow
+
     client = mlflow.MlflowClient(tracking_uri=tracking_uri)
     exp = client.get_experiment_by_name(EXPERIMENT)
     runs = client.search_runs([exp.experiment_id], filter_string=f"tags.mlflow.runName = '{name}'") if exp else []
