@@ -238,7 +238,7 @@ class _TieredFs(FileSystemBase):
         actual, got = self.policy.call(f"read of blocks of {self.remote.uri}/{name}", read)
         if actual != want.size:
             raise CheckpointCorruptError(f"{self.remote.uri}/{name}: {actual} bytes, manifest says {want.size} bytes")
-        for (start, data), (first, last) in zip(got, runs):
+        for (_, data), (first, last) in zip(got, runs):
             self.remote_bytes += len(data)
             view = pa.py_buffer(data)  # slices without copies, which google-crc32c takes
             for block in range(first, last + 1):
