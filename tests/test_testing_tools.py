@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
+
 from ray_goodput.testing import run_world
-from tests import _env_at_import
+from tests import _env_at_import, _fails_at_import
 
 
 def test_a_rank_imports_its_functions_module_with_the_callers_environment(monkeypatch):
@@ -12,3 +14,14 @@ def test_a_rank_imports_its_functions_module_with_the_callers_environment(monkey
     run_world(_env_at_import.nothing, 1)
     monkeypatch.setenv("RAY_GOODPUT_TEST_MARKER", "set-by-the-caller")
     assert run_world(_env_at_import.seen_at_import, 2) == ["set-by-the-caller"] * 2
+
+
+def test_a_rank_that_dies_before_the_rendezvous_ends_the_run_at_once_naming_it(monkeypatch):
+    # Its peer would wait in the rendezvous (30 min by default): run_world sees the early
+    # exit and ends the run with the dead rank's error, well before its own timeout.
+    monkeypatch.setenv("RAY_GOODPUT_TEST_FAIL_IMPORT_RANK", "1")
+    with pytest.raises(RuntimeError, match=r"rank 1 .*before it joined") as err:
+        run_world(_fails_at_import.barrier, 2, timeout_s=60)
+    assert "cannot import" in str(err.value)  # its traceback comes along
+    monkeypatch.setenv("RAY_GOODPUT_TEST_FAIL_IMPORT_RANK", "none")
+    assert run_world(_fails_at_import.barrier, 2) == [0, 1]

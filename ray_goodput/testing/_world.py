@@ -5,14 +5,16 @@ from __future__ import annotations
 import multiprocessing
 import os
 import pickle
+import time
 import traceback
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ray_goodput.testing._net import free_port
+_HOST = "127.0.0.1"
 
 # Ranks fork from a server that imported these once (about 3 s per process on 2 cores
 # when each rank imports them itself, as spawn does). Only third-party modules that read
@@ -24,23 +26,35 @@ _PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "torch.distributed.ch
 
 
 def _entry(rank: int, payload: bytes, world_size: int, port: int, results: Any,
-           environ: dict[str, str]) -> None:
+           environ: dict[str, str], timeout_s: float) -> None:
     # A forked rank inherits the server's environment from when it started: use the
     # caller's as of this call, as a spawned process would. The function and its arguments
     # arrive pickled and are unpickled only now: unpickling imports their modules, and a
     # module may read the environment at import (``import ray`` reads RAY_AUTH_MODE).
     os.environ.clear()
     os.environ.update(environ)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+    os.environ.update(MASTER_ADDR=_HOST, MASTER_PORT=str(port),
                       RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
-    fn, args = pickle.loads(payload)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    timeout = timedelta(seconds=timeout_s)
+    try:
+        fn, args = pickle.loads(payload)
+        store = dist.TCPStore(_HOST, port, is_master=False, timeout=timeout)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
+    except BaseException:  # noqa: BLE001 - shipped back to the parent
+        results[rank] = ("startup", traceback.format_exc())
+        raise
+    results[rank] = ("running", None)
     try:
         results[rank] = ("ok", fn(rank, world_size, *args))
     except BaseException:  # noqa: BLE001 - shipped back to the parent
         results[rank] = ("error", traceback.format_exc())
     finally:
         dist.destroy_process_group()
+
+
+def _state(rank: int, proc: Any, results: Any) -> str:
+    status, _ = results.get(rank, ("starting", None))
+    return f"rank {rank}: {status}" + ("" if proc.is_alive() else f", exit code {proc.exitcode}")
 
 
 def run_world(fn: Callable[..., Any], world_size: int, *args: Any,
@@ -51,24 +65,52 @@ def run_world(fn: Callable[..., Any], world_size: int, *args: Any,
     with the child's traceback when one fails. With ``allow_deaths`` a rank that was
     killed (e.g. by a fault injector) yields None instead of an error.
     """
-    port = free_port()
+    # The rendezvous store lives here, on a port the OS bound for it: no port is picked
+    # first and bound later by rank 0 (another process can take it in between, and then
+    # rank 0 fails while its peers retry connecting for the whole store timeout).
+    store = dist.TCPStore(_HOST, 0, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=timeout_s))
     multiprocessing.set_forkserver_preload(_PRELOAD)  # read when the server first starts
     with mp.Manager() as manager:
         results = manager.dict()
         payload = pickle.dumps((fn, args))
-        ctx = mp.start_processes(_entry, args=(payload, world_size, port, results, dict(os.environ)),
+        ctx = mp.start_processes(_entry, args=(payload, world_size, store.port, results, dict(os.environ),
+                                               timeout_s),
                                  nprocs=world_size, join=False, start_method="forkserver")
-        for proc in ctx.processes:
-            proc.join(timeout_s)
-        alive = [p for p in ctx.processes if p.is_alive()]
-        for p in alive:
-            p.kill()
-        if alive:
-            raise TimeoutError(f"{len(alive)} rank(s) still running after {timeout_s}s")
+        procs = ctx.processes
+        try:
+            _watch(procs, results, timeout_s, allow_deaths)
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                    p.join(5)
         out = []
-        for rank, proc in enumerate(ctx.processes):
+        for rank, proc in enumerate(procs):
             status, value = results.get(rank, ("died", f"exit code {proc.exitcode}"))
-            if status == "error" or (status == "died" and not allow_deaths):
+            if status == "error" or (status != "ok" and not allow_deaths):
                 raise RuntimeError(f"rank {rank} failed:\n{value}")
             out.append(value if status == "ok" else None)
         return out
+
+
+def _watch(procs: list[Any], results: Any, timeout_s: float, allow_deaths: bool) -> None:
+    """Until every rank has exited. Raises at once when a rank dies before it joined the
+    process group (its peers would wait for it) or, without ``allow_deaths``, when one
+    fails (its peers would wait in their next collective); raises after ``timeout_s``
+    naming each rank's state."""
+    deadline = time.monotonic() + timeout_s
+    while any(p.is_alive() for p in procs):
+        for rank, proc in enumerate(procs):
+            if proc.is_alive():
+                continue
+            status, value = results.get(rank, ("starting", None))
+            if status in ("starting", "startup"):
+                detail = value or f"exit code {proc.exitcode}"
+                raise RuntimeError(f"rank {rank} exited before it joined the process group:\n{detail}")
+            if not allow_deaths and status != "ok":
+                raise RuntimeError(f"rank {rank} failed:\n{value or f'exit code {proc.exitcode}'}")
+        if time.monotonic() > deadline:
+            states = "; ".join(_state(r, p, results) for r, p in enumerate(procs))
+            raise TimeoutError(f"ranks still running after {timeout_s}s ({states})")
+        time.sleep(0.05)
