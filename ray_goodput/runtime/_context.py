@@ -13,8 +13,6 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-import torch.distributed as dist
-
 from ray_goodput._lazy import imported
 from ray_goodput.errors import ConfigError
 from ray_goodput.storage import StorageLocation, resolve
@@ -104,6 +102,7 @@ def _detect() -> WorkerContext:
     if ctx is not None:
         return WorkerContext(rank=ctx.get_world_rank(), world_size=ctx.get_world_size(),
                              node_id=node_id, in_ray_train=True, run_storage=ctx.get_storage())
-    if dist.is_available() and dist.is_initialized():
+    dist = imported("torch.distributed")  # a process group needs it imported: no import here
+    if dist is not None and dist.is_available() and dist.is_initialized():
         return WorkerContext(rank=dist.get_rank(), world_size=dist.get_world_size(), node_id=node_id)
     return WorkerContext(rank=0, world_size=1, node_id=node_id)
