@@ -21,6 +21,11 @@ Fixtures:
   back). Every test starts with both worker nodes; a test that pulls one calls
   ``top_up()`` itself if it needs the nodes again.
 
+``early(start)`` (marker): the test's long-running subprocess is started by ``start(dir)``
+when collection ends, and the test, which gets ``(process, dir)`` from the ``early``
+fixture, runs after the quick tests that need no Ray and before the slow ones: a process
+that leaves a core idle (the CI soak) runs beside the quick tests instead of after them.
+
 Each Ray kind starts once per session: tests are ordered (no Ray, then ``ray_local``,
 then ``ray_cluster``, then tests marked ``ray``/``cluster`` that start their own Ray,
 each group in collection order), and switching kind shuts the other down. A test that
@@ -32,6 +37,9 @@ per-node uploader and cache actors) are ended after each module that used a shar
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+import tempfile
 import uuid
 from pathlib import Path
 
@@ -49,6 +57,7 @@ os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
 ROOT = str(Path(__file__).resolve().parents[1])
 _ORDER = {"none": 0, "local": 1, "cluster": 2, "own": 3}
 _shared = None  # the SharedRay, made on first use so that tests without Ray never import it
+_early: dict[str, tuple[subprocess.Popen, Path]] = {}  # nodeid -> started process, its directory
 
 
 class S3Server:
@@ -116,7 +125,38 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.cluster)
         if kind != "none" and not item.get_closest_marker("ray"):
             item.add_marker(pytest.mark.ray)
-    items.sort(key=lambda it: _ORDER[_kind(it)])
+    items.sort(key=lambda it: (_ORDER[_kind(it)], _slot(it)))
+
+
+def _slot(item: pytest.Item) -> int:
+    """Within the tests that need no Ray: the quick ones, then the ``early`` ones (their
+    subprocesses ran beside the quick ones), then the other slow ones (which would compete
+    with them for the cores). Tests that share a Ray keep their order: their module
+    fixtures must not be split."""
+    if item.get_closest_marker("early"):
+        return 1
+    return 2 if _kind(item) == "none" and item.get_closest_marker("slow") else 0
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start the subprocess of every selected ``early`` test (see the module docstring)."""
+    if session.config.option.collectonly:
+        return
+    for item in session.items:
+        marker = item.get_closest_marker("early")
+        if marker is not None:
+            directory = Path(tempfile.mkdtemp(prefix="ray_goodput-early-"))
+            _early[item.nodeid] = (marker.args[0](directory), directory)
+
+
+@pytest.fixture
+def early(request):
+    """``(process, directory)`` of this test's ``early`` subprocess (started now when the
+    collection did not start it)."""
+    if request.node.nodeid not in _early:
+        directory = Path(tempfile.mkdtemp(prefix="ray_goodput-early-"))
+        _early[request.node.nodeid] = (request.node.get_closest_marker("early").args[0](directory), directory)
+    return _early[request.node.nodeid]
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -133,6 +173,11 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
+    for proc, directory in _early.values():
+        if proc.poll() is None:  # its test did not run (stopped early)
+            proc.kill()
+            proc.wait()
+        shutil.rmtree(directory, ignore_errors=True)
     if _shared is not None:
         _shared.stop()
 
