@@ -115,16 +115,22 @@ def _kind(item: pytest.Item) -> str:
     return "none"
 
 
-@pytest.hookimpl(trylast=True)
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Mark users of the shared fixtures; group tests by the Ray they need (stable sort:
-    after pytest's own fixture-driven order, which it keeps within each group)."""
+@pytest.hookimpl(tryfirst=True, specname="pytest_collection_modifyitems")
+def pytest_mark_ray_users(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark users of the shared fixtures, before ``-m`` selects by marker (a hook's name
+    must start with ``pytest_``; ``specname`` says which hook it is)."""
     for item in items:
         kind = _kind(item)
         if kind == "cluster" and not item.get_closest_marker("cluster"):
             item.add_marker(pytest.mark.cluster)
         if kind != "none" and not item.get_closest_marker("ray"):
             item.add_marker(pytest.mark.ray)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Group tests by the Ray they need (stable sort: after pytest's own fixture-driven
+    order, which it keeps within each group)."""
     items.sort(key=lambda it: (_ORDER[_kind(it)], _slot(it)))
 
 
