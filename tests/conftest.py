@@ -22,7 +22,7 @@ Fixtures:
   ``top_up()`` itself if it needs the nodes again.
 
 ``early(start)`` (marker): the test's long-running subprocess is started by ``start(dir)``
-when collection ends, and the test, which gets ``(process, dir)`` from the ``early``
+(in a session of its own) when collection ends, and the test, which gets ``(process, dir)`` from the ``early``
 fixture, runs after the quick tests that need no Ray and before the slow ones: a process
 that leaves a core idle (the CI soak) runs beside the quick tests instead of after them.
 
@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import uuid
@@ -155,6 +156,16 @@ def pytest_collection_finish(session: pytest.Session) -> None:
             _early[item.nodeid] = (marker.args[0](directory), directory)
 
 
+def kill_session(proc: subprocess.Popen) -> None:
+    """SIGKILL an ``early`` process and what it started: ``start`` runs it in a session
+    of its own (``start_new_session=True``), so its rank and server processes go too."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
 @pytest.fixture
 def early(request):
     """``(process, directory)`` of this test's ``early`` subprocess (started now when the
@@ -181,8 +192,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 def pytest_sessionfinish(session: pytest.Session) -> None:
     for proc, directory in _early.values():
         if proc.poll() is None:  # its test did not run (stopped early)
-            proc.kill()
-            proc.wait()
+            kill_session(proc)
         shutil.rmtree(directory, ignore_errors=True)
     if _shared is not None:
         _shared.stop()

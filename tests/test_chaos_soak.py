@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import chaos_soak as soak
+from tests.conftest import kill_session
 
 ROOT = Path(__file__).resolve().parents[1]
 REF = soak.Reference(schedule=(1, 1), hashes={0: "fresh", 2: "h2", 4: "h4", 6: "h6"},
@@ -165,7 +166,7 @@ def _start_ci_soak(directory: Path) -> subprocess.Popen:
         return subprocess.Popen(
             [sys.executable, "benchmarks/chaos_soak.py", "--trials", "20", "--seed", "11",
              "--world", "1", "--s3-share", "0.1", "--run-timeout", "90", "--out", str(directory / "soak.json")],
-            cwd=ROOT, stdout=stdout, stderr=stderr)
+            cwd=ROOT, stdout=stdout, stderr=stderr, start_new_session=True)
 
 
 @pytest.mark.slow
@@ -175,8 +176,7 @@ def test_ci_soak_has_no_violation_and_fires_every_fault_kind(early):
     try:
         proc.wait(timeout=900)
     except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+        kill_session(proc)
     stdout = (directory / "stdout").read_text()
     out = directory / "soak.json"
     assert out.exists(), stdout[-3000:] + (directory / "stderr").read_text()[-3000:]
