@@ -22,7 +22,7 @@ Fixtures:
   ``top_up()`` itself if it needs the nodes again.
 
 ``early(start)`` (marker): the test's long-running subprocess is started by ``start(dir)``
-(in a session of its own) when collection ends, and the test, which gets ``(process, dir)`` from the ``early``
+when collection ends, and the test, which gets ``(process, dir)`` from the ``early``
 fixture, runs after the quick tests that need no Ray and before the slow ones: a process
 that leaves a core idle (the CI soak) runs beside the quick tests instead of after them.
 
@@ -38,12 +38,12 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import tempfile
 import uuid
 from pathlib import Path
 
+import psutil
 import pytest
 
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")
@@ -152,18 +152,28 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     for item in session.items:
         marker = item.get_closest_marker("early")
         if marker is not None:
+            if len(marker.args) != 1 or not callable(marker.args[0]):
+                raise pytest.UsageError(f"{item.nodeid}: use @pytest.mark.early.with_args(start), "
+                                        "start(directory) -> subprocess.Popen")
             directory = Path(tempfile.mkdtemp(prefix="ray_goodput-early-"))
             _early[item.nodeid] = (marker.args[0](directory), directory)
 
 
-def kill_session(proc: subprocess.Popen) -> None:
-    """SIGKILL an ``early`` process and what it started: ``start`` runs it in a session
-    of its own (``start_new_session=True``), so its rank and server processes go too."""
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL an ``early`` process and the processes it started (rank, fork-server, moto
+    and Ray processes of the soak). It stays in pytest's process group, so whatever kills
+    that group from outside (a CI job timeout) takes it too."""
     try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()
+        tree = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        tree = []
+    for p in tree:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    proc.kill()
+    proc.wait(timeout=30)
 
 
 @pytest.fixture
@@ -191,8 +201,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
     for proc, directory in _early.values():
-        if proc.poll() is None:  # its test did not run (stopped early)
-            kill_session(proc)
+        kill_tree(proc)  # what it left running, too (or all of it, when its test did not run)
         shutil.rmtree(directory, ignore_errors=True)
     if _shared is not None:
         _shared.stop()

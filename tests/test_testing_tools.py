@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from ray_goodput.testing import run_world
+from ray_goodput.testing import free_port, run_world
 from tests import _env_at_import, _fails_at_import
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,3 +44,35 @@ def test_the_ray_marker_selects_the_tests_that_use_a_shared_ray():
     selected = {line.split("::")[1] for line in done.stdout.splitlines() if "::" in line}
     assert "test_quickstart_resumes_from_last_committed" not in selected  # uses ray_local
     assert "test_mlflow_artifacts_go_beside_a_sqlite_store_not_into_the_working_directory" in selected
+
+
+def test_a_rank_that_raises_ends_the_run_at_once_with_its_traceback_while_its_peer_waits():
+    for allow_deaths in (False, True):  # an error is an error, deaths allowed or not; no 60 s wait
+        with pytest.raises(RuntimeError, match=r"rank 1 failed") as err:
+            run_world(_fails_at_import.rank_1_raises, 2, timeout_s=60, allow_deaths=allow_deaths)
+        assert "fails on purpose" in str(err.value)
+
+
+def test_a_run_past_its_timeout_names_each_ranks_state():
+    with pytest.raises(TimeoutError, match=r"rank 0: running; rank 1: running"):
+        run_world(_fails_at_import.sleeps, 2, 30.0, timeout_s=3)
+
+
+def test_a_moto_server_whose_port_was_taken_meanwhile_starts_again_on_another(monkeypatch):
+    # Two servers start at once in a suite run (the CI soak's and the session's): a port
+    # picked free can be bound by the other before moto binds it. The other server's
+    # answer there must not count as this one being up.
+    import ray_goodput.testing._s3 as s3
+
+    first, first_endpoint = s3.start_moto_server()
+    try:
+        taken = int(first_endpoint.rsplit(":", 1)[1])
+        ports = iter([taken])
+        monkeypatch.setattr(s3, "free_port", lambda: next(ports, None) or free_port())
+        second, second_endpoint = s3.start_moto_server()
+        second.kill()
+        second.wait()
+        assert second_endpoint != first_endpoint
+    finally:
+        first.kill()
+        first.wait()

@@ -42,7 +42,7 @@ def _entry(rank: int, payload: bytes, world_size: int, port: int, results: Any,
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
     except BaseException:  # noqa: BLE001 - shipped back to the parent
         results[rank] = ("startup", traceback.format_exc())
-        raise
+        return  # (a raise would leave torch's error file behind; the parent has the traceback)
     results[rank] = ("running", None)
     try:
         results[rank] = ("ok", fn(rank, world_size, *args))
@@ -62,8 +62,11 @@ def run_world(fn: Callable[..., Any], world_size: int, *args: Any,
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` processes over gloo.
 
     ``fn`` must be importable (module level). Returns each rank's return value; raises
-    with the child's traceback when one fails. With ``allow_deaths`` a rank that was
-    killed (e.g. by a fault injector) yields None instead of an error.
+    with the child's traceback as soon as one fails (its peers would wait for it in their
+    next collective). With ``allow_deaths`` a rank that was killed after it joined the
+    process group (e.g. by a fault injector) yields None instead of an error; one that
+    exits before it joined still raises. Raises ``TimeoutError`` naming each rank's state
+    when ranks are still running after ``timeout_s``.
     """
     # The rendezvous store lives here, on a port the OS bound for it: no port is picked
     # first and bound later by rank 0 (another process can take it in between, and then
@@ -85,32 +88,39 @@ def run_world(fn: Callable[..., Any], world_size: int, *args: Any,
                 if p.is_alive():
                     p.kill()
                     p.join(5)
-        out = []
-        for rank, proc in enumerate(procs):
-            status, value = results.get(rank, ("died", f"exit code {proc.exitcode}"))
-            if status == "error" or (status != "ok" and not allow_deaths):
-                raise RuntimeError(f"rank {rank} failed:\n{value}")
-            out.append(value if status == "ok" else None)
-        return out
+        _raise_failures(procs, results, allow_deaths)
+        done = [results.get(rank, ("killed", None)) for rank in range(world_size)]
+        return [value if status == "ok" else None for status, value in done]
 
 
 def _watch(procs: list[Any], results: Any, timeout_s: float, allow_deaths: bool) -> None:
     """Until every rank has exited. Raises at once when a rank dies before it joined the
-    process group (its peers would wait for it) or, without ``allow_deaths``, when one
-    fails (its peers would wait in their next collective); raises after ``timeout_s``
-    naming each rank's state."""
+    process group (its peers would wait for it), when one raised, or, without
+    ``allow_deaths``, when one died; raises after ``timeout_s`` naming each rank's state."""
     deadline = time.monotonic() + timeout_s
     while any(p.is_alive() for p in procs):
-        for rank, proc in enumerate(procs):
-            if proc.is_alive():
-                continue
-            status, value = results.get(rank, ("starting", None))
-            if status in ("starting", "startup"):
-                detail = value or f"exit code {proc.exitcode}"
-                raise RuntimeError(f"rank {rank} exited before it joined the process group:\n{detail}")
-            if not allow_deaths and status != "ok":
-                raise RuntimeError(f"rank {rank} failed:\n{value or f'exit code {proc.exitcode}'}")
+        _raise_failures(procs, results, allow_deaths)
         if time.monotonic() > deadline:
             states = "; ".join(_state(r, p, results) for r, p in enumerate(procs))
             raise TimeoutError(f"ranks still running after {timeout_s}s ({states})")
         time.sleep(0.05)
+
+
+def _raise_failures(procs: list[Any], results: Any, allow_deaths: bool) -> None:
+    """RuntimeError with every exited rank that ends the run, and why."""
+    failed = [_failure(rank, proc, results, allow_deaths) for rank, proc in enumerate(procs)
+              if not proc.is_alive()]
+    failed = [f for f in failed if f]
+    if failed:
+        raise RuntimeError("\n".join(failed))
+
+
+def _failure(rank: int, proc: Any, results: Any, allow_deaths: bool) -> str | None:
+    """Why an exited rank ends the run now, or None when it does not."""
+    status, value = results.get(rank, ("starting", None))
+    detail = value or f"exit code {proc.exitcode}"
+    if status in ("starting", "startup"):
+        return f"rank {rank} exited before it joined the process group:\n{detail}"
+    if status == "error" or (not allow_deaths and status != "ok"):
+        return f"rank {rank} failed:\n{detail}"
+    return None
