@@ -150,13 +150,18 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     if session.config.option.collectonly:
         return
     for item in session.items:
-        marker = item.get_closest_marker("early")
-        if marker is not None:
-            if len(marker.args) != 1 or not callable(marker.args[0]):
-                raise pytest.UsageError(f"{item.nodeid}: use @pytest.mark.early.with_args(start), "
-                                        "start(directory) -> subprocess.Popen")
-            directory = Path(tempfile.mkdtemp(prefix="ray_goodput-early-"))
-            _early[item.nodeid] = (marker.args[0](directory), directory)
+        if item.get_closest_marker("early") is not None:
+            _start_early(item)
+
+
+def _start_early(item: pytest.Item) -> tuple[subprocess.Popen, Path]:
+    marker = item.get_closest_marker("early")
+    if len(marker.args) != 1 or not callable(marker.args[0]):
+        raise pytest.UsageError(f"{item.nodeid}: use @pytest.mark.early.with_args(start), "
+                                "start(directory) -> subprocess.Popen")
+    directory = Path(tempfile.mkdtemp(prefix="ray_goodput-early-"))
+    _early[item.nodeid] = (marker.args[0](directory), directory)
+    return _early[item.nodeid]
 
 
 def kill_tree(proc: subprocess.Popen) -> None:
@@ -180,10 +185,7 @@ def kill_tree(proc: subprocess.Popen) -> None:
 def early(request):
     """``(process, directory)`` of this test's ``early`` subprocess (started now when the
     collection did not start it)."""
-    if request.node.nodeid not in _early:
-        directory = Path(tempfile.mkdtemp(prefix="ray_goodput-early-"))
-        _early[request.node.nodeid] = (request.node.get_closest_marker("early").args[0](directory), directory)
-    return _early[request.node.nodeid]
+    return _early.get(request.node.nodeid) or _start_early(request.node)
 
 
 @pytest.hookimpl(tryfirst=True)
