@@ -74,7 +74,10 @@ def run_world(fn: Callable[..., Any], world_size: int, *args: Any,
     store = dist.TCPStore(_HOST, 0, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=timeout_s))
     multiprocessing.set_forkserver_preload(_PRELOAD)  # read when the server first starts
-    with mp.Manager() as manager:
+    # The results dict's server forks from the fork server too: forked from this process
+    # it would inherit the stores of earlier calls (kept alive by their tracebacks), and
+    # its garbage collector destroying one aborts it (their server threads are not there).
+    with mp.get_context("forkserver").Manager() as manager:
         results = manager.dict()
         payload = pickle.dumps((fn, args))
         ctx = mp.start_processes(_entry, args=(payload, world_size, store.port, results, dict(os.environ),
