@@ -73,15 +73,24 @@ def run_world(fn: Callable[..., Any], world_size: int, *args: Any,
     # rank 0 fails while its peers retry connecting for the whole store timeout).
     store = dist.TCPStore(_HOST, 0, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=timeout_s))
+    try:
+        return _run(fn, world_size, args, store.port, timeout_s, allow_deaths)
+    finally:
+        # Gone now, also when this raised (a traceback would keep it alive): a process
+        # forked from this one later (a DataLoader worker) must not inherit a store whose
+        # server thread it lacks; destroying it there aborts the process.
+        del store
+
+
+def _run(fn: Callable[..., Any], world_size: int, args: tuple, port: int, timeout_s: float,
+         allow_deaths: bool) -> list[Any]:
     multiprocessing.set_forkserver_preload(_PRELOAD)  # read when the server first starts
-    # The results dict's server forks from the fork server too: forked from this process
-    # it would inherit the stores of earlier calls (kept alive by their tracebacks), and
-    # its garbage collector destroying one aborts it (their server threads are not there).
+    # The results dict's server forks from the fork server too, not from this process
+    # (which may hold objects that cannot survive a fork, as a store above).
     with mp.get_context("forkserver").Manager() as manager:
         results = manager.dict()
         payload = pickle.dumps((fn, args))
-        ctx = mp.start_processes(_entry, args=(payload, world_size, store.port, results, dict(os.environ),
-                                               timeout_s),
+        ctx = mp.start_processes(_entry, args=(payload, world_size, port, results, dict(os.environ), timeout_s),
                                  nprocs=world_size, join=False, start_method="forkserver")
         procs = ctx.processes
         try:
