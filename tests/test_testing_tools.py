@@ -1,4 +1,5 @@
-"""``ray_goodput.testing`` itself: what the other tests rely on from its process launcher."""
+"""``ray_goodput.testing`` and the suite's own machinery: the process launcher, the S3 server
+start, and the markers that select tiers."""
 
 from __future__ import annotations
 
