@@ -174,8 +174,9 @@ def test_restore_from_storage_reads_each_file_once_and_keeps_the_node_local_copy
         proxy.close()
 
 
-def test_a_file_over_the_memory_budget_is_downloaded_to_the_staging_dir_and_checked(tmp_path):
-    root, staging = str(tmp_path / "root"), tmp_path / "s"
+def test_a_file_over_the_memory_budget_is_downloaded_to_the_staging_dir_and_checked(tmp_path, s3_server):
+    # Object storage: files of local storage are mapped, not held (next tests).
+    root, staging = s3_server.bucket_uri("budget"), tmp_path / "s"
     with Checkpointer(root, staging_dir=str(tmp_path / "saved"), uploader="thread") as ckpt:
         ckpt.save(1, {"model": torch.nn.Linear(8, 8)})
     step_loc = _catalog.step_location(resolve(root), 1)
@@ -202,6 +203,124 @@ def test_a_file_over_the_memory_budget_is_downloaded_to_the_staging_dir_and_chec
             reader.fs.prepare(_layout.DCP_METADATA)
         reader.release()
         assert wait_for_node_local_copies(30) and not (local_dir / _layout.DCP_METADATA).exists()
+
+
+# ---- local files are mapped: checked in the page cache, copied from it ----------------------
+
+
+def _mapped_paths() -> set[str]:
+    """Files this process has mapped now (``/proc/self/maps``)."""
+    with open("/proc/self/maps") as f:
+        return {line.split(None, 5)[5].strip() for line in f if len(line.split(None, 5)) == 6}
+
+
+def _saved_linear(root: str, staging: Path, size: int = 512) -> tuple[torch.nn.Module, Path, dict]:
+    model = torch.nn.Linear(size, size)
+    with Checkpointer(root, staging_dir=str(staging), uploader="thread") as ckpt:
+        ckpt.save(1, {"model": model})
+    step_loc = _catalog.step_location(resolve(root), 1)
+    entries = {f.name: f for f in read_manifest(step_loc).files}
+    return model, Path(step_loc.root), entries
+
+
+def test_a_file_of_local_storage_is_mapped_checked_unmapped_after_the_load_and_linked_as_the_local_copy(
+        tmp_path):
+    root = str(tmp_path / "root")
+    model, stored, entries = _saved_linear(root, tmp_path / "saved")
+    data = next(n for n in entries if n.endswith(".distcp"))
+    local_dir = tmp_path / "cold" / "step"
+    local_dir.mkdir(parents=True)
+    reader = TieredReader(_catalog.step_location(resolve(root), 1), local_dir, set(), entries, RetryPolicy(),
+                          hold_bytes=1 << 30)
+    reader.fs.prepare(data)
+    assert data in reader.fs.mapped and data not in reader.fs.held and reader.fs.hold_left == 1 << 30
+    assert str(stored / data) in _mapped_paths()
+    with reader.fs.create_stream(data, "rb") as f:
+        assert f.read() == (stored / data).read_bytes()
+    reader.release()
+    assert wait_for_node_local_copies(30)
+    assert str(stored / data) not in _mapped_paths()  # unmapped once the copy was made
+    assert os.stat(local_dir / data).st_ino == os.stat(stored / data).st_ino  # a link, no bytes written
+    fresh = torch.nn.Linear(512, 512)
+    with Checkpointer(root, staging_dir=str(tmp_path / "cold2"), uploader="thread") as ckpt:
+        assert ckpt.restore({"model": fresh}) == 1
+        assert ckpt.last_restore.remote_files > 0 and ckpt.last_restore.direct_tensors == 2
+    assert torch.equal(fresh.weight, model.weight) and torch.equal(fresh.bias, model.bias)
+    assert not any(p.startswith(str(tmp_path)) for p in _mapped_paths())
+
+
+def test_a_node_local_copy_damaged_in_place_fails_its_mapped_check_and_storage_is_read(tmp_path):
+    root, staging = str(tmp_path / "root"), tmp_path / "s"
+    model, stored, _ = _saved_linear(root, staging)
+    local = next(staging.rglob("__0_*.distcp"))
+    damaged = bytearray(local.read_bytes())
+    damaged[len(damaged) // 2] ^= 0x40  # same size: only the checksum can tell
+    local.unlink()  # a hard link of the stored file: replaced, not written through
+    local.write_bytes(damaged)
+    fresh = torch.nn.Linear(512, 512)
+    with Checkpointer(root, staging_dir=str(staging), uploader="thread") as ckpt:
+        assert ckpt.restore({"model": fresh}) == 1
+        assert ckpt.last_restore.remote_files == 1 and ckpt.last_restore.local_files > 0
+    assert torch.equal(fresh.weight, model.weight)
+    assert not any(p.startswith(str(tmp_path)) for p in _mapped_paths())
+
+
+def test_a_stored_file_deleted_while_mapped_is_still_read_whole(tmp_path):
+    """Retention (or an operator) deleting a checkpoint during a load must not change
+    what the load reads: a mapped file stays readable until unmapped."""
+    root = str(tmp_path / "root")
+    _, stored, entries = _saved_linear(root, tmp_path / "saved")
+    data = next(n for n in entries if n.endswith(".distcp"))
+    expected = (stored / data).read_bytes()
+    reader = TieredReader(_catalog.step_location(resolve(root), 1), tmp_path / "cold", set(), entries,
+                          RetryPolicy())
+    reader.fs.prepare(data)
+    (stored / data).unlink()
+    with reader.fs.create_stream(data, "rb") as f:
+        assert f.read() == expected
+    reader.release()
+    assert wait_for_node_local_copies(30)
+
+
+def test_files_that_cannot_be_mapped_are_read_and_checked_as_before(tmp_path, monkeypatch):
+    """A file system without ``mmap`` (some FUSE mounts): stored files are read into
+    memory, node-local ones checked in a streamed pass and read into the live tensors, and
+    damage is still found either way."""
+    from ray_goodput.checkpoint import _tiered_reader
+
+    monkeypatch.setattr(_tiered_reader, "map_file", lambda path: None)
+    root, staging = str(tmp_path / "root"), tmp_path / "s"
+    model, _, _ = _saved_linear(root, staging)
+    for where, remote in ((tmp_path / "cold", True), (staging, False)):
+        fresh = torch.nn.Linear(512, 512)
+        with Checkpointer(root, staging_dir=str(where), uploader="thread") as ckpt:
+            assert ckpt.restore({"model": fresh}) == 1
+            assert (ckpt.last_restore.remote_files > 0) is remote
+            assert ckpt.last_restore.direct_tensors == 2
+        assert torch.equal(fresh.weight, model.weight)
+    local = next(staging.rglob("__0_*.distcp"))
+    damaged = bytearray(local.read_bytes())
+    damaged[7] ^= 0x01
+    local.unlink()
+    local.write_bytes(damaged)
+    with Checkpointer(root, staging_dir=str(staging), uploader="thread") as ckpt:
+        assert ckpt.restore({"model": torch.nn.Linear(512, 512)}) == 1
+        assert ckpt.last_restore.remote_files == 1
+
+
+def test_closing_a_mapping_while_a_view_of_it_is_held_defers_the_unmap(tmp_path):
+    from ray_goodput.checkpoint._mapped import map_file
+
+    path = tmp_path / "f"
+    path.write_bytes(b"abcdef")
+    mapped = map_file(path)
+    view = mapped.read_at(1, 3)
+    mapped.close()  # no BufferError: unmapped when the view goes
+    assert bytes(view) == b"bcd"
+    del view
+    assert str(path) not in _mapped_paths()
+    (tmp_path / "empty").write_bytes(b"")
+    assert map_file(tmp_path / "empty") is None and map_file(tmp_path / "missing") is None
 
 
 # ---- local storage: one write of the bytes -------------------------------------------------

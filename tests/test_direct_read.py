@@ -281,28 +281,53 @@ def _entry_with_blocks(path, block):
     return FileEntry(path.name, size, crc, CRC32C, block_bytes=block, blocks=tuple(blocks))
 
 
-def test_a_damaged_block_fails_the_read_of_a_range_in_it_and_other_blocks_still_read(tmp_path):
+@pytest.fixture(params=["local", "s3"])
+def store(request, tmp_path):
+    """Where the checkpoint files are: a local directory (files mapped) or S3 (read)."""
+    from ray_goodput.storage import resolve
+
+    if request.param == "local":
+        (tmp_path / "store").mkdir()
+        return resolve(str(tmp_path / "store"))
+    return resolve(request.getfixturevalue("s3_server").bucket_uri(f"blocks-{request.node.originalname}"))
+
+
+def _put_with_entry(store, tmp_path, data: bytes, block: int, damaged: bytes | None = None):
+    """Store ``damaged`` (or ``data``) as f.distcp under the manifest entry of ``data``."""
+    from ray_goodput.storage import write_bytes
+
+    (tmp_path / "f.distcp").write_bytes(data)
+    entry = _entry_with_blocks(tmp_path / "f.distcp", block)
+    write_bytes(store, "f.distcp", damaged if damaged is not None else data)
+    return entry
+
+
+def _kept(fs, name: str):
+    """What the reader keeps of ``name`` to read ranges from: its mapping or its blocks."""
+    return fs.mapped.get(name) or fs.sparse[name]
+
+
+def test_a_damaged_block_fails_the_read_of_a_range_in_it_and_other_blocks_still_read(tmp_path, store):
     from ray_goodput.checkpoint._tiered_reader import _TieredFs
     from ray_goodput.errors import CheckpointCorruptError
-    from ray_goodput.storage import RetryPolicy, resolve
+    from ray_goodput.storage import RetryPolicy
 
-    store = tmp_path / "store"
-    store.mkdir()
     data = bytearray(os.urandom(10 * 4096))
-    (store / "f.distcp").write_bytes(data)
-    entry = _entry_with_blocks(store / "f.distcp", 4096)
-    data[5 * 4096 + 7] ^= 0x01  # block 5 damaged after the manifest was written
-    (store / "f.distcp").write_bytes(data)
+    damaged = bytearray(data)
+    damaged[5 * 4096 + 7] ^= 0x01  # block 5 damaged after the manifest was written
+    entry = _put_with_entry(store, tmp_path, bytes(data), 4096, bytes(damaged))
 
     def fs() -> _TieredFs:
-        return _TieredFs(resolve(str(store)), tmp_path / "local", set(), {"f.distcp": entry}, RetryPolicy())
+        return _TieredFs(store, tmp_path / "local", set(), {"f.distcp": entry}, RetryPolicy())
 
     good = fs()
     good.prepare("f.distcp", [(4096 + 10, 100), (8 * 4096, 4096)])  # blocks 1 and 8
     assert good.remote_bytes == 2 * 4096
-    assert bytes(good.sparse["f.distcp"].read_at(4096 + 10, 100)) == bytes(data[4096 + 10:4096 + 110])
+    assert ("f.distcp" in good.mapped) is store.is_local
+    assert bytes(_kept(good, "f.distcp").read_at(4096 + 10, 100)) == bytes(data[4096 + 10:4096 + 110])
     with pytest.raises(CheckpointCorruptError, match="block 5"):
         fs().prepare("f.distcp", [(5 * 4096 + 100, 10)])
+    good.release()
 
 
 def test_another_ranks_node_local_file_is_checked_only_in_the_needed_blocks(tmp_path):
@@ -331,42 +356,38 @@ def test_another_ranks_node_local_file_is_checked_only_in_the_needed_blocks(tmp_
     damaged = fs()
     damaged.prepare("f.distcp", [(5 * 4096 + 100, 10)])
     assert (damaged.local_reads, damaged.remote_reads, damaged.remote_bytes) == (0, 1, 4096)
-    assert bytes(damaged.sparse["f.distcp"].read_at(5 * 4096 + 100, 10)) == \
+    assert bytes(_kept(damaged, "f.distcp").read_at(5 * 4096 + 100, 10)) == \
         (store / "f.distcp").read_bytes()[5 * 4096 + 100:5 * 4096 + 110]
+    fine.release()
+    damaged.release()
 
 
-def test_a_file_cut_short_inside_a_needed_block_is_a_damaged_checkpoint_not_a_read_error(tmp_path):
+def test_a_file_cut_short_inside_a_needed_block_is_a_damaged_checkpoint_not_a_read_error(tmp_path, store):
     """Found in review: a ranged read past the end of a truncated file raised pyarrow's
     ArrowIndexError (or, on S3, a retried IOError), which restore took for a failure of
     its own instead of a damaged checkpoint to fall back from."""
     from ray_goodput.checkpoint._tiered_reader import _TieredFs
     from ray_goodput.errors import CheckpointCorruptError
-    from ray_goodput.storage import RetryPolicy, resolve
+    from ray_goodput.storage import RetryPolicy
 
-    store = tmp_path / "store"
-    store.mkdir()
     data = os.urandom(10 * 4096)
-    (store / "f.distcp").write_bytes(data)
-    entry = _entry_with_blocks(store / "f.distcp", 4096)
-    (store / "f.distcp").write_bytes(data[:8 * 4096 + 100])  # cut inside block 8
+    entry = _put_with_entry(store, tmp_path, data, 4096, data[:8 * 4096 + 100])  # cut inside block 8
     for ranges in ([(8 * 4096, 200)], [(9 * 4096 + 1, 10)]):  # into block 8; wholly past the end
-        fs = _TieredFs(resolve(str(store)), tmp_path / "local", set(), {"f.distcp": entry},
-                       RetryPolicy(attempts=1))
+        fs = _TieredFs(store, tmp_path / "local", set(), {"f.distcp": entry}, RetryPolicy(attempts=1))
         with pytest.raises(CheckpointCorruptError, match="bytes"):
             fs.prepare("f.distcp", ranges)
 
 
-def test_block_reads_count_against_the_hold_budget_and_give_it_back(tmp_path):
+def test_block_reads_count_against_the_hold_budget_and_give_it_back(tmp_path, s3_server):
     """Found in review: the blocks kept for DCP were not charged to ``hold_bytes``, so a
-    reshard of large shards could hold far more than the budget in memory."""
+    reshard of large shards could hold far more than the budget in memory. (Object
+    storage: a file of local storage is mapped, and holds no memory of the budget.)"""
     from ray_goodput.checkpoint._tiered_reader import _TieredFs
     from ray_goodput.storage import RetryPolicy, resolve
 
-    store = tmp_path / "store"
-    store.mkdir()
-    (store / "f.distcp").write_bytes(os.urandom(10 * 4096))
-    entry = _entry_with_blocks(store / "f.distcp", 4096)
-    fs = _TieredFs(resolve(str(store)), tmp_path / "local", set(), {"f.distcp": entry}, RetryPolicy(),
+    store = resolve(s3_server.bucket_uri("budget-blocks"))
+    entry = _put_with_entry(store, tmp_path, os.urandom(10 * 4096), 4096)
+    fs = _TieredFs(store, tmp_path / "local", set(), {"f.distcp": entry}, RetryPolicy(),
                    hold_bytes=3 * 4096)
     fs.prepare("f.distcp", [(0, 10), (2 * 4096, 10)])  # blocks 0 and 2: within the budget
     assert fs.hold_left == 4096 and "f.distcp" in fs.sparse

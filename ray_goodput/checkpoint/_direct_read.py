@@ -5,8 +5,9 @@ storage) and then copies that into the live tensor: with the file read and its c
 three passes over the bytes where the floor is one. A DCP data file is a row of
 ``torch.save`` records (zip archives, stored uncompressed), so when a record holds exactly
 the tensor the live one expects (same dtype and shape, contiguous from the start of its
-storage, the whole chunk, not a slice of it, a CPU target) its bytes are read from the
-file, or copied from the held buffer, into the live tensor directly.
+storage, the whole chunk, not a slice of it, a CPU target) its bytes are copied into the
+live tensor directly: from the file's mapping (a local file), the held buffer (a file read
+from object storage), or read from the file when it could not be mapped.
 
 Anything else (a resharded slice, a non-contiguous record, a GPU target, a storage
 transform, a record this module cannot parse) goes through DCP's own read, unchanged.

@@ -74,6 +74,11 @@ def _copy_up(local: Path, fs: pafs.FileSystem, dest: str, algorithm: str,
         return copy_stream(src, out, algorithm=algorithm, blocks=blocks, block_bytes=block_bytes)
 
 
+#: What ``os.link`` raises where the two paths are on different file systems or the file
+#: system has no hard links.
+_NO_LINK = (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP)
+
+
 def _link_up(local: Path, dest: str, algorithm: str, blocks: list[int], block_bytes: int) -> tuple[int, int] | None:
     """Hard-link ``local`` as ``dest`` (same file system): the bytes are not written a
     second time. None when the file systems differ or links are not supported there."""
@@ -81,7 +86,7 @@ def _link_up(local: Path, dest: str, algorithm: str, blocks: list[int], block_by
     try:
         os.link(local, tmp)
     except OSError as exc:
-        if exc.errno in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP):
+        if exc.errno in _NO_LINK:
             return None
         raise
     try:
@@ -162,6 +167,26 @@ def write_local_file(local: str | Path, data: bytes) -> None:
         os.replace(tmp, local)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def link_local_file(src: str | Path, local: str | Path) -> bool:
+    """Make ``local`` a hard link of ``src`` atomically (temp name + rename): the same bytes
+    under a second name, none written. False when the two are on different file systems or
+    links are not supported there (nothing is created then)."""
+    local = Path(local)
+    local.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _part_name(local)
+    try:
+        os.link(src, tmp)
+    except OSError as exc:
+        if exc.errno in _NO_LINK:
+            return False
+        raise
+    try:
+        os.replace(tmp, local)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return True
 
 
 def object_crc32(loc: StorageLocation, name: str, policy: RetryPolicy = DEFAULT_POLICY,
