@@ -308,6 +308,51 @@ def test_files_that_cannot_be_mapped_are_read_and_checked_as_before(tmp_path, mo
         assert ckpt.last_restore.remote_files == 1
 
 
+def test_a_file_fetched_early_is_read_once_and_its_damage_raised_where_dcp_asks_for_it(tmp_path, s3_server):
+    """The rank's own files are fetched in the background while DCP plans: DCP's read
+    takes that fetch (no second request), a damaged file fails there like any other, and
+    the memory reserved for it is given back either way."""
+    proxy = FlakyProxy(s3_server.endpoint, 0.0)
+    try:
+        root = s3_server.bucket_uri("early").replace(s3_server.endpoint, proxy.endpoint)
+        _, _, entries = _saved_linear(root, tmp_path / "saved")
+        data = next(n for n in entries if n.endswith(".distcp"))
+        step_loc = _catalog.step_location(resolve(root), 1)
+        before = proxy.gets(".distcp")
+        reader = TieredReader(step_loc, tmp_path / "cold", set(), entries, RetryPolicy(), hold_bytes=64 << 20)
+        reader.fs.fetch_early([data, "not-in-the-manifest"])
+        assert list(reader.fs.early) == [data] and reader.fs.hold_left == (64 << 20) - entries[data].size
+        reader.fs.prepare(data, [(0, entries[data].size)])
+        assert data in reader.fs.held and reader.remote_reads == 1 and not reader.fs.early
+        reader.release()
+        assert reader.fs.hold_left == 64 << 20
+        gets = {p: n - before.get(p, 0) for p, n in proxy.gets(".distcp").items()}
+        assert list(gets.values()) == [1], gets
+        wrong = dict(entries)
+        wrong[data] = FileEntry(data, entries[data].size, entries[data].crc32 ^ 1, entries[data].algorithm)
+        reader = TieredReader(step_loc, tmp_path / "cold2", set(), wrong, RetryPolicy(), hold_bytes=64 << 20)
+        reader.fs.fetch_early([data])
+        with pytest.raises(CheckpointCorruptError, match="manifest says"):
+            reader.fs.prepare(data)
+        reader.release()
+        assert reader.fs.hold_left == 64 << 20
+    finally:
+        proxy.close()
+
+
+def test_an_early_fetch_nobody_takes_is_unmapped_when_the_load_ends(tmp_path):
+    root = str(tmp_path / "root")
+    _, stored, entries = _saved_linear(root, tmp_path / "saved")
+    data = next(n for n in entries if n.endswith(".distcp"))
+    reader = TieredReader(_catalog.step_location(resolve(root), 1), tmp_path / "cold", set(), entries,
+                          RetryPolicy())
+    reader.fs.fetch_early([data])
+    reader.fs.early[data].result(timeout=30)
+    assert str(stored / data) in _mapped_paths()
+    reader.release()  # e.g. the metadata did not fit the state: DCP never asked for the file
+    assert str(stored / data) not in _mapped_paths() and not reader.fs.early
+
+
 def test_closing_a_mapping_while_a_view_of_it_is_held_defers_the_unmap(tmp_path):
     from ray_goodput.checkpoint._mapped import map_file
 

@@ -17,6 +17,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from ray_goodput.checkpoint import _catalog, _collective, _layout, _state
 from ray_goodput.checkpoint._manifest import Manifest, read_manifest
+from ray_goodput.checkpoint._parts import data_file
 from ray_goodput.checkpoint._tiered_reader import TieredReader
 from ray_goodput.errors import CheckpointCorruptError, StateMismatchError
 from ray_goodput.storage import RetryPolicy, StorageLocation
@@ -109,11 +110,15 @@ def _load(roles: _state.Roles, state: dict[str, Any], *, root: StorageLocation, 
     local_dir = staging / _layout.step_dir(manifest.step)
     template = _state.to_state_dict(roles)
     error: BaseException | None = None
+    reader: TieredReader | None = None
     try:
         local = local_candidates(local_dir, manifest) if local_dir.is_dir() else set()
         local_dir.mkdir(parents=True, exist_ok=True)
         reader = TieredReader(step_loc, local_dir, local, {f.name: f for f in manifest.files}, policy,
                               verified=False)
+        if manifest.world_size == world_size:  # this rank's own files, read whole: fetched
+            # (or checked) in the background while the metadata is read and DCP plans
+            reader.fs.fetch_early([data_file(rank, manifest.nonce), _layout.extras_file(rank, manifest.nonce)])
         _check_fits(template, reader.read_metadata(), manifest.step, step_loc.uri)
         # Read (and check) this rank's RNG blob before any weight is loaded in place: a
         # damaged one must fail the restore while the live state is still untouched.
@@ -121,7 +126,12 @@ def _load(roles: _state.Roles, state: dict[str, Any], *, root: StorageLocation, 
     except Exception as exc:  # noqa: BLE001 - agreed below, before DCP's collectives
         error = exc
     # Each rank reads .metadata from its own copy: if any could not, none enters dcp.load.
-    _collective.agree(error)
+    try:
+        _collective.agree(error)
+    except BaseException:
+        if reader is not None:  # unmap, and drop what was fetched early
+            reader.release()
+        raise
     try:
         dcp.load(template, storage_reader=reader,
                  no_dist=not (dist.is_initialized() and dist.get_world_size() > 1))

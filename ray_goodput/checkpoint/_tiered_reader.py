@@ -25,6 +25,7 @@ copy in the background once the load is over, off the restore's path."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import io
 import logging
@@ -45,7 +46,7 @@ from torch.futures import Future
 
 from ray_goodput.checkpoint import _collective, _direct_read, _sparse
 from ray_goodput.checkpoint._mapped import MappedFile, map_file
-from ray_goodput.errors import CheckpointCorruptError
+from ray_goodput.errors import CheckpointCorruptError, StorageError
 from ray_goodput.storage import (
     CHUNK_BYTES,
     CRC32,
@@ -86,6 +87,12 @@ HOLD_BYTES = 2 << 30
 #: is streamed past its checksum keeping only the needed ranges (``_sparse``): typically
 #: another rank's data file, for the few replicated records its owner wrote.
 SPARSE_MIN_BYTES = 64 << 20
+#: Bound on waiting for a file fetched early (each request has its own bounds and retries).
+EARLY_TIMEOUT_S = 900.0
+
+#: What an early fetch found: ``(where, content)``, where is "local" (the node-local copy,
+#: mapped), "stored" (a file of local storage, mapped) or "held" (read from storage).
+_Early = tuple[str, "MappedFile | bytes"]
 
 
 class _TieredFs(FileSystemBase):
@@ -113,6 +120,9 @@ class _TieredFs(FileSystemBase):
         self.block_bytes_held = 0  # of the blocks kept in ``sparse``, charged to hold_left
         self.checked_blocks: dict[str, set[int]] = {}  # of node-local files checked by block
         self.partly_checked: set[str] = set()  # ready for this load's ranges only
+        self.early: dict[str, concurrent.futures.Future[_Early | None]] = {}  # see fetch_early
+        self._early_reserved: dict[str, int] = {}  # of hold_left, for an early read into memory
+        self._early_pool: concurrent.futures.ThreadPoolExecutor | None = None
 
     def _can_hold(self, want: FileEntry | None) -> bool:
         return want is not None and want.size <= self.hold_left
@@ -125,6 +135,7 @@ class _TieredFs(FileSystemBase):
         """The load is over: write the fetched files into the node-local copy in the
         background (during the load, the writes slowed it down by ~80% on 2 cores) and
         drop the held bytes."""
+        self._drop_early()
         self.ready.difference_update(self.held)  # opened again, they are fetched again
         self.ready.difference_update(self.mapped)
         keep = [(name, self.held.get(name), self.mapped.pop(name, None)) for name in self.to_keep]
@@ -154,11 +165,9 @@ class _TieredFs(FileSystemBase):
             return False
         mapped = map_file(self.local_dir / name)
         if mapped is not None:
-            ok = (mapped.size, mapped.checksum(want.algorithm)) == (want.size, want.crc32)
+            ok = _intact(mapped, want)
             if ok:
                 self.mapped[name] = mapped
-            else:
-                mapped.close()
         else:
             try:  # not mappable here: a streamed check, then reads of the page-cached file
                 ok = file_crc32(self.local_dir / name, want.algorithm) == (want.size, want.crc32)
@@ -219,11 +228,8 @@ class _TieredFs(FileSystemBase):
             self._fetch_parts(name, ranges, want)
             return
         if self._can_hold(want):
-            data = read_bytes(self.remote, name, self.policy)  # the whole object, one request
+            data = self._read_checked(name, want)
             self.remote_bytes += len(data)
-            crc = checksum(data, want.algorithm)
-            if (len(data), crc) != (want.size, want.crc32):
-                raise self._mismatch(name, len(data), crc, want)
             self._hold(name, data)
             self.to_keep.append(name)
             return
@@ -240,9 +246,22 @@ class _TieredFs(FileSystemBase):
         """Map a file of local storage and check it (``runs``: only those blocks); False
         when it cannot be mapped. ``keep``: make it part of the node-local copy (not for a
         file of which this rank needs only a few ranges: its owner keeps its own)."""
-        mapped = map_file(self.remote.join(name))
+        mapped = self._checked_stored_map(name, runs, want)
         if mapped is None:
             return False
+        self.mapped[name] = mapped
+        self.remote_bytes += mapped.size if runs is None else _runs_bytes(want, runs)
+        if keep and runs is None:
+            self.to_keep.append(name)
+        return True
+
+    def _checked_stored_map(self, name: str, runs: list[tuple[int, int]] | None,
+                            want: FileEntry) -> MappedFile | None:
+        """A file of local storage mapped and checked (``runs``: only those blocks); None
+        when it cannot be mapped; CheckpointCorruptError when it is damaged."""
+        mapped = map_file(self.remote.join(name))
+        if mapped is None:
+            return None
         try:
             if mapped.size != want.size:
                 raise CheckpointCorruptError(f"{self.remote.uri}/{name}: {mapped.size} bytes, "
@@ -261,11 +280,94 @@ class _TieredFs(FileSystemBase):
         except BaseException:
             mapped.close()
             raise
-        self.mapped[name] = mapped
-        self.remote_bytes += mapped.size if runs is None else _runs_bytes(want, runs)
-        if keep and runs is None:
+        return mapped
+
+    def _read_checked(self, name: str, want: FileEntry) -> bytes:
+        """The whole object, in one request, checked in memory."""
+        data = read_bytes(self.remote, name, self.policy)
+        crc = checksum(data, want.algorithm)
+        if (len(data), crc) != (want.size, want.crc32):
+            raise self._mismatch(name, len(data), crc, want)
+        return data
+
+    # ---- early fetches: a rank's own files, read while DCP plans ---------------------------
+
+    def fetch_early(self, names: list[str]) -> None:
+        """Start checking (or fetching) ``names``, files this rank will read whole, in the
+        background: their read overlaps the metadata read and DCP's planning. :meth:`prepare`
+        takes what was found (or raises what failed) when DCP asks for the file."""
+        for name in names:
+            want = self.entries.get(name)
+            if want is None or name in self.ready or name in self.early or name in self.local_names:
+                continue
+            hold = not self.remote.is_local and want.size <= self.hold_left
+            if hold:  # reserved now, given back unless the file ends up held
+                self.hold_left -= want.size
+                self._early_reserved[name] = want.size
+            if self._early_pool is None:
+                self._early_pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="rg-restore-early")
+            self.early[name] = self._early_pool.submit(self._fetch_whole, name, want, name in self.unchecked, hold)
+
+    def _fetch_whole(self, name: str, want: FileEntry, local: bool, hold: bool) -> _Early | None:
+        """The checked content of ``name`` (touches no state of this reader: it runs in the
+        background); None when :meth:`prepare` must take the file its own way."""
+        if local:
+            mapped = map_file(self.local_dir / name)
+            if mapped is None:
+                return None  # not mappable: the streamed check
+            if _intact(mapped, want):
+                return "local", mapped
+        if self.remote.is_local:
+            mapped = self._checked_stored_map(name, None, want)
+            return None if mapped is None else ("stored", mapped)
+        return ("held", self._read_checked(name, want)) if hold else None
+
+    def _take_early(self, name: str) -> bool:
+        """Take the early fetch of ``name``, if one was started; False when ``prepare``
+        must still make the file ready."""
+        future = self.early.pop(name, None)
+        if future is None:
+            return False
+        reserved = self._early_reserved.pop(name, 0)
+        try:
+            got = future.result(timeout=EARLY_TIMEOUT_S)
+        except concurrent.futures.TimeoutError:
+            self.hold_left += reserved
+            future.add_done_callback(_close_early)
+            raise StorageError(f"reading {self.remote.uri}/{name} (started early) did not finish "
+                               f"in {EARLY_TIMEOUT_S:.0f} s") from None
+        except BaseException:
+            self.hold_left += reserved
+            raise
+        if got is None or got[0] != "held":
+            self.hold_left += reserved
+        if got is None:
+            return False
+        where, content = got
+        if where == "local":
+            self.local_reads += 1
+            self.local_names.add(name)
+        else:
+            self.remote_reads += 1
+            self.remote_bytes += len(content) if isinstance(content, bytes) else content.size
             self.to_keep.append(name)
+        self.unchecked.discard(name)  # checked now, or found damaged: storage from now on
+        if isinstance(content, bytes):
+            self.held[name] = content
+        else:
+            self.mapped[name] = content
         return True
+
+    def _drop_early(self) -> None:
+        """Early fetches nobody took (the load failed first): close what they mapped."""
+        for future in self.early.values():
+            future.add_done_callback(_close_early)
+        self.early.clear()
+        self.hold_left += sum(self._early_reserved.values())
+        self._early_reserved.clear()
+        if self._early_pool is not None:
+            self._early_pool.shutdown(wait=False)
+            self._early_pool = None
 
     def _fetch_parts(self, name: str, ranges: list[tuple[int, int]], want: FileEntry) -> None:
         """Stream the whole file past its checksum, keeping only ``ranges`` (not written
@@ -339,6 +441,9 @@ class _TieredFs(FileSystemBase):
         """Make ``name`` readable and checked, from memory or the local directory (once per
         file until :meth:`release`); ``ranges``: the only byte ranges that will be read."""
         if name in self.ready:
+            return
+        if self._take_early(name):
+            self.ready.add(name)
             return
         want = self.entries.get(name)
         runs = _block_runs(want, ranges) if want is not None and ranges is not None else None
@@ -427,8 +532,8 @@ class TieredReader(FileSystemReader):
         for item in plan.items:
             info = self.storage_data[item.storage_index]
             ranges.setdefault(info.relative_path, []).append((info.offset, info.length))
-        try:
-            for name in sorted(ranges):
+        try:  # files fetched early last: the others' reads overlap them
+            for name in sorted(ranges, key=lambda n: (n in self.fs.early, n)):
                 self.fs.prepare(name, ranges[name])
         except Exception as exc:  # noqa: BLE001 - agreed below, before any rank copies
             error = exc
@@ -508,6 +613,23 @@ class TieredReader(FileSystemReader):
     @property
     def remote_bytes(self) -> int:
         return self.fs.remote_bytes
+
+
+def _intact(mapped: MappedFile, want: FileEntry) -> bool:
+    """Whether a mapped file matches its manifest entry; closes it when it does not."""
+    if (mapped.size, mapped.checksum(want.algorithm)) == (want.size, want.crc32):
+        return True
+    mapped.close()
+    return False
+
+
+def _close_early(future: concurrent.futures.Future) -> None:
+    """Close what an early fetch nobody took had mapped."""
+    if future.cancelled() or future.exception() is not None:
+        return
+    got = future.result()
+    if got is not None and isinstance(got[1], MappedFile):
+        got[1].close()
 
 
 def _block_runs(want: FileEntry, ranges: list[tuple[int, int]]) -> list[tuple[int, int]] | None:
