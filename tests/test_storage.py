@@ -226,3 +226,25 @@ def test_a_file_entry_keeps_its_block_checksums_and_older_entries_have_none():
     assert old.blocks == () and old.block_bytes == 0 and old.algorithm == storage.CRC32
     with pytest.raises(ValueError, match="3 block checksums"):
         storage.FileEntry("a", 2500, 7, storage.CRC32C, block_bytes=1000, blocks=(1, 2))
+
+
+def test_an_upload_over_an_existing_local_file_replaces_it_and_a_mapping_of_the_old_keeps_its_bytes(tmp_path):
+    """A restore may have a stored file mapped (``checkpoint/_mapped``): an upload of the
+    same name (a retried or replayed one) must replace the file, not truncate and rewrite
+    it under the mapping (SIGBUS, or bytes changed after their check)."""
+    import mmap
+
+    loc = storage.resolve(str(tmp_path / "store"))
+    first, second = tmp_path / "a", tmp_path / "b"
+    first.write_bytes(b"A" * 8192)
+    second.write_bytes(b"B" * 4096)
+    storage.upload_file(first, loc, "f.distcp")
+    stored = tmp_path / "store" / "f.distcp"
+    with open(stored, "rb") as f:
+        old = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+    inode = stored.stat().st_ino
+    storage.upload_file(second, loc, "f.distcp")
+    assert stored.read_bytes() == b"B" * 4096 and stored.stat().st_ino != inode
+    assert old[:] == b"A" * 8192  # the mapped file was never cut short or rewritten
+    old.close()
+    assert sorted(p.name for p in (tmp_path / "store").iterdir()) == ["f.distcp"]  # nothing left aside

@@ -9,11 +9,17 @@ the page cache, read + check + copy 0.83 s whole-buffer against 0.26 s mapped, w
 plain read alone takes 0.54 s.
 
 The bytes of a mapped file are those of the page cache, so they must not change between
-the check and the copy: checkpoint files are written once and replaced by rename, never
-rewritten in place (a file deleted while mapped stays readable until unmapped). A file
-truncated under a mapping by something else would end the reading process (SIGBUS), and
-its worker group would restart. Files that cannot be mapped (empty, or on a file system
-without ``mmap``) are read as before.
+the check and the copy: checkpoint files are written once (aside, then renamed into
+place), never rewritten in place, and on a local disk a file deleted while mapped stays
+readable until unmapped. What a mapping cannot do is report a failed read: a disk error,
+a file cut short by something else, or a file of shared storage deleted from another
+node (a stale NFS handle) ends the reading process with SIGBUS instead of an OSError the
+reader could fall back from. So a restore that maps files leaves a marker with its pid in
+the node-local directory until it is done (:class:`MapGuard`); a marker of a process
+that is gone means a restore may have died that way, and later restores of that step
+read the files instead of mapping them (and fall back to storage on an error) rather
+than dying again at the same place. Files that cannot be mapped (empty, or on a file
+system without ``mmap``) are read as before.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
+from ray_goodput.runtime._process import pid_alive
 from ray_goodput.storage import checksum
 
 logger = logging.getLogger(__name__)
@@ -58,6 +65,53 @@ class MappedFile:
             mapping.close()
         except BufferError:  # a view is still held; unmapped when it is collected
             logger.debug("%s stays mapped until its last view is dropped", self.path)
+
+
+_MARKER = ".mapping-"
+
+
+class MapGuard:
+    """Whether files may be mapped for a restore whose node-local directory is
+    ``directory``, and this process's marker there while it maps them."""
+
+    def __init__(self, directory: Path) -> None:
+        self._marker = directory / f"{_MARKER}{os.getpid()}"
+        self._marked = False
+        dead = [p.name for p in _markers(directory) if not pid_alive(int(p.name[len(_MARKER):]))]
+        self.allowed = not dead
+        if dead:
+            logger.warning("a restore in process %s ended while it had files of %s mapped; reading them "
+                           "instead of mapping (a failed read is then an error to fall back from)",
+                           ", ".join(n[len(_MARKER):] for n in dead), directory)
+
+    def map(self, path: str | Path) -> MappedFile | None:
+        """:func:`map_file`, with this process marked first; None when mapping is off."""
+        if not self.allowed:
+            return None
+        if not self._marked:
+            try:
+                self._marker.parent.mkdir(parents=True, exist_ok=True)
+                self._marker.touch()
+            except OSError:  # no marker, no mapping: the guard must be able to see a death
+                self.allowed = False
+                return None
+            self._marked = True
+        return map_file(path)
+
+    def done(self) -> None:
+        """Every mapping of this load is closed: no more are made (a fetch still running
+        in the background reads instead), and the marker goes."""
+        self.allowed = False
+        if self._marked:
+            self._marker.unlink(missing_ok=True)
+            self._marked = False
+
+
+def _markers(directory: Path) -> list[Path]:
+    try:
+        return [p for p in directory.glob(f"{_MARKER}*") if p.name[len(_MARKER):].isdigit()]
+    except OSError:
+        return []
 
 
 def map_file(path: str | Path) -> MappedFile | None:

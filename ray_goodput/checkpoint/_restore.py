@@ -81,6 +81,12 @@ def _check_fits(template: dict[str, Any], metadata: Metadata, step: int, uri: st
                 "structure, or use another storage_path")
 
 
+def _loads_everything(template: dict[str, Any], metadata: Metadata) -> bool:
+    """Whether ``template`` loads every entry of the checkpoint (not, e.g., the model
+    alone from a model + optimizer checkpoint)."""
+    return set(flatten_state_dict(template)[0]) == set(metadata.state_dict_metadata)
+
+
 def _read_rng(reader: TieredReader, rank: int, nonce: str) -> bytes:
     with reader.fs.create_stream(_layout.extras_file(rank, nonce), "rb") as f:
         return f.read()
@@ -116,13 +122,19 @@ def _load(roles: _state.Roles, state: dict[str, Any], *, root: StorageLocation, 
         local_dir.mkdir(parents=True, exist_ok=True)
         reader = TieredReader(step_loc, local_dir, local, {f.name: f for f in manifest.files}, policy,
                               verified=False)
-        if manifest.world_size == world_size:  # this rank's own files, read whole: fetched
-            # (or checked) in the background while the metadata is read and DCP plans
-            reader.fs.fetch_early([data_file(rank, manifest.nonce), _layout.extras_file(rank, manifest.nonce)])
-        _check_fits(template, reader.read_metadata(), manifest.step, step_loc.uri)
+        unchanged_world = manifest.world_size == world_size
+        if unchanged_world:  # the RNG blob, read whole: fetched while the metadata is read
+            reader.fs.fetch_early([_layout.extras_file(rank, manifest.nonce)])
+        metadata = reader.read_metadata()
+        _check_fits(template, metadata, manifest.step, step_loc.uri)
+        if unchanged_world and _loads_everything(template, metadata):
+            # Then the rank's own data file is read whole (a state that loads only some
+            # of it reads only the blocks it needs): fetched while DCP plans. (A layout
+            # changed at the same world size, e.g. FSDP to TP, also reads it whole.)
+            reader.fs.fetch_early([data_file(rank, manifest.nonce)])
         # Read (and check) this rank's RNG blob before any weight is loaded in place: a
         # damaged one must fail the restore while the live state is still untouched.
-        rng = _read_rng(reader, rank, manifest.nonce) if manifest.world_size == world_size else None
+        rng = _read_rng(reader, rank, manifest.nonce) if unchanged_world else None
     except Exception as exc:  # noqa: BLE001 - agreed below, before DCP's collectives
         error = exc
     # Each rank reads .metadata from its own copy: if any could not, none enters dcp.load.

@@ -25,7 +25,6 @@ copy in the background once the load is over, off the restore's path."""
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import io
 import logging
@@ -45,8 +44,9 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from ray_goodput.checkpoint import _collective, _direct_read, _sparse
-from ray_goodput.checkpoint._mapped import MappedFile, map_file
-from ray_goodput.errors import CheckpointCorruptError, StorageError
+from ray_goodput.checkpoint._early import Early, EarlyFetches, Found
+from ray_goodput.checkpoint._mapped import MapGuard, MappedFile
+from ray_goodput.errors import CheckpointCorruptError
 from ray_goodput.storage import (
     CHUNK_BYTES,
     CRC32,
@@ -87,12 +87,6 @@ HOLD_BYTES = 2 << 30
 #: is streamed past its checksum keeping only the needed ranges (``_sparse``): typically
 #: another rank's data file, for the few replicated records its owner wrote.
 SPARSE_MIN_BYTES = 64 << 20
-#: Bound on waiting for a file fetched early (each request has its own bounds and retries).
-EARLY_TIMEOUT_S = 900.0
-
-#: What an early fetch found: ``(where, content)``, where is "local" (the node-local copy,
-#: mapped), "stored" (a file of local storage, mapped) or "held" (read from storage).
-_Early = tuple[str, "MappedFile | bytes"]
 
 
 class _TieredFs(FileSystemBase):
@@ -120,9 +114,8 @@ class _TieredFs(FileSystemBase):
         self.block_bytes_held = 0  # of the blocks kept in ``sparse``, charged to hold_left
         self.checked_blocks: dict[str, set[int]] = {}  # of node-local files checked by block
         self.partly_checked: set[str] = set()  # ready for this load's ranges only
-        self.early: dict[str, concurrent.futures.Future[_Early | None]] = {}  # see fetch_early
-        self._early_reserved: dict[str, int] = {}  # of hold_left, for an early read into memory
-        self._early_pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self.early = EarlyFetches()  # see fetch_early
+        self.guard = MapGuard(local_dir)
 
     def _can_hold(self, want: FileEntry | None) -> bool:
         return want is not None and want.size <= self.hold_left
@@ -135,7 +128,7 @@ class _TieredFs(FileSystemBase):
         """The load is over: write the fetched files into the node-local copy in the
         background (during the load, the writes slowed it down by ~80% on 2 cores) and
         drop the held bytes."""
-        self._drop_early()
+        self.hold_left += self.early.drop()
         self.ready.difference_update(self.held)  # opened again, they are fetched again
         self.ready.difference_update(self.mapped)
         keep = [(name, self.held.get(name), self.mapped.pop(name, None)) for name in self.to_keep]
@@ -143,6 +136,9 @@ class _TieredFs(FileSystemBase):
         for mapped in self.mapped.values():  # those in ``keep`` are closed once copied
             mapped.close()
         self.mapped.clear()
+        copies_map = any(mapped is not None for _, _, mapped in keep)
+        if not copies_map:
+            self.guard.done()
         self.ready.difference_update(self.sparse)
         self.ready.difference_update(self.partly_checked)
         self.partly_checked.clear()
@@ -151,7 +147,7 @@ class _TieredFs(FileSystemBase):
         self.held.clear()
         self.sparse.clear()
         if keep:
-            copier = threading.Thread(target=self._keep_local, args=(keep,), daemon=True,
+            copier = threading.Thread(target=self._keep_local, args=(keep, copies_map), daemon=True,
                                       name="rg-node-local-copy")
             with _copiers_lock:
                 _copiers.add(copier)
@@ -163,7 +159,7 @@ class _TieredFs(FileSystemBase):
         want = self.entries.get(name)
         if want is None:
             return False
-        mapped = map_file(self.local_dir / name)
+        mapped = self.guard.map(self.local_dir / name)
         if mapped is not None:
             ok = _intact(mapped, want)
             if ok:
@@ -182,7 +178,7 @@ class _TieredFs(FileSystemBase):
         block once): another rank's file on this node is not read whole."""
         done = self.checked_blocks.setdefault(name, set())
         size = want.block_bytes
-        mapped = self.mapped.get(name) or map_file(self.local_dir / name)
+        mapped = self.mapped.pop(name, None) or self.guard.map(self.local_dir / name)
         if mapped is not None:
             ok = mapped.size == want.size and all(
                 mapped.checksum(want.algorithm, block * size, size) == want.blocks[block]
@@ -190,7 +186,7 @@ class _TieredFs(FileSystemBase):
             if ok:
                 done.update(block for first, last in runs for block in range(first, last + 1))
                 self.mapped[name] = mapped
-            elif name not in self.mapped:
+            else:  # never served from: the blocks come from storage
                 mapped.close()
             return ok
         try:
@@ -259,7 +255,7 @@ class _TieredFs(FileSystemBase):
                             want: FileEntry) -> MappedFile | None:
         """A file of local storage mapped and checked (``runs``: only those blocks); None
         when it cannot be mapped; CheckpointCorruptError when it is damaged."""
-        mapped = map_file(self.remote.join(name))
+        mapped = self.guard.map(self.remote.join(name))
         if mapped is None:
             return None
         try:
@@ -294,80 +290,57 @@ class _TieredFs(FileSystemBase):
 
     def fetch_early(self, names: list[str]) -> None:
         """Start checking (or fetching) ``names``, files this rank will read whole, in the
-        background: their read overlaps the metadata read and DCP's planning. :meth:`prepare`
-        takes what was found (or raises what failed) when DCP asks for the file."""
+        background (``_early``); :meth:`prepare` takes what was found when DCP asks."""
         for name in names:
             want = self.entries.get(name)
             if want is None or name in self.ready or name in self.early or name in self.local_names:
                 continue
             hold = not self.remote.is_local and want.size <= self.hold_left
-            if hold:  # reserved now, given back unless the file ends up held
-                self.hold_left -= want.size
-                self._early_reserved[name] = want.size
-            if self._early_pool is None:
-                self._early_pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="rg-restore-early")
-            self.early[name] = self._early_pool.submit(self._fetch_whole, name, want, name in self.unchecked, hold)
+            self.hold_left -= want.size if hold else 0  # reserved until taken
+            self.early.start(name, lambda n=name, w=want, l=name in self.unchecked, h=hold:
+                             self._fetch_whole(n, w, l, h), want.size if hold else 0)
 
-    def _fetch_whole(self, name: str, want: FileEntry, local: bool, hold: bool) -> _Early | None:
-        """The checked content of ``name`` (touches no state of this reader: it runs in the
-        background); None when :meth:`prepare` must take the file its own way."""
+    def _fetch_whole(self, name: str, want: FileEntry, local: bool, hold: bool) -> Early | None:
+        """The checked content of ``name``, found in the background: touches no state of
+        this reader. None when :meth:`prepare` must take the file its own way."""
         if local:
-            mapped = map_file(self.local_dir / name)
+            mapped = self.guard.map(self.local_dir / name)
             if mapped is None:
                 return None  # not mappable: the streamed check
             if _intact(mapped, want):
-                return "local", mapped
+                return Early(Found.LOCAL, mapped)
         if self.remote.is_local:
             mapped = self._checked_stored_map(name, None, want)
-            return None if mapped is None else ("stored", mapped)
-        return ("held", self._read_checked(name, want)) if hold else None
+            if mapped is not None:
+                return Early(Found.STORED, mapped)
+        elif hold:
+            return Early(Found.HELD, self._read_checked(name, want))
+        return Early(Found.LOCAL_DAMAGED) if local else None
 
     def _take_early(self, name: str) -> bool:
         """Take the early fetch of ``name``, if one was started; False when ``prepare``
-        must still make the file ready."""
-        future = self.early.pop(name, None)
-        if future is None:
+        must still make the file ready (its own way)."""
+        if name not in self.early:
             return False
-        reserved = self._early_reserved.pop(name, 0)
-        try:
-            got = future.result(timeout=EARLY_TIMEOUT_S)
-        except concurrent.futures.TimeoutError:
-            self.hold_left += reserved
-            future.add_done_callback(_close_early)
-            raise StorageError(f"reading {self.remote.uri}/{name} (started early) did not finish "
-                               f"in {EARLY_TIMEOUT_S:.0f} s") from None
-        except BaseException:
-            self.hold_left += reserved
-            raise
-        if got is None or got[0] != "held":
-            self.hold_left += reserved
+        self.hold_left += self.early.reserved(name)  # charged again below if it is held
+        got = self.early.take(name, f"{self.remote.uri}/{name}")
         if got is None:
             return False
-        where, content = got
-        if where == "local":
+        self.unchecked.discard(name)  # checked now, or found damaged: storage from now on
+        if got.found is Found.LOCAL_DAMAGED:
+            return False
+        if got.found is Found.LOCAL:
             self.local_reads += 1
             self.local_names.add(name)
         else:
             self.remote_reads += 1
-            self.remote_bytes += len(content) if isinstance(content, bytes) else content.size
+            self.remote_bytes += len(got.content) if isinstance(got.content, bytes) else got.content.size
             self.to_keep.append(name)
-        self.unchecked.discard(name)  # checked now, or found damaged: storage from now on
-        if isinstance(content, bytes):
-            self.held[name] = content
+        if isinstance(got.content, bytes):
+            self._hold(name, got.content)
         else:
-            self.mapped[name] = content
+            self.mapped[name] = got.content
         return True
-
-    def _drop_early(self) -> None:
-        """Early fetches nobody took (the load failed first): close what they mapped."""
-        for future in self.early.values():
-            future.add_done_callback(_close_early)
-        self.early.clear()
-        self.hold_left += sum(self._early_reserved.values())
-        self._early_reserved.clear()
-        if self._early_pool is not None:
-            self._early_pool.shutdown(wait=False)
-            self._early_pool = None
 
     def _fetch_parts(self, name: str, ranges: list[tuple[int, int]], want: FileEntry) -> None:
         """Stream the whole file past its checksum, keeping only ``ranges`` (not written
@@ -418,7 +391,7 @@ class _TieredFs(FileSystemBase):
         self.hold_left -= sum(len(data) for _, data in got)
         self.block_bytes_held += sum(len(data) for _, data in got)
 
-    def _keep_local(self, files: list[tuple[str, bytes | None, MappedFile | None]]) -> None:
+    def _keep_local(self, files: list[tuple[str, bytes | None, MappedFile | None]], mapped_any: bool) -> None:
         """Write fetched (checked) files into the node-local copy, for the next restore: a
         mapped file of local storage as a hard link where it can be, else its bytes."""
         try:
@@ -426,7 +399,7 @@ class _TieredFs(FileSystemBase):
                 try:
                     if mapped is None:
                         write_local_file(self.local_dir / name, data)
-                    elif not link_local_file(mapped.path, self.local_dir / name):
+                    elif not _linked(mapped.path, self.local_dir / name):
                         write_local_file(self.local_dir / name, mapped.read_at(0, mapped.size))
                 except OSError as exc:  # the copy only saves a later download
                     logger.warning("could not keep a node-local copy of %s in %s: %s", name, self.local_dir, exc)
@@ -434,6 +407,8 @@ class _TieredFs(FileSystemBase):
                     if mapped is not None:
                         mapped.close()
         finally:
+            if mapped_any:
+                self.guard.done()
             with _copiers_lock:
                 _copiers.discard(threading.current_thread())
 
@@ -623,13 +598,13 @@ def _intact(mapped: MappedFile, want: FileEntry) -> bool:
     return False
 
 
-def _close_early(future: concurrent.futures.Future) -> None:
-    """Close what an early fetch nobody took had mapped."""
-    if future.cancelled() or future.exception() is not None:
-        return
-    got = future.result()
-    if got is not None and isinstance(got[1], MappedFile):
-        got[1].close()
+def _linked(stored: str, local: Path) -> bool:
+    """Whether ``local`` is now a hard link of ``stored`` (False: copy the bytes instead,
+    also when retention deleted the stored file since it was mapped)."""
+    try:
+        return link_local_file(stored, local)
+    except FileNotFoundError:
+        return False
 
 
 def _block_runs(want: FileEntry, ranges: list[tuple[int, int]]) -> list[tuple[int, int]] | None:

@@ -74,6 +74,20 @@ def _copy_up(local: Path, fs: pafs.FileSystem, dest: str, algorithm: str,
         return copy_stream(src, out, algorithm=algorithm, blocks=blocks, block_bytes=block_bytes)
 
 
+def _copy_aside(local: Path, fs: pafs.FileSystem, dest: str, algorithm: str,
+                blocks: list[int], block_bytes: int) -> tuple[int, int]:
+    """:func:`_copy_up` on a file system: written aside, then renamed into place, so that
+    a file already there (a retried or replayed upload) is replaced, never rewritten
+    while a restore may have it mapped (``checkpoint/_mapped``)."""
+    tmp = f"{dest}.part-{os.getpid()}-{threading.get_ident()}"
+    try:
+        got = _copy_up(local, fs, tmp, algorithm, blocks, block_bytes)
+        os.replace(tmp, dest)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+    return got
+
+
 #: What ``os.link`` raises where the two paths are on different file systems or the file
 #: system has no hard links.
 _NO_LINK = (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP)
@@ -117,7 +131,7 @@ def upload_file(local: str | Path, loc: StorageLocation, name: str,
             return _copy_up(Path(local), loc.fs, dest, algorithm, blocks, block_bytes)
         return _into_dir(loc, parent, lambda: (_link_up(Path(local), dest, algorithm, blocks, block_bytes)
                                                if link else None)
-                         or _copy_up(Path(local), loc.fs, dest, algorithm, blocks, block_bytes))
+                         or _copy_aside(Path(local), loc.fs, dest, algorithm, blocks, block_bytes))
 
     size, crc = policy.call(f"upload of {local} to {loc.uri}/{name}", _send)
     if loc.is_local:
