@@ -23,7 +23,7 @@ from ray_goodput.checkpoint._parts import write_part
 from ray_goodput.checkpoint._shard_plan import REPLICATED, Leaf
 from ray_goodput.checkpoint._state import restore_cuda_rng
 from ray_goodput.checkpoint._tiered_reader import TieredReader, wait_for_node_local_copies
-from ray_goodput.errors import CheckpointCorruptError, CheckpointError
+from ray_goodput.errors import CheckpointCorruptError, CheckpointError, StorageError
 from ray_goodput.storage import CRC32, CRC32C, FileEntry, RetryPolicy, checksum, resolve, upload_files
 from ray_goodput.testing import FlakyProxy, run_world, wait_for
 
@@ -235,11 +235,13 @@ def test_a_file_of_local_storage_is_mapped_checked_unmapped_after_the_load_and_l
     reader.fs.prepare(data)
     assert data in reader.fs.mapped and data not in reader.fs.held and reader.fs.hold_left == 1 << 30
     assert str(stored / data) in _mapped_paths()
+    assert (local_dir / f".mapping-{os.getpid()}").exists()  # while mapped: see _mapped.MapGuard
     with reader.fs.create_stream(data, "rb") as f:
         assert f.read() == (stored / data).read_bytes()
     reader.release()
     assert wait_for_node_local_copies(30)
     assert str(stored / data) not in _mapped_paths()  # unmapped once the copy was made
+    assert not (local_dir / f".mapping-{os.getpid()}").exists()
     assert os.stat(local_dir / data).st_ino == os.stat(stored / data).st_ino  # a link, no bytes written
     fresh = torch.nn.Linear(512, 512)
     with Checkpointer(root, staging_dir=str(tmp_path / "cold2"), uploader="thread") as ckpt:
@@ -282,15 +284,17 @@ def test_a_stored_file_deleted_while_mapped_is_still_read_whole(tmp_path):
     assert wait_for_node_local_copies(30)
 
 
-def test_files_that_cannot_be_mapped_are_read_and_checked_as_before(tmp_path, monkeypatch):
-    """A file system without ``mmap`` (some FUSE mounts): stored files are read into
-    memory, node-local ones checked in a streamed pass and read into the live tensors, and
-    damage is still found either way."""
-    from ray_goodput.checkpoint import _tiered_reader
-
-    monkeypatch.setattr(_tiered_reader, "map_file", lambda path: None)
+def test_after_a_restore_died_with_files_mapped_the_next_one_reads_them_instead(tmp_path):
+    """A failed read of a mapped file (a disk error, a stale NFS handle) kills the process
+    (SIGBUS) instead of raising. The marker such a process leaves makes later restores of
+    that step read the files, so damage is an error to fall back from, not a death loop."""
     root, staging = str(tmp_path / "root"), tmp_path / "s"
     model, _, _ = _saved_linear(root, staging)
+    local_dir = next(staging.rglob("__0_*.distcp")).parent
+    cold_dir = tmp_path / "cold" / local_dir.relative_to(staging)
+    cold_dir.mkdir(parents=True)
+    for directory in (local_dir, cold_dir):
+        (directory / f".mapping-{_dead_pid()}").touch()
     for where, remote in ((tmp_path / "cold", True), (staging, False)):
         fresh = torch.nn.Linear(512, 512)
         with Checkpointer(root, staging_dir=str(where), uploader="thread") as ckpt:
@@ -298,7 +302,8 @@ def test_files_that_cannot_be_mapped_are_read_and_checked_as_before(tmp_path, mo
             assert (ckpt.last_restore.remote_files > 0) is remote
             assert ckpt.last_restore.direct_tensors == 2
         assert torch.equal(fresh.weight, model.weight)
-    local = next(staging.rglob("__0_*.distcp"))
+    assert not list(local_dir.glob(f".mapping-{os.getpid()}"))  # none of its own left
+    local = next(local_dir.glob("__0_*.distcp"))
     damaged = bytearray(local.read_bytes())
     damaged[7] ^= 0x01
     local.unlink()
@@ -340,6 +345,30 @@ def test_a_file_fetched_early_is_read_once_and_its_damage_raised_where_dcp_asks_
         proxy.close()
 
 
+def test_a_restore_of_part_of_the_state_reads_only_the_blocks_it_needs_of_its_own_file(tmp_path, monkeypatch):
+    """Found in review: the rank's own data file was fetched early, whole, whenever the
+    world size was unchanged, also for a model-only restore of a model + optimizer
+    checkpoint (on S3, ~3x the bytes it needs)."""
+    from ray_goodput.storage import _checksum
+
+    monkeypatch.setattr(_checksum, "BLOCK_BYTES", 64 << 10)  # small files, the same rule
+    root = str(tmp_path / "root")
+    model = torch.nn.Linear(512, 512)
+    optim = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 512)).sum().backward()
+    optim.step()
+    with Checkpointer(root, staging_dir=str(tmp_path / "saved"), uploader="thread") as ckpt:
+        ckpt.save(1, {"model": model, "optim": optim})
+    data = next(f for f in read_manifest(_catalog.step_location(resolve(root), 1)).files
+                if f.name.endswith(".distcp"))
+    fresh = torch.nn.Linear(512, 512)
+    with Checkpointer(root, staging_dir=str(tmp_path / "cold"), uploader="thread") as ckpt:
+        assert ckpt.restore({"model": fresh}) == 1
+        read = ckpt.last_restore.remote_bytes
+    assert torch.equal(fresh.weight, model.weight)
+    assert read < data.size / 2, (read, data.size)  # the model's blocks, not the moments'
+
+
 def test_an_early_fetch_nobody_takes_is_unmapped_when_the_load_ends(tmp_path):
     root = str(tmp_path / "root")
     _, stored, entries = _saved_linear(root, tmp_path / "saved")
@@ -347,10 +376,10 @@ def test_an_early_fetch_nobody_takes_is_unmapped_when_the_load_ends(tmp_path):
     reader = TieredReader(_catalog.step_location(resolve(root), 1), tmp_path / "cold", set(), entries,
                           RetryPolicy())
     reader.fs.fetch_early([data])
-    reader.fs.early[data].result(timeout=30)
-    assert str(stored / data) in _mapped_paths()
+    wait_for(lambda: str(stored / data) in _mapped_paths(), timeout_s=30, what="the early fetch's mapping")
     reader.release()  # e.g. the metadata did not fit the state: DCP never asked for the file
-    assert str(stored / data) not in _mapped_paths() and not reader.fs.early
+    assert not reader.fs.early
+    wait_for(lambda: str(stored / data) not in _mapped_paths(), timeout_s=30, what="the unmap of a dropped fetch")
 
 
 def test_closing_a_mapping_while_a_view_of_it_is_held_defers_the_unmap(tmp_path):
@@ -366,6 +395,34 @@ def test_closing_a_mapping_while_a_view_of_it_is_held_defers_the_unmap(tmp_path)
     assert str(path) not in _mapped_paths()
     (tmp_path / "empty").write_bytes(b"")
     assert map_file(tmp_path / "empty") is None and map_file(tmp_path / "missing") is None
+
+
+# ---- the first save: the generation is claimed when the Checkpointer is made ----------------
+
+
+def test_rank0_claims_the_generation_when_the_checkpointer_is_made_and_the_first_save_uses_it(tmp_path):
+    root = tmp_path / "root"
+    claimed_file = root / _layout.CHECKPOINTS_DIR / _layout.GENERATION
+    with Checkpointer(str(root), staging_dir=str(tmp_path / "s"), uploader="thread") as ckpt:
+        wait_for(claimed_file.exists, timeout_s=30, what="the generation claim started by the constructor")
+        claimed = json.loads(claimed_file.read_text())["generation"]
+        assert ckpt.generation is None  # not agreed across ranks yet: that is the first save's
+        ckpt.save(1, {"model": torch.nn.Linear(4, 4)})
+        assert ckpt.generation == claimed
+        ckpt.wait()
+    assert json.loads(claimed_file.read_text())["generation"] == claimed  # claimed once, not again
+    manifest = read_manifest(_catalog.step_location(resolve(str(root)), 1))
+    assert _layout.generation_of(manifest.nonce) == claimed
+
+
+def test_a_generation_claim_that_failed_in_the_background_fails_the_first_save_with_its_error(tmp_path):
+    root = tmp_path / "root"
+    (root / _layout.CHECKPOINTS_DIR / _layout.GENERATION).mkdir(parents=True)  # unreadable as a file
+    ckpt = Checkpointer(str(root), staging_dir=str(tmp_path / "s"), uploader="thread",
+                        retry=RetryPolicy(attempts=1))
+    with pytest.raises(StorageError, match="GENERATION"):
+        ckpt.save(1, {"model": torch.nn.Linear(4, 4)})
+    assert ckpt.stats.saves == 0 and ckpt.generation is None
 
 
 # ---- local storage: one write of the bytes -------------------------------------------------

@@ -18,7 +18,6 @@ import os
 import pickle
 import threading
 import time
-import uuid
 from concurrent.futures import FIRST_COMPLETED, Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures import wait as wait_futures
@@ -168,6 +167,8 @@ class Checkpointer:
         self._last_step: int | None = None
         self._reported: int | None = None
         self._generation: int | None = None
+        # Rank 0 claims the generation now; the first save or restore only waits for it.
+        self._early_claim = _generation.EarlyClaim(self.root, self._retry) if self.rank == 0 else None
         self._errors: list[tuple[str, BaseException | None]] = []
         self._closed = False
         self.stats = SaveStats()
@@ -205,10 +206,9 @@ class Checkpointer:
         """Collective on first use: rank 0 claims this attempt's generation and draws the
         token that, with the step, names every save of it (no collective per save)."""
         if self._generation is None:
-            decision = resume_decision(self.root)
-            attempt = decision.attempt if decision is not None else None
+            early = self._early_claim
             self._generation, self._token = _collective.on_rank0(
-                lambda: (_generation.claim(self.root, attempt), uuid.uuid4().hex[:8]),
+                lambda: early.result() if early is not None else _generation.claim_attempt(self.root, self._retry),
                 "claiming a checkpoint generation")
         return self._generation
 

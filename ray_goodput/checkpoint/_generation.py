@@ -10,20 +10,63 @@ saves (even ones its uploader commits late) always rank below the live attempt's
 from __future__ import annotations
 
 import json
+import threading
+import uuid
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 
 from ray_goodput.checkpoint import _catalog, _layout, _retention
-from ray_goodput.storage import StorageLocation, write_bytes
+from ray_goodput.errors import StorageError
+from ray_goodput.runtime._resume import resume_decision
+from ray_goodput.storage import RetryPolicy, StorageLocation, write_bytes
+
+#: Bound on waiting for an early claim (its storage requests have their own bounds).
+CLAIM_TIMEOUT_S = 600.0
+_POLICY = RetryPolicy()
 
 
-def next_generation(root: StorageLocation, attempt: int | None) -> int:
+def next_generation(root: StorageLocation, attempt: int | None, policy: RetryPolicy = _POLICY) -> int:
     """The generation the next claim gets: above every one claimed under ``root`` (a root
     reused across runs keeps counting), and at least the driver's ``attempt``."""
-    return max(_retention.claimed_generation(root) + 1, attempt or 0)
+    return max(_retention.claimed_generation(root, policy) + 1, attempt or 0)
 
 
-def claim(root: StorageLocation, attempt: int | None) -> int:
+def claim(root: StorageLocation, attempt: int | None, policy: RetryPolicy = _POLICY) -> int:
     """Claim and return this attempt's generation (rank 0 only)."""
-    generation = next_generation(root, attempt)
+    generation = next_generation(root, attempt, policy)
     write_bytes(_catalog.checkpoints_location(root), _layout.GENERATION,
-                json.dumps({"generation": generation}).encode())
+                json.dumps({"generation": generation}).encode(), policy)
     return generation
+
+
+def claim_attempt(root: StorageLocation, policy: RetryPolicy = _POLICY) -> tuple[int, str]:
+    """Rank 0: claim the generation of this attempt (the driver's Recovery decision, when
+    there is one, names the attempt) and draw the token that, with the step, names every
+    save of it."""
+    decision = resume_decision(root)
+    return claim(root, decision.attempt if decision is not None else None, policy), uuid.uuid4().hex[:8]
+
+
+class EarlyClaim:
+    """Rank 0's :func:`claim_attempt`, started when the Checkpointer is made: its storage
+    requests overlap the model's set-up instead of blocking the first save or restore,
+    which then only waits for the result (and broadcasts it)."""
+
+    def __init__(self, root: StorageLocation, policy: RetryPolicy) -> None:
+        self._root, self._policy = root, policy
+        self._future: Future[tuple[int, str]] = Future()
+        threading.Thread(target=self._run, name="rg-generation-claim", daemon=True).start()
+
+    def _run(self) -> None:
+        try:
+            self._future.set_result(claim_attempt(self._root, self._policy))
+        except BaseException as exc:  # noqa: BLE001 - raised by result(), on the caller's thread
+            self._future.set_exception(exc)
+
+    def result(self) -> tuple[int, str]:
+        """``(generation, token)``, or what the claim raised."""
+        try:
+            return self._future.result(timeout=CLAIM_TIMEOUT_S)
+        except FutureTimeout:
+            raise StorageError(f"claiming a checkpoint generation under {self._root.uri} did not finish in "
+                               f"{CLAIM_TIMEOUT_S:.0f} s; check that the storage answers") from None

@@ -60,10 +60,10 @@ def _doomed(dirs: list[StepDir], keep_last: int, generation: int | None,
     return out
 
 
-def claimed_generation(root: str | StorageLocation) -> int:
+def claimed_generation(root: str | StorageLocation, policy: RetryPolicy = _POLICY) -> int:
     """The highest generation claimed under ``root`` (0 when none; see ``_generation``)."""
     try:
-        data = read_bytes(checkpoints_location(root), _layout.GENERATION)
+        data = read_bytes(checkpoints_location(root), _layout.GENERATION, policy)
         return int(json.loads(data)["generation"])
     except FileNotFoundError:
         return 0
