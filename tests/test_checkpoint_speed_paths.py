@@ -13,6 +13,7 @@ import zlib
 from pathlib import Path
 
 import pytest
+import ray
 import torch
 
 from ray_goodput import Checkpointer
@@ -642,6 +643,11 @@ def test_node_services_start_the_uploader_and_jobs_carry_their_settings(ray_loca
     retry = RetryPolicy(attempts=2, initial_delay=0.01, max_delay=0.02)
     with Checkpointer(str(tmp_path / "root"), staging_dir=str(tmp_path / "s"), uploader="actor",
                       upload_concurrency=1, retry=retry) as ckpt:
+        # The uploader resolves the storage location when the worker registers, before the
+        # first save hands it a job (an S3 client took ~0.1 s of the first save's block).
+        uploader = _services.find(KIND)[_services.current_node_id()]
+        wait_for(lambda: ckpt.root.uri in ray.get(uploader.stats.remote(), timeout=30)["storage_roots"],
+                 timeout_s=30, what="the uploader resolving the storage location at registration")
         ckpt.save(1, {"model": model})
         ckpt.save(2, {"model": model})
         ckpt.wait()

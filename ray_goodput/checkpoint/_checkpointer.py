@@ -186,7 +186,7 @@ class Checkpointer:
         if use_actor:
             # The actor's wait for the result ends too: a hand-off can queue behind other
             # saves before wait() starts its clock, hence twice the bound wait() gives.
-            return ActorBackend(durable_timeout_s=2 * self.wait_timeout_s)
+            return ActorBackend(durable_timeout_s=2 * self.wait_timeout_s, root=self.root)
         return ThreadBackend(concurrency=self.upload_concurrency, policy=self._retry)
 
     @property

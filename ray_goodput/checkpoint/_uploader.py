@@ -68,11 +68,22 @@ class CheckpointUploader:
         threading.Thread(target=self._watch, name="rg-uploader-watch", daemon=True).start()
 
     # -- client side API --
-    def register(self, pid: int) -> str:
+    def register(self, pid: int, root: bytes | None = None) -> str:
+        """A worker uses this uploader from now on; ``root``: its storage location, pickled,
+        resolved here ahead of its first job (an S3 client takes ~0.1 s to build)."""
         with self._lock:
             self._clients.add(pid)
             self._clean_close = False
+        self._resolve_root(root)
         return self.node_id
+
+    def _resolve_root(self, root: bytes | None) -> StorageLocation | None:
+        if root is None:
+            return None
+        loc = self._roots.get(root)
+        if loc is None:
+            loc = self._roots[root] = pickle.loads(root)  # noqa: S301 - from our own workers
+        return loc
 
     def unregister(self, pid: int) -> None:
         with self._lock:
@@ -87,10 +98,7 @@ class CheckpointUploader:
         ``root`` is the job's StorageLocation, pickled: building an S3 client from its
         pickle costs ~0.1 s, so it is done once per storage root, not once per save.
         """
-        loc = self._roots.get(root)
-        if loc is None:
-            loc = self._roots[root] = pickle.loads(root)  # noqa: S301 - from our own workers
-        ticket = Ticket(dataclasses.replace(job, root=loc))
+        ticket = Ticket(dataclasses.replace(job, root=self._resolve_root(root)))
         ticket.release_callbacks.append(self._released)
         ticket.callbacks.append(self._finished)
         with self._lock:
@@ -164,7 +172,8 @@ class CheckpointUploader:
                 "throughput_mb_s": self._stats["bytes_uploaded"] / secs / 1e6 if secs else 0.0,
                 "jobs_done": self._stats["jobs_done"], "jobs_failed": self._stats["jobs_failed"],
                 "jobs_superseded": self._stats["jobs_superseded"],
-                "last_error": self._stats["last_error"], "clients": len(self._clients)}
+                "last_error": self._stats["last_error"], "clients": len(self._clients),
+                "storage_roots": sorted(loc.uri for loc in list(self._roots.values()))}
 
     # -- lifetime --
     def busy(self) -> bool:
@@ -235,18 +244,19 @@ class ActorBackend:
     for it (bounded), rather than holding a job that would die with the worker.
     """
 
-    def __init__(self, *, durable_timeout_s: float) -> None:
+    def __init__(self, *, durable_timeout_s: float, root: StorageLocation | None = None) -> None:
         self._actor = None
         self._registered = None
-        self._root_blob: bytes | None = None
+        # Sent at registration: the actor builds the storage client before the first save.
+        self._root_blob: bytes | None = pickle.dumps(root) if root is not None else None
         self._durable_timeout_s = durable_timeout_s  # bound of the actor-side wait for a result
 
     def start(self) -> None:
-        """Find or create this node's uploader without waiting for it (it starts while the
-        worker builds its model and restores)."""
+        """Find or create this node's uploader without waiting for it (it starts, and
+        resolves the storage location, while the worker builds its model and restores)."""
         node_id = _services.current_node_id()
         self._actor = _services.get_or_create(_actor_class(), KIND, node_id, node_id=node_id, max_concurrency=64)
-        self._registered = self._actor.register.remote(os.getpid())
+        self._registered = self._actor.register.remote(os.getpid(), self._root_blob)
 
     def _get(self, fresh: bool = False) -> Any:
         if self._actor is None or fresh:
