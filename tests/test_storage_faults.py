@@ -6,10 +6,12 @@ from __future__ import annotations
 import logging
 import subprocess
 
+import pyarrow.fs as pafs
 import pytest
 import torch
 
-from ray_goodput import Checkpointer, CheckpointError, list_checkpoints
+from ray_goodput import Checkpointer, CheckpointError, list_checkpoints, storage
+from ray_goodput.checkpoint import _catalog
 from ray_goodput.cli import main
 from ray_goodput.storage import RetryPolicy
 from ray_goodput.testing import FlakyProxy
@@ -70,3 +72,27 @@ def test_full_staging_disk_fails_that_save_loudly_and_training_goes_on(tiny_disk
     ckpt.close()
     committed = [i.step for i in list_checkpoints(root) if i.committed]
     assert committed == [1, 3]
+
+
+def test_a_staging_write_that_fails_while_its_upload_follows_it_leaves_no_object_in_storage(
+        tiny_disk, tmp_path, s3_server):
+    """On object storage the data file is uploaded while DCP writes it (``_follow``): a
+    write that fails midway (the staging disk filled up) must fail that save alone and
+    take back what was sent, not leave a partial object under the file's name."""
+    root = s3_server.bucket_uri("tiny-follow")
+    small = {"model": torch.nn.Linear(8, 8)}
+    big = {"model": torch.nn.Linear(8, 8), "extra": torch.nn.Linear(512, 512)}  # 1 MiB > disk
+    ckpt = Checkpointer(root, staging_dir=str(tiny_disk), uploader="thread")
+    ckpt.save(1, small)
+    ckpt.wait()
+    ckpt.save(2, big)
+    with pytest.raises(CheckpointError, match="No space left|Errno 28"):
+        ckpt.wait()
+    ckpt.save(3, small)
+    ckpt.wait()
+    ckpt.close()
+    step2 = _catalog.step_location(storage.resolve(root), 2)
+    left = [i.path for i in step2.fs.get_file_info(pafs.FileSelector(step2.root, allow_not_found=True,
+                                                                      recursive=True))]
+    assert not [p for p in left if p.endswith(".distcp")], left
+    assert [i.step for i in list_checkpoints(root) if i.committed] == [1, 3]

@@ -12,7 +12,7 @@ import logging
 import pickle
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,13 +23,19 @@ from ray_goodput._faults import fault_point
 from ray_goodput.checkpoint import _catalog, _layout, _retention
 from ray_goodput.checkpoint._arena import TensorSlot, open_slots
 from ray_goodput.checkpoint._commit import COMMITTED, OUTRANKED, CommitProtocol
-from ray_goodput.checkpoint._parts import write_part
+from ray_goodput.checkpoint._follow import FollowUpload
+from ray_goodput.checkpoint._parts import data_file, write_part, writing_path
 from ray_goodput.checkpoint._save_state import SaveRecord, SaveState
 from ray_goodput.checkpoint._shard_plan import Leaf
 from ray_goodput.errors import CheckpointError
-from ray_goodput.storage import DEFAULT_ALGORITHM, RetryPolicy, StorageLocation, upload_files
+from ray_goodput.storage import DEFAULT_ALGORITHM, FileEntry, RetryPolicy, StorageLocation, upload_files
 
 logger = logging.getLogger(__name__)
+
+#: Bound on the follower's end once the write is done: the rest of one file's upload.
+_FOLLOW_END_S = 3600.0
+#: Bound on a follower letting go once the write failed (it deletes what it sent).
+_FOLLOW_STOP_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -139,20 +145,22 @@ def write_local(job: ShardJob, tensors: dict[str, Any] | None = None) -> list[st
 
 
 def upload_and_commit(job: ShardJob, names: list[str], *, concurrency: int,
-                      policy: RetryPolicy) -> tuple[int, SaveState]:
+                      policy: RetryPolicy, uploaded: Sequence[FileEntry] = ()) -> tuple[int, SaveState]:
     """Upload, declare durable, try to commit (and apply retention when committed).
 
+    ``uploaded``: files of ``names`` already in storage (sent while they were written).
     Returns the bytes uploaded and ``uploaded`` or ``committed``. An upload that fails
     after retries raises; then no marker is written, the step can never commit, and the
     previous committed checkpoint stays the recovery point.
     """
     protocol = job.commit_protocol()
-    files = [(Path(job.local_dir) / n, n) for n in names]
+    sent = {e.name for e in uploaded}
+    files = [(Path(job.local_dir) / n, n) for n in names if n not in sent]
     # Staged files are never written again (a node-local copy is replaced, not rewritten),
     # so storage on the staging dir's file system takes them as hard links: one write.
     # The rank's small extras file goes last, so a fault between the two is "mid-upload".
-    entries = upload_files(files[:-1], protocol.step_loc, concurrency=concurrency, policy=policy,
-                           algorithm=DEFAULT_ALGORITHM, link=True)
+    entries = list(uploaded) + upload_files(files[:-1], protocol.step_loc, concurrency=concurrency,
+                                            policy=policy, algorithm=DEFAULT_ALGORITHM, link=True)
     fault_point("upload.mid_upload")
     entries += upload_files(files[-1:], protocol.step_loc, concurrency=concurrency, policy=policy,
                             algorithm=DEFAULT_ALGORITHM, link=True)
@@ -172,17 +180,41 @@ def upload_and_commit(job: ShardJob, names: list[str], *, concurrency: int,
     return sum(e.size for e in entries), state
 
 
+def _follow_data_file(job: ShardJob) -> FollowUpload | None:
+    """On object storage, upload the rank's data file while DCP writes it (``_follow``)."""
+    if job.root.is_local:
+        return None  # hard links: nothing to overlap
+    out = Path(job.local_dir)
+    return FollowUpload(writing_path(out, job.rank), _catalog.step_location(job.root, job.step),
+                        data_file(job.rank, job.nonce), DEFAULT_ALGORITHM)
+
+
 def run_shard_job(job: ShardJob, record: SaveRecord, tensors: dict[str, Any], *,
                   concurrency: int, policy: RetryPolicy,
                   on_released: Callable[[], None] = lambda: None) -> ShardResult:
     """Write locally, release the arena (``on_released``), upload, commit; ``record``
     advances staged -> uploaded (-> committed). Raises on failure (the caller marks it)."""
     start = time.monotonic()
-    names = write_local(job, tensors)
+    follow = _follow_data_file(job)
+    try:
+        names = write_local(job, tensors)
+    except BaseException:
+        if follow is not None:  # before the failure is reported: the next save needs the disk
+            follow.abandon(timeout_s=_FOLLOW_STOP_S)
+        raise
     written = time.monotonic()
     record.advance(SaveState.STAGED)
     on_released()
-    num_bytes, state = upload_and_commit(job, names, concurrency=concurrency, policy=policy)
+    uploaded: list[FileEntry] = []
+    if follow is not None:
+        follow.writer_done(ok=True)
+        size = (Path(job.local_dir) / follow.name).stat().st_size
+        entry = follow.result(size, timeout_s=_FOLLOW_END_S)
+        uploaded = [entry] if entry is not None else []
+        if entry is not None:
+            logger.debug("step %d rank %d: %s uploaded while it was written", job.step, job.rank, entry.name)
+    num_bytes, state = upload_and_commit(job, names, concurrency=concurrency, policy=policy,
+                                         uploaded=uploaded)
     record.advance(SaveState.UPLOADED)
     if state is SaveState.COMMITTED:
         record.advance(SaveState.COMMITTED)

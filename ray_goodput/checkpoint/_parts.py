@@ -101,13 +101,19 @@ def _without_zip_crc32() -> Iterator[None]:
                 save_config.compute_crc32 = _crc_before
 
 
+def writing_path(out_dir: Path, rank: int) -> Path:
+    """Where :func:`write_part` has DCP write this rank's data file (front to back, once)
+    before renaming it into ``out_dir``."""
+    return out_dir / f".part-{rank}-{os.getpid()}" / "__0_0.distcp"  # DCP's own name
+
+
 def write_part(flat: dict[str, Any], leaves: dict[str, Leaf], mappings: dict[str, Any],
                rank: int, nonce: str, out_dir: Path) -> list[str]:
     """DCP-write ``flat`` (this rank's leaves) into ``out_dir``; returns the file names.
 
     ``mappings`` is DCP's flatten mapping of the rank's whole state dict.
     """
-    tmp = out_dir / f".part-{rank}-{os.getpid()}"
+    tmp = writing_path(out_dir, rank).parent
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         writer = FileSystemWriter(tmp, single_file_per_rank=True, sync_files=False, thread_count=1)
@@ -116,7 +122,7 @@ def write_part(flat: dict[str, Any], leaves: dict[str, Leaf], mappings: dict[str
                      planner=DefaultSavePlanner(flatten_state_dict=False))
         with open(tmp / ".metadata", "rb") as f:
             meta = pickle.load(f)  # noqa: S301 - written just now by DCP
-        os.replace(tmp / "__0_0.distcp", out_dir / data_file(rank, nonce))  # DCP's own name
+        os.replace(writing_path(out_dir, rank), out_dir / data_file(rank, nonce))
         (out_dir / "parts").mkdir(exist_ok=True)
         with open(out_dir / part_file(rank, nonce), "wb") as f:
             pickle.dump(_globalize(meta, rank, nonce, leaves, mappings), f)

@@ -1,0 +1,92 @@
+"""Uploading a shard's data file to object storage while DCP writes it (``checkpoint/_follow.py``):
+real S3 (moto over HTTP), real writer threads, real DCP writes."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import pytest
+import torch
+
+from ray_goodput import Checkpointer
+from ray_goodput.checkpoint import _catalog
+from ray_goodput.checkpoint._follow import FollowUpload
+from ray_goodput.checkpoint._manifest import read_manifest
+from ray_goodput.storage import CRC32C, checksum, file_crc32, resolve
+
+
+def _write_slowly(path, chunks: list[bytes], pause_s: float = 0.01) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as f:
+        for chunk in chunks:
+            f.write(chunk)
+            f.flush()
+            time.sleep(pause_s)
+
+
+def _exists(loc, name: str) -> bool:
+    return loc.fs.get_file_info(loc.join(name)).type.name != "NotFound"
+
+
+def test_a_file_followed_while_it_is_written_is_uploaded_whole_with_its_checksums(s3_server, tmp_path):
+    loc = resolve(s3_server.bucket_uri("follow-ok"))
+    path = tmp_path / "part" / "__0_0.distcp"
+    chunks = [bytes([i]) * (300 << 10) for i in range(8)]
+    follow = FollowUpload(path, loc, "f.distcp", CRC32C)  # started before the file exists
+    writer = threading.Thread(target=_write_slowly, args=(path, chunks))
+    writer.start()
+    writer.join()
+    follow.writer_done(ok=True)
+    entry = follow.result(path.stat().st_size, timeout_s=60)
+    data = b"".join(chunks)
+    assert entry is not None and (entry.size, entry.crc32) == (len(data), checksum(data, CRC32C))
+    assert (entry.size, entry.crc32) == file_crc32(path, CRC32C)
+    with loc.fs.open_input_file(loc.join("f.distcp")) as f:
+        assert f.read() == data
+
+
+def test_a_write_that_fails_while_followed_leaves_no_object_and_no_entry(s3_server, tmp_path):
+    loc = resolve(s3_server.bucket_uri("follow-fail"))
+    path = tmp_path / "part" / "__0_0.distcp"
+    follow = FollowUpload(path, loc, "f.distcp", CRC32C)
+    _write_slowly(path, [b"x" * (100 << 10)] * 3)
+    follow.abandon(timeout_s=60)  # e.g. the staging disk filled up
+    assert not _exists(loc, "f.distcp")  # what was sent is taken back before abandon returns
+    assert follow.result(path.stat().st_size, timeout_s=1) is None
+
+
+def test_a_follower_that_saw_other_bytes_than_the_file_has_is_not_used(s3_server, tmp_path):
+    loc = resolve(s3_server.bucket_uri("follow-size"))
+    path = tmp_path / "part" / "__0_0.distcp"
+    follow = FollowUpload(path, loc, "f.distcp", CRC32C)
+    _write_slowly(path, [b"y" * 1000])
+    follow.writer_done(ok=True)
+    assert follow.result(999, timeout_s=60) is None  # the caller uploads the file itself
+
+
+def test_on_object_storage_each_data_file_is_uploaded_while_dcp_writes_it(s3_server, tmp_path, caplog):
+    root = s3_server.bucket_uri("follow-save")
+    model = torch.nn.Linear(600, 600)
+    with caplog.at_level(logging.DEBUG, logger="ray_goodput.checkpoint._job"):
+        with Checkpointer(root, staging_dir=str(tmp_path / "s"), uploader="thread") as ckpt:
+            ckpt.save(1, {"model": model})
+            ckpt.wait()
+    assert "uploaded while it was written" in caplog.text
+    manifest = read_manifest(_catalog.step_location(resolve(root), 1))
+    data = next(f for f in manifest.files if f.name.endswith(".distcp"))
+    staged = next((tmp_path / "s").rglob(data.name))  # the node-local copy, the same bytes
+    assert (data.size, data.crc32) == file_crc32(staged, data.algorithm) and data.blocks
+    fresh = torch.nn.Linear(600, 600)
+    with Checkpointer(root, staging_dir=str(tmp_path / "cold"), uploader="thread") as ckpt:
+        assert ckpt.restore({"model": fresh}) == 1
+    assert torch.equal(fresh.weight, model.weight)
+
+
+@pytest.mark.parametrize("ok", [True, False])
+def test_a_follower_whose_file_never_appears_ends_when_told(s3_server, tmp_path, ok):
+    loc = resolve(s3_server.bucket_uri(f"follow-none-{ok}"))
+    follow = FollowUpload(tmp_path / "never" / "__0_0.distcp", loc, "f.distcp", CRC32C)
+    follow.writer_done(ok=ok)
+    assert follow.result(0, timeout_s=30) is None and not _exists(loc, "f.distcp")
