@@ -93,16 +93,24 @@ def _copy_aside(local: Path, fs: pafs.FileSystem, dest: str, algorithm: str,
 _NO_LINK = (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP)
 
 
+def _linked(src: str | Path, link: str | Path) -> bool:
+    """Hard-link ``src`` as ``link``; False when the file systems differ or links are not
+    supported there."""
+    try:
+        os.link(src, link)
+    except OSError as exc:
+        if exc.errno in _NO_LINK:
+            return False
+        raise
+    return True
+
+
 def _link_up(local: Path, dest: str, algorithm: str, blocks: list[int], block_bytes: int) -> tuple[int, int] | None:
     """Hard-link ``local`` as ``dest`` (same file system): the bytes are not written a
     second time. None when the file systems differ or links are not supported there."""
     tmp = f"{dest}.link-{os.getpid()}-{threading.get_ident()}"
-    try:
-        os.link(local, tmp)
-    except OSError as exc:
-        if exc.errno in _NO_LINK:
-            return None
-        raise
+    if not _linked(local, tmp):
+        return None
     try:
         blocks.clear()
         size, crc = file_crc32(tmp, algorithm, blocks=blocks, block_bytes=block_bytes)  # page cache
@@ -190,12 +198,8 @@ def link_local_file(src: str | Path, local: str | Path) -> bool:
     local = Path(local)
     local.parent.mkdir(parents=True, exist_ok=True)
     tmp = _part_name(local)
-    try:
-        os.link(src, tmp)
-    except OSError as exc:
-        if exc.errno in _NO_LINK:
-            return False
-        raise
+    if not _linked(src, tmp):
+        return False
     try:
         os.replace(tmp, local)
     finally:
