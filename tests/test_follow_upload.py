@@ -15,6 +15,7 @@ from ray_goodput.checkpoint import _catalog
 from ray_goodput.checkpoint._follow import FollowUpload
 from ray_goodput.checkpoint._manifest import read_manifest
 from ray_goodput.storage import CRC32C, checksum, file_crc32, resolve
+from ray_goodput.testing import FlakyProxy, wait_for
 
 
 def _write_slowly(path, chunks: list[bytes], pause_s: float = 0.01) -> None:
@@ -26,44 +27,62 @@ def _write_slowly(path, chunks: list[bytes], pause_s: float = 0.01) -> None:
             time.sleep(pause_s)
 
 
+def _sent(proxy: FlakyProxy, name: str) -> bool:
+    """Whether a request that writes ``name`` (a part, or the object) reached the server."""
+    return any(method != "GET" and name in path for (method, path) in list(proxy.requests))
+
+
 def _exists(loc, name: str) -> bool:
     return loc.fs.get_file_info(loc.join(name)).type.name != "NotFound"
 
 
 def test_a_file_followed_while_it_is_written_is_uploaded_whole_with_its_checksums(s3_server, tmp_path):
-    loc = resolve(s3_server.bucket_uri("follow-ok"))
+    proxy = FlakyProxy(s3_server.endpoint)
+    loc = resolve(s3_server.bucket_uri("follow-ok").replace(s3_server.endpoint, proxy.endpoint))
     path = tmp_path / "part" / "__0_0.distcp"
-    chunks = [bytes([i]) * (300 << 10) for i in range(8)]
-    follow = FollowUpload(path, loc, "f.distcp", CRC32C)  # started before the file exists
-    writer = threading.Thread(target=_write_slowly, args=(path, chunks))
+    chunks = [bytes([i]) * (1 << 20) for i in range(24)]  # over one part: a multipart upload
+    follow = FollowUpload(path, tmp_path / "final", loc, "f.distcp", CRC32C)  # started before the file exists
+    writer = threading.Thread(target=_write_slowly, args=(path, chunks, 0.02))
     writer.start()
+    wait_for(lambda: _sent(proxy, "f.distcp"), timeout_s=60, what="a part sent while the file is written")
+    assert writer.is_alive()  # sending began before the write ended
     writer.join()
     follow.writer_done(ok=True)
-    entry = follow.result(path.stat().st_size, timeout_s=60)
+    entry = follow.result(path, timeout_s=60, stop_s=10)
     data = b"".join(chunks)
     assert entry is not None and (entry.size, entry.crc32) == (len(data), checksum(data, CRC32C))
     assert (entry.size, entry.crc32) == file_crc32(path, CRC32C)
     with loc.fs.open_input_file(loc.join("f.distcp")) as f:
         assert f.read() == data
+    proxy.close()
 
 
 def test_a_write_that_fails_while_followed_leaves_no_object_and_no_entry(s3_server, tmp_path):
-    loc = resolve(s3_server.bucket_uri("follow-fail"))
+    proxy = FlakyProxy(s3_server.endpoint)
+    loc = resolve(s3_server.bucket_uri("follow-fail").replace(s3_server.endpoint, proxy.endpoint))
     path = tmp_path / "part" / "__0_0.distcp"
-    follow = FollowUpload(path, loc, "f.distcp", CRC32C)
-    _write_slowly(path, [b"x" * (100 << 10)] * 3)
+    follow = FollowUpload(path, tmp_path / "final", loc, "f.distcp", CRC32C)
+    _write_slowly(path, [b"x" * (1 << 20)] * 16)
+    wait_for(lambda: _sent(proxy, "f.distcp"), timeout_s=60, what="a part of the followed file sent")
     follow.abandon(timeout_s=60)  # e.g. the staging disk filled up
     assert not _exists(loc, "f.distcp")  # what was sent is taken back before abandon returns
-    assert follow.result(path.stat().st_size, timeout_s=1) is None
+    assert follow.result(path, timeout_s=1, stop_s=1) is None
+    proxy.close()
 
 
-def test_a_follower_that_saw_other_bytes_than_the_file_has_is_not_used(s3_server, tmp_path):
-    loc = resolve(s3_server.bucket_uri("follow-size"))
+def test_a_follower_that_followed_another_file_than_the_one_written_is_not_used(s3_server, tmp_path):
+    """Found in review: a file a killed writer left at the same path, of the same size,
+    was taken for the new one (sizes alone were compared): the renamed file must be the
+    very file followed (its inode)."""
+    loc = resolve(s3_server.bucket_uri("follow-other"))
     path = tmp_path / "part" / "__0_0.distcp"
-    follow = FollowUpload(path, loc, "f.distcp", CRC32C)
+    follow = FollowUpload(path, tmp_path / "final", loc, "f.distcp", CRC32C)
     _write_slowly(path, [b"y" * 1000])
     follow.writer_done(ok=True)
-    assert follow.result(999, timeout_s=60) is None  # the caller uploads the file itself
+    other = tmp_path / "written.distcp"
+    other.write_bytes(b"z" * 1000)  # same size, another file
+    assert follow.result(other, timeout_s=60, stop_s=10) is None  # the caller uploads the file itself
+    assert follow.result(path, timeout_s=60, stop_s=10) is not None
 
 
 def test_on_object_storage_each_data_file_is_uploaded_while_dcp_writes_it(s3_server, tmp_path, caplog):
@@ -87,6 +106,18 @@ def test_on_object_storage_each_data_file_is_uploaded_while_dcp_writes_it(s3_ser
 @pytest.mark.parametrize("ok", [True, False])
 def test_a_follower_whose_file_never_appears_ends_when_told(s3_server, tmp_path, ok):
     loc = resolve(s3_server.bucket_uri(f"follow-none-{ok}"))
-    follow = FollowUpload(tmp_path / "never" / "__0_0.distcp", loc, "f.distcp", CRC32C)
+    follow = FollowUpload(tmp_path / "never" / "__0_0.distcp", tmp_path / "never" / "final", loc, "f.distcp", CRC32C)
     follow.writer_done(ok=ok)
-    assert follow.result(0, timeout_s=30) is None and not _exists(loc, "f.distcp")
+    assert follow.result(tmp_path / "never", timeout_s=30, stop_s=10) is None and not _exists(loc, "f.distcp")
+
+
+def test_a_write_over_before_the_follower_looked_is_read_under_its_final_name(s3_server, tmp_path):
+    """A small file is written and renamed before the follower first polls (found on a
+    1.4 MB shard: the follower gave up, and the file was uploaded a second time)."""
+    loc = resolve(s3_server.bucket_uri("follow-late"))
+    final = tmp_path / "final.distcp"
+    final.write_bytes(b"w" * 5000)
+    follow = FollowUpload(tmp_path / "part" / "__0_0.distcp", final, loc, "f.distcp", CRC32C)
+    follow.writer_done(ok=True)
+    entry = follow.result(final, timeout_s=60, stop_s=10)
+    assert entry is not None and (entry.size, entry.crc32) == file_crc32(final, CRC32C)

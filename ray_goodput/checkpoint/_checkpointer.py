@@ -206,11 +206,14 @@ class Checkpointer:
         """Collective on first use: rank 0 claims this attempt's generation and draws the
         token that, with the step, names every save of it (no collective per save)."""
         if self._generation is None:
-            early = self._early_claim
-            self._generation, self._token = _collective.on_rank0(
-                lambda: early.result() if early is not None else _generation.claim_attempt(self.root, self._retry),
-                "claiming a checkpoint generation")
+            self._generation, self._token = _collective.on_rank0(self._claim, "claiming a checkpoint generation")
         return self._generation
+
+    def _claim(self) -> tuple[int, str]:
+        """Rank 0: the claim started at construction, once (a failed one is made again at
+        the next call, not raised for ever)."""
+        early, self._early_claim = self._early_claim, None
+        return early.result() if early is not None else _generation.claim_attempt(self.root, self._retry)
 
     # ---- save -----------------------------------------------------------------------
 

@@ -16,31 +16,36 @@ Object storage only: local storage takes the staged files as hard links.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from pathlib import Path
 
+from ray_goodput.errors import CheckpointError, GoodputError
 from ray_goodput.storage import BLOCK_BYTES, CHUNK_BYTES, FileEntry, StorageLocation, copy_stream
 
 logger = logging.getLogger(__name__)
 
-#: How often a follower looks for more bytes when it has caught up with the writer.
-POLL_S = 0.002
+#: How often a follower looks for more bytes when it has caught up with the writer (it
+#: shares the GIL with training when the uploader is a thread of the worker).
+POLL_S = 0.01
 #: A writer that adds nothing for this long, and has not said it is done, is given up on.
 STALL_S = 600.0
 
 
-class WriterFailed(Exception):
+class WriterFailed(GoodputError):
     """The file's writer failed: what was followed is not the file."""
 
 
 class _Growing:
     """``read(n)`` over a file another thread appends to: waits for bytes until the
-    writer says it is done (then returns what is left, then ``b""``)."""
+    writer says it is done (then returns what is left, then ``b""``). A write over before
+    the file was first looked for is read under ``final``, the name it was renamed to."""
 
-    def __init__(self, path: Path, done: threading.Event, failed: threading.Event) -> None:
-        self._path, self._done, self._failed = path, done, failed
+    def __init__(self, path: Path, final: Path, done: threading.Event, failed: threading.Event) -> None:
+        self._path, self._final, self._done, self._failed = path, final, done, failed
         self._file = None
+        self.identity: tuple[int, int] | None = None  # (st_dev, st_ino) of the file followed
         self._since = time.monotonic()
 
     def read(self, size: int) -> bytes:
@@ -50,10 +55,10 @@ class _Growing:
             finished = self._done.is_set()  # read after: bytes written before it are seen
             if self._file is None:
                 try:
-                    self._file = open(self._path, "rb")  # noqa: SIM115 - closed in close()
+                    self._open(self._final if finished else self._path)
                 except FileNotFoundError:
                     if finished:
-                        raise WriterFailed(f"{self._path} was never written") from None
+                        raise WriterFailed(f"neither {self._path} nor {self._final} was written") from None
                     self._wait()
                     continue
             data = self._file.read(size)
@@ -61,6 +66,16 @@ class _Growing:
                 self._since = time.monotonic()
                 return data
             self._wait()
+
+    def _open(self, path: Path) -> None:
+        try:
+            self._file = open(path, "rb")  # noqa: SIM115 - closed in close()
+        except FileNotFoundError:
+            if path == self._final:
+                raise
+            self._file = open(self._final, "rb")  # noqa: SIM115 - renamed since: done by now
+        stat = os.fstat(self._file.fileno())
+        self.identity = (stat.st_dev, stat.st_ino)
 
     def _wait(self) -> None:
         if time.monotonic() - self._since > STALL_S:
@@ -73,13 +88,14 @@ class _Growing:
 
 
 class FollowUpload:
-    """Upload ``path`` as ``<loc>/<name>`` while it is being written, in a thread."""
+    """Upload ``path`` as ``<loc>/<name>`` while it is being written, in a thread;
+    ``final``: the name the writer renames it to once written."""
 
-    def __init__(self, path: Path, loc: StorageLocation, name: str, algorithm: str) -> None:
+    def __init__(self, path: Path, final: Path, loc: StorageLocation, name: str, algorithm: str) -> None:
         self.name = name
         self._loc, self._algorithm = loc, algorithm
         self._done, self._failed = threading.Event(), threading.Event()
-        self._source = _Growing(path, self._done, self._failed)
+        self._source = _Growing(path, final, self._done, self._failed)
         self._entry: FileEntry | None = None
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="rg-follow-upload", daemon=True)
@@ -97,21 +113,29 @@ class FollowUpload:
         if self._thread.is_alive():
             logger.warning("the upload following %s did not stop in %.0f s", self.name, timeout_s)
 
-    def result(self, size: int, timeout_s: float) -> FileEntry | None:
-        """The uploaded file's entry once the follower ended; None when it failed or sent
-        other than ``size`` bytes (the caller uploads the file itself)."""
+    def result(self, written: Path, timeout_s: float, stop_s: float) -> FileEntry | None:
+        """The uploaded file's entry once the follower ended; None when it failed, or sent
+        another file or size than ``written`` (the staged file, renamed: the same inode),
+        and the caller uploads the file itself. A follower that did not end in
+        ``timeout_s``, nor ``stop_s`` after being told to stop, fails the save: uploading
+        the file again would race it on the same object."""
         self._thread.join(timeout_s)
         if self._thread.is_alive():
-            self._failed.set()  # it stops at its next read; the normal upload replaces its object
-            logger.warning("following %s for upload did not end in %.0f s; uploading it again", self.name, timeout_s)
+            self.abandon(stop_s)
+            if self._thread.is_alive():
+                raise CheckpointError(f"the upload of {self.name} (following its write) neither ended in "
+                                      f"{timeout_s:.0f} s nor stopped in {stop_s:.0f} s; check the storage")
             return None
         if self._error is not None:
             logger.info("could not upload %s while it was written (%s: %s); uploading it now",
                         self.name, type(self._error).__name__, self._error)
             return None
-        if self._entry is None or self._entry.size != size:
-            logger.warning("%s: followed %s bytes, the written file has %d; uploading it again",
-                           self.name, self._entry.size if self._entry else None, size)
+        stat = written.stat()
+        if self._entry is None or self._entry.size != stat.st_size \
+                or self._source.identity != (stat.st_dev, stat.st_ino):
+            logger.warning("%s: the upload that followed its write saw another file (%s bytes, the file "
+                           "has %d); uploading it again", self.name,
+                           self._entry.size if self._entry else None, stat.st_size)
             return None
         return self._entry
 

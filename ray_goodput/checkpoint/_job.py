@@ -185,8 +185,21 @@ def _follow_data_file(job: ShardJob) -> FollowUpload | None:
     if job.root.is_local:
         return None  # hard links: nothing to overlap
     out = Path(job.local_dir)
-    return FollowUpload(writing_path(out, job.rank), _catalog.step_location(job.root, job.step),
-                        data_file(job.rank, job.nonce), DEFAULT_ALGORITHM)
+    name = data_file(job.rank, job.nonce)
+    return FollowUpload(writing_path(out, job.rank, job.nonce), out / name,
+                        _catalog.step_location(job.root, job.step), name, DEFAULT_ALGORITHM)
+
+
+def _followed(job: ShardJob, follow: FollowUpload | None) -> list[FileEntry]:
+    """The data file's entry when the follower uploaded it (else it is uploaded as usual)."""
+    if follow is None:
+        return []
+    follow.writer_done(ok=True)
+    entry = follow.result(Path(job.local_dir) / follow.name, timeout_s=_FOLLOW_END_S, stop_s=_FOLLOW_STOP_S)
+    if entry is None:
+        return []
+    logger.debug("step %d rank %d: %s uploaded while it was written", job.step, job.rank, entry.name)
+    return [entry]
 
 
 def run_shard_job(job: ShardJob, record: SaveRecord, tensors: dict[str, Any], *,
@@ -198,21 +211,14 @@ def run_shard_job(job: ShardJob, record: SaveRecord, tensors: dict[str, Any], *,
     follow = _follow_data_file(job)
     try:
         names = write_local(job, tensors)
+        written = time.monotonic()
+        record.advance(SaveState.STAGED)
+        on_released()
+        uploaded = _followed(job, follow)
     except BaseException:
         if follow is not None:  # before the failure is reported: the next save needs the disk
             follow.abandon(timeout_s=_FOLLOW_STOP_S)
         raise
-    written = time.monotonic()
-    record.advance(SaveState.STAGED)
-    on_released()
-    uploaded: list[FileEntry] = []
-    if follow is not None:
-        follow.writer_done(ok=True)
-        size = (Path(job.local_dir) / follow.name).stat().st_size
-        entry = follow.result(size, timeout_s=_FOLLOW_END_S)
-        uploaded = [entry] if entry is not None else []
-        if entry is not None:
-            logger.debug("step %d rank %d: %s uploaded while it was written", job.step, job.rank, entry.name)
     num_bytes, state = upload_and_commit(job, names, concurrency=concurrency, policy=policy,
                                          uploaded=uploaded)
     record.advance(SaveState.UPLOADED)

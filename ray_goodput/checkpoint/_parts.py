@@ -101,10 +101,11 @@ def _without_zip_crc32() -> Iterator[None]:
                 save_config.compute_crc32 = _crc_before
 
 
-def writing_path(out_dir: Path, rank: int) -> Path:
+def writing_path(out_dir: Path, rank: int, nonce: str) -> Path:
     """Where :func:`write_part` has DCP write this rank's data file (front to back, once)
-    before renaming it into ``out_dir``."""
-    return out_dir / f".part-{rank}-{os.getpid()}" / "__0_0.distcp"  # DCP's own name
+    before renaming it into ``out_dir``: named after the save, so that nothing a killed
+    writer of another save left behind is ever taken for it."""
+    return out_dir / f".part-{rank}-{nonce}-{os.getpid()}" / "__0_0.distcp"  # DCP's own name
 
 
 def write_part(flat: dict[str, Any], leaves: dict[str, Leaf], mappings: dict[str, Any],
@@ -113,7 +114,7 @@ def write_part(flat: dict[str, Any], leaves: dict[str, Leaf], mappings: dict[str
 
     ``mappings`` is DCP's flatten mapping of the rank's whole state dict.
     """
-    tmp = writing_path(out_dir, rank).parent
+    tmp = writing_path(out_dir, rank, nonce).parent
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         writer = FileSystemWriter(tmp, single_file_per_rank=True, sync_files=False, thread_count=1)
@@ -122,7 +123,7 @@ def write_part(flat: dict[str, Any], leaves: dict[str, Leaf], mappings: dict[str
                      planner=DefaultSavePlanner(flatten_state_dict=False))
         with open(tmp / ".metadata", "rb") as f:
             meta = pickle.load(f)  # noqa: S301 - written just now by DCP
-        os.replace(writing_path(out_dir, rank), out_dir / data_file(rank, nonce))
+        os.replace(writing_path(out_dir, rank, nonce), out_dir / data_file(rank, nonce))
         (out_dir / "parts").mkdir(exist_ok=True)
         with open(out_dir / part_file(rank, nonce), "wb") as f:
             pickle.dump(_globalize(meta, rank, nonce, leaves, mappings), f)

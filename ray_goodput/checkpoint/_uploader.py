@@ -74,7 +74,10 @@ class CheckpointUploader:
         with self._lock:
             self._clients.add(pid)
             self._clean_close = False
-        self._resolve_root(root)
+        try:
+            self._resolve_root(root)
+        except Exception as exc:  # noqa: BLE001 - a warm-up: the first job resolves it again and fails there
+            logger.warning("could not resolve a worker's storage location ahead of its first save: %s", exc)
         return self.node_id
 
     def _resolve_root(self, root: bytes | None) -> StorageLocation | None:
