@@ -121,3 +121,18 @@ def test_a_write_over_before_the_follower_looked_is_read_under_its_final_name(s3
     follow.writer_done(ok=True)
     entry = follow.result(final, timeout_s=60, stop_s=10)
     assert entry is not None and (entry.size, entry.crc32) == file_crc32(final, CRC32C)
+
+
+def test_a_followed_upload_records_blocks_of_the_size_uploads_use_now(s3_server, tmp_path, monkeypatch):
+    """Found by `benchmarks/storage_requests.py`: the follower took the block size at
+    import, so with blocks set to 64 KiB a rank read every other rank's file whole again
+    (2.00x its own shard at world 2, against 1.03x before the follower)."""
+    from ray_goodput.storage import _checksum
+
+    monkeypatch.setattr(_checksum, "BLOCK_BYTES", 64 << 10)
+    root = s3_server.bucket_uri("follow-blocks")
+    with Checkpointer(root, staging_dir=str(tmp_path / "s"), uploader="thread") as ckpt:
+        ckpt.save(1, {"model": torch.nn.Linear(600, 600)})
+    manifest = read_manifest(_catalog.step_location(resolve(root), 1))
+    data = next(f for f in manifest.files if f.name.endswith(".distcp"))
+    assert data.block_bytes == 64 << 10 and len(data.blocks) == -(-data.size // (64 << 10))

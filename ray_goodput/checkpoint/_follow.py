@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from ray_goodput.errors import CheckpointError, GoodputError
-from ray_goodput.storage import BLOCK_BYTES, CHUNK_BYTES, FileEntry, StorageLocation, copy_stream
+from ray_goodput.storage import CHUNK_BYTES, FileEntry, StorageLocation, copy_stream, upload_block_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -142,12 +142,13 @@ class FollowUpload:
     def _run(self) -> None:
         dest = self._loc.join(self.name)
         blocks: list[int] = []
+        block_bytes = upload_block_bytes()
         try:
             with self._loc.fs.open_output_stream(dest) as out:
                 size, crc = copy_stream(self._source, out, algorithm=self._algorithm, chunk_bytes=CHUNK_BYTES,
-                                        blocks=blocks, block_bytes=BLOCK_BYTES)
+                                        blocks=blocks, block_bytes=block_bytes)
             self._entry = FileEntry(name=self.name, size=size, crc32=crc, algorithm=self._algorithm,
-                                    block_bytes=BLOCK_BYTES, blocks=tuple(blocks))
+                                    block_bytes=block_bytes, blocks=tuple(blocks))
         except Exception as exc:  # noqa: BLE001 - reported by result(); the caller falls back
             self._error = exc
             self._delete_partial(dest)

@@ -11,6 +11,7 @@ from ray_goodput.storage._checksum import (
     combine_checksums,
     copy_stream,
     file_crc32,
+    upload_block_bytes,
 )
 from ray_goodput.storage._retry import RetryPolicy, is_transient
 from ray_goodput.storage._transfer import (
@@ -52,6 +53,7 @@ __all__ = [
     "object_crc32",
     "read_bytes",
     "resolve",
+    "upload_block_bytes",
     "upload_file",
     "upload_files",
     "write_bytes",

@@ -37,6 +37,14 @@ REMOTE_READ_BYTES = 128 << 20
 #: the size its manifest names).
 BLOCK_BYTES = 8 << 20
 
+
+
+def upload_block_bytes() -> int:
+    """The block size of the block checksums an upload records now (:data:`BLOCK_BYTES`,
+    read at each upload, so that a benchmark or test can set it)."""
+    return BLOCK_BYTES
+
+
 CRC32 = "crc32"
 CRC32C = "crc32c"
 #: The algorithm of every checkpoint file's checksum recorded from now on.

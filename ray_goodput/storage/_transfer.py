@@ -132,7 +132,7 @@ def upload_file(local: str | Path, loc: StorageLocation, name: str,
     dest = loc.join(name)
     parent = posixpath.dirname(dest)
     blocks: list[int] = []
-    block_bytes = _checksum.BLOCK_BYTES
+    block_bytes = _checksum.upload_block_bytes()
 
     def _send() -> tuple[int, int]:
         if not loc.is_local:
