@@ -125,7 +125,7 @@ def _restore_rank(rank: int, world_size: int, uri: str, staging: str, layers: in
     import torch.distributed as dist
 
     from ray_goodput import Checkpointer
-    from ray_goodput.checkpoint import _layout, _tiered_reader
+    from ray_goodput.checkpoint import _layout, _tiered_fetch, _tiered_fs
     from ray_goodput.storage import _checksum, list_dir, resolve
 
     _checksum.BLOCK_BYTES = block_kib << 10
@@ -137,15 +137,15 @@ def _restore_rank(rank: int, world_size: int, uri: str, staging: str, layers: in
     own = sum(i.size for i in files if i.base_name.startswith(f"__{rank}_"))
     total = sum(i.size for i in files if i.base_name.endswith(".distcp"))
     out = {"own": own, "total": total}
-    block_runs = _tiered_reader._block_runs
+    block_runs = _tiered_fetch._block_runs
     for mode in ("blocks", "whole"):
         if mode == "whole":  # as for a manifest without block checksums
-            _tiered_reader._block_runs = lambda want, ranges: None
+            _tiered_fetch._block_runs = _tiered_fs._block_runs = lambda want, ranges: None
         with Checkpointer(uri, staging_dir=f"{staging}/cold-{mode}-{rank}", uploader="thread") as ckpt:
             assert ckpt.restore(_fsdp(world_size, layers, 1)) == 1
             out[mode] = ckpt.last_restore.remote_bytes
             out[f"{mode}_s"] = ckpt.last_restore.seconds
-        _tiered_reader._block_runs = block_runs
+        _tiered_fetch._block_runs = _tiered_fs._block_runs = block_runs
         dist.barrier()
     return out
 

@@ -200,7 +200,7 @@ def _restore_from_parts(rank: int, world: int, root: str, staging: str, damage: 
 
     import torch.distributed as dist
 
-    from ray_goodput.checkpoint import _tiered_reader
+    from ray_goodput.checkpoint import _tiered_fetch
     from ray_goodput.checkpoint._tiered_reader import wait_for_node_local_copies
 
     expected, step_dir = _save_fsdp(world, root, staging)
@@ -212,7 +212,7 @@ def _restore_from_parts(rank: int, world: int, root: str, staging: str, damage: 
         data[len(data) // 2] ^= 0xFF
         path.write_bytes(bytes(data))
     dist.barrier()
-    _tiered_reader.SPARSE_MIN_BYTES = 0  # this test's files are small; the rule is the same
+    _tiered_fetch.SPARSE_MIN_BYTES = 0  # this test's files are small; the rule is the same
     fresh = _fsdp_state(world, 1)
     cold = Path(staging) / f"cold-{rank}"
     with Checkpointer(root, staging_dir=str(cold), uploader="thread") as ckpt:
@@ -225,8 +225,9 @@ def _restore_from_parts(rank: int, world: int, root: str, staging: str, damage: 
 
 def test_another_ranks_file_is_checked_whole_but_only_its_needed_ranges_are_kept(tmp_path):
     """Each FSDP2 rank needs a few replicated records (the optimizer steps) from the other
-    rank's data file: that file streams past its checksum, only those records are kept in
-    memory, and it is neither held whole nor written to this rank's staging disk."""
+    rank's data file: that file is checked whole (on local storage: mapped, checked in the
+    page cache), and it is neither held whole nor written to this rank's staging disk.
+    (Object storage: the next test but one.)"""
     from ray_goodput.testing import run_world
 
     for rank_result in run_world(_restore_from_parts, 2, str(tmp_path / "root"), str(tmp_path / "st"), None):
@@ -242,6 +243,32 @@ def test_a_damaged_byte_outside_the_needed_ranges_still_rejects_the_checkpoint(t
     results = run_world(_restore_from_parts, 2, str(tmp_path / "root"), str(tmp_path / "st"), "flip")
     assert [(r["restored"], r["same"]) for r in results] == [(None, False), (None, False)], results
     assert (tmp_path / "root" / "checkpoints" / "step-000000001" / "QUARANTINED").exists()
+
+
+def test_a_file_without_block_checksums_streams_past_its_check_keeping_only_the_needed_ranges(
+        tmp_path, s3_server, monkeypatch):
+    """A manifest written before block checksums: another rank's file on object storage
+    is streamed past its whole-file checksum and only the needed ranges are kept; damage
+    outside them still rejects it."""
+    from ray_goodput.checkpoint import _tiered_fetch
+    from ray_goodput.checkpoint._tiered_reader import _TieredFs
+    from ray_goodput.errors import CheckpointCorruptError
+    from ray_goodput.storage import CRC32C, FileEntry, RetryPolicy, checksum, resolve, write_bytes
+
+    monkeypatch.setattr(_tiered_fetch, "SPARSE_MIN_BYTES", 0)  # small files; the rule is the same
+    store = resolve(s3_server.bucket_uri("sparse"))
+    data = os.urandom(10 * 4096)
+    entry = FileEntry("f.distcp", len(data), checksum(data, CRC32C), CRC32C)  # no blocks
+    write_bytes(store, "f.distcp", data)
+    fs = _TieredFs(store, tmp_path / "local", set(), {"f.distcp": entry}, RetryPolicy())
+    fs.prepare("f.distcp", [(4096 + 10, 100)])
+    assert fs.sparse["f.distcp"].kept_bytes == 100 and "f.distcp" not in fs.held and fs.remote_bytes == len(data)
+    assert bytes(fs.sparse["f.distcp"].read_at(4096 + 10, 100)) == data[4096 + 10:4096 + 110]
+    fs.release()
+    write_bytes(store, "f.distcp", data[:9000] + bytes([data[9000] ^ 1]) + data[9001:])  # not in the range
+    with pytest.raises(CheckpointCorruptError, match="manifest says"):
+        _TieredFs(store, tmp_path / "local2", set(), {"f.distcp": entry}, RetryPolicy()).prepare(
+            "f.distcp", [(4096 + 10, 100)])
 
 
 def _restore_reading_blocks(rank: int, world: int, root: str, staging: str) -> dict:
