@@ -72,6 +72,53 @@ def test_save_makes_no_collective_while_the_state_structure_is_unchanged(tmp_pat
     assert manifests[0].nonce != manifests[1].nonce  # derived ids still unique per save
 
 
+_COLLECTIVES = ("all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list",
+                "all_gather", "broadcast", "gather", "scatter", "all_reduce", "barrier")
+
+
+def _count_restore_collectives(rank: int, world_size: int, root: str, staging: str) -> dict:
+    import torch.distributed as dist
+
+    torch.manual_seed(0)  # replicated (as under DDP): each leaf is written by one rank, read by both
+    model = torch.nn.Linear(64, 64)
+    optim = torch.optim.AdamW(model.parameters())
+    model(torch.ones(2, 64)).sum().backward()
+    optim.step()
+    with Checkpointer(root, staging_dir=f"{staging}/{rank}", uploader="thread") as ckpt:
+        ckpt.save(1, {"model": model, "optim": optim})
+    saved = model.weight.detach().clone()
+    calls: list[str] = []
+    real = {name: getattr(dist, name) for name in _COLLECTIVES}
+
+    def counting(name):
+        def call(*args, **kwargs):
+            calls.append(name)
+            return real[name](*args, **kwargs)
+        return call
+
+    fresh = torch.nn.Linear(64, 64)
+    fresh_optim = torch.optim.AdamW(fresh.parameters())
+    with Checkpointer(root, staging_dir=f"{staging}/fresh{rank}", uploader="thread") as ckpt:
+        for name in _COLLECTIVES:
+            setattr(dist, name, counting(name))  # counts, still the real collective
+        try:
+            step = ckpt.restore({"model": fresh, "optim": fresh_optim})
+        finally:
+            for name, fn in real.items():
+                setattr(dist, name, fn)
+    return {"step": step, "calls": calls, "equal": torch.equal(fresh.weight, saved),
+            "opt_step": float(fresh_optim.state_dict()["state"][0]["step"])}
+
+
+def test_a_restore_makes_three_collectives_and_none_in_dcp(tmp_path):
+    """The choice (with the generation claim), the agreement once every rank checked its
+    files, and the outcome: DCP plans each rank's reads alone (was 8 collectives)."""
+    out = run_world(_count_restore_collectives, 2, str(tmp_path / "root"), str(tmp_path / "s"), timeout_s=240)
+    for rank in out:
+        assert rank["step"] == 1 and rank["equal"] and rank["opt_step"] == 1.0, rank
+        assert rank["calls"] == ["broadcast_object_list", "all_gather_object", "all_gather_object"], rank
+
+
 def _mismatched(rank: int, world_size: int) -> str:
     try:
         _collective.gather_tagged("owner plan" if rank == 0 else "save outcomes", rank)
@@ -249,6 +296,7 @@ def test_a_file_of_local_storage_is_mapped_checked_unmapped_after_the_load_and_l
         assert ckpt.restore({"model": fresh}) == 1
         assert ckpt.last_restore.remote_files > 0 and ckpt.last_restore.direct_tensors == 2
     assert torch.equal(fresh.weight, model.weight) and torch.equal(fresh.bias, model.bias)
+    assert wait_for_node_local_copies(30)  # the load's mappings are closed in the background
     assert not any(p.startswith(str(tmp_path)) for p in _mapped_paths())
 
 
@@ -265,6 +313,7 @@ def test_a_node_local_copy_damaged_in_place_fails_its_mapped_check_and_storage_i
         assert ckpt.restore({"model": fresh}) == 1
         assert ckpt.last_restore.remote_files == 1 and ckpt.last_restore.local_files > 0
     assert torch.equal(fresh.weight, model.weight)
+    assert wait_for_node_local_copies(30)  # the load's mappings are closed in the background
     assert not any(p.startswith(str(tmp_path)) for p in _mapped_paths())
 
 
@@ -566,6 +615,25 @@ def test_the_uploaders_dcp_write_skips_torch_saves_zip_crc32_and_puts_the_settin
         record = zipfile.ZipFile(io.BytesIO(data[info.offset:info.offset + info.length]))
         crcs += [entry.CRC for entry in record.infolist()]
     assert crcs and set(crcs) == {0}, crcs
+
+
+def test_small_leaves_are_written_first_so_a_peer_checks_one_block_for_them(tmp_path):
+    """Optimizer step counters between 8 MiB moments used to sit in a block each: a rank
+    that read them from a peer's file checked three 8 MiB blocks for three scalars."""
+    import pickle
+
+    from ray_goodput.checkpoint._parts import part_file
+    from ray_goodput.storage import BLOCK_BYTES
+
+    flat = {}
+    for i in range(3):
+        flat[f"m{i}"] = torch.zeros(BLOCK_BYTES // 4)  # one block each
+        flat[f"step{i}"] = torch.tensor(float(i))
+    write_part(flat, {}, {}, 0, "n1", tmp_path)
+    meta = pickle.loads((tmp_path / part_file(0, "n1")).read_bytes())
+    offsets = {index.fqn: info.offset for index, info in meta.storage_data.items()}
+    assert {offsets[f"step{i}"] // BLOCK_BYTES for i in range(3)} == {0}, offsets
+    assert offsets["m0"] < offsets["m1"] < offsets["m2"], offsets  # large ones keep their order
 
 
 def test_the_zip_crc32_switch_is_counted_across_concurrent_writers_and_put_back_after_an_error():

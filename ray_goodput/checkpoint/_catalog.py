@@ -127,13 +127,16 @@ def list_checkpoints(storage_path: str | StorageLocation) -> list[CheckpointInfo
     return [d.info() for d in scan(storage_path) if d.files]
 
 
-def verify(step_loc: StorageLocation, manifest: Manifest, *, checksums: bool) -> list[str]:
+def verify(step_loc: StorageLocation, manifest: Manifest, *, checksums: bool,
+           present: dict[str, int] | None = None) -> list[str]:
     """Problems found comparing storage with ``manifest``; empty when it matches.
 
-    Sizes are always checked (one listing); ``checksums`` reads every byte.
+    Sizes are always checked (one listing, or ``present``: the sizes a listing just
+    made found, by name under the step directory); ``checksums`` reads every byte.
     """
-    present = {i.path[len(step_loc.root) + 1:]: i.size
-               for i in list_dir(step_loc, recursive=True) if i.type == pafs.FileType.File}
+    if present is None:
+        present = {i.path[len(step_loc.root) + 1:]: i.size or 0
+                   for i in list_dir(step_loc, recursive=True) if i.type == pafs.FileType.File}
     problems = []
     for entry in manifest.files:
         size = present.get(entry.name)
@@ -186,7 +189,7 @@ def newest_valid(root: str | StorageLocation, *, checksums: bool = False,
             if manifest.order != order:  # the complete save was an older one: re-rank it
                 heapq.heappush(heap, ((-manifest.generation, -manifest.step), i))
                 continue
-        problems = verify(d.loc, manifest, checksums=checksums)
+        problems = verify(d.loc, manifest, checksums=checksums, present=d.files)  # sizes as scanned
         if not problems:
             return d.loc, manifest
         quarantine_damaged(d.loc, manifest, "; ".join(problems[:5]))

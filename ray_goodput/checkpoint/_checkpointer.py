@@ -169,6 +169,7 @@ class Checkpointer:
         self._generation: int | None = None
         # Rank 0 claims the generation now; the first save or restore only waits for it.
         self._early_claim = _generation.EarlyClaim(self.root, self._retry) if self.rank == 0 else None
+        self._pinning: threading.Thread | None = None  # rank 0's resume pin, written in the background
         self._errors: list[tuple[str, BaseException | None]] = []
         self._closed = False
         self.stats = SaveStats()
@@ -420,19 +421,18 @@ class Checkpointer:
         one. The world size may differ from the one that saved it (DCP resharding).
         """
         self._check_open()
-        self.wait()  # collective: called on every rank, whatever each one has pending
+        if self.stats.saves:  # none yet (every rank alike: saves are collective): nothing to settle
+            self.wait()  # collective: called on every rank, whatever each one has pending
         t0 = time.time()
-        self._ensure_generation()
         decision = resume_decision(self.root)
         if decision is not None and decision.step is None:
+            self._ensure_generation()
             self._recorder.restored(None, t0, time.time())
             return None
         step = decision.step if decision is not None else None
         before: tuple[int, int] | None = None
         while True:
-            manifest = _collective.on_rank0(
-                lambda: choose(self.root, step=step, before=before, checksums=self.verify_checksums),
-                "choosing the checkpoint to restore")
+            manifest = self._choose(step, before)
             if manifest is None:
                 self._recorder.restored(None, t0, time.time())
                 return None
@@ -446,11 +446,34 @@ class Checkpointer:
                 before = manifest.order
                 continue
             if decision is None and self.rank == 0:  # a Recovery pins its own choice
-                _best_effort("pinning the resume step", lambda: _retention.pin_resume(
-                    self.root, attempt=self._generation or 0, step=manifest.step))
+                self._pin_resume(manifest.step)
             self._recorder.restored(manifest.step, t0, time.time())
             self._last_step = manifest.step
             return manifest.step
+
+    def _choose(self, step: int | None, before: tuple[int, int] | None) -> Any:
+        """Rank 0's pick of the checkpoint to load (see ``choose``), broadcast; the first
+        collective of this Checkpointer also carries the generation claim (one broadcast)."""
+        def pick() -> Any:
+            return choose(self.root, step=step, before=before, checksums=self.verify_checksums)
+        if self._generation is not None:
+            return _collective.on_rank0(pick, "choosing the checkpoint to restore")
+
+        def claim_and_pick() -> tuple[tuple[int, str], Any]:
+            manifest = pick()  # while the claim started at construction finishes
+            return self._claim(), manifest
+        (self._generation, self._token), manifest = _collective.on_rank0(
+            claim_and_pick, "claiming a checkpoint generation and choosing the checkpoint to restore")
+        return manifest
+
+    def _pin_resume(self, step: int) -> None:
+        """Rank 0: record the resume step for retention (see ``pin_resume``) in the
+        background; a storage write the restore need not wait for (``close`` does)."""
+        attempt = self._generation or 0
+        self._pinning = threading.Thread(
+            target=_best_effort, name="rg-resume-pin", daemon=True,
+            args=("pinning the resume step", lambda: _retention.pin_resume(self.root, attempt=attempt, step=step)))
+        self._pinning.start()
 
     def _load_agreed(self, state: dict[str, Any], manifest: Any) -> None:
         error: BaseException | None = None
@@ -482,6 +505,8 @@ class Checkpointer:
             # Only on a clean close: an error on its way up (a restart coming) is not held
             # back; the restarted worker's Checkpointer deletes what is left.
             self._dropper.join(_DROP_JOIN_S)
+            if self._pinning is not None:
+                self._pinning.join(_DROP_JOIN_S)
         finally:
             self._release()
 

@@ -9,11 +9,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from ray_goodput.checkpoint import _catalog, _collective, _layout, _state
 from ray_goodput.checkpoint._manifest import Manifest, read_manifest
@@ -135,24 +134,31 @@ def _load(roles: _state.Roles, state: dict[str, Any], *, root: StorageLocation, 
         # Read (and check) this rank's RNG blob before any weight is loaded in place: a
         # damaged one must fail the restore while the live state is still untouched.
         rng = _read_rng(reader, rank, manifest.nonce) if unchanged_world else None
-    except Exception as exc:  # noqa: BLE001 - agreed below, before DCP's collectives
+    except Exception as exc:  # noqa: BLE001 - agreed below, in the read's agreement
         error = exc
-    # Each rank reads .metadata from its own copy: if any could not, none enters dcp.load.
+    # DCP plans each rank's reads from the metadata alone (no collective: the global load
+    # plan of DCP's default planner is the local ones, unchanged). The load's one
+    # agreement is in the reader's read_data, once every rank checked its files and before
+    # any copies a byte; a rank that failed before it (metadata, RNG blob, planning) joins
+    # that agreement with its error, so no rank waits in it alone.
+    if error is None:
+        try:
+            _load_state_dict(template, storage_reader=reader, no_dist=True)
+        except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
+            error = exc
     try:
-        _collective.agree(error)
-    except BaseException:
+        if reader is None or not reader.read_agreed:
+            _collective.agree(error)
+        if error is not None:
+            raise error
+    except (Exception, CheckpointException) as exc:
+        if isinstance(exc, CheckpointCorruptError) or not any(
+                isinstance(e, CheckpointCorruptError) for e in _causes(exc)):
+            raise
+        raise CheckpointCorruptError(f"checkpoint step {manifest.step} is damaged: {exc}") from exc
+    finally:
         if reader is not None:  # unmap, and drop what was fetched early
             reader.release()
-        raise
-    try:
-        dcp.load(template, storage_reader=reader,
-                 no_dist=not (dist.is_initialized() and dist.get_world_size() > 1))
-    except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
-        if any(isinstance(e, CheckpointCorruptError) for e in _causes(exc)):
-            raise CheckpointCorruptError(f"checkpoint step {manifest.step} is damaged: {exc}") from exc
-        raise
-    finally:
-        reader.release()
     _state.apply_state_dict(roles, template, state)
     _state.forget_state(roles, manifest.unstepped)
     same_world = rng is not None

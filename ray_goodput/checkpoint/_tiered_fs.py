@@ -46,8 +46,8 @@ _copiers_lock = threading.Lock()
 
 
 def wait_for_node_local_copies(timeout_s: float) -> bool:
-    """Wait until the background writes of restored files into node-local copies are done;
-    False when some still run after ``timeout_s``."""
+    """Wait until the background work of finished loads (writes of restored files into
+    node-local copies, unmapping) is done; False when some still runs after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     with _copiers_lock:
         running = list(_copiers)
@@ -105,12 +105,13 @@ class TieredFs(StorageFetch, FileSystemBase):
         self.ready.difference_update(self.mapped)
         keep = [(name, self.held.get(name), self.mapped.pop(name, None)) for name in self.to_keep]
         self.to_keep.clear()
-        for mapped in self.mapped.values():  # those in ``keep`` are closed once copied
-            mapped.close()
+        unmap = list(self.mapped.values())  # those in ``keep`` are closed once copied
         self.mapped.clear()
         copies_map = any(mapped is not None for _, _, mapped in keep)
         if not copies_map:
-            self.guard.done()
+            self.guard.done()  # nothing reads the mappings any more: no read can fail now
+        if unmap:  # tearing down the page tables costs ~4 ms per 72 MiB: not on the load's path
+            _in_background(_unmap, (unmap,), "rg-restore-unmap")
         self.ready.difference_update(self.sparse)
         self.ready.difference_update(self.partly_checked)
         self.partly_checked.clear()
@@ -119,11 +120,7 @@ class TieredFs(StorageFetch, FileSystemBase):
         self.held.clear()
         self.sparse.clear()
         if keep:
-            copier = threading.Thread(target=self._keep_local, args=(keep, copies_map), daemon=True,
-                                      name="rg-node-local-copy")
-            with _copiers_lock:
-                _copiers.add(copier)
-            copier.start()
+            _in_background(self._keep_local, (keep, copies_map), "rg-node-local-copy")
 
     def _local_ok(self, name: str) -> bool:
         """Check a node-local file once, at its first open, against the manifest."""
@@ -195,8 +192,7 @@ class TieredFs(StorageFetch, FileSystemBase):
         finally:
             if mapped_any:
                 self.guard.done()
-            with _copiers_lock:
-                _copiers.discard(threading.current_thread())
+
 
     def prepare(self, name: str, ranges: list[tuple[int, int]] | None = None) -> None:
         """Make ``name`` readable and checked, from memory or the local directory (once per
@@ -277,3 +273,23 @@ def _linked(stored: str, local: Path) -> bool:
         return link_local_file(stored, local)
     except FileNotFoundError:
         return False
+
+
+def _in_background(target: Any, args: tuple, name: str) -> None:
+    """Run ``target(*args)`` in a daemon thread that :func:`wait_for_node_local_copies` waits for."""
+    def run() -> None:
+        try:
+            target(*args)
+        finally:
+            with _copiers_lock:
+                _copiers.discard(threading.current_thread())
+
+    thread = threading.Thread(target=run, daemon=True, name=name)
+    with _copiers_lock:
+        _copiers.add(thread)
+    thread.start()
+
+
+def _unmap(mappings: list[MappedFile]) -> None:
+    for mapped in mappings:
+        mapped.close()

@@ -43,18 +43,22 @@ class TieredReader(FileSystemReader):
         self.path = ""
         self._metadata: Metadata | None = None
         self.direct_tensors = 0  # tensors read straight into the live state
+        self.read_agreed = False  # read_data's agreement reached (see read_data)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Check (or fetch) every file of the plan, agree across ranks, then read whole
         tensors straight into the live ones and let DCP read the rest.
 
-        Collective: DCP calls it on every rank in the same phase of ``dcp.load``."""
+        Collective: the load's one agreement across ranks (``read_agreed`` tells whether
+        this rank reached it; a rank that failed before it must join it with its error)."""
         error: BaseException | None = None
-        ranges: dict[str, list[tuple[int, int]]] = {}
-        for item in plan.items:
-            info = self.storage_data[item.storage_index]
-            ranges.setdefault(info.relative_path, []).append((info.offset, info.length))
-        try:  # files fetched early last: the others' reads overlap them
+        self.read_agreed = True
+        try:
+            ranges: dict[str, list[tuple[int, int]]] = {}
+            for item in plan.items:
+                info = self.storage_data[item.storage_index]
+                ranges.setdefault(info.relative_path, []).append((info.offset, info.length))
+            # files fetched early last: the others' reads overlap them
             for name in sorted(ranges, key=lambda n: (n in self.fs.early, n)):
                 self.fs.prepare(name, ranges[name])
         except Exception as exc:  # noqa: BLE001 - agreed below, before any rank copies
