@@ -636,6 +636,26 @@ def test_small_leaves_are_written_first_so_a_peer_checks_one_block_for_them(tmp_
     assert offsets["m0"] < offsets["m1"] < offsets["m2"], offsets  # large ones keep their order
 
 
+def test_a_staged_data_file_taken_as_a_hard_link_is_not_read_back_for_its_checksum(tmp_path, monkeypatch):
+    """Its checksums are computed while DCP writes it (was: a second pass over the page
+    cache, 40-55 ms per 72 MiB here); the manifest still matches every byte."""
+    from ray_goodput.storage import _transfer
+
+    read_back: list[str] = []
+    real = _transfer.file_crc32
+    monkeypatch.setattr(_transfer, "file_crc32", lambda path, *a, **k: read_back.append(str(path)) or real(path, *a, **k))
+    root = str(tmp_path / "root")
+    model = torch.nn.Linear(256, 256)
+    with Checkpointer(root, staging_dir=str(tmp_path / "s"), uploader="thread") as ckpt:
+        ckpt.save(1, {"model": model})
+    assert read_back and not any(".distcp" in p for p in read_back), read_back  # the small files are
+    step_loc = _catalog.step_location(resolve(root), 1)
+    manifest = read_manifest(step_loc)
+    assert _catalog.verify(step_loc, manifest, checksums=True) == []
+    data = next(f for f in manifest.files if f.name.endswith(".distcp"))
+    assert data.blocks and data.block_bytes  # block checksums too, for sparse reads
+
+
 def test_the_zip_crc32_switch_is_counted_across_concurrent_writers_and_put_back_after_an_error():
     from torch.utils.serialization import config
 

@@ -248,3 +248,44 @@ def test_an_upload_over_an_existing_local_file_replaces_it_and_a_mapping_of_the_
     assert old[:] == b"A" * 8192  # the mapped file was never cut short or rewritten
     old.close()
     assert sorted(p.name for p in (tmp_path / "store").iterdir()) == ["f.distcp"]  # nothing left aside
+
+
+# ---- checksums computed while a file is written ---------------------------------------------
+
+
+@pytest.mark.parametrize("writeback", [False, True])
+def test_a_file_checksummed_as_written_matches_reading_it_back_block_by_block(tmp_path, writeback):
+    data = os.urandom(3 * 4096 + 123)
+    path = tmp_path / "f"
+    with storage.ChecksummedWrite(open(path, "wb"), storage.CRC32C, 4096, writeback=writeback) as out:
+        for start, end in ((0, 1), (1, 5000), (5000, 5000), (5000, 12000), (12000, len(data))):
+            out.write(memoryview(data)[start:end])  # torch.save writes memoryviews
+        assert out.tell() == len(data)
+    blocks: list[int] = []
+    assert storage.file_crc32(path, storage.CRC32C, blocks=blocks, block_bytes=4096) \
+        == (len(data), out.result().crc32)
+    assert out.result() == storage.Written(size=len(data), crc32=out.result().crc32, algorithm=storage.CRC32C,
+                                           block_bytes=4096, blocks=tuple(blocks))
+    assert path.read_bytes() == data
+
+
+def test_a_seek_while_written_leaves_the_checksum_unknown(tmp_path):
+    with storage.ChecksummedWrite(open(tmp_path / "f", "wb"), storage.CRC32C, 4096, writeback=False) as out:
+        out.write(b"abcd")
+        out.seek(0)
+        out.write(b"x")
+    assert out.result() is None  # the upload reads such a file back
+
+
+def test_a_linked_upload_takes_known_checksums_only_for_the_file_they_describe(tmp_path):
+    src, root = tmp_path / "staged", tmp_path / "root"
+    src.write_bytes(b"payload")
+    loc = storage.resolve(str(root))
+    right = storage.Written(size=7, crc32=storage.checksum(b"payload", storage.CRC32C), algorithm=storage.CRC32C,
+                            block_bytes=storage.upload_block_bytes(), blocks=(storage.checksum(b"payload"),))
+    entry = storage.upload_file(src, loc, "a", algorithm=storage.CRC32C, link=True, known=right)
+    assert (entry.size, entry.crc32, entry.blocks) == (7, right.crc32, right.blocks)
+    wrong_size = storage.Written(size=8, crc32=1, algorithm=storage.CRC32C,
+                                 block_bytes=storage.upload_block_bytes(), blocks=(1,))
+    entry = storage.upload_file(src, loc, "b", algorithm=storage.CRC32C, link=True, known=wrong_size)
+    assert entry.crc32 == right.crc32  # read back: the known sums describe another file

@@ -12,7 +12,7 @@ import logging
 import pickle
 import shutil
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,7 +28,7 @@ from ray_goodput.checkpoint._parts import data_file, write_part, writing_path
 from ray_goodput.checkpoint._save_state import SaveRecord, SaveState
 from ray_goodput.checkpoint._shard_plan import Leaf
 from ray_goodput.errors import CheckpointError
-from ray_goodput.storage import DEFAULT_ALGORITHM, FileEntry, RetryPolicy, StorageLocation, upload_files
+from ray_goodput.storage import DEFAULT_ALGORITHM, FileEntry, RetryPolicy, StorageLocation, Written, upload_files
 
 logger = logging.getLogger(__name__)
 
@@ -116,9 +116,12 @@ def _out_of_space(exc: BaseException) -> bool:
     return False
 
 
-def write_local(job: ShardJob, tensors: dict[str, Any] | None = None) -> list[str]:
+def write_local(job: ShardJob, tensors: dict[str, Any] | None = None,
+                written: dict[str, Written] | None = None) -> list[str]:
     """DCP-write the snapshot (``tensors``: over the arena's bytes, mapped when the job was
-    accepted; mapped here when None) into the staging dir; after this the arena may be reused."""
+    accepted; mapped here when None) into the staging dir; after this the arena may be reused.
+    ``written``: see ``write_part`` (on local storage the staged data file becomes the
+    stored one, so its write to disk starts while it is written)."""
     out = Path(job.local_dir)
     out.mkdir(parents=True, exist_ok=True)
     if tensors is None:
@@ -126,7 +129,9 @@ def write_local(job: ShardJob, tensors: dict[str, Any] | None = None) -> list[st
     flat: dict[str, Any] = dict(tensors)
     flat.update({fqn: pickle.loads(raw) for fqn, raw in job.objects.items()})  # noqa: S301
     try:
-        names = write_part(flat, job.leaves, job.mappings, job.rank, job.nonce, out)
+        local = job.root.is_local  # else the upload reads the file anyway: nothing to spare
+        names = write_part(flat, job.leaves, job.mappings, job.rank, job.nonce, out,
+                           written=written if local else None, writeback=local)
     except (Exception, CheckpointException) as exc:
         free = shutil.disk_usage(out).free
         # torch's zip writer can turn ENOSPC into "unexpected pos": go by free space too.
@@ -145,10 +150,13 @@ def write_local(job: ShardJob, tensors: dict[str, Any] | None = None) -> list[st
 
 
 def upload_and_commit(job: ShardJob, names: list[str], *, concurrency: int,
-                      policy: RetryPolicy, uploaded: Sequence[FileEntry] = ()) -> tuple[int, SaveState]:
+                      policy: RetryPolicy, uploaded: Sequence[FileEntry] = (),
+                      written: Mapping[str, Written] | None = None) -> tuple[int, SaveState]:
     """Upload, declare durable, try to commit (and apply retention when committed).
 
     ``uploaded``: files of ``names`` already in storage (sent while they were written).
+    ``written``: checksums of staged files computed as they were written (a hard-linked
+    upload then does not read them back).
     Returns the bytes uploaded and ``uploaded`` or ``committed``. An upload that fails
     after retries raises; then no marker is written, the step can never commit, and the
     previous committed checkpoint stays the recovery point.
@@ -160,7 +168,8 @@ def upload_and_commit(job: ShardJob, names: list[str], *, concurrency: int,
     # so storage on the staging dir's file system takes them as hard links: one write.
     # The rank's small extras file goes last, so a fault between the two is "mid-upload".
     entries = list(uploaded) + upload_files(files[:-1], protocol.step_loc, concurrency=concurrency,
-                                            policy=policy, algorithm=DEFAULT_ALGORITHM, link=True)
+                                            policy=policy, algorithm=DEFAULT_ALGORITHM, link=True,
+                                            known=written)
     fault_point("upload.mid_upload")
     entries += upload_files(files[-1:], protocol.step_loc, concurrency=concurrency, policy=policy,
                             algorithm=DEFAULT_ALGORITHM, link=True)
@@ -210,7 +219,8 @@ def run_shard_job(job: ShardJob, record: SaveRecord, tensors: dict[str, Any], *,
     start = time.monotonic()
     follow = _follow_data_file(job)
     try:
-        names = write_local(job, tensors)
+        sums: dict[str, Written] = {}
+        names = write_local(job, tensors, sums)
         written = time.monotonic()
         record.advance(SaveState.STAGED)
         on_released()
@@ -220,7 +230,7 @@ def run_shard_job(job: ShardJob, record: SaveRecord, tensors: dict[str, Any], *,
             follow.abandon(timeout_s=_FOLLOW_STOP_S)
         raise
     num_bytes, state = upload_and_commit(job, names, concurrency=concurrency, policy=policy,
-                                         uploaded=uploaded)
+                                         uploaded=uploaded, written=sums)
     record.advance(SaveState.UPLOADED)
     if state is SaveState.COMMITTED:
         record.advance(SaveState.COMMITTED)

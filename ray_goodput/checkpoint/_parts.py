@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -34,6 +35,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ray_goodput.checkpoint._shard_plan import SHARD, Leaf
+from ray_goodput.storage import DEFAULT_ALGORITHM, ChecksummedWrite, Written, upload_block_bytes
 
 try:  # torch >= 2.6
     from torch.utils.serialization import config as _serialization_config
@@ -122,22 +124,52 @@ def writing_path(out_dir: Path, rank: int, nonce: str) -> Path:
     return out_dir / f".part-{rank}-{nonce}-{os.getpid()}" / "__0_0.distcp"  # DCP's own name
 
 
+class _SummingFs(FileSystem):
+    """DCP's local file system, with the data file checksummed while DCP writes it (and,
+    with ``writeback``, its write-back to disk started as it goes): see ``storage._written``."""
+
+    def __init__(self, data_path: Path, writeback: bool) -> None:
+        super().__init__()
+        self._data_path, self._writeback = data_path, writeback
+        self.written: Written | None = None
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
+        if mode != "wb" or Path(path) != self._data_path:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        with ChecksummedWrite(open(path, "wb"), DEFAULT_ALGORITHM, upload_block_bytes(),
+                              writeback=self._writeback) as stream:
+            yield stream
+        self.written = stream.result()
+
+
 def write_part(flat: dict[str, Any], leaves: dict[str, Leaf], mappings: dict[str, Any],
-               rank: int, nonce: str, out_dir: Path) -> list[str]:
+               rank: int, nonce: str, out_dir: Path, *, written: dict[str, Written] | None = None,
+               writeback: bool = False) -> list[str]:
     """DCP-write ``flat`` (this rank's leaves) into ``out_dir``; returns the file names.
 
-    ``mappings`` is DCP's flatten mapping of the rank's whole state dict.
+    ``mappings`` is DCP's flatten mapping of the rank's whole state dict. ``written``
+    receives the data file's size and checksums, computed as it was written (none when
+    DCP wrote it out of order); ``writeback`` starts its write to disk as it goes (for a
+    file that storage takes as a hard link, and then fsyncs).
     """
     tmp = writing_path(out_dir, rank, nonce).parent
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         writer = FileSystemWriter(tmp, single_file_per_rank=True, sync_files=False, thread_count=1)
+        fs = None
+        if written is not None or writeback:
+            writer.fs = fs = _SummingFs(writing_path(out_dir, rank, nonce), writeback)
         with _without_zip_crc32():
             dcp.save(_small_first(flat), storage_writer=writer, no_dist=True,
                      planner=DefaultSavePlanner(flatten_state_dict=False))
         with open(tmp / ".metadata", "rb") as f:
             meta = pickle.load(f)  # noqa: S301 - written just now by DCP
         os.replace(writing_path(out_dir, rank, nonce), out_dir / data_file(rank, nonce))
+        if written is not None and fs is not None and fs.written is not None:
+            written[data_file(rank, nonce)] = fs.written
         (out_dir / "parts").mkdir(exist_ok=True)
         with open(out_dir / part_file(rank, nonce), "wb") as f:
             pickle.dump(_globalize(meta, rank, nonce, leaves, mappings), f)

@@ -29,17 +29,20 @@ from ray_goodput.storage._transfer import (
     write_local_file,
 )
 from ray_goodput.storage._uri import StorageLocation, resolve
+from ray_goodput.storage._written import ChecksummedWrite, Written
 
 __all__ = [
     "BLOCK_BYTES",
     "CHUNK_BYTES",
     "CRC32",
     "CRC32C",
+    "ChecksummedWrite",
     "DEFAULT_ALGORITHM",
     "FileEntry",
     "REMOTE_READ_BYTES",
     "RetryPolicy",
     "StorageLocation",
+    "Written",
     "checksum",
     "combine_checksums",
     "copy_stream",

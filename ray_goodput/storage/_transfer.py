@@ -7,7 +7,7 @@ import logging
 import os
 import posixpath
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +21,7 @@ from ray_goodput.storage._checksum import CHUNK_BYTES, CRC32, REMOTE_READ_BYTES,
 from ray_goodput.storage._durable import fsync_dir, fsync_file
 from ray_goodput.storage._retry import RetryPolicy
 from ray_goodput.storage._uri import StorageLocation
+from ray_goodput.storage._written import Written
 
 logger = logging.getLogger(__name__)
 
@@ -105,15 +106,22 @@ def _linked(src: str | Path, link: str | Path) -> bool:
     return True
 
 
-def _link_up(local: Path, dest: str, algorithm: str, blocks: list[int], block_bytes: int) -> tuple[int, int] | None:
+def _link_up(local: Path, dest: str, algorithm: str, blocks: list[int], block_bytes: int,
+             known: Written | None) -> tuple[int, int] | None:
     """Hard-link ``local`` as ``dest`` (same file system): the bytes are not written a
-    second time. None when the file systems differ or links are not supported there."""
+    second time. None when the file systems differ or links are not supported there.
+    ``known``: the file's checksums as it was written (else it is read back)."""
     tmp = f"{dest}.link-{os.getpid()}-{threading.get_ident()}"
     if not _linked(local, tmp):
         return None
     try:
         blocks.clear()
-        size, crc = file_crc32(tmp, algorithm, blocks=blocks, block_bytes=block_bytes)  # page cache
+        if known is not None and (known.algorithm, known.block_bytes) == (algorithm, block_bytes) \
+                and os.stat(tmp).st_size == known.size:
+            size, crc = known.size, known.crc32
+            blocks.extend(known.blocks)
+        else:
+            size, crc = file_crc32(tmp, algorithm, blocks=blocks, block_bytes=block_bytes)  # page cache
         os.replace(tmp, dest)
     finally:
         Path(tmp).unlink(missing_ok=True)
@@ -122,13 +130,15 @@ def _link_up(local: Path, dest: str, algorithm: str, blocks: list[int], block_by
 
 def upload_file(local: str | Path, loc: StorageLocation, name: str,
                 policy: RetryPolicy = DEFAULT_POLICY, *, algorithm: str = CRC32,
-                link: bool = False) -> FileEntry:
+                link: bool = False, known: Written | None = None) -> FileEntry:
     """Upload ``local`` to ``<loc>/<name>``; retried; returns size and checksum (``algorithm``)
     of what was sent.
 
     On a file system the file and its directory are fsynced before this returns. With
     ``link`` (the caller never writes ``local`` again: it replaces or deletes it) and
-    ``local`` on the same file system, the upload is a hard link instead of a copy."""
+    ``local`` on the same file system, the upload is a hard link instead of a copy, and
+    ``known`` (its checksums as it was written, see ``ChecksummedWrite``) spares reading
+    it back."""
     dest = loc.join(name)
     parent = posixpath.dirname(dest)
     blocks: list[int] = []
@@ -137,7 +147,7 @@ def upload_file(local: str | Path, loc: StorageLocation, name: str,
     def _send() -> tuple[int, int]:
         if not loc.is_local:
             return _copy_up(Path(local), loc.fs, dest, algorithm, blocks, block_bytes)
-        return _into_dir(loc, parent, lambda: (_link_up(Path(local), dest, algorithm, blocks, block_bytes)
+        return _into_dir(loc, parent, lambda: (_link_up(Path(local), dest, algorithm, blocks, block_bytes, known)
                                                if link else None)
                          or _copy_aside(Path(local), loc.fs, dest, algorithm, blocks, block_bytes))
 
@@ -151,14 +161,17 @@ def upload_file(local: str | Path, loc: StorageLocation, name: str,
 
 def upload_files(files: Sequence[tuple[str | Path, str]], loc: StorageLocation, *,
                  concurrency: int = 8, policy: RetryPolicy = DEFAULT_POLICY,
-                 algorithm: str = CRC32, link: bool = False) -> list[FileEntry]:
+                 algorithm: str = CRC32, link: bool = False,
+                 known: Mapping[str, Written] | None = None) -> list[FileEntry]:
     """Upload ``(local_path, name)`` pairs with up to ``concurrency`` parallel streams
-    (``link``: see :func:`upload_file`)."""
+    (``link``, ``known`` by name: see :func:`upload_file`)."""
     if not files:
         return []
+    known = known or {}
     with ThreadPoolExecutor(max_workers=max(1, min(concurrency, len(files))),
                             thread_name_prefix="rg-upload") as pool:
-        futures = [pool.submit(upload_file, path, loc, name, policy, algorithm=algorithm, link=link)
+        futures = [pool.submit(upload_file, path, loc, name, policy, algorithm=algorithm, link=link,
+                               known=known.get(name))
                    for path, name in files]
         return [f.result() for f in futures]
 
