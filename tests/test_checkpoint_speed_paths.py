@@ -111,8 +111,8 @@ def _count_restore_collectives(rank: int, world_size: int, root: str, staging: s
 
 
 def test_a_restore_makes_three_collectives_and_none_in_dcp(tmp_path):
-    """The choice (with the generation claim), the agreement once every rank checked its
-    files, and the outcome: DCP plans each rank's reads alone (was 8 collectives)."""
+    """The choice, the agreement once every rank checked its
+    files, and the outcome: DCP plans each rank's reads alone (was 9 collectives)."""
     out = run_world(_count_restore_collectives, 2, str(tmp_path / "root"), str(tmp_path / "s"), timeout_s=240)
     for rank in out:
         assert rank["step"] == 1 and rank["equal"] and rank["opt_step"] == 1.0, rank
@@ -618,7 +618,7 @@ def test_the_uploaders_dcp_write_skips_torch_saves_zip_crc32_and_puts_the_settin
 
 
 def test_small_leaves_are_written_first_so_a_peer_checks_one_block_for_them(tmp_path):
-    """Optimizer step counters between 8 MiB moments used to sit in a block each: a rank
+    """Optimizer step counters between large moments used to sit in a block each: a rank
     that read them from a peer's file checked three 8 MiB blocks for three scalars."""
     import pickle
 

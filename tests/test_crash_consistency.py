@@ -441,7 +441,7 @@ def test_restore_loads_exactly_the_step_the_driver_chose_never_a_newer_one(tmp_p
         with Checkpointer(root, staging_dir=str(tmp_path / "b"), uploader="thread",
                           verify_checksums=True) as ckpt:
             assert ckpt.restore(state) == 10  # 20 damaged: the previous one, never 30
-            assert ckpt.generation >= 7
+        assert _retention.claimed_generation(resolve(root)) >= 7  # claimed by the time close returns
         assert torch.equal(_weight(state), saved[10])
         set_decision(ResumeDecision(attempt=8, step=None, root_key=root_key(root)))
         with Checkpointer(root, staging_dir=str(tmp_path / "c"), uploader="thread") as ckpt:
@@ -471,6 +471,52 @@ def slow_s3(s3_server):
     bucket = s3_server.bucket_uri("run")
     yield proxy, bucket.replace(s3_server.endpoint, proxy.endpoint)
     proxy.close()
+
+
+def test_an_orphan_that_restore_commits_is_restored_not_quarantined_by_a_listing_older_than_its_commit(
+        tmp_path):
+    """Restore checked sizes against the listing that found the orphan, taken before it
+    wrote the orphan's .metadata and COMMITTED: a good checkpoint was quarantined."""
+    from pathlib import Path
+
+    root = str(tmp_path / "root")
+    model = torch.nn.Linear(8, 8)
+    with Checkpointer(root, staging_dir=str(tmp_path / "s"), uploader="thread") as ckpt:
+        for step in (1, 2):
+            ckpt.save(step, {"model": model})
+            ckpt.wait()
+    step2 = Path(_catalog.step_location(resolve(root), 2).root)
+    (step2 / _layout.COMMITTED).unlink()  # the committer died after every rank's marker
+    (step2 / _layout.DCP_METADATA).unlink()
+    fresh = torch.nn.Linear(8, 8)
+    with Checkpointer(root, staging_dir=str(tmp_path / "fresh"), uploader="thread") as ckpt:
+        assert ckpt.restore({"model": fresh}) == 2
+    assert not (step2 / _layout.QUARANTINED).exists()
+    assert torch.equal(fresh.weight, model.weight)
+
+
+def test_a_restore_does_not_wait_for_a_slow_generation_claim_and_pins_once_it_lands(s3_server, slow_s3, tmp_path):
+    """The claim (two storage requests, started when the Checkpointer is made) used to
+    ride on restore's first broadcast: a Checkpointer made just before restore waited
+    for it. The resume pin, which names the claimed generation, now waits for it instead."""
+    import json
+
+    from ray_goodput.storage import read_bytes
+
+    proxy, uri = slow_s3
+    # Reads the proxy does not hold, with a client made first (making one while a request
+    # is held waited here for that request's retries, ~45 s).
+    direct = resolve(uri.replace(proxy.endpoint, s3_server.endpoint))
+    saved = _save(uri, str(tmp_path / "a"), [10])
+    proxy.stall(_layout.GENERATION, methods=("PUT",))  # the new attempt's claim hangs
+    state = _state(3)
+    with Checkpointer(uri, staging_dir=str(tmp_path / "b"), uploader="thread") as ckpt:
+        assert ckpt.restore(state) == 10  # returns with the claim still held
+        assert _retention.claimed_generation(direct) == 1  # the first attempt's
+        proxy.release()
+    assert torch.equal(_weight(state), saved[10])
+    pin = json.loads(read_bytes(_catalog.checkpoints_location(direct), _layout.RESUME))
+    assert pin == {"attempt": 2, "step": 10} and _retention.claimed_generation(direct) == 2
 
 
 def test_saves_faster_than_uploads_supersede_the_waiting_one_and_commit_the_newest(slow_s3, tmp_path):
@@ -545,6 +591,42 @@ def test_restore_with_one_ranks_rng_blob_damaged_falls_back_on_every_rank(tmp_pa
     _flip(root, 20, prefix="extras/rank-00001-")  # rank 1's RNG states, same size
     # Fresh staging dirs: every file comes from storage and is checked on the way.
     assert run_world(_restore_fresh, 2, root, str(tmp_path / "fresh"), timeout_s=90) == [10, 10]
+
+
+def _restore_with_planning_failing_on_rank_1(rank: int, world: int, root: str, stage: str) -> dict:
+    """DCP plans each rank's reads alone now: a rank whose planning fails skips the read
+    where its peers agree on their files, so it must join that agreement itself."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    real = DefaultLoadPlanner.create_local_plan
+
+    def failing(self):
+        raise RuntimeError("planning failed (injected on rank 1)")
+
+    if rank == 1:
+        DefaultLoadPlanner.create_local_plan = failing
+    model = wrap(make_model(5), "ddp")
+    state = {"model": model, "optim": torch.optim.SGD(model.parameters(), lr=0.1)}
+    before = model.module[0].weight.detach().clone()
+    with Checkpointer(root, staging_dir=f"{stage}{rank}", uploader="thread") as ckpt:
+        try:
+            ckpt.restore(state)
+            error = "no error"
+        except Exception as exc:  # noqa: BLE001 - compared across ranks
+            error = f"{type(exc).__name__}: {exc}"
+        untouched = torch.equal(before, model.module[0].weight)
+        DefaultLoadPlanner.create_local_plan = real
+        again = ckpt.restore(state)  # the ranks are still at the same collectives
+    return {"error": error, "untouched": untouched, "again": again}
+
+
+def test_one_rank_failing_in_dcp_planning_raises_the_same_error_on_every_rank_and_nothing_hangs(tmp_path):
+    root, stage = str(tmp_path / "root"), str(tmp_path / "stage")
+    run_world(_save_two, 2, root, stage)
+    out = run_world(_restore_with_planning_failing_on_rank_1, 2, root, str(tmp_path / "fresh"), timeout_s=120)
+    assert out[0]["error"] == out[1]["error"] and "planning failed (injected on rank 1)" in out[0]["error"], out
+    assert "rank 1" in out[0]["error"], out  # DCP alone would name rank 0 (its one process)
+    assert [r["again"] for r in out] == [20, 20] and all(r["untouched"] for r in out), out
 
 
 class _RefusingBackend(ThreadBackend):

@@ -289,3 +289,18 @@ def test_a_linked_upload_takes_known_checksums_only_for_the_file_they_describe(t
                                  block_bytes=storage.upload_block_bytes(), blocks=(1,))
     entry = storage.upload_file(src, loc, "b", algorithm=storage.CRC32C, link=True, known=wrong_size)
     assert entry.crc32 == right.crc32  # read back: the known sums describe another file
+
+
+def test_a_large_file_gets_larger_blocks_so_its_entry_lists_at_most_max_blocks(tmp_path, monkeypatch):
+    """At 1 MiB blocks a 16 GiB shard would list 16k checksums, in every manifest read."""
+    from ray_goodput.storage import _checksum
+
+    monkeypatch.setattr(_checksum, "BLOCK_BYTES", 1024)
+    monkeypatch.setattr(_checksum, "MAX_BLOCKS", 8)
+    src = tmp_path / "f"
+    src.write_bytes(os.urandom(3 * 8 * 1024 + 5))
+    entry = storage.upload_file(src, storage.resolve(str(tmp_path / "root")), "f", algorithm=storage.CRC32C)
+    blocks: list[int] = []
+    assert storage.file_crc32(src, storage.CRC32C, blocks=blocks, block_bytes=4096) == (entry.size, entry.crc32)
+    assert entry.block_bytes == 4096 and entry.blocks == tuple(blocks) and len(blocks) == 7
+    assert storage.upload_block_bytes(8 * 1024) == 1024  # at the cap: the set size

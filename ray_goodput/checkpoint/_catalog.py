@@ -190,6 +190,8 @@ def newest_valid(root: str | StorageLocation, *, checksums: bool = False,
                 heapq.heappush(heap, ((-manifest.generation, -manifest.step), i))
                 continue
         problems = verify(d.loc, manifest, checksums=checksums, present=d.files)  # sizes as scanned
+        if problems:  # the listing can predate the commit (an orphan finished just now): look again
+            problems = verify(d.loc, manifest, checksums=checksums)
         if not problems:
             return d.loc, manifest
         quarantine_damaged(d.loc, manifest, "; ".join(problems[:5]))

@@ -91,9 +91,11 @@ class FollowUpload:
     """Upload ``path`` as ``<loc>/<name>`` while it is being written, in a thread;
     ``final``: the name the writer renames it to once written."""
 
-    def __init__(self, path: Path, final: Path, loc: StorageLocation, name: str, algorithm: str) -> None:
+    def __init__(self, path: Path, final: Path, loc: StorageLocation, name: str, algorithm: str,
+                 size_hint: int = 0) -> None:
         self.name = name
         self._loc, self._algorithm = loc, algorithm
+        self._block_bytes = upload_block_bytes(size_hint)  # about the file's size: it is still being written
         self._done, self._failed = threading.Event(), threading.Event()
         self._source = _Growing(path, final, self._done, self._failed)
         self._entry: FileEntry | None = None
@@ -142,7 +144,7 @@ class FollowUpload:
     def _run(self) -> None:
         dest = self._loc.join(self.name)
         blocks: list[int] = []
-        block_bytes = upload_block_bytes()
+        block_bytes = self._block_bytes
         try:
             with self._loc.fs.open_output_stream(dest) as out:
                 size, crc = copy_stream(self._source, out, algorithm=self._algorithm, chunk_bytes=CHUNK_BYTES,

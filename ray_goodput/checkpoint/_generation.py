@@ -10,6 +10,7 @@ saves (even ones its uploader commits late) always rank below the live attempt's
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import uuid
 from concurrent.futures import Future
@@ -19,6 +20,8 @@ from ray_goodput.checkpoint import _catalog, _layout, _retention
 from ray_goodput.errors import StorageError
 from ray_goodput.runtime._resume import resume_decision
 from ray_goodput.storage import RetryPolicy, StorageLocation, write_bytes
+
+logger = logging.getLogger(__name__)
 
 #: Bound on waiting for an early claim (its storage requests have their own bounds).
 CLAIM_TIMEOUT_S = 600.0
@@ -70,3 +73,12 @@ class EarlyClaim:
         except FutureTimeout:
             raise StorageError(f"claiming a checkpoint generation under {self._root.uri} did not finish in "
                                f"{CLAIM_TIMEOUT_S:.0f} s; check that the storage answers") from None
+
+    def join(self, timeout_s: float) -> None:
+        """Wait (at most ``timeout_s``) for the claim to end, whatever its outcome: a
+        Checkpointer that never saved must not leave it writing after ``close``."""
+        try:
+            self._future.exception(timeout=timeout_s)
+        except FutureTimeout:
+            logger.warning("claiming a checkpoint generation under %s still runs after %.0f s",
+                           self._root.uri, timeout_s)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import pickle
 import shutil
 import time
@@ -116,6 +117,20 @@ def _out_of_space(exc: BaseException) -> bool:
     return False
 
 
+def _same_file_system(staging: Path, root: StorageLocation) -> bool:
+    """Whether storage takes staged files as hard links (local storage on the staging
+    dir's file system, judged by its nearest existing directory)."""
+    if not root.is_local:
+        return False
+    target = Path(root.root)
+    while not target.exists() and target != target.parent:
+        target = target.parent
+    try:
+        return os.stat(target).st_dev == os.stat(staging).st_dev
+    except OSError:
+        return False
+
+
 def write_local(job: ShardJob, tensors: dict[str, Any] | None = None,
                 written: dict[str, Written] | None = None) -> list[str]:
     """DCP-write the snapshot (``tensors``: over the arena's bytes, mapped when the job was
@@ -129,9 +144,9 @@ def write_local(job: ShardJob, tensors: dict[str, Any] | None = None,
     flat: dict[str, Any] = dict(tensors)
     flat.update({fqn: pickle.loads(raw) for fqn, raw in job.objects.items()})  # noqa: S301
     try:
-        local = job.root.is_local  # else the upload reads the file anyway: nothing to spare
+        linked = _same_file_system(out, job.root)  # else the upload reads the file anyway
         names = write_part(flat, job.leaves, job.mappings, job.rank, job.nonce, out,
-                           written=written if local else None, writeback=local)
+                           written=written if linked else None, writeback=linked)
     except (Exception, CheckpointException) as exc:
         free = shutil.disk_usage(out).free
         # torch's zip writer can turn ENOSPC into "unexpected pos": go by free space too.
@@ -196,7 +211,8 @@ def _follow_data_file(job: ShardJob) -> FollowUpload | None:
     out = Path(job.local_dir)
     name = data_file(job.rank, job.nonce)
     return FollowUpload(writing_path(out, job.rank, job.nonce), out / name,
-                        _catalog.step_location(job.root, job.step), name, DEFAULT_ALGORITHM)
+                        _catalog.step_location(job.root, job.step), name, DEFAULT_ALGORITHM,
+                        size_hint=job.num_bytes)
 
 
 def _followed(job: ShardJob, follow: FollowUpload | None) -> list[FileEntry]:

@@ -46,7 +46,7 @@ except ImportError:  # pragma: no cover - older torch: records keep their CRC32
 #: Tensors smaller than this are written first in a rank's data file (after DCP's byte
 #: records, which it writes first). The small leaves one rank writes for all (optimizer
 #: step counters, say) then share the file's first checksum block, and a peer that needs
-#: them checks that one block instead of one block per counter, each 8 MiB.
+#: them checks that one block instead of one block per counter.
 SMALL_FIRST_BYTES = 1 << 20
 
 
@@ -128,9 +128,10 @@ class _SummingFs(FileSystem):
     """DCP's local file system, with the data file checksummed while DCP writes it (and,
     with ``writeback``, its write-back to disk started as it goes): see ``storage._written``."""
 
-    def __init__(self, data_path: Path, writeback: bool) -> None:
+    def __init__(self, data_path: Path, writeback: bool, size_hint: int) -> None:
         super().__init__()
         self._data_path, self._writeback = data_path, writeback
+        self._block_bytes = upload_block_bytes(size_hint)
         self.written: Written | None = None
 
     @contextmanager
@@ -139,7 +140,7 @@ class _SummingFs(FileSystem):
             with super().create_stream(path, mode) as stream:
                 yield stream
             return
-        with ChecksummedWrite(open(path, "wb"), DEFAULT_ALGORITHM, upload_block_bytes(),
+        with ChecksummedWrite(open(path, "wb"), DEFAULT_ALGORITHM, self._block_bytes,
                               writeback=self._writeback) as stream:
             yield stream
         self.written = stream.result()
@@ -161,7 +162,8 @@ def write_part(flat: dict[str, Any], leaves: dict[str, Leaf], mappings: dict[str
         writer = FileSystemWriter(tmp, single_file_per_rank=True, sync_files=False, thread_count=1)
         fs = None
         if written is not None or writeback:
-            writer.fs = fs = _SummingFs(writing_path(out_dir, rank, nonce), writeback)
+            tensor_bytes = sum(v.numel() * v.element_size() for v in flat.values() if isinstance(v, torch.Tensor))
+            writer.fs = fs = _SummingFs(writing_path(out_dir, rank, nonce), writeback, tensor_bytes)
         with _without_zip_crc32():
             dcp.save(_small_first(flat), storage_writer=writer, no_dist=True,
                      planner=DefaultSavePlanner(flatten_state_dict=False))

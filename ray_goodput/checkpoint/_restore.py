@@ -18,7 +18,7 @@ from ray_goodput.checkpoint import _catalog, _collective, _layout, _state
 from ray_goodput.checkpoint._manifest import Manifest, read_manifest
 from ray_goodput.checkpoint._parts import data_file
 from ray_goodput.checkpoint._tiered_reader import TieredReader
-from ray_goodput.errors import CheckpointCorruptError, StateMismatchError
+from ray_goodput.errors import CheckpointCorruptError, CheckpointError, StateMismatchError
 from ray_goodput.storage import RetryPolicy, StorageLocation
 
 logger = logging.getLogger(__name__)
@@ -60,6 +60,13 @@ def _causes(exc: BaseException) -> list[BaseException]:
     return [exc, *(f[0] if isinstance(f, tuple) else f for f in failures)]
 
 
+def _ranked(exc: CheckpointException, rank: int) -> Exception:
+    """DCP's exception as ours, naming this rank (a damaged file stays recognizable)."""
+    corrupt = any(isinstance(e, CheckpointCorruptError) for e in _causes(exc))
+    cls = CheckpointCorruptError if corrupt else CheckpointError
+    return cls(f"rank {rank}: {exc}")
+
+
 def _check_fits(template: dict[str, Any], metadata: Metadata, step: int, uri: str) -> None:
     """Raise StateMismatchError when a leaf of ``template`` is missing from the checkpoint
     or has another global shape (a retry cannot fix that)."""
@@ -97,10 +104,12 @@ def load_checkpoint(state: dict[str, Any], *, root: StorageLocation, manifest: M
     """Load ``manifest``'s checkpoint into ``state`` (in place). Collective across ranks.
 
     RNG states are per rank and only meaningful for the world size that saved them:
-    they are restored when the world size is unchanged, left alone otherwise. On failure
-    the live state is as it was: no file is loaded before all are checked, and an
-    optimizer that had no state gets none (building the state dict to load into gives a
-    never-stepped optimizer zero moments and step 1).
+    they are restored when the world size is unchanged, left alone otherwise. No file is
+    loaded before every rank checked all of its files: a failure up to then (a damaged or
+    missing file, storage down) leaves the live state as it was, and an optimizer that had
+    no state gets none (building the state dict to load into gives a never-stepped
+    optimizer zero moments and step 1). A failure while copying, after that agreement,
+    raises on every rank too but can leave the state partly loaded.
     """
     roles = _state.classify(state)
     with _state.made_up_state(roles, keep=True):  # a failed load leaves them as they were
@@ -113,10 +122,10 @@ def _load(roles: _state.Roles, state: dict[str, Any], *, root: StorageLocation, 
     start = time.perf_counter()
     step_loc = _catalog.step_location(root, manifest.step)
     local_dir = staging / _layout.step_dir(manifest.step)
-    template = _state.to_state_dict(roles)
     error: BaseException | None = None
     reader: TieredReader | None = None
     try:
+        template = _state.to_state_dict(roles)
         local = local_candidates(local_dir, manifest) if local_dir.is_dir() else set()
         local_dir.mkdir(parents=True, exist_ok=True)
         reader = TieredReader(step_loc, local_dir, local, {f.name: f for f in manifest.files}, policy,
@@ -142,10 +151,11 @@ def _load(roles: _state.Roles, state: dict[str, Any], *, root: StorageLocation, 
     # any copies a byte; a rank that failed before it (metadata, RNG blob, planning) joins
     # that agreement with its error, so no rank waits in it alone.
     if error is None:
-        try:
+        try:  # dcp.load without its Stateful handling (the template has none) and its warning
             _load_state_dict(template, storage_reader=reader, no_dist=True)
         except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
-            error = exc
+            # DCP names every failure rank 0 here (one process as it sees it): say which.
+            error = exc if isinstance(exc, Exception) else _ranked(exc, rank)
     try:
         if reader is None or not reader.read_agreed:
             _collective.agree(error)

@@ -193,7 +193,6 @@ class TieredFs(StorageFetch, FileSystemBase):
             if mapped_any:
                 self.guard.done()
 
-
     def prepare(self, name: str, ranges: list[tuple[int, int]] | None = None) -> None:
         """Make ``name`` readable and checked, from memory or the local directory (once per
         file until :meth:`release`); ``ranges``: the only byte ranges that will be read."""

@@ -38,13 +38,20 @@ REMOTE_READ_BYTES = 128 << 20
 #: peer's optimizer step counters) reads and checks one block for them; computing 72
 #: checksums per 72 MiB costs what 9 do (16.5 ms against 16.2 ms here). Was 8 MiB.
 BLOCK_BYTES = 1 << 20
+#: At most this many blocks per file: a larger file gets larger blocks (doubling), so a
+#: manifest lists at most ~12 KB of block checksums per file at any shard size.
+MAX_BLOCKS = 1024
 
 
-
-def upload_block_bytes() -> int:
-    """The block size of the block checksums an upload records now (:data:`BLOCK_BYTES`,
-    read at each upload, so that a benchmark or test can set it)."""
-    return BLOCK_BYTES
+def upload_block_bytes(size: int = 0) -> int:
+    """The block size of the block checksums an upload of ``size`` bytes (or about that:
+    a file still being written) records now: :data:`BLOCK_BYTES`, doubled until the file
+    has at most :data:`MAX_BLOCKS` blocks (both read at each call, so that a benchmark or
+    test can set them)."""
+    block = BLOCK_BYTES
+    while size > block * MAX_BLOCKS:
+        block *= 2
+    return block
 
 
 CRC32 = "crc32"

@@ -142,7 +142,7 @@ def upload_file(local: str | Path, loc: StorageLocation, name: str,
     dest = loc.join(name)
     parent = posixpath.dirname(dest)
     blocks: list[int] = []
-    block_bytes = _checksum.upload_block_bytes()
+    block_bytes = _checksum.upload_block_bytes(_size(local))
 
     def _send() -> tuple[int, int]:
         if not loc.is_local:
@@ -157,6 +157,13 @@ def upload_file(local: str | Path, loc: StorageLocation, name: str,
         fsync_dir(parent)
     return FileEntry(name=name, size=size, crc32=crc, algorithm=algorithm,
                      block_bytes=block_bytes if blocks else 0, blocks=tuple(blocks))
+
+
+def _size(local: str | Path) -> int:
+    try:
+        return os.stat(local).st_size
+    except OSError:
+        return 0  # the upload reports it
 
 
 def upload_files(files: Sequence[tuple[str | Path, str]], loc: StorageLocation, *,

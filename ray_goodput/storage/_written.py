@@ -10,7 +10,6 @@ took 57 ms more.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 import os
 from dataclasses import dataclass
@@ -29,8 +28,8 @@ _SYNC_FILE_RANGE_WRITE = 2  # start write-back of dirty pages in the range; do n
 
 def _sync_file_range() -> Any:
     """Linux's ``sync_file_range`` (None elsewhere: then the fsync does all the work)."""
-    try:
-        fn = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True).sync_file_range
+    try:  # the symbols of the running process (libc among them): no library search
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
     except (OSError, AttributeError):
         return None
     fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
@@ -112,9 +111,9 @@ class ChecksummedWrite:
         return self._raw.closed
 
     def close(self) -> None:
+        self._raw.close()  # a failed final flush leaves the checksums unknown
         if self._blocks is not None and self._whole is None:
             self._whole = self._blocks.finish()
-        self._raw.close()
 
     def __enter__(self) -> ChecksummedWrite:
         return self
