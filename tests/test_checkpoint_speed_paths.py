@@ -111,8 +111,8 @@ def _count_restore_collectives(rank: int, world_size: int, root: str, staging: s
 
 
 def test_a_restore_makes_three_collectives_and_none_in_dcp(tmp_path):
-    """The choice, the agreement once every rank checked its
-    files, and the outcome: DCP plans each rank's reads alone (was 9 collectives)."""
+    """The choice (after the generation claim, in one broadcast), the agreement once every
+    rank checked its files, and the outcome: DCP plans each rank's reads alone (was 9 collectives)."""
     out = run_world(_count_restore_collectives, 2, str(tmp_path / "root"), str(tmp_path / "s"), timeout_s=240)
     for rank in out:
         assert rank["step"] == 1 and rank["equal"] and rank["opt_step"] == 1.0, rank

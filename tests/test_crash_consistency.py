@@ -495,11 +495,13 @@ def test_an_orphan_that_restore_commits_is_restored_not_quarantined_by_a_listing
     assert torch.equal(fresh.weight, model.weight)
 
 
-def test_a_restore_does_not_wait_for_a_slow_generation_claim_and_pins_once_it_lands(s3_server, slow_s3, tmp_path):
-    """The claim (two storage requests, started when the Checkpointer is made) used to
-    ride on restore's first broadcast: a Checkpointer made just before restore waited
-    for it. The resume pin, which names the claimed generation, now waits for it instead."""
+def test_restore_chooses_its_checkpoint_only_once_this_attempts_generation_claim_landed(
+        s3_server, slow_s3, tmp_path):
+    """A dead attempt's uploader committing late stops pruning once a newer generation is
+    claimed: a choice made before the claim landed (tried in this round to save the
+    claim's two requests) could be pruned under the restore."""
     import json
+    import threading
 
     from ray_goodput.storage import read_bytes
 
@@ -508,15 +510,19 @@ def test_a_restore_does_not_wait_for_a_slow_generation_claim_and_pins_once_it_la
     # is held waited here for that request's retries, ~45 s).
     direct = resolve(uri.replace(proxy.endpoint, s3_server.endpoint))
     saved = _save(uri, str(tmp_path / "a"), [10])
-    proxy.stall(_layout.GENERATION, methods=("PUT",))  # the new attempt's claim hangs
-    state = _state(3)
+    proxy.stall(_layout.GENERATION, methods=("PUT",))  # the new attempt's claim is held
+    state, got = _state(3), []
     with Checkpointer(uri, staging_dir=str(tmp_path / "b"), uploader="thread") as ckpt:
-        assert ckpt.restore(state) == 10  # returns with the claim still held
-        assert _retention.claimed_generation(direct) == 1  # the first attempt's
+        restoring = threading.Thread(target=lambda: got.append(ckpt.restore(state)))
+        restoring.start()
+        restoring.join(1.0)
+        assert restoring.is_alive() and _retention.claimed_generation(direct) == 1  # waits for the claim
         proxy.release()
+        restoring.join(60)
+        assert got == [10] and _retention.claimed_generation(direct) == 2
     assert torch.equal(_weight(state), saved[10])
     pin = json.loads(read_bytes(_catalog.checkpoints_location(direct), _layout.RESUME))
-    assert pin == {"attempt": 2, "step": 10} and _retention.claimed_generation(direct) == 2
+    assert pin == {"attempt": 2, "step": 10}
 
 
 def test_saves_faster_than_uploads_supersede_the_waiting_one_and_commit_the_newest(slow_s3, tmp_path):

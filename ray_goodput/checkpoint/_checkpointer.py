@@ -200,8 +200,7 @@ class Checkpointer:
 
     @property
     def generation(self) -> int | None:
-        """This attempt's generation (claimed when the Checkpointer is made, known to every
-        rank from the first save on; None before)."""
+        """This attempt's generation (decided at the first restore or save)."""
         return self._generation
 
     def _ensure_generation(self) -> int:
@@ -427,6 +426,7 @@ class Checkpointer:
         t0 = time.time()
         decision = resume_decision(self.root)
         if decision is not None and decision.step is None:
+            self._ensure_generation()
             self._recorder.restored(None, t0, time.time())
             return None
         step = decision.step if decision is not None else None
@@ -452,32 +452,31 @@ class Checkpointer:
             return manifest.step
 
     def _choose(self, step: int | None, before: tuple[int, int] | None) -> Any:
-        """Rank 0's pick of the checkpoint to load (see ``choose``), broadcast. A restore
-        does not wait for the generation claim: the first save does (it names the save)."""
-        return _collective.on_rank0(
-            lambda: choose(self.root, step=step, before=before, checksums=self.verify_checksums),
-            "choosing the checkpoint to restore")
+        """Rank 0's pick of the checkpoint to load (see ``choose``), broadcast. The first
+        one comes after this attempt's generation claim has landed, in the same broadcast:
+        a dead attempt's uploader that commits late stops pruning once a newer generation
+        is claimed (``_retention.apply_retention``), so it cannot delete what is chosen."""
+        def pick() -> Any:
+            return choose(self.root, step=step, before=before, checksums=self.verify_checksums)
+        if self._generation is not None:
+            return _collective.on_rank0(pick, "choosing the checkpoint to restore")
+
+        def claim_then_pick() -> tuple[tuple[int, str], Any]:
+            claimed = self._claim()
+            return claimed, pick()
+        (self._generation, self._token), manifest = _collective.on_rank0(
+            claim_then_pick, "claiming a checkpoint generation and choosing the checkpoint to restore")
+        return manifest
 
     def _pin_resume(self, step: int) -> None:
         """Rank 0: record the resume step for retention (see ``pin_resume``) in the
-        background, once this attempt's generation is claimed; a storage write the restore
-        need not wait for (``close`` does)."""
-        generation, early = self._generation, self._early_claim
-
-        def pin() -> None:
-            try:
-                attempt = generation if generation is not None else early.result()[0] if early is not None else None
-            except Exception as exc:  # noqa: BLE001 - the first save raises it on every rank
-                logger.warning("no resume pin: claiming the generation failed (%s)", exc)
-                return
-            if attempt is None:  # a failed claim was dropped: it is made again at the first save
-                logger.warning("no resume pin: this attempt's generation is not claimed")
-                return
-            _best_effort("pinning the resume step", lambda: _retention.pin_resume(self.root, attempt=attempt, step=step))
-
+        background; a storage write the restore need not wait for (``close`` does)."""
+        attempt = self._generation or 0
         if self._pinning is not None:  # an earlier restore's pin lands first
             self._pinning.join(_DROP_JOIN_S)
-        self._pinning = threading.Thread(target=pin, name="rg-resume-pin", daemon=True)
+        self._pinning = threading.Thread(
+            target=_best_effort, name="rg-resume-pin", daemon=True,
+            args=("pinning the resume step", lambda: _retention.pin_resume(self.root, attempt=attempt, step=step)))
         self._pinning.start()
 
     def _load_agreed(self, state: dict[str, Any], manifest: Any) -> None:
