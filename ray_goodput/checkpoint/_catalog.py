@@ -182,6 +182,7 @@ def newest_valid(root: str | StorageLocation, *, checksums: bool = False,
         if (max_step is not None and d.step > max_step) or (before is not None and order >= before):
             continue
         manifest = d.manifest
+        finished_now = manifest is None
         if manifest is None:
             manifest = d.manifest = finish_orphan(d.loc, d.step)
             if manifest is None:
@@ -190,7 +191,7 @@ def newest_valid(root: str | StorageLocation, *, checksums: bool = False,
                 heapq.heappush(heap, ((-manifest.generation, -manifest.step), i))
                 continue
         problems = verify(d.loc, manifest, checksums=checksums, present=d.files)  # sizes as scanned
-        if problems:  # the listing can predate the commit (an orphan finished just now): look again
+        if problems and finished_now:  # the listing predates the commit just made: look again
             problems = verify(d.loc, manifest, checksums=checksums)
         if not problems:
             return d.loc, manifest

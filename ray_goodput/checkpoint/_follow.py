@@ -95,7 +95,8 @@ class FollowUpload:
                  size_hint: int = 0) -> None:
         self.name = name
         self._loc, self._algorithm = loc, algorithm
-        self._block_bytes = upload_block_bytes(size_hint)  # about the file's size: it is still being written
+        # About the file's size (it is still being written), padded for DCP's records.
+        self._block_bytes = upload_block_bytes(size_hint + (size_hint >> 6))
         self._done, self._failed = threading.Event(), threading.Event()
         self._source = _Growing(path, final, self._done, self._failed)
         self._entry: FileEntry | None = None

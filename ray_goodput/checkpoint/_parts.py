@@ -131,7 +131,7 @@ class _SummingFs(FileSystem):
     def __init__(self, data_path: Path, writeback: bool, size_hint: int) -> None:
         super().__init__()
         self._data_path, self._writeback = data_path, writeback
-        self._block_bytes = upload_block_bytes(size_hint)
+        self._block_bytes = upload_block_bytes(size_hint + (size_hint >> 6))  # + DCP's records
         self.written: Written | None = None
 
     @contextmanager

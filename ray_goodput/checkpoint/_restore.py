@@ -64,7 +64,9 @@ def _ranked(exc: CheckpointException, rank: int) -> Exception:
     """DCP's exception as ours, naming this rank (a damaged file stays recognizable)."""
     corrupt = any(isinstance(e, CheckpointCorruptError) for e in _causes(exc))
     cls = CheckpointCorruptError if corrupt else CheckpointError
-    return cls(f"rank {rank}: {exc}")
+    ranked = cls(f"rank {rank}: {exc}")
+    ranked.__cause__ = exc
+    return ranked
 
 
 def _check_fits(template: dict[str, Any], metadata: Metadata, step: int, uri: str) -> None:
@@ -154,8 +156,10 @@ def _load(roles: _state.Roles, state: dict[str, Any], *, root: StorageLocation, 
         try:  # dcp.load without its Stateful handling (the template has none) and its warning
             _load_state_dict(template, storage_reader=reader, no_dist=True)
         except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
-            # DCP names every failure rank 0 here (one process as it sees it): say which.
-            error = exc if isinstance(exc, Exception) else _ranked(exc, rank)
+            # What the file agreement raised is the failing rank's own error; DCP's wrapping
+            # of a failure here names rank 0 (one process, as it sees it): say which.
+            agreed = reader.agreed_error if reader is not None else None
+            error = agreed or (exc if isinstance(exc, Exception) else _ranked(exc, rank))
     try:
         if reader is None or not reader.read_agreed:
             _collective.agree(error)

@@ -44,6 +44,7 @@ class TieredReader(FileSystemReader):
         self._metadata: Metadata | None = None
         self.direct_tensors = 0  # tensors read straight into the live state
         self.read_agreed = False  # read_data's agreement reached (see read_data)
+        self.agreed_error: Exception | None = None  # what that agreement raised
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Check (or fetch) every file of the plan, agree across ranks, then read whole
@@ -63,7 +64,11 @@ class TieredReader(FileSystemReader):
                 self.fs.prepare(name, ranges[name])
         except Exception as exc:  # noqa: BLE001 - agreed below, before any rank copies
             error = exc
-        _collective.agree(error)
+        try:
+            _collective.agree(error)
+        except Exception as exc:
+            self.agreed_error = exc  # the failing rank's own, not DCP's wrapping of it
+            raise
         rest = self._read_direct(plan, planner)
         return super().read_data(dataclasses.replace(plan, items=rest), planner)
 

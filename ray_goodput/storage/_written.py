@@ -111,7 +111,11 @@ class ChecksummedWrite:
         return self._raw.closed
 
     def close(self) -> None:
-        self._raw.close()  # a failed final flush leaves the checksums unknown
+        try:
+            self._raw.close()
+        except BaseException:
+            self._blocks = None  # a failed final flush: what is on disk is unknown
+            raise
         if self._blocks is not None and self._whole is None:
             self._whole = self._blocks.finish()
 
