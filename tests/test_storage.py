@@ -289,6 +289,11 @@ def test_a_linked_upload_takes_known_checksums_only_for_the_file_they_describe(t
                                  block_bytes=storage.upload_block_bytes(), blocks=(1,))
     entry = storage.upload_file(src, loc, "b", algorithm=storage.CRC32C, link=True, known=wrong_size)
     assert entry.crc32 == right.crc32  # read back: the known sums describe another file
+    # The writer chose its block size from a size hint: its sums are taken with that size.
+    other_blocks = storage.Written(size=7, crc32=right.crc32, algorithm=storage.CRC32C, block_bytes=4096,
+                                   blocks=right.blocks)
+    entry = storage.upload_file(src, loc, "c", algorithm=storage.CRC32C, link=True, known=other_blocks)
+    assert (entry.block_bytes, entry.blocks) == (4096, right.blocks)
 
 
 def test_a_large_file_gets_larger_blocks_so_its_entry_lists_at_most_max_blocks(tmp_path, monkeypatch):

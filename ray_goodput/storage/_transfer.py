@@ -143,6 +143,8 @@ def upload_file(local: str | Path, loc: StorageLocation, name: str,
     parent = posixpath.dirname(dest)
     blocks: list[int] = []
     block_bytes = _checksum.upload_block_bytes(_size(local))
+    if known is not None and known.algorithm == algorithm:
+        block_bytes = known.block_bytes  # the writer's, from a size hint: its sums stay usable
 
     def _send() -> tuple[int, int]:
         if not loc.is_local:
