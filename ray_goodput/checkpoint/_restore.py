@@ -160,16 +160,11 @@ def _load(roles: _state.Roles, state: dict[str, Any], *, root: StorageLocation, 
             # of a failure here names rank 0 (one process, as it sees it): say which.
             agreed = reader.agreed_error if reader is not None else None
             error = agreed or (exc if isinstance(exc, Exception) else _ranked(exc, rank))
-    try:
+    try:  # every error here is classified already: DCP's wrapping was replaced above
         if reader is None or not reader.read_agreed:
             _collective.agree(error)
         if error is not None:
             raise error
-    except (Exception, CheckpointException) as exc:
-        if isinstance(exc, CheckpointCorruptError) or not any(
-                isinstance(e, CheckpointCorruptError) for e in _causes(exc)):
-            raise
-        raise CheckpointCorruptError(f"checkpoint step {manifest.step} is damaged: {exc}") from exc
     finally:
         if reader is not None:  # unmap, and drop what was fetched early
             reader.release()
