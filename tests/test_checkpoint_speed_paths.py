@@ -84,6 +84,10 @@ def _count_restore_collectives(rank: int, world_size: int, root: str, staging: s
     optim = torch.optim.AdamW(model.parameters())
     model(torch.ones(2, 64)).sum().backward()
     optim.step()
+    # Replicas are bit-identical under DDP; two processes stepping alone can differ by an
+    # ulp (1 restore in ~80 read the owner's weight 7e-8 away from its own).
+    for param in model.parameters():
+        dist.broadcast(param.data, 0)
     with Checkpointer(root, staging_dir=f"{staging}/{rank}", uploader="thread") as ckpt:
         ckpt.save(1, {"model": model, "optim": optim})
     saved = model.weight.detach().clone()
