@@ -116,11 +116,13 @@ def _count_restore_collectives(rank: int, world_size: int, root: str, staging: s
 
 def test_a_restore_makes_three_collectives_and_none_in_dcp(tmp_path):
     """The choice (after the generation claim, in one broadcast), the agreement once every
-    rank checked its files, and the outcome: DCP plans each rank's reads alone (was 9 collectives)."""
+    rank checked its files, and the outcome: DCP plans each rank's reads alone (was 9
+    collectives). Each agreement is one all-reduce of three integers when no rank failed
+    (was an all_gather_object: two all-gathers and pickling)."""
     out = run_world(_count_restore_collectives, 2, str(tmp_path / "root"), str(tmp_path / "s"), timeout_s=240)
     for rank in out:
         assert rank["step"] == 1 and rank["equal"] and rank["opt_step"] == 1.0, rank
-        assert rank["calls"] == ["broadcast_object_list", "all_gather_object", "all_gather_object"], rank
+        assert rank["calls"] == ["broadcast_object_list", "all_reduce", "all_reduce"], rank
 
 
 def _mismatched(rank: int, world_size: int) -> str:
@@ -134,6 +136,24 @@ def _mismatched(rank: int, world_size: int) -> str:
 def test_ranks_at_different_collectives_all_raise_instead_of_misreading():
     out = run_world(_mismatched, 2, timeout_s=120)
     assert all("different checkpoint collectives" in text for text in out), out
+
+
+def _agree_against_a_gather(rank: int, world_size: int) -> str:
+    try:
+        if rank == 0:
+            _collective.agree(None)
+        else:
+            _collective.gather_tagged("owner plan", rank)
+    except CheckpointError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_a_rank_agreeing_while_another_gathers_raises_on_both_instead_of_hanging():
+    """The agreement is one all-reduce now, not a tagged gather: both still open with the
+    same header, so ranks at different calls raise alike."""
+    out = run_world(_agree_against_a_gather, 2, timeout_s=120)
+    assert all("different checkpoint collectives (agree, owner plan)" in text for text in out), out
 
 
 def test_sync_every_is_validated(tmp_path):

@@ -1,14 +1,25 @@
 """Collectives that make every rank reach the same outcome: gather, broadcast, and
 "raise the same error everywhere" (never one rank raising while another enters a barrier).
-Outside a process group (one rank) they are identities."""
+Outside a process group (one rank) they are identities.
+
+A tagged collective (:func:`gather_tagged`, :func:`agree`) opens with one all-reduce of
+three integers: the tag's code, its negation and a flag, reduced by MAX. Every rank then
+knows whether all of them are at the same call (the max of the codes and the max of the
+negated codes both give back its own code only when every code is equal) and the max of
+the flags. :func:`agree` is that one all-reduce when no rank failed (~1 ms on gloo, where
+pickling objects through two all-gathers took ~4 ms); the errors are gathered only when
+some rank has one.
+"""
 
 from __future__ import annotations
 
 import logging
 import pickle
+import zlib
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import torch
 import torch.distributed as dist
 
 from ray_goodput.errors import CheckpointCorruptError, CheckpointError
@@ -29,18 +40,48 @@ def all_gather(obj: Any) -> list[Any]:
     return out
 
 
-def gather_tagged(tag: str, obj: Any) -> list[Any]:
-    """``all_gather`` of ``(tag, obj)``; raises the same CheckpointError on every rank when
-    the ranks were not at the same call (a rank that re-planned alone, say), instead of
-    reading one call's data as another's."""
-    gathered = all_gather((tag, obj))
-    tags = [t for t, _ in gathered]
-    if any(t != tag for t in tags):
+def _tag_code(tag: str) -> int:
+    return zlib.crc32(tag.encode()) + 1  # positive: 0 would be read as "some rank at another call"
+
+
+def _header(tag: str, flag: bool) -> bool:
+    """Collective: every rank's ``(tag, flag)`` in one all-reduce; the max of the flags, or
+    the same CheckpointError on every rank when the ranks are at different calls."""
+    code = _tag_code(tag)
+    box = torch.tensor([code, -code, int(flag)], dtype=torch.int64, device=_device())
+    dist.all_reduce(box, op=dist.ReduceOp.MAX)
+    top_code, top_negated, top_flag = box.tolist()
+    if top_code != code or top_negated != -code:  # seen alike by every rank
+        tags = all_gather(tag)
         raise CheckpointError(
             f"ranks reached different checkpoint collectives ({', '.join(sorted(set(tags)))}): "
             "every rank must call save/wait/restore at the same points with a state of the same "
             "structure (change the model or optimizer on every rank at the same step)")
-    return [o for _, o in gathered]
+    return bool(top_flag)
+
+
+def _device() -> torch.device:
+    """Where the default group reduces tensors: the CPU under gloo (also when gloo serves
+    the CPU beside NCCL), else this process's current accelerator (NCCL takes no CPU
+    tensor)."""
+    if "gloo" in str(dist.get_backend()):
+        return torch.device("cpu")
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    accelerator = torch.accelerator.current_accelerator()
+    if accelerator is None:
+        return torch.device("cpu")
+    return torch.device(accelerator.type, torch.accelerator.current_device_index())
+
+
+def gather_tagged(tag: str, obj: Any) -> list[Any]:
+    """``all_gather`` of ``obj`` once every rank is known to be at this ``tag``'s call;
+    raises the same CheckpointError on every rank when the ranks were not at the same call
+    (a rank that re-planned alone, say), instead of reading one call's data as another's."""
+    if not distributed():
+        return [obj]
+    _header(tag, True)
+    return all_gather(obj)
 
 
 def broadcast(obj: Any, src: int = 0) -> Any:
@@ -67,14 +108,19 @@ def portable(exc: BaseException) -> BaseException:
 def agree(error: BaseException | None) -> None:
     """Collective: raise on every rank when any rank has an ``error``; the same type and
     message everywhere (the first failing rank's; the one that raised it keeps its own
-    traceback). A damaged checkpoint anywhere wins, so every rank falls back together."""
-    gathered = gather_tagged("agree", None if error is None else (type(error).__name__, portable(error)))
-    failed = [(rank, g) for rank, g in enumerate(gathered) if g is not None]
-    if not failed:
+    traceback). A damaged checkpoint anywhere wins, so every rank falls back together.
+    One small all-reduce when no rank failed; the errors are gathered only when one did."""
+    if not distributed():
+        if error is not None:
+            raise error
         return
+    if not _header("agree", error is not None):
+        return
+    gathered = all_gather(None if error is None else (type(error).__name__, portable(error)))
+    failed = [(rank, g) for rank, g in enumerate(gathered) if g is not None]
     corrupt = [(r, g) for r, g in failed if isinstance(g[1], CheckpointCorruptError)]
     rank, (_, exc) = (corrupt or failed)[0]
-    if error is not None and (rank == _my_rank() or len(gathered) == 1):
+    if error is not None and rank == _my_rank():
         raise error
     raise exc from error
 
