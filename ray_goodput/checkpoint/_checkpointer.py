@@ -480,15 +480,10 @@ class Checkpointer:
         self._pinning.start()
 
     def _load_agreed(self, state: dict[str, Any], manifest: Any) -> None:
-        error: BaseException | None = None
-        try:
-            self.last_restore = load_checkpoint(
-                state, root=self.root, manifest=manifest, staging=self.staging,
-                rank=self.rank, world_size=self.world_size, policy=self._retry)
-        except (Exception, CheckpointException) as exc:  # noqa: BLE001 - agreed below
-            error = exc if isinstance(exc, Exception) else CheckpointError(f"{type(exc).__name__}: {exc}")
-        # A rank's own file (its RNG blob) can be damaged while the others loaded fine.
-        _collective.agree(error)
+        # Collective: every rank loads it or raises the same error (agreed in load_checkpoint).
+        self.last_restore = load_checkpoint(
+            state, root=self.root, manifest=manifest, staging=self.staging,
+            rank=self.rank, world_size=self.world_size, policy=self._retry)
 
     # ---- lifecycle ------------------------------------------------------------------------
 

@@ -133,7 +133,8 @@ class CommitProtocol:
             except FileNotFoundError:
                 pass
         with self._pruned_meanwhile():
-            files.append(self._write_dcp_metadata(local_dir))
+            metadata, state_keys = self._write_dcp_metadata(local_dir)
+        files.append(metadata)
         files.sort(key=lambda f: f.name)
         # Unstepped: fresh on some rank and stepped on none (a frozen stage's optimizer never
         # steps while the others' do; pipeline stages may each have an optimizer of their own).
@@ -142,7 +143,7 @@ class CommitProtocol:
         manifest = Manifest(step=self.step, world_size=self.world_size, files=tuple(files),
                             nonce=self.save_id, generation=self.generation,
                             created=max(m.created for m in markers.values()),
-                            unstepped=tuple(sorted(unstepped)))
+                            unstepped=tuple(sorted(unstepped)), state_keys=state_keys)
         fault_point("commit.before_committed")
         data = manifest.to_bytes()
         with self._pruned_meanwhile():
@@ -177,21 +178,22 @@ class CommitProtocol:
                 f"missing or changed ({', '.join(gone[:3])}); this save cannot commit, the previous "
                 "committed checkpoint stays the recovery point")
 
-    def _write_dcp_metadata(self, local_dir: Path | None) -> FileEntry:
+    def _write_dcp_metadata(self, local_dir: Path | None) -> tuple[FileEntry, str]:
         """Merge the ranks' metadata parts into DCP's ``.metadata`` (and into the node-local
-        staged copy, when there is one, for local-first restore)."""
+        staged copy, when there is one, for local-first restore); returns its entry and
+        the digest of its keys."""
         try:
             parts = [read_bytes(self.step_loc, part_file(rank, self.save_id))
                      for rank in range(self.world_size)]
         except FileNotFoundError as exc:  # deleted since the presence check
             raise IncompleteSaveError(f"step {self.step} save {self.save_id}: a metadata part is gone "
                                       f"({exc}); this save cannot commit") from exc
-        data = merge_parts(parts, self.step)
+        data, state_keys = merge_parts(parts, self.step)
         write_bytes(self.step_loc, _layout.DCP_METADATA, data)
         if local_dir is not None and local_dir.is_dir():
             write_local_file(local_dir / _layout.DCP_METADATA, data)
         return FileEntry(name=_layout.DCP_METADATA, size=len(data), crc32=checksum(data),
-                         algorithm=DEFAULT_ALGORITHM)
+                         algorithm=DEFAULT_ALGORITHM), state_keys
 
 
 def finish_orphan(step_loc: StorageLocation, step: int, *, above: int = -1) -> Manifest | None:

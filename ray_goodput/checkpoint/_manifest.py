@@ -86,6 +86,9 @@ class Manifest:
     #: optimizers (state keys) saved before their first step on every rank: their saved
     #: state is what DCP made up to have something to save, and restore leaves them empty
     unstepped: tuple[str, ...] = ()
+    #: digest of the checkpoint's entry names (``_parts.keys_digest``); "" in manifests
+    #: written before it was added
+    state_keys: str = ""
     extra: dict = field(default_factory=dict, compare=False)
     #: CRC32 of the ``COMMITTED`` bytes it was read from (names this commit in QUARANTINED).
     digest: int = field(default=0, compare=False)
@@ -107,7 +110,7 @@ class Manifest:
             "format_version": self.format_version, "step": self.step,
             "world_size": self.world_size, "created": self.created, "nonce": self.nonce,
             "generation": self.generation, "total_bytes": self.total_bytes,
-            "unstepped": list(self.unstepped),
+            "unstepped": list(self.unstepped), "state_keys": self.state_keys,
             "checksum": checksum_of(self.files), "files": [f.to_json() for f in self.files],
         }, indent=1).encode()
 
@@ -120,6 +123,7 @@ class Manifest:
                             generation=int(d.get("generation", 0)),
                             format_version=int(d.get("format_version", 1)),
                             unstepped=tuple(str(k) for k in d.get("unstepped", ())),
+                            state_keys=str(d.get("state_keys", "")),
                             files=_entries(d), digest=zlib.crc32(data))
         except (ValueError, KeyError, TypeError) as exc:
             raise CheckpointCorruptError(f"COMMITTED manifest is unreadable: {exc}") from exc

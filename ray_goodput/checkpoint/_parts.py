@@ -11,12 +11,13 @@ world size, loads (resharding included).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import io
 import os
 import pickle
 import shutil
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -180,8 +181,9 @@ def write_part(flat: dict[str, Any], leaves: dict[str, Leaf], mappings: dict[str
     return [data_file(rank, nonce), part_file(rank, nonce)]
 
 
-def merge_parts(parts: list[bytes], step: int) -> bytes:
-    """The global DCP ``.metadata`` (pickled) of the ranks' parts, in rank order.
+def merge_parts(parts: list[bytes], step: int) -> tuple[bytes, str]:
+    """The global DCP ``.metadata`` (pickled) of the ranks' parts, in rank order, and the
+    digest of its entries' names (:func:`keys_digest`).
 
     Deterministic: racing committers write identical bytes.
     """
@@ -209,4 +211,11 @@ def merge_parts(parts: list[bytes], step: int) -> bytes:
                       version=version)
     out = io.BytesIO()
     pickle.dump(merged, out)
-    return out.getvalue()
+    return out.getvalue(), keys_digest(sdm)
+
+
+def keys_digest(keys: Iterable[str]) -> str:
+    """A digest of a checkpoint's entry names (DCP's flattened state-dict keys): the
+    manifest carries it, so a restore knows before reading ``.metadata`` whether it loads
+    every entry (and so reads its own data file whole)."""
+    return hashlib.sha256("\n".join(sorted(keys)).encode()).hexdigest()[:32]

@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from ray_goodput.checkpoint import _catalog, _collective, _layout, _state
 from ray_goodput.checkpoint._manifest import Manifest, read_manifest
-from ray_goodput.checkpoint._parts import data_file
+from ray_goodput.checkpoint._parts import data_file, keys_digest
 from ray_goodput.checkpoint._tiered_reader import TieredReader
 from ray_goodput.errors import CheckpointCorruptError, CheckpointError, StateMismatchError
 from ray_goodput.storage import RetryPolicy, StorageLocation
@@ -111,16 +111,32 @@ def load_checkpoint(state: dict[str, Any], *, root: StorageLocation, manifest: M
     missing file, storage down) leaves the live state as it was, and an optimizer that had
     no state gets none (building the state dict to load into gives a never-stepped
     optimizer zero moments and step 1). A failure while copying, after that agreement,
-    raises on every rank too but can leave the state partly loaded.
+    raises on every rank too but can leave the state partly loaded. The outcome is agreed
+    last (a rank's copy can fail while the others' succeed); the load's background work
+    (writing fetched files into the node-local copy, unmapping) starts after that.
     """
     roles = _state.classify(state)
-    with _state.made_up_state(roles, keep=True):  # a failed load leaves them as they were
-        return _load(roles, state, root=root, manifest=manifest, staging=staging, rank=rank,
-                     world_size=world_size, policy=policy)
+    readers: list[TieredReader] = []
+    error: BaseException | None = None
+    info: RestoreInfo | None = None
+    try:
+        with _state.made_up_state(roles, keep=True):  # a failed load leaves them as they were
+            info = _load(roles, state, root=root, manifest=manifest, staging=staging, rank=rank,
+                         world_size=world_size, policy=policy, readers=readers)
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - agreed below
+        error = exc if isinstance(exc, Exception) else CheckpointError(f"{type(exc).__name__}: {exc}")
+    try:
+        _collective.agree(error)
+    finally:
+        for reader in readers:
+            reader.start_deferred()
+    assert info is not None  # no rank failed
+    return info
 
 
 def _load(roles: _state.Roles, state: dict[str, Any], *, root: StorageLocation, manifest: Manifest,
-          staging: Path, rank: int, world_size: int, policy: RetryPolicy) -> RestoreInfo:
+          staging: Path, rank: int, world_size: int, policy: RetryPolicy,
+          readers: list[TieredReader]) -> RestoreInfo:
     start = time.perf_counter()
     step_loc = _catalog.step_location(root, manifest.step)
     local_dir = staging / _layout.step_dir(manifest.step)
@@ -132,16 +148,22 @@ def _load(roles: _state.Roles, state: dict[str, Any], *, root: StorageLocation, 
         local_dir.mkdir(parents=True, exist_ok=True)
         reader = TieredReader(step_loc, local_dir, local, {f.name: f for f in manifest.files}, policy,
                               verified=False)
+        readers.append(reader)
         unchanged_world = manifest.world_size == world_size
-        if unchanged_world:  # the RNG blob, read whole: fetched while the metadata is read
-            reader.fs.fetch_early([_layout.extras_file(rank, manifest.nonce)])
+        # At an unchanged world size, a state that loads every entry of the checkpoint reads
+        # the rank's own data file whole (one that loads only some of it reads only the
+        # blocks it needs; a layout changed at the same world size, e.g. FSDP to TP, also
+        # reads it whole). The manifest's digest of the entry names tells before the
+        # metadata is read; older manifests have none, and the metadata tells.
+        everything = bool(manifest.state_keys) and \
+            manifest.state_keys == keys_digest(flatten_state_dict(template)[0])
+        if unchanged_world:  # the RNG blob, and the data file: fetched while the metadata is read
+            reader.fs.fetch_early([_layout.extras_file(rank, manifest.nonce)]
+                                  + ([data_file(rank, manifest.nonce)] if everything else []))
         metadata = reader.read_metadata()
         _check_fits(template, metadata, manifest.step, step_loc.uri)
-        if unchanged_world and _loads_everything(template, metadata):
-            # Then the rank's own data file is read whole (a state that loads only some
-            # of it reads only the blocks it needs): fetched while DCP plans. (A layout
-            # changed at the same world size, e.g. FSDP to TP, also reads it whole.)
-            reader.fs.fetch_early([data_file(rank, manifest.nonce)])
+        if unchanged_world and not everything and _loads_everything(template, metadata):
+            reader.fs.fetch_early([data_file(rank, manifest.nonce)])  # fetched while DCP plans
         # Read (and check) this rank's RNG blob before any weight is loaded in place: a
         # damaged one must fail the restore while the live state is still untouched.
         rng = _read_rng(reader, rank, manifest.nonce) if unchanged_world else None
@@ -166,8 +188,8 @@ def _load(roles: _state.Roles, state: dict[str, Any], *, root: StorageLocation, 
         if error is not None:
             raise error
     finally:
-        if reader is not None:  # unmap, and drop what was fetched early
-            reader.release()
+        if reader is not None:  # drop what was fetched early; unmapping waits (load_checkpoint)
+            reader.release(defer=True)
     _state.apply_state_dict(roles, template, state)
     _state.forget_state(roles, manifest.unstepped)
     same_world = rng is not None

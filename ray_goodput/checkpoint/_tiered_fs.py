@@ -88,6 +88,7 @@ class TieredFs(StorageFetch, FileSystemBase):
         self.partly_checked: set[str] = set()  # ready for this load's ranges only
         self.early = EarlyFetches()  # see fetch_early
         self.guard = MapGuard(local_dir)
+        self._deferred: list[tuple[Any, tuple, str]] = []  # see release
 
     def _can_hold(self, want: FileEntry | None) -> bool:
         return want is not None and want.size <= self.hold_left
@@ -96,10 +97,12 @@ class TieredFs(StorageFetch, FileSystemBase):
         self.held[name] = data
         self.hold_left -= len(data)
 
-    def release(self) -> None:
+    def release(self, *, defer: bool = False) -> None:
         """The load is over: write the fetched files into the node-local copy in the
         background (during the load, the writes slowed it down by ~80% on 2 cores) and
-        drop the held bytes."""
+        drop the held bytes. ``defer``: that background work (the copy, unmapping) starts
+        only at :meth:`start_deferred`, once the restore's last collective is over (unmapping
+        holds this process's memory map while the collective allocates)."""
         self.hold_left += self.early.drop()
         self.ready.difference_update(self.held)  # opened again, they are fetched again
         self.ready.difference_update(self.mapped)
@@ -111,7 +114,7 @@ class TieredFs(StorageFetch, FileSystemBase):
         if not copies_map:
             self.guard.done()  # nothing reads the mappings any more: no read can fail now
         if unmap:  # tearing down the page tables costs ~4 ms per 72 MiB: not on the load's path
-            _in_background(_unmap, (unmap,), "rg-restore-unmap")
+            self._deferred.append((_unmap, (unmap,), "rg-restore-unmap"))
         self.ready.difference_update(self.sparse)
         self.ready.difference_update(self.partly_checked)
         self.partly_checked.clear()
@@ -120,7 +123,15 @@ class TieredFs(StorageFetch, FileSystemBase):
         self.held.clear()
         self.sparse.clear()
         if keep:
-            _in_background(self._keep_local, (keep, copies_map), "rg-node-local-copy")
+            self._deferred.append((self._keep_local, (keep, copies_map), "rg-node-local-copy"))
+        if not defer:
+            self.start_deferred()
+
+    def start_deferred(self) -> None:
+        """Start the background work :meth:`release` deferred (each piece once)."""
+        work, self._deferred = self._deferred, []
+        for target, args, name in work:
+            _in_background(target, args, name)
 
     def _local_ok(self, name: str) -> bool:
         """Check a node-local file once, at its first open, against the manifest."""

@@ -129,9 +129,13 @@ class TieredReader(FileSystemReader):
             self._metadata = super().read_metadata(*args, **kwargs)
         return self._metadata
 
-    def release(self) -> None:
-        """Drop the bytes held for DCP; call when the load is over."""
-        self.fs.release()
+    def release(self, *, defer: bool = False) -> None:
+        """Drop the bytes held for DCP; call when the load is over (``defer``: see
+        :meth:`TieredFs.release`)."""
+        self.fs.release(defer=defer)
+
+    def start_deferred(self) -> None:
+        self.fs.start_deferred()
 
     @property
     def local_reads(self) -> int:
