@@ -755,6 +755,66 @@ def m_read_floor(b: _Bench, loc, names: list[str]) -> None:
     b.record_restore("read_bytes", b.allmax(n[0]))
 
 
+def _peer_ranges(b: _Bench, manifest, loc, own: list[str]) -> list[tuple[str, int, int]]:
+    """``(file, offset, length)`` of what this rank's restore reads from other ranks'
+    files: the manifest blocks holding the entries it loads from them (replicated leaves,
+    written once by their owner), found with DCP's own load planner, as the restore finds
+    them. The read floor above does not read these bytes; the restore must."""
+    import pickle
+
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    from ray_goodput.checkpoint import _layout, _state
+    from ray_goodput.checkpoint._tiered_fetch import _block_runs
+
+    with loc.fs.open_input_file(loc.join(_layout.DCP_METADATA)) as f:
+        metadata = pickle.loads(f.read())  # noqa: S301 - the benchmark's own checkpoint
+    roles = _state.classify(b.state)
+    with _state.made_up_state(roles, keep=True):
+        planner = DefaultLoadPlanner()
+        planner.set_up_planner(_state.to_state_dict(roles), metadata, is_coordinator=False)
+        plan = planner.create_local_plan()
+    wanted: dict[str, list[tuple[int, int]]] = {}
+    for item in plan.items:
+        info = metadata.storage_data[item.storage_index]
+        if info.relative_path not in own:
+            wanted.setdefault(info.relative_path, []).append((info.offset, info.length))
+    entries = {f.name: f for f in manifest.files}
+    out = []
+    for name, ranges in sorted(wanted.items()):
+        want = entries[name]
+        for first, last in _block_runs(want, ranges):
+            start = first * want.block_bytes
+            out.append((name, start, min((last + 1) * want.block_bytes, want.size) - start))
+    return out
+
+
+def m_read_floor_peers(b: _Bench, loc, names: list[str], peers: list[tuple[str, int, int]]) -> None:
+    """Floor: the same bytes the restore reads from storage: the rank's files whole, and
+    the blocks of other ranks' files (:func:`_peer_ranges`), both at once in two threads
+    (as the restore overlaps them)."""
+    import concurrent.futures
+
+    def read_peers() -> int:
+        n = 0
+        for name, offset, length in peers:
+            with loc.fs.open_input_file(loc.join(name)) as f:
+                n += len(f.read_at(length, offset))
+        return n
+
+    n: list[int] = []
+
+    def both() -> None:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            theirs = pool.submit(read_peers)
+            mine = _read_whole(loc.fs, [loc.join(x) for x in names])
+            n.append(mine + theirs.result())
+
+    seconds = _timed(b, both)
+    b.record_restore("read_floor_peers", b.allmax(seconds))
+    b.record_restore("read_bytes_peers", b.allmax(n[0]))
+
+
 def m_local_read_floor(b: _Bench, local_dir: Path, names: list[str]) -> None:
     """Floor: the same files read whole from the node-local copy (plain Python reads)."""
     seconds = _timed(b, lambda: [(local_dir / x).read_bytes() for x in names])
@@ -770,10 +830,12 @@ def measure_restore(b: _Bench) -> list[str]:
     manifest = _restore_target(b)
     names = _rank_files(b, manifest)
     loc = step_location(b.ckpt.root, manifest.step)
+    peers = _peer_ranges(b, manifest, loc, names)
     local_dir = b.ckpt.staging / _layout.step_dir(manifest.step)
     todo: dict[str, Callable[[int], None]] = {
         "restore_cold": lambda i: m_restore_cold(b, i, manifest.step),
         "read_floor": lambda i: m_read_floor(b, loc, names),
+        "read_floor_peers": lambda i: m_read_floor_peers(b, loc, names, peers),
         "restore_warm": lambda i: m_restore_warm(b, manifest.step),
         "local_floor": lambda i: m_local_read_floor(b, local_dir, names),
     }
@@ -938,9 +1000,12 @@ def _slowdown_verdicts(run: dict) -> list[str]:
 
 # Issue 10's restore targets, both <= 1.3x: (restore, its floor, where from, the floor in words).
 RESTORE_TARGETS = [("rs_cold", "read_floor", "from storage", "a plain read from storage"),
+                   ("rs_cold", "read_floor_peers", "from storage",
+                    "a plain read of the same bytes from storage (own files and peers' blocks)"),
                    ("rs_warm", "local_floor", "from the node-local copy", "a plain local read")]
 RESTORE_LABELS = {
     "read_floor": "floor: plain read of the rank's files from storage (whole files)",
+    "read_floor_peers": "floor: the same bytes as the restore (own files whole, peers' blocks)",
     "rs_cold": "Checkpointer.restore, cold node-local copy (all from storage)",
     "rs_cold_load": "  (of which loading: fetch, check, DCP read)",
     "local_floor": "floor: plain local read of the node-local copy",
@@ -981,7 +1046,8 @@ def _restore_table(runs: list[dict]) -> list[str]:
     rows = [row for run in runs for row in _restore_rows(run)]
     if not rows:
         return []
-    sizes = ", ".join(f"{r['storage']}: {_med(r['restore'].get('read_bytes', [0])) / 2**20:.0f} MiB"
+    sizes = ", ".join(f"{r['storage']}: {_med(r['restore'].get('read_bytes', [0])) / 2**20:.0f} MiB own, "
+                      f"{_med(r['restore'].get('read_bytes_peers', [0])) / 2**20:.1f} MiB with peers' blocks"
                       for r in runs if r.get("restore"))
     head = [f"Restore (median of the rounds, slowest rank; bytes each rank reads: {sizes}):", "",
             "| restore | storage | s (median) | / its floor |", "|---|---|---|---|"]
