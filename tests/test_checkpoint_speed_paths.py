@@ -9,6 +9,7 @@ import json
 import os
 import sys
 import threading
+import time
 import zlib
 from pathlib import Path
 
@@ -547,6 +548,79 @@ def test_the_loads_background_work_starts_after_the_restores_last_collective(tmp
     first_background = min(order.index(n) for n in ("rg-restore-unmap", "rg-node-local-copy") if n in order)
     assert "agree" not in order[first_background:] and order.count("agree") >= 1, order
     assert "rg-node-local-copy" in order and any(p.suffix == ".distcp" for p in local.iterdir()), order
+
+
+def _checksummed_files(monkeypatch) -> list[tuple[str, str]]:
+    """(thread name, file) of every whole-file check of a mapped file from now on."""
+    from ray_goodput.checkpoint._mapped import MappedFile
+
+    calls: list[tuple[str, str]] = []
+    real = MappedFile.checksum
+
+    def checksum(self, algorithm, offset=0, size=None):
+        calls.append((threading.current_thread().name, Path(self.path).name))
+        return real(self, algorithm, offset, size)
+
+    monkeypatch.setattr(MappedFile, "checksum", checksum)
+    return calls
+
+
+def test_the_own_node_local_data_file_is_checked_while_the_checkpoint_is_chosen_and_not_again(
+        tmp_path, monkeypatch):
+    """Restoring from the node-local copy, the rank's own data file is mapped and checked
+    in the background while the choice runs (rank 0's listing and commit read: storage
+    round trips), then taken by the load when the choice names that very file."""
+    from ray_goodput.checkpoint import _checkpointer
+
+    root, staging = str(tmp_path / "root"), tmp_path / "saved"
+    model = torch.nn.Linear(256, 256)
+    with Checkpointer(root, staging_dir=str(staging), uploader="thread") as ckpt:
+        ckpt.save(1, {"model": model})
+    data = next(f.name for f in read_manifest(_catalog.step_location(resolve(root), 1)).files
+                if f.name.endswith(".distcp"))
+    checks = _checksummed_files(monkeypatch)
+    real_choose, chose = _checkpointer.choose, threading.Event()
+
+    def slow_choose(*args, **kwargs):  # a slow store: the guess's check ends first
+        time.sleep(0.3)
+        chose.set()
+        return real_choose(*args, **kwargs)
+
+    monkeypatch.setattr(_checkpointer, "choose", slow_choose)
+    fresh = torch.nn.Linear(256, 256)
+    with Checkpointer(root, staging_dir=str(staging), uploader="thread") as ckpt:
+        assert ckpt.restore({"model": fresh}) == 1
+        info = ckpt.last_restore
+    assert torch.equal(fresh.weight, model.weight) and info.remote_files == 0 and info.local_files >= 1
+    data_checks = [thread for thread, name in checks if name == data]
+    assert data_checks and set(data_checks) == {"rg-restore-guess"}, checks  # checked once, in the guess
+    assert str(staging) not in "".join(_mapped_paths())  # unmapped after the load
+
+
+def test_a_guess_the_choice_does_not_name_is_stopped_unmapped_and_the_chosen_step_loads(tmp_path):
+    """The newest node-local step never committed (a save in flight when the job died):
+    its file is guessed, then dropped when rank 0 picks the committed one."""
+    root, staging = str(tmp_path / "root"), tmp_path / "saved"
+    model = torch.nn.Linear(256, 256)
+    with Checkpointer(root, staging_dir=str(staging), uploader="thread") as ckpt:
+        ckpt.save(1, {"model": model})
+        local = ckpt.staging
+    stray = local / _layout.step_dir(9) / "__0_g000099-deadbeef.distcp"
+    stray.parent.mkdir(parents=True)
+    stray.write_bytes(os.urandom(64 << 20))  # big enough to be mid-check when dropped
+    own = next((local / _layout.step_dir(1)).glob("__0_*.distcp"))
+    damaged = bytearray(own.read_bytes())  # the committed step's own node-local file damaged
+    damaged[100] ^= 0xFF
+    own.unlink()  # (a hard link of the stored file: local storage shares the file system)
+    own.write_bytes(bytes(damaged))
+    fresh = torch.nn.Linear(256, 256)
+    with Checkpointer(root, staging_dir=str(staging), uploader="thread") as ckpt:
+        assert ckpt.restore({"model": fresh}) == 1
+        info = ckpt.last_restore
+    assert torch.equal(fresh.weight, model.weight)
+    assert info.remote_files >= 1  # the damaged local file failed its check: read from storage
+    assert str(stray) not in _mapped_paths()
+    assert not list(stray.parent.glob(".mapping-*")) and not list(own.parent.glob(".mapping-*"))
 
 
 def test_an_early_fetch_nobody_takes_is_unmapped_when_the_load_ends(tmp_path):

@@ -39,6 +39,7 @@ from ray_goodput.checkpoint._job import ShardJob
 from ray_goodput.checkpoint._local_copies import LocalCopyDropper
 from ray_goodput.checkpoint._metrics import SaveMetrics
 from ray_goodput.checkpoint._ray_report import report_checkpoint, report_closed
+from ray_goodput.checkpoint._local_guess import LocalGuess
 from ray_goodput.checkpoint._restore import RestoreInfo, choose, load_checkpoint
 from ray_goodput.checkpoint._save_state import SaveRecord, SaveState, agree
 from ray_goodput.checkpoint._schedule import SaveSchedule
@@ -431,25 +432,30 @@ class Checkpointer:
             return None
         step = decision.step if decision is not None else None
         before: tuple[int, int] | None = None
-        while True:
-            manifest = self._choose(step, before)
-            if manifest is None:
-                self._recorder.restored(None, t0, time.time())
-                return None
-            try:
-                self._load_agreed(state, manifest)
-            except CheckpointCorruptError as exc:  # every rank: agreed in _load_agreed
-                logger.warning("checkpoint step %d is damaged (%s); falling back", manifest.step, exc)
-                reason, loc = str(exc)[:500], _catalog.step_location(self.root, manifest.step)
-                if self.rank == 0:  # best effort: no rank may raise alone here
-                    _best_effort("quarantining", lambda: _catalog.quarantine_damaged(loc, manifest, reason))
-                before = manifest.order
-                continue
-            if decision is None and self.rank == 0:  # a Recovery pins its own choice
-                self._pin_resume(manifest.step)
-            self._recorder.restored(manifest.step, t0, time.time())
-            self._last_step = manifest.step
-            return manifest.step
+        # The own node-local data file of the likely pick, checked while rank 0 chooses.
+        guess = LocalGuess(self.staging, self.rank, step)
+        try:
+            while True:
+                manifest = self._choose(step, before)
+                if manifest is None:
+                    self._recorder.restored(None, t0, time.time())
+                    return None
+                try:
+                    self._load_agreed(state, manifest, guess)
+                except CheckpointCorruptError as exc:  # every rank: agreed in _load_agreed
+                    logger.warning("checkpoint step %d is damaged (%s); falling back", manifest.step, exc)
+                    reason, loc = str(exc)[:500], _catalog.step_location(self.root, manifest.step)
+                    if self.rank == 0:  # best effort: no rank may raise alone here
+                        _best_effort("quarantining", lambda: _catalog.quarantine_damaged(loc, manifest, reason))
+                    before = manifest.order
+                    continue
+                if decision is None and self.rank == 0:  # a Recovery pins its own choice
+                    self._pin_resume(manifest.step)
+                self._recorder.restored(manifest.step, t0, time.time())
+                self._last_step = manifest.step
+                return manifest.step
+        finally:
+            guess.close()  # a guess the load did not take
 
     def _choose(self, step: int | None, before: tuple[int, int] | None) -> Any:
         """Rank 0's pick of the checkpoint to load (see ``choose``), broadcast. The first
@@ -479,11 +485,11 @@ class Checkpointer:
             args=("pinning the resume step", lambda: _retention.pin_resume(self.root, attempt=attempt, step=step)))
         self._pinning.start()
 
-    def _load_agreed(self, state: dict[str, Any], manifest: Any) -> None:
+    def _load_agreed(self, state: dict[str, Any], manifest: Any, guess: LocalGuess) -> None:
         # Collective: every rank loads it or raises the same error (agreed in load_checkpoint).
         self.last_restore = load_checkpoint(
             state, root=self.root, manifest=manifest, staging=self.staging,
-            rank=self.rank, world_size=self.world_size, policy=self._retry)
+            rank=self.rank, world_size=self.world_size, policy=self._retry, guess=guess)
 
     # ---- lifecycle ------------------------------------------------------------------------
 

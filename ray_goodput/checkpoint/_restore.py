@@ -15,6 +15,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from ray_goodput.checkpoint import _catalog, _collective, _layout, _state
+from ray_goodput.checkpoint._local_guess import LocalGuess
 from ray_goodput.checkpoint._manifest import Manifest, read_manifest
 from ray_goodput.checkpoint._parts import data_file, keys_digest
 from ray_goodput.checkpoint._tiered_reader import TieredReader
@@ -102,7 +103,7 @@ def _read_rng(reader: TieredReader, rank: int, nonce: str) -> bytes:
 
 def load_checkpoint(state: dict[str, Any], *, root: StorageLocation, manifest: Manifest,
                     staging: Path, rank: int, world_size: int,
-                    policy: RetryPolicy) -> RestoreInfo:
+                    policy: RetryPolicy, guess: LocalGuess | None = None) -> RestoreInfo:
     """Load ``manifest``'s checkpoint into ``state`` (in place). Collective across ranks.
 
     RNG states are per rank and only meaningful for the world size that saved them:
@@ -110,7 +111,9 @@ def load_checkpoint(state: dict[str, Any], *, root: StorageLocation, manifest: M
     loaded before every rank checked all of its files: a failure up to then (a damaged or
     missing file, storage down) leaves the live state as it was, and an optimizer that had
     no state gets none (building the state dict to load into gives a never-stepped
-    optimizer zero moments and step 1). A failure while copying, after that agreement,
+    optimizer zero moments and step 1). ``guess``: the rank's own node-local data file,
+    checked while the checkpoint was chosen (taken when it is this one's). A failure while
+    copying, after that agreement,
     raises on every rank too but can leave the state partly loaded. The outcome is agreed
     last (a rank's copy can fail while the others' succeed); the load's background work
     (writing fetched files into the node-local copy, unmapping) starts after that.
@@ -122,7 +125,7 @@ def load_checkpoint(state: dict[str, Any], *, root: StorageLocation, manifest: M
     try:
         with _state.made_up_state(roles, keep=True):  # a failed load leaves them as they were
             info = _load(roles, state, root=root, manifest=manifest, staging=staging, rank=rank,
-                         world_size=world_size, policy=policy, readers=readers)
+                         world_size=world_size, policy=policy, readers=readers, guess=guess)
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - agreed below
         error = exc if isinstance(exc, Exception) else CheckpointError(f"{type(exc).__name__}: {exc}")
     try:
@@ -136,7 +139,7 @@ def load_checkpoint(state: dict[str, Any], *, root: StorageLocation, manifest: M
 
 def _load(roles: _state.Roles, state: dict[str, Any], *, root: StorageLocation, manifest: Manifest,
           staging: Path, rank: int, world_size: int, policy: RetryPolicy,
-          readers: list[TieredReader]) -> RestoreInfo:
+          readers: list[TieredReader], guess: LocalGuess | None) -> RestoreInfo:
     start = time.perf_counter()
     step_loc = _catalog.step_location(root, manifest.step)
     local_dir = staging / _layout.step_dir(manifest.step)
@@ -146,8 +149,10 @@ def _load(roles: _state.Roles, state: dict[str, Any], *, root: StorageLocation, 
         template = _state.to_state_dict(roles)
         local = local_candidates(local_dir, manifest) if local_dir.is_dir() else set()
         local_dir.mkdir(parents=True, exist_ok=True)
-        reader = TieredReader(step_loc, local_dir, local, {f.name: f for f in manifest.files}, policy,
-                              verified=False)
+        entries = {f.name: f for f in manifest.files}
+        checked, guard = guess.take(manifest.step, local_dir, entries) if guess is not None else ({}, None)
+        reader = TieredReader(step_loc, local_dir, local, entries, policy, verified=False,
+                              checked=checked, guard=guard)
         readers.append(reader)
         unchanged_world = manifest.world_size == world_size
         # At an unchanged world size, a state that loads every entry of the checkpoint reads
