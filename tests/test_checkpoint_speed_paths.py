@@ -550,19 +550,54 @@ def test_the_loads_background_work_starts_after_the_restores_last_collective(tmp
     assert "rg-node-local-copy" in order and any(p.suffix == ".distcp" for p in local.iterdir()), order
 
 
-def _checksummed_files(monkeypatch) -> list[tuple[str, str]]:
-    """(thread name, file) of every whole-file check of a mapped file from now on."""
+def _checksummed_files(monkeypatch) -> list[tuple[str, str, int | None]]:
+    """(thread name, file, size) of every check of a mapped file from now on (size None:
+    to the end of the file)."""
     from ray_goodput.checkpoint._mapped import MappedFile
 
-    calls: list[tuple[str, str]] = []
+    calls: list[tuple[str, str, int | None]] = []
     real = MappedFile.checksum
 
     def checksum(self, algorithm, offset=0, size=None):
-        calls.append((threading.current_thread().name, Path(self.path).name))
+        calls.append((threading.current_thread().name, Path(self.path).name, size))
         return real(self, algorithm, offset, size)
 
     monkeypatch.setattr(MappedFile, "checksum", checksum)
     return calls
+
+
+def _slow_choice(monkeypatch, seconds: float) -> None:
+    """Make rank 0's choice take ``seconds`` longer (a slow object store)."""
+    from ray_goodput.checkpoint import _checkpointer
+
+    real = _checkpointer.choose
+
+    def slow(*args, **kwargs):
+        time.sleep(seconds)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_checkpointer, "choose", slow)
+
+
+def _saved_at(root: str, staging: Path, size: int = 256) -> tuple[torch.nn.Module, torch.optim.Optimizer, Path]:
+    """Step 1 of a model + stepped AdamW, saved with its node-local copy in ``staging``;
+    returns them and that copy's directory of the run."""
+    model = torch.nn.Linear(size, size)
+    optim = torch.optim.AdamW(model.parameters())
+    model(torch.ones(2, size)).sum().backward()
+    optim.step()
+    with Checkpointer(root, staging_dir=str(staging), uploader="thread") as ckpt:
+        ckpt.save(1, {"model": model, "optim": optim})
+        return model, optim, ckpt.staging
+
+
+def _own_file(local: Path, step: int) -> Path:
+    return next((local / _layout.step_dir(step)).glob("__0_*.distcp"))
+
+
+def _fresh_state(size: int = 256) -> dict:
+    model = torch.nn.Linear(size, size)
+    return {"model": model, "optim": torch.optim.AdamW(model.parameters())}
 
 
 def test_the_own_node_local_data_file_is_checked_while_the_checkpoint_is_chosen_and_not_again(
@@ -570,57 +605,99 @@ def test_the_own_node_local_data_file_is_checked_while_the_checkpoint_is_chosen_
     """Restoring from the node-local copy, the rank's own data file is mapped and checked
     in the background while the choice runs (rank 0's listing and commit read: storage
     round trips), then taken by the load when the choice names that very file."""
-    from ray_goodput.checkpoint import _checkpointer
-
     root, staging = str(tmp_path / "root"), tmp_path / "saved"
-    model = torch.nn.Linear(256, 256)
-    with Checkpointer(root, staging_dir=str(staging), uploader="thread") as ckpt:
-        ckpt.save(1, {"model": model})
-    data = next(f.name for f in read_manifest(_catalog.step_location(resolve(root), 1)).files
-                if f.name.endswith(".distcp"))
+    model, _, local = _saved_at(root, staging)
+    own = _own_file(local, 1).name
     checks = _checksummed_files(monkeypatch)
-    real_choose, chose = _checkpointer.choose, threading.Event()
-
-    def slow_choose(*args, **kwargs):  # a slow store: the guess's check ends first
-        time.sleep(0.3)
-        chose.set()
-        return real_choose(*args, **kwargs)
-
-    monkeypatch.setattr(_checkpointer, "choose", slow_choose)
-    fresh = torch.nn.Linear(256, 256)
+    _slow_choice(monkeypatch, 0.3)  # the guess's check ends first
+    fresh = _fresh_state()
     with Checkpointer(root, staging_dir=str(staging), uploader="thread") as ckpt:
-        assert ckpt.restore({"model": fresh}) == 1
+        assert ckpt.restore(fresh) == 1
         info = ckpt.last_restore
-    assert torch.equal(fresh.weight, model.weight) and info.remote_files == 0 and info.local_files >= 1
-    data_checks = [thread for thread, name in checks if name == data]
-    assert data_checks and set(data_checks) == {"rg-restore-guess"}, checks  # checked once, in the guess
-    assert str(staging) not in "".join(_mapped_paths())  # unmapped after the load
+        assert wait_for_node_local_copies(30)  # the unmapping, after the load
+    assert torch.equal(fresh["model"].weight, model.weight) and info.remote_files == 0 and info.local_files >= 1
+    own_checks = [thread for thread, name, _ in checks if name == own]
+    assert own_checks and set(own_checks) == {"rg-restore-guess"}, checks  # checked once, in the guess
+    assert str(local) not in "".join(_mapped_paths())
+    assert not list(local.rglob(".mapping-*"))
 
 
-def test_a_guess_the_choice_does_not_name_is_stopped_unmapped_and_the_chosen_step_loads(tmp_path):
+def test_a_guess_the_choice_does_not_name_is_stopped_unmapped_and_the_chosen_step_loads(
+        tmp_path, monkeypatch):
     """The newest node-local step never committed (a save in flight when the job died):
-    its file is guessed, then dropped when rank 0 picks the committed one."""
+    its file is guessed, then stopped mid-check and dropped when rank 0 picks the
+    committed one, which loads as before."""
+    from ray_goodput.checkpoint import _local_guess
+
     root, staging = str(tmp_path / "root"), tmp_path / "saved"
-    model = torch.nn.Linear(256, 256)
-    with Checkpointer(root, staging_dir=str(staging), uploader="thread") as ckpt:
-        ckpt.save(1, {"model": model})
-        local = ckpt.staging
+    model, _, local = _saved_at(root, staging)
     stray = local / _layout.step_dir(9) / "__0_g000099-deadbeef.distcp"
     stray.parent.mkdir(parents=True)
-    stray.write_bytes(os.urandom(64 << 20))  # big enough to be mid-check when dropped
-    own = next((local / _layout.step_dir(1)).glob("__0_*.distcp"))
-    damaged = bytearray(own.read_bytes())  # the committed step's own node-local file damaged
+    stray.write_bytes(os.urandom(32 << 20))
+    monkeypatch.setattr(_local_guess, "CHUNK_BYTES", 64 << 10)  # 512 chunks: stopped between two
+    checks = _checksummed_files(monkeypatch)
+    real_combine = _local_guess.combine_checksums
+
+    def slow_combine(*args):  # a slow disk: 512 chunks take ~1 s, the choice far less
+        time.sleep(0.002)
+        return real_combine(*args)
+
+    monkeypatch.setattr(_local_guess, "combine_checksums", slow_combine)
+    fresh = _fresh_state()
+    with Checkpointer(root, staging_dir=str(staging), uploader="thread") as ckpt:
+        assert ckpt.restore(fresh) == 1
+        info = ckpt.last_restore
+        assert wait_for_node_local_copies(30)
+    assert torch.equal(fresh["model"].weight, model.weight) and info.remote_files == 0
+    stray_checks = [thread for thread, name, _ in checks if name == stray.name]
+    assert stray_checks and set(stray_checks) == {"rg-restore-guess"}, checks[:5]  # it was guessed
+    assert len(stray_checks) < 512, len(stray_checks)  # and stopped before the end
+    assert str(stray) not in _mapped_paths()
+    assert not list(local.rglob(".mapping-*"))
+
+
+def test_a_guessed_own_file_that_fails_its_check_is_read_from_storage(tmp_path, monkeypatch):
+    """The guess's checksum does not match the manifest's: the load reads the file from
+    storage, as for any damaged node-local file, and the damaged copy is replaced."""
+    root, staging = str(tmp_path / "root"), tmp_path / "saved"
+    model, _, local = _saved_at(root, staging)
+    own = _own_file(local, 1)
+    damaged = bytearray(own.read_bytes())
     damaged[100] ^= 0xFF
     own.unlink()  # (a hard link of the stored file: local storage shares the file system)
     own.write_bytes(bytes(damaged))
-    fresh = torch.nn.Linear(256, 256)
+    checks = _checksummed_files(monkeypatch)
+    fresh = _fresh_state()
+    with Checkpointer(root, staging_dir=str(staging), uploader="thread") as ckpt:
+        assert ckpt.restore(fresh) == 1
+        info = ckpt.last_restore
+        assert wait_for_node_local_copies(30)
+    assert torch.equal(fresh["model"].weight, model.weight) and info.remote_files >= 1
+    assert ("rg-restore-guess", own.name, None) in [(t, n, None) for t, n, _ in checks]
+    assert own.read_bytes() != bytes(damaged)  # the node-local copy is the stored file again
+    assert not list(local.rglob(".mapping-*"))
+
+
+def test_a_partial_restore_from_the_node_local_copy_checks_only_the_blocks_it_needs(tmp_path, monkeypatch):
+    """Found in review: the guess made a model-only restore of a model + optimizer
+    checkpoint wait for a whole-file check of the own data file (3x the bytes). A state
+    that does not load every entry drops the guess; the load checks only its blocks."""
+    from ray_goodput.storage import _checksum
+
+    monkeypatch.setattr(_checksum, "BLOCK_BYTES", 64 << 10)  # small files, the same rule
+    root, staging = str(tmp_path / "root"), tmp_path / "saved"
+    model, _, local = _saved_at(root, staging, size=512)
+    own = _own_file(local, 1)
+    checks = _checksummed_files(monkeypatch)
+    _slow_choice(monkeypatch, 0.3)  # the guess would have finished: its result must go unused
+    fresh = torch.nn.Linear(512, 512)
     with Checkpointer(root, staging_dir=str(staging), uploader="thread") as ckpt:
         assert ckpt.restore({"model": fresh}) == 1
         info = ckpt.last_restore
-    assert torch.equal(fresh.weight, model.weight)
-    assert info.remote_files >= 1  # the damaged local file failed its check: read from storage
-    assert str(stray) not in _mapped_paths()
-    assert not list(stray.parent.glob(".mapping-*")) and not list(own.parent.glob(".mapping-*"))
+        assert wait_for_node_local_copies(30)
+    assert torch.equal(fresh.weight, model.weight) and info.remote_files == 0
+    loads = [size for thread, name, size in checks if name == own.name and thread != "rg-restore-guess"]
+    assert loads and all(size is not None and size < own.stat().st_size / 2 for size in loads), checks
 
 
 def test_an_early_fetch_nobody_takes_is_unmapped_when_the_load_ends(tmp_path):

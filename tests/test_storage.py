@@ -309,3 +309,24 @@ def test_a_large_file_gets_larger_blocks_so_its_entry_lists_at_most_max_blocks(t
     assert storage.file_crc32(src, storage.CRC32C, blocks=blocks, block_bytes=4096) == (entry.size, entry.crc32)
     assert entry.block_bytes == 4096 and entry.blocks == tuple(blocks) and len(blocks) == 7
     assert storage.upload_block_bytes(8 * 1024) == 1024  # at the cap: the set size
+
+
+def test_checksums_of_buffers_over_a_slice_match_the_whole_buffer_checksum_for_every_buffer_kind():
+    """checksum() computes a buffer over GIL_SLICE_BYTES in slices (google-crc32c holds the
+    GIL through a call); the result must be the one-call checksum for every kind of buffer
+    callers pass (bytes, bytearray, pyarrow buffers, memoryviews of other formats)."""
+    import array
+
+    import google_crc32c
+    import pyarrow as pa
+
+    from ray_goodput.storage import _checksum
+
+    slice_bytes = _checksum.GIL_SLICE_BYTES
+    for size in (0, 1, slice_bytes - 1, slice_bytes, slice_bytes + 1, 3 * slice_bytes + 7):
+        data = os.urandom(size - size % 4)
+        floats = array.array("f")
+        floats.frombytes(data)
+        for buf in (data, bytearray(data), pa.py_buffer(data), memoryview(data), memoryview(floats)):
+            assert storage.checksum(buf, storage.CRC32C) == google_crc32c.value(data), (size, type(buf))
+            assert storage.checksum(buf, storage.CRC32) == zlib.crc32(data), (size, type(buf))

@@ -61,10 +61,11 @@ def _header(tag: str, flag: bool) -> bool:
 
 
 def _device() -> torch.device:
-    """Where the default group reduces tensors: the CPU under gloo (also when gloo serves
-    the CPU beside NCCL), else this process's current accelerator (NCCL takes no CPU
-    tensor)."""
-    if "gloo" in str(dist.get_backend()):
+    """Where the default group reduces tensors: the CPU under a CPU backend (gloo, MPI,
+    UCC) or a group that names one for the CPU (``cpu:gloo,cuda:nccl``), else this
+    process's current accelerator (NCCL takes no CPU tensor)."""
+    backend = str(dist.get_backend())
+    if backend in ("gloo", "mpi", "ucc") or "cpu:" in backend:
         return torch.device("cpu")
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())

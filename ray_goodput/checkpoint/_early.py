@@ -63,6 +63,12 @@ class EarlyFetches:
         self._reserved[name] = reserved
         self._futures[name] = self._pool.submit(fetch)
 
+    def adopt(self, name: str, future: concurrent.futures.Future[Early | None]) -> None:
+        """Take ``future``, started elsewhere, as the early fetch of ``name`` (see
+        ``_local_guess``)."""
+        self._reserved[name] = 0
+        self._futures[name] = future
+
     def reserved(self, name: str) -> int:
         return self._reserved.get(name, 0)
 

@@ -2,24 +2,27 @@
 
 Restoring from the node-local copy, the largest piece of a rank's work is checking its own
 data file against the manifest (a pass over the whole file), and before it can start,
-rank 0 lists storage and reads the chosen commit (two storage round trips, ~15 ms on the
-S3 server, more on a real object store). :class:`LocalGuess` guesses the file while that
-runs: in the step the driver decided (``Recovery``), else in the newest step directory of
-the node-local copy, the newest save's data file of this rank. It maps the file and
-computes its checksum in a background thread. When the choice names that very file (same
-step, name and size), the restore takes the mapping and the checksum, and compares the
-checksum with the manifest's, so the file is checked once, as before, only earlier. Any
-other outcome (another step, a save that never committed, another checksum algorithm)
-stops the check at its next chunk and unmaps the file.
+rank 0 lists storage and reads the chosen commit (storage round trips: ~15 ms on the S3
+server, more on a real object store). :class:`LocalGuess` guesses the file meanwhile: in
+the step the driver decided (``Recovery``), else in the newest step directory of the
+node-local copy, the newest save's data file of this rank. A thread maps it and computes
+its checksum. When the choice names that very file (same step and name) and the rank
+will read it whole (the state loads every entry, at the world size that saved it), the
+running check becomes one of the load's early fetches (``_early``): the load takes the
+mapping if the checksum matches the manifest's and reads storage if not, so the file is
+checked once, as before, only earlier. Any other outcome stops the check at its next
+chunk and unmaps the file.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import threading
 from pathlib import Path
 
 from ray_goodput.checkpoint import _layout
+from ray_goodput.checkpoint._early import Early, Found
 from ray_goodput.checkpoint._mapped import MapGuard, MappedFile
 from ray_goodput.storage import DEFAULT_ALGORITHM, FileEntry, checksum, combine_checksums
 
@@ -27,9 +30,10 @@ logger = logging.getLogger(__name__)
 
 #: Bytes checksummed between two looks at the stop flag.
 CHUNK_BYTES = 32 << 20
-#: Bound on waiting for the guess's check once the choice named its file (a local pass
-#: over a mapped file; beyond this the restore checks the file itself).
-TAKE_TIMEOUT_S = 300.0
+#: Bound on waiting for a dropped guess's thread to stop (it stops at its next chunk).
+STOP_TIMEOUT_S = 60.0
+
+_Checked = tuple[MappedFile, int]  # the mapping and its checksum
 
 
 class LocalGuess:
@@ -38,66 +42,86 @@ class LocalGuess:
     def __init__(self, staging: Path, rank: int, step: int | None) -> None:
         self.step, self.path = _guess(staging, rank, step)
         self._guard: MapGuard | None = None
-        self._mapped: MappedFile | None = None
-        self._crc: int | None = None
+        self._result: concurrent.futures.Future[_Checked | None] = concurrent.futures.Future()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         if self.path is not None:
             self._guard = MapGuard(self.path.parent)
-            self._thread = threading.Thread(target=self._check, args=(self.path, self._guard),
+            self._thread = threading.Thread(target=self._run, args=(self.path, self._guard),
                                             name="rg-restore-guess", daemon=True)
             self._thread.start()
 
-    def _check(self, path: Path, guard: MapGuard) -> None:
+    def _run(self, path: Path, guard: MapGuard) -> None:
         try:
-            mapped = guard.map(path)
-        except OSError as exc:  # gone meanwhile: the restore finds out its own way
-            logger.debug("could not map %s: %s", path, exc)
-            return
+            self._result.set_result(self._check(path, guard))
+        except Exception as exc:  # noqa: BLE001 - the load then checks the file its own way
+            logger.debug("the check of %s ahead of the choice failed: %s", path, exc)
+            self._result.set_result(None)
+
+    def _check(self, path: Path, guard: MapGuard) -> _Checked | None:
+        if self._stop.is_set():
+            return None
+        mapped = guard.map(path)
         if mapped is None:
-            return
-        self._mapped = mapped
+            return None
         crc = checksum(b"", DEFAULT_ALGORITHM)
         for offset in range(0, mapped.size, CHUNK_BYTES):
             if self._stop.is_set():
-                return
+                mapped.close()
+                return None
             size = min(CHUNK_BYTES, mapped.size - offset)
             crc = combine_checksums(crc, mapped.checksum(DEFAULT_ALGORITHM, offset, size), size)
-        self._crc = crc
+        return mapped, crc
 
-    def take(self, step: int, local_dir: Path,
-             entries: dict[str, FileEntry]) -> tuple[dict[str, MappedFile], MapGuard | None]:
-        """The guessed file's checked mapping ``{name: mapping}`` and the guard of its
-        directory's mappings, when the chosen checkpoint (``step``, its node-local
-        directory ``local_dir``, its manifest ``entries``) has that file and its checksum
-        matches; else ``({}, None)``, the guess dropped. The caller owns what it gets."""
+    def take(self, step: int, local_dir: Path, entries: dict[str, FileEntry], *, whole: bool,
+             ) -> tuple[str, concurrent.futures.Future[Early | None], MapGuard] | None:
+        """``(name, check, guard)`` when the chosen checkpoint (``step``, its node-local
+        directory ``local_dir``, its manifest ``entries``) has the guessed file and the
+        rank reads it ``whole``: ``check`` gives what an early fetch of it would (the
+        checked mapping, or "damaged"), ``guard`` is the guard of that directory's
+        mappings; the caller owns both. Else None, the guess dropped."""
         path = self.path
         want = entries.get(path.name) if path is not None else None
-        if self._thread is None or path is None or step != self.step or path.parent != local_dir \
-                or want is None or want.algorithm != DEFAULT_ALGORITHM:
+        if self._guard is None or path is None or want is None or not whole or step != self.step \
+                or path.parent != local_dir or want.algorithm != DEFAULT_ALGORITHM:
             self.close()
-            return {}, None
-        self._thread.join(TAKE_TIMEOUT_S)
-        mapped, crc = self._mapped, self._crc
-        if self._thread.is_alive() or mapped is None or crc is None \
-                or (mapped.size, crc) != (want.size, want.crc32):
-            self.close()  # damaged, cut short, or slow: the restore checks it its own way
-            return {}, None
-        guard, self._guard, self._mapped, self.path = self._guard, None, None, None
-        return {path.name: mapped}, guard
+            return None
+        check: concurrent.futures.Future[Early | None] = concurrent.futures.Future()
+
+        def judged(done: concurrent.futures.Future[_Checked | None]) -> None:
+            got = done.result()
+            if got is None:
+                check.set_result(None)  # not mappable: the load checks it its own way
+            elif (got[0].size, got[1]) == (want.size, want.crc32):
+                check.set_result(Early(Found.LOCAL, got[0]))
+            else:
+                got[0].close()
+                check.set_result(Early(Found.LOCAL_DAMAGED))
+
+        guard, self._guard, self.path = self._guard, None, None
+        self._result.add_done_callback(judged)
+        return path.name, check, guard
 
     def close(self) -> None:
-        """Stop the check and drop what the guess holds (idempotent)."""
+        """Stop a guess nobody took and drop what it holds (idempotent)."""
         self.path = None
+        guard, self._guard = self._guard, None
+        if guard is None:  # none made, or taken: its new owner drops it
+            return
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(TAKE_TIMEOUT_S)
-        mapped, self._mapped = self._mapped, None
-        if mapped is not None:
-            mapped.close()
-        guard, self._guard = self._guard, None
-        if guard is not None:
+            self._thread.join(STOP_TIMEOUT_S)
+        if self._thread is not None and self._thread.is_alive():
+            logger.warning("the check of a node-local file ahead of the restore's choice did not stop "
+                           "within %.0f s; its mapping is dropped when it ends", STOP_TIMEOUT_S)
+
+        def drop(done: concurrent.futures.Future[_Checked | None]) -> None:
+            got = done.result()
+            if got is not None:
+                got[0].close()
             guard.done()
+
+        self._result.add_done_callback(drop)
 
 
 def _guess(staging: Path, rank: int, step: int | None) -> tuple[int | None, Path | None]:

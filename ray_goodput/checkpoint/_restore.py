@@ -118,23 +118,31 @@ def load_checkpoint(state: dict[str, Any], *, root: StorageLocation, manifest: M
     last (a rank's copy can fail while the others' succeed); the load's background work
     (writing fetched files into the node-local copy, unmapping) starts after that.
     """
-    roles = _state.classify(state)
     readers: list[TieredReader] = []
     error: BaseException | None = None
     info: RestoreInfo | None = None
     try:
-        with _state.made_up_state(roles, keep=True):  # a failed load leaves them as they were
-            info = _load(roles, state, root=root, manifest=manifest, staging=staging, rank=rank,
-                         world_size=world_size, policy=policy, readers=readers, guess=guess)
-    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - agreed below
-        error = exc if isinstance(exc, Exception) else CheckpointError(f"{type(exc).__name__}: {exc}")
-    try:
+        try:
+            roles = _state.classify(state)
+            with _state.made_up_state(roles, keep=True):  # a failed load leaves them as they were
+                info = _load(roles, state, root=root, manifest=manifest, staging=staging, rank=rank,
+                             world_size=world_size, policy=policy, readers=readers, guess=guess)
+        except (Exception, CheckpointException) as exc:  # noqa: BLE001 - agreed below
+            error = exc if isinstance(exc, Exception) else CheckpointError(f"{type(exc).__name__}: {exc}")
         _collective.agree(error)
-    finally:
+    finally:  # also when interrupted: the node-local copy, the unmapping and the marker's removal
         for reader in readers:
-            reader.start_deferred()
-    assert info is not None  # no rank failed
+            _start_deferred(reader)
+    if info is None:  # unreachable: a rank without its info had an error, raised by agree
+        raise CheckpointError(f"rank {rank}: the load of step {manifest.step} ended without a result")
     return info
+
+
+def _start_deferred(reader: TieredReader) -> None:
+    try:
+        reader.start_deferred()
+    except RuntimeError as exc:  # no thread could start: the outcome agreed on stands
+        logger.warning("could not start the restore's background work (node-local copy, unmapping): %s", exc)
 
 
 def _load(roles: _state.Roles, state: dict[str, Any], *, root: StorageLocation, manifest: Manifest,
@@ -149,11 +157,6 @@ def _load(roles: _state.Roles, state: dict[str, Any], *, root: StorageLocation, 
         template = _state.to_state_dict(roles)
         local = local_candidates(local_dir, manifest) if local_dir.is_dir() else set()
         local_dir.mkdir(parents=True, exist_ok=True)
-        entries = {f.name: f for f in manifest.files}
-        checked, guard = guess.take(manifest.step, local_dir, entries) if guess is not None else ({}, None)
-        reader = TieredReader(step_loc, local_dir, local, entries, policy, verified=False,
-                              checked=checked, guard=guard)
-        readers.append(reader)
         unchanged_world = manifest.world_size == world_size
         # At an unchanged world size, a state that loads every entry of the checkpoint reads
         # the rank's own data file whole (one that loads only some of it reads only the
@@ -162,6 +165,8 @@ def _load(roles: _state.Roles, state: dict[str, Any], *, root: StorageLocation, 
         # metadata is read; older manifests have none, and the metadata tells.
         everything = bool(manifest.state_keys) and \
             manifest.state_keys == keys_digest(flatten_state_dict(template)[0])
+        reader = _reader(step_loc, local_dir, local, manifest, policy, guess, whole=unchanged_world and everything)
+        readers.append(reader)
         if unchanged_world:  # the RNG blob, and the data file: fetched while the metadata is read
             reader.fs.fetch_early([_layout.extras_file(rank, manifest.nonce)]
                                   + ([data_file(rank, manifest.nonce)] if everything else []))
@@ -211,6 +216,31 @@ def _load(roles: _state.Roles, state: dict[str, Any], *, root: StorageLocation, 
     logger.info("rank %d restored step %d in %.2fs (%d local, %d remote file reads)",
                 rank, info.step, info.seconds, info.local_files, info.remote_files)
     return info
+
+
+def _reader(step_loc: StorageLocation, local_dir: Path, local: set[str], manifest: Manifest,
+            policy: RetryPolicy, guess: LocalGuess | None, *, whole: bool) -> TieredReader:
+    """The load's reader, with the guess's check of the rank's own data file as one of its
+    early fetches when it is this checkpoint's and read ``whole`` (``_local_guess``)."""
+    entries = {f.name: f for f in manifest.files}
+    taken = guess.take(manifest.step, local_dir, entries, whole=whole) if guess is not None else None
+    if taken is None:
+        return TieredReader(step_loc, local_dir, local, entries, policy, verified=False)
+    name, check, guard = taken
+    try:
+        reader = TieredReader(step_loc, local_dir, local, entries, policy, verified=False, guard=guard)
+    except BaseException:
+        check.add_done_callback(lambda done: _close_early(done, guard))
+        raise
+    reader.fs.early.adopt(name, check)
+    return reader
+
+
+def _close_early(done: Any, guard: Any) -> None:
+    got = done.result()
+    if got is not None and got.content is not None:
+        got.content.close()
+    guard.done()
 
 
 def choose(root: StorageLocation, *, step: int | None, before: tuple[int, int] | None,

@@ -66,8 +66,7 @@ class TieredFs(StorageFetch, FileSystemBase):
 
     def __init__(self, remote: StorageLocation, local_dir: Path, local_names: set[str],
                  entries: dict[str, FileEntry], policy: RetryPolicy, *, verified: bool = True,
-                 hold_bytes: int = HOLD_BYTES, checked: dict[str, MappedFile] | None = None,
-                 guard: MapGuard | None = None):
+                 hold_bytes: int = HOLD_BYTES, guard: MapGuard | None = None):
         self.remote = remote
         self.local_dir = local_dir
         # ``verified``: the local names were checked already; else they are checked at first open.
@@ -88,12 +87,8 @@ class TieredFs(StorageFetch, FileSystemBase):
         self.checked_blocks: dict[str, set[int]] = {}  # of node-local files checked by block
         self.partly_checked: set[str] = set()  # ready for this load's ranges only
         self.early = EarlyFetches()  # see fetch_early
-        self.guard = guard or MapGuard(local_dir)  # ``guard``: the one ``checked`` was mapped under
+        self.guard = guard or MapGuard(local_dir)  # ``guard``: of mappings made before (_local_guess)
         self._deferred: list[tuple[Any, tuple, str]] = []  # see release
-        for name, mapped in (checked or {}).items():  # node-local files checked already, mapped
-            self.mapped[name] = mapped
-            self.local_names.add(name)
-            self.unchecked.discard(name)
 
     def _can_hold(self, want: FileEntry | None) -> bool:
         return want is not None and want.size <= self.hold_left

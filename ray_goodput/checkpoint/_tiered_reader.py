@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from ray_goodput.checkpoint import _collective, _direct_read
-from ray_goodput.checkpoint._mapped import MapGuard, MappedFile
+from ray_goodput.checkpoint._mapped import MapGuard
 from ray_goodput.checkpoint._tiered_fetch import SPARSE_MIN_BYTES
 from ray_goodput.checkpoint._tiered_fs import HOLD_BYTES, TieredFs, wait_for_node_local_copies
 from ray_goodput.storage import FileEntry, RetryPolicy, StorageLocation
@@ -37,11 +37,10 @@ class TieredReader(FileSystemReader):
 
     def __init__(self, remote: StorageLocation, local_dir: Path, local_names: set[str],
                  entries: dict[str, FileEntry], policy: RetryPolicy, *, verified: bool = True,
-                 hold_bytes: int = HOLD_BYTES, checked: dict[str, MappedFile] | None = None,
-                 guard: MapGuard | None = None):
+                 hold_bytes: int = HOLD_BYTES, guard: MapGuard | None = None):
         super().__init__(path="")
         self.fs = TieredFs(remote, local_dir, local_names, entries, policy, verified=verified,
-                            hold_bytes=hold_bytes, checked=checked, guard=guard)
+                            hold_bytes=hold_bytes, guard=guard)
         self.path = ""
         self._metadata: Metadata | None = None
         self.direct_tensors = 0  # tensors read straight into the live state
