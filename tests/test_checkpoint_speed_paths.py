@@ -551,7 +551,7 @@ def test_the_loads_background_work_starts_after_the_restores_last_collective(tmp
 
 
 def _checksummed_files(monkeypatch) -> list[tuple[str, str, int | None]]:
-    """(thread name, file, size) of every check of a mapped file from now on (size None:
+    """(thread name, path, size) of every check of a mapped file from now on (size None:
     to the end of the file)."""
     from ray_goodput.checkpoint._mapped import MappedFile
 
@@ -559,7 +559,7 @@ def _checksummed_files(monkeypatch) -> list[tuple[str, str, int | None]]:
     real = MappedFile.checksum
 
     def checksum(self, algorithm, offset=0, size=None):
-        calls.append((threading.current_thread().name, Path(self.path).name, size))
+        calls.append((threading.current_thread().name, self.path, size))
         return real(self, algorithm, offset, size)
 
     monkeypatch.setattr(MappedFile, "checksum", checksum)
@@ -607,7 +607,7 @@ def test_the_own_node_local_data_file_is_checked_while_the_checkpoint_is_chosen_
     round trips), then taken by the load when the choice names that very file."""
     root, staging = str(tmp_path / "root"), tmp_path / "saved"
     model, _, local = _saved_at(root, staging)
-    own = _own_file(local, 1).name
+    own = str(_own_file(local, 1))
     checks = _checksummed_files(monkeypatch)
     _slow_choice(monkeypatch, 0.3)  # the guess's check ends first
     fresh = _fresh_state()
@@ -622,6 +622,36 @@ def test_the_own_node_local_data_file_is_checked_while_the_checkpoint_is_chosen_
     assert not list(local.rglob(".mapping-*"))
 
 
+def _checks_until_stopped(monkeypatch, seen: list) -> None:
+    """Each chunk of a guess's check records whether a marker of its directory exists,
+    then waits (up to 10 s) until the guess is stopped: a check that is never stopped
+    takes seconds, so a stopped one is known to have been stopped mid-way."""
+    from ray_goodput.checkpoint import _local_guess
+
+    made: list = []  # (guess, its directory), recorded before its thread starts
+    real_init, real_guess, real_combine = (_local_guess.LocalGuess.__init__, _local_guess._guess,
+                                           _local_guess.combine_checksums)
+
+    def init(self, *args, **kwargs):
+        made.append([self, None])
+        real_init(self, *args, **kwargs)
+
+    def guess(*args, **kwargs):
+        step, path = real_guess(*args, **kwargs)
+        made[-1][1] = path.parent if path is not None else None
+        return step, path
+
+    def combine(*args):
+        guess, directory = made[-1]
+        seen.append(bool(list(directory.glob(".mapping-*"))))
+        guess._stop.wait(10)
+        return real_combine(*args)
+
+    monkeypatch.setattr(_local_guess.LocalGuess, "__init__", init)
+    monkeypatch.setattr(_local_guess, "_guess", guess)
+    monkeypatch.setattr(_local_guess, "combine_checksums", combine)
+
+
 def test_a_guess_the_choice_does_not_name_is_stopped_unmapped_and_the_chosen_step_loads(
         tmp_path, monkeypatch):
     """The newest node-local step never committed (a save in flight when the job died):
@@ -633,27 +663,55 @@ def test_a_guess_the_choice_does_not_name_is_stopped_unmapped_and_the_chosen_ste
     model, _, local = _saved_at(root, staging)
     stray = local / _layout.step_dir(9) / "__0_g000099-deadbeef.distcp"
     stray.parent.mkdir(parents=True)
-    stray.write_bytes(os.urandom(32 << 20))
-    monkeypatch.setattr(_local_guess, "CHUNK_BYTES", 64 << 10)  # 512 chunks: stopped between two
+    stray.write_bytes(os.urandom(8 << 20))
+    monkeypatch.setattr(_local_guess, "CHUNK_BYTES", 64 << 10)  # 128 chunks
+    seen: list[bool] = []
+    _checks_until_stopped(monkeypatch, seen)
     checks = _checksummed_files(monkeypatch)
-    real_combine = _local_guess.combine_checksums
-
-    def slow_combine(*args):  # a slow disk: 512 chunks take ~1 s, the choice far less
-        time.sleep(0.002)
-        return real_combine(*args)
-
-    monkeypatch.setattr(_local_guess, "combine_checksums", slow_combine)
     fresh = _fresh_state()
     with Checkpointer(root, staging_dir=str(staging), uploader="thread") as ckpt:
         assert ckpt.restore(fresh) == 1
         info = ckpt.last_restore
         assert wait_for_node_local_copies(30)
     assert torch.equal(fresh["model"].weight, model.weight) and info.remote_files == 0
-    stray_checks = [thread for thread, name, _ in checks if name == stray.name]
+    stray_checks = [thread for thread, path, _ in checks if path == str(stray)]
     assert stray_checks and set(stray_checks) == {"rg-restore-guess"}, checks[:5]  # it was guessed
-    assert len(stray_checks) < 512, len(stray_checks)  # and stopped before the end
+    assert len(stray_checks) < 128, len(stray_checks)  # and stopped before the end
+    assert seen and all(seen)  # its directory was marked while it read
     assert str(stray) not in _mapped_paths()
     assert not list(local.rglob(".mapping-*"))
+
+
+def test_a_taken_guess_whose_load_fails_first_is_stopped_and_its_marker_outlives_its_reads(
+        tmp_path, monkeypatch):
+    """Found in review: when the load failed before DCP asked for the file (here a shape
+    mismatch), the reader removed the directory's marker at once while the guess, taken
+    as the file's early fetch, went on reading the mapping to its end (a SIGBUS there
+    would have left no marker). Dropping the fetch now stops the guess, and the marker
+    goes only once it has stopped."""
+    from ray_goodput.checkpoint import _local_guess
+    from ray_goodput.errors import StateMismatchError
+
+    root, staging = str(tmp_path / "root"), tmp_path / "saved"
+    _, _, local = _saved_at(root, staging, size=512)
+    monkeypatch.setattr(_local_guess, "CHUNK_BYTES", 16 << 10)
+    seen: list[bool] = []
+    _checks_until_stopped(monkeypatch, seen)
+    checks = _checksummed_files(monkeypatch)
+    other = torch.nn.Linear(512, 256)  # the same entry names, another shape
+    with Checkpointer(root, staging_dir=str(staging), uploader="thread") as ckpt:
+        with pytest.raises(StateMismatchError):
+            ckpt.restore({"model": other, "optim": torch.optim.AdamW(other.parameters())})
+        assert wait_for_node_local_copies(30)
+    own = str(_own_file(local, 1))
+    chunks = own_size = Path(own).stat().st_size
+    guessed = [thread for thread, path, _ in checks if path == own]
+    assert guessed and set(guessed) == {"rg-restore-guess"}, checks[:5]
+    assert len(guessed) < chunks // (16 << 10), (len(guessed), own_size)  # stopped mid-way
+    assert seen and all(seen)  # marked for every read
+    # The guess's thread unmaps, then (as the dropped fetch's last reader) removes the marker.
+    wait_for(lambda: own not in _mapped_paths() and not list(local.rglob(".mapping-*")), timeout_s=30,
+             what="the stopped guess's unmap and the marker's removal")
 
 
 def test_a_guessed_own_file_that_fails_its_check_is_read_from_storage(tmp_path, monkeypatch):
@@ -673,7 +731,8 @@ def test_a_guessed_own_file_that_fails_its_check_is_read_from_storage(tmp_path, 
         info = ckpt.last_restore
         assert wait_for_node_local_copies(30)
     assert torch.equal(fresh["model"].weight, model.weight) and info.remote_files >= 1
-    assert ("rg-restore-guess", own.name, None) in [(t, n, None) for t, n, _ in checks]
+    node_local_checks = {thread for thread, path, _ in checks if path == str(own)}
+    assert node_local_checks == {"rg-restore-guess"}, checks  # the guess's verdict was used
     assert own.read_bytes() != bytes(damaged)  # the node-local copy is the stored file again
     assert not list(local.rglob(".mapping-*"))
 
@@ -696,7 +755,7 @@ def test_a_partial_restore_from_the_node_local_copy_checks_only_the_blocks_it_ne
         info = ckpt.last_restore
         assert wait_for_node_local_copies(30)
     assert torch.equal(fresh.weight, model.weight) and info.remote_files == 0
-    loads = [size for thread, name, size in checks if name == own.name and thread != "rg-restore-guess"]
+    loads = [size for thread, path, size in checks if path == str(own) and thread != "rg-restore-guess"]
     assert loads and all(size is not None and size < own.stat().st_size / 2 for size in loads), checks
 
 

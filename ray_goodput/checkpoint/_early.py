@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import enum
+import functools
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -44,6 +46,7 @@ class EarlyFetches:
     def __init__(self, timeout_s: float = EARLY_TIMEOUT_S) -> None:
         self._futures: dict[str, concurrent.futures.Future[Early | None]] = {}
         self._reserved: dict[str, int] = {}
+        self._stops: dict[str, Callable[[], None]] = {}
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._timeout_s = timeout_s
 
@@ -63,11 +66,13 @@ class EarlyFetches:
         self._reserved[name] = reserved
         self._futures[name] = self._pool.submit(fetch)
 
-    def adopt(self, name: str, future: concurrent.futures.Future[Early | None]) -> None:
+    def adopt(self, name: str, future: concurrent.futures.Future[Early | None],
+              stop: Callable[[], None]) -> None:
         """Take ``future``, started elsewhere, as the early fetch of ``name`` (see
-        ``_local_guess``)."""
+        ``_local_guess``); ``stop`` ends its work early when nobody takes it."""
         self._reserved[name] = 0
         self._futures[name] = future
+        self._stops[name] = stop
 
     def reserved(self, name: str) -> int:
         return self._reserved.get(name, 0)
@@ -77,19 +82,29 @@ class EarlyFetches:
         the file its own way), or what it raised. ``where`` names the file in errors."""
         future = self._futures.pop(name)
         self._reserved.pop(name, None)
+        self._stops.pop(name, None)
         try:
             return future.result(timeout=self._timeout_s)
         except concurrent.futures.TimeoutError:
-            future.add_done_callback(_close_result)
+            future.add_done_callback(close_result)
             raise StorageError(f"reading {where} (started early) did not finish in {self._timeout_s:.0f} s; "
                                "check that the storage answers, or restore with a shorter RetryPolicy") from None
 
-    def drop(self) -> int:
-        """Forget the fetches nobody took (closing what they mapped once they end); returns
+    def drop(self, readers: Countdown | None = None) -> int:
+        """Forget the fetches nobody took: stop or cancel what can be, close what they
+        mapped once they end, and hold ``readers`` (the guard of the mappings: nothing may
+        remove its marker while a fetch still reads one) until each has ended. Returns
         the bytes they had reserved."""
-        for future in self._futures.values():
-            future.add_done_callback(_close_result)
+        for name, future in self._futures.items():
+            stop = self._stops.get(name)
+            if stop is not None:
+                stop()  # an adopted one resolves once its work has stopped
+            else:
+                future.cancel()  # one the pool has not started
+            let_go = readers.hold() if readers is not None else None
+            future.add_done_callback(functools.partial(close_result, let_go=let_go))
         self._futures.clear()
+        self._stops.clear()
         reserved = sum(self._reserved.values())
         self._reserved.clear()
         if self._pool is not None:
@@ -98,9 +113,44 @@ class EarlyFetches:
         return reserved
 
 
-def _close_result(future: concurrent.futures.Future[Early | None]) -> None:
-    if future.cancelled() or future.exception() is not None:
-        return
-    got = future.result()
-    if got is not None and isinstance(got.content, MappedFile):
-        got.content.close()
+class Countdown:
+    """Runs ``then`` once, when it is armed and every :meth:`hold` was let go."""
+
+    def __init__(self, then: Callable[[], None]) -> None:
+        self._then = then
+        self._held = 0
+        self._armed = False
+        self._lock = threading.Lock()
+
+    def hold(self) -> Callable[[], None]:
+        """A hold; call what it returns (once) to let go."""
+        with self._lock:
+            self._held += 1
+        return self._let_go
+
+    def _let_go(self) -> None:
+        with self._lock:
+            self._held -= 1
+            fire = self._armed and self._held == 0
+        if fire:
+            self._then()
+
+    def arm(self) -> None:
+        with self._lock:
+            self._armed = True
+            fire = self._held == 0
+        if fire:
+            self._then()
+
+
+def close_result(future: concurrent.futures.Future[Early | None], *,
+                  let_go: Callable[[], None] | None = None) -> None:
+    try:
+        if future.cancelled() or future.exception() is not None:
+            return
+        got = future.result()
+        if got is not None and isinstance(got.content, MappedFile):
+            got.content.close()
+    finally:
+        if let_go is not None:
+            let_go()

@@ -45,18 +45,31 @@ class LocalGuess:
         self._result: concurrent.futures.Future[_Checked | None] = concurrent.futures.Future()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        if self.path is not None:
-            self._guard = MapGuard(self.path.parent)
-            self._thread = threading.Thread(target=self._run, args=(self.path, self._guard),
-                                            name="rg-restore-guess", daemon=True)
-            self._thread.start()
+        if self.path is None:
+            return
+        guard = MapGuard(self.path.parent)
+        thread = threading.Thread(target=self._run, args=(self.path, guard), name="rg-restore-guess",
+                                  daemon=True)
+        try:
+            thread.start()
+        except RuntimeError as exc:  # no thread to spare: no guess (the restore goes on as before)
+            logger.warning("could not start the check of %s ahead of the restore's choice: %s", self.path, exc)
+            self.path = None
+            return
+        self._guard, self._thread = guard, thread
 
     def _run(self, path: Path, guard: MapGuard) -> None:
+        got: _Checked | None = None
         try:
-            self._result.set_result(self._check(path, guard))
+            got = self._check(path, guard)
         except Exception as exc:  # noqa: BLE001 - the load then checks the file its own way
             logger.debug("the check of %s ahead of the choice failed: %s", path, exc)
-            self._result.set_result(None)
+        finally:  # resolved whatever happened: the load and close() wait on it
+            self._result.set_result(got)
+
+    def stop(self) -> None:
+        """Stop the check at its next chunk (its result is then None)."""
+        self._stop.set()
 
     def _check(self, path: Path, guard: MapGuard) -> _Checked | None:
         if self._stop.is_set():
@@ -64,13 +77,17 @@ class LocalGuess:
         mapped = guard.map(path)
         if mapped is None:
             return None
-        crc = checksum(b"", DEFAULT_ALGORITHM)
-        for offset in range(0, mapped.size, CHUNK_BYTES):
-            if self._stop.is_set():
-                mapped.close()
-                return None
-            size = min(CHUNK_BYTES, mapped.size - offset)
-            crc = combine_checksums(crc, mapped.checksum(DEFAULT_ALGORITHM, offset, size), size)
+        try:
+            crc = checksum(b"", DEFAULT_ALGORITHM)
+            for offset in range(0, mapped.size, CHUNK_BYTES):
+                if self._stop.is_set():
+                    mapped.close()
+                    return None
+                size = min(CHUNK_BYTES, mapped.size - offset)
+                crc = combine_checksums(crc, mapped.checksum(DEFAULT_ALGORITHM, offset, size), size)
+        except BaseException:
+            mapped.close()
+            raise
         return mapped, crc
 
     def take(self, step: int, local_dir: Path, entries: dict[str, FileEntry], *, whole: bool,
@@ -89,39 +106,45 @@ class LocalGuess:
         check: concurrent.futures.Future[Early | None] = concurrent.futures.Future()
 
         def judged(done: concurrent.futures.Future[_Checked | None]) -> None:
-            got = done.result()
-            if got is None:
-                check.set_result(None)  # not mappable: the load checks it its own way
-            elif (got[0].size, got[1]) == (want.size, want.crc32):
-                check.set_result(Early(Found.LOCAL, got[0]))
-            else:
-                got[0].close()
-                check.set_result(Early(Found.LOCAL_DAMAGED))
+            verdict: Early | None = None  # not mappable, or stopped: the load checks it its own way
+            try:
+                got = done.result()
+                if got is not None and (got[0].size, got[1]) == (want.size, want.crc32):
+                    verdict = Early(Found.LOCAL, got[0])
+                elif got is not None:
+                    got[0].close()
+                    verdict = Early(Found.LOCAL_DAMAGED)
+            finally:  # a callback's exception is swallowed: the load must not wait on it for ever
+                check.set_result(verdict)
 
         guard, self._guard, self.path = self._guard, None, None
         self._result.add_done_callback(judged)
         return path.name, check, guard
 
     def close(self) -> None:
-        """Stop a guess nobody took and drop what it holds (idempotent)."""
+        """Stop the check (also a taken one: a load that ended before DCP asked for the file
+        no longer needs it) and drop what a guess nobody took holds (idempotent)."""
         self.path = None
-        guard, self._guard = self._guard, None
-        if guard is None:  # none made, or taken: its new owner drops it
-            return
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(STOP_TIMEOUT_S)
-        if self._thread is not None and self._thread.is_alive():
+        guard, self._guard = self._guard, None
+        if guard is None:  # none made, or taken: its new owner drops the rest
+            return
+        thread = self._thread  # made with the guard
+        if thread is not None:
+            thread.join(STOP_TIMEOUT_S)
+        if thread is not None and thread.is_alive():  # its marker stays: a later restore reads, not maps
             logger.warning("the check of a node-local file ahead of the restore's choice did not stop "
                            "within %.0f s; its mapping is dropped when it ends", STOP_TIMEOUT_S)
+            self._result.add_done_callback(_close_checked)
+            return
+        _close_checked(self._result)
+        guard.done()
 
-        def drop(done: concurrent.futures.Future[_Checked | None]) -> None:
-            got = done.result()
-            if got is not None:
-                got[0].close()
-            guard.done()
 
-        self._result.add_done_callback(drop)
+def _close_checked(done: concurrent.futures.Future[_Checked | None]) -> None:
+    got = done.result()
+    if got is not None:
+        got[0].close()
 
 
 def _guess(staging: Path, rank: int, step: int | None) -> tuple[int | None, Path | None]:

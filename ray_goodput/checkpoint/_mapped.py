@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import threading
 from pathlib import Path
 
 import pyarrow as pa
@@ -77,6 +78,7 @@ class MapGuard:
     def __init__(self, directory: Path) -> None:
         self._marker = directory / f"{_MARKER}{os.getpid()}"
         self._marked = False
+        self._lock = threading.Lock()  # map() from fetch threads, done() from the load's
         dead = [p.name for p in _markers(directory) if not pid_alive(int(p.name[len(_MARKER):]))]
         self.allowed = not dead
         if dead:
@@ -86,25 +88,27 @@ class MapGuard:
 
     def map(self, path: str | Path) -> MappedFile | None:
         """:func:`map_file`, with this process marked first; None when mapping is off."""
-        if not self.allowed:
-            return None
-        if not self._marked:
-            try:
-                self._marker.parent.mkdir(parents=True, exist_ok=True)
-                self._marker.touch()
-            except OSError:  # no marker, no mapping: the guard must be able to see a death
-                self.allowed = False
+        with self._lock:  # a done() between the check and the marker would leave it behind
+            if not self.allowed:
                 return None
-            self._marked = True
+            if not self._marked:
+                try:
+                    self._marker.parent.mkdir(parents=True, exist_ok=True)
+                    self._marker.touch()
+                except OSError:  # no marker, no mapping: the guard must be able to see a death
+                    self.allowed = False
+                    return None
+                self._marked = True
         return map_file(path)
 
     def done(self) -> None:
         """Every mapping of this load is closed: no more are made (a fetch still running
         in the background reads instead), and the marker goes."""
-        self.allowed = False
-        if self._marked:
-            self._marker.unlink(missing_ok=True)
-            self._marked = False
+        with self._lock:
+            self.allowed = False
+            if self._marked:
+                self._marker.unlink(missing_ok=True)
+                self._marked = False
 
 
 def _markers(directory: Path) -> list[Path]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from ray_goodput.checkpoint import _catalog, _collective, _layout, _state
+from ray_goodput.checkpoint._early import Countdown, close_result
 from ray_goodput.checkpoint._local_guess import LocalGuess
 from ray_goodput.checkpoint._manifest import Manifest, read_manifest
 from ray_goodput.checkpoint._parts import data_file, keys_digest
@@ -132,6 +134,8 @@ def load_checkpoint(state: dict[str, Any], *, root: StorageLocation, manifest: M
         _collective.agree(error)
     finally:  # also when interrupted: the node-local copy, the unmapping and the marker's removal
         for reader in readers:
+            if not reader.released:
+                reader.release(defer=True)
             _start_deferred(reader)
     if info is None:  # unreachable: a rank without its info had an error, raised by agree
         raise CheckpointError(f"rank {rank}: the load of step {manifest.step} ended without a result")
@@ -230,17 +234,13 @@ def _reader(step_loc: StorageLocation, local_dir: Path, local: set[str], manifes
     try:
         reader = TieredReader(step_loc, local_dir, local, entries, policy, verified=False, guard=guard)
     except BaseException:
-        check.add_done_callback(lambda done: _close_early(done, guard))
+        guess.stop()
+        readers = Countdown(guard.done)
+        check.add_done_callback(functools.partial(close_result, let_go=readers.hold()))
+        readers.arm()
         raise
-    reader.fs.early.adopt(name, check)
+    reader.fs.early.adopt(name, check, guess.stop)
     return reader
-
-
-def _close_early(done: Any, guard: Any) -> None:
-    got = done.result()
-    if got is not None and got.content is not None:
-        got.content.close()
-    guard.done()
 
 
 def choose(root: StorageLocation, *, step: int | None, before: tuple[int, int] | None,

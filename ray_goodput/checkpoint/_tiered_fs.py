@@ -26,7 +26,7 @@ from typing import IO, Any
 from torch.distributed.checkpoint.filesystem import FileSystemBase
 
 from ray_goodput.checkpoint import _sparse
-from ray_goodput.checkpoint._early import EarlyFetches
+from ray_goodput.checkpoint._early import Countdown, EarlyFetches
 from ray_goodput.checkpoint._mapped import MapGuard, MappedFile
 from ray_goodput.checkpoint._tiered_fetch import StorageFetch, _block_runs, _intact
 from ray_goodput.storage import (
@@ -103,7 +103,11 @@ class TieredFs(StorageFetch, FileSystemBase):
         drop the held bytes. ``defer``: that background work (the copy, unmapping) starts
         only at :meth:`start_deferred`, once the restore's last collective is over (unmapping
         holds this process's memory map while the collective allocates)."""
-        self.hold_left += self.early.drop()
+        # The marker goes once nothing reads a mapping any more (no read can fail then):
+        # after every early fetch still running (dropped: stopped, or ending soon) and
+        # after the node-local copy when it copies from a mapping.
+        readers = Countdown(self.guard.done)
+        self.hold_left += self.early.drop(readers)
         self.ready.difference_update(self.held)  # opened again, they are fetched again
         self.ready.difference_update(self.mapped)
         keep = [(name, self.held.get(name), self.mapped.pop(name, None)) for name in self.to_keep]
@@ -111,8 +115,8 @@ class TieredFs(StorageFetch, FileSystemBase):
         unmap = list(self.mapped.values())  # those in ``keep`` are closed once copied
         self.mapped.clear()
         copies_map = any(mapped is not None for _, _, mapped in keep)
-        if not copies_map:
-            self.guard.done()  # nothing reads the mappings any more: no read can fail now
+        let_go = readers.hold() if copies_map else None
+        readers.arm()
         if unmap:  # tearing down the page tables costs ~4 ms per 72 MiB: not on the load's path
             self._deferred.append((_unmap, (unmap,), "rg-restore-unmap"))
         self.ready.difference_update(self.sparse)
@@ -123,7 +127,7 @@ class TieredFs(StorageFetch, FileSystemBase):
         self.held.clear()
         self.sparse.clear()
         if keep:
-            self._deferred.append((self._keep_local, (keep, copies_map), "rg-node-local-copy"))
+            self._deferred.append((self._keep_local, (keep, let_go), "rg-node-local-copy"))
         if not defer:
             self.start_deferred()
 
@@ -185,7 +189,8 @@ class TieredFs(StorageFetch, FileSystemBase):
             return False
         return True
 
-    def _keep_local(self, files: list[tuple[str, bytes | None, MappedFile | None]], mapped_any: bool) -> None:
+    def _keep_local(self, files: list[tuple[str, bytes | None, MappedFile | None]],
+                    let_go: Any | None) -> None:
         """Write fetched (checked) files into the node-local copy, for the next restore: a
         mapped file of local storage as a hard link where it can be, else its bytes."""
         try:
@@ -201,8 +206,8 @@ class TieredFs(StorageFetch, FileSystemBase):
                     if mapped is not None:
                         mapped.close()
         finally:
-            if mapped_any:
-                self.guard.done()
+            if let_go is not None:  # no more reads of a mapping
+                let_go()
 
     def prepare(self, name: str, ranges: list[tuple[int, int]] | None = None) -> None:
         """Make ``name`` readable and checked, from memory or the local directory (once per

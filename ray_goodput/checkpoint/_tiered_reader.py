@@ -46,6 +46,7 @@ class TieredReader(FileSystemReader):
         self.direct_tensors = 0  # tensors read straight into the live state
         self.read_agreed = False  # read_data's agreement reached (see read_data)
         self.agreed_error: Exception | None = None  # what that agreement raised
+        self.released = False  # release() was called
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Check (or fetch) every file of the plan, agree across ranks, then read whole
@@ -134,6 +135,7 @@ class TieredReader(FileSystemReader):
         """Drop the bytes held for DCP; call when the load is over (``defer``: see
         :meth:`TieredFs.release`)."""
         self.fs.release(defer=defer)
+        self.released = True
 
     def start_deferred(self) -> None:
         self.fs.start_deferred()
