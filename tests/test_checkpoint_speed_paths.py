@@ -478,12 +478,7 @@ def test_the_own_data_file_is_fetched_before_the_metadata_is_read_when_the_manif
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
     root = str(tmp_path / "root")
-    model = torch.nn.Linear(64, 64)
-    optim = torch.optim.AdamW(model.parameters())
-    model(torch.ones(2, 64)).sum().backward()
-    optim.step()
-    with Checkpointer(root, staging_dir=str(tmp_path / "saved"), uploader="thread") as ckpt:
-        ckpt.save(1, {"model": model, "optim": optim})
+    model, _, _ = _saved_at(root, tmp_path / "saved", size=64)
     loc = _catalog.step_location(resolve(root), 1)
     manifest = read_manifest(loc)
     with loc.fs.open_input_file(loc.join(_layout.DCP_METADATA)) as f:
@@ -595,6 +590,16 @@ def _own_file(local: Path, step: int) -> Path:
     return next((local / _layout.step_dir(step)).glob("__0_*.distcp"))
 
 
+def _restored(root: str, staging: Path, state: dict):
+    """Restore step 1 into ``state`` with a new Checkpointer; its RestoreInfo, once the
+    load's background work (unmapping, node-local copy) is done."""
+    with Checkpointer(root, staging_dir=str(staging), uploader="thread") as ckpt:
+        assert ckpt.restore(state) == 1
+        info = ckpt.last_restore
+        assert wait_for_node_local_copies(30)
+    return info
+
+
 def _fresh_state(size: int = 256) -> dict:
     model = torch.nn.Linear(size, size)
     return {"model": model, "optim": torch.optim.AdamW(model.parameters())}
@@ -611,10 +616,7 @@ def test_the_own_node_local_data_file_is_checked_while_the_checkpoint_is_chosen_
     checks = _checksummed_files(monkeypatch)
     _slow_choice(monkeypatch, 0.3)  # the guess's check ends first
     fresh = _fresh_state()
-    with Checkpointer(root, staging_dir=str(staging), uploader="thread") as ckpt:
-        assert ckpt.restore(fresh) == 1
-        info = ckpt.last_restore
-        assert wait_for_node_local_copies(30)  # the unmapping, after the load
+    info = _restored(root, staging, fresh)
     assert torch.equal(fresh["model"].weight, model.weight) and info.remote_files == 0 and info.local_files >= 1
     own_checks = [thread for thread, name, _ in checks if name == own]
     assert own_checks and set(own_checks) == {"rg-restore-guess"}, checks  # checked once, in the guess
@@ -669,10 +671,7 @@ def test_a_guess_the_choice_does_not_name_is_stopped_unmapped_and_the_chosen_ste
     _checks_until_stopped(monkeypatch, seen)
     checks = _checksummed_files(monkeypatch)
     fresh = _fresh_state()
-    with Checkpointer(root, staging_dir=str(staging), uploader="thread") as ckpt:
-        assert ckpt.restore(fresh) == 1
-        info = ckpt.last_restore
-        assert wait_for_node_local_copies(30)
+    info = _restored(root, staging, fresh)
     assert torch.equal(fresh["model"].weight, model.weight) and info.remote_files == 0
     stray_checks = [thread for thread, path, _ in checks if path == str(stray)]
     assert stray_checks and set(stray_checks) == {"rg-restore-guess"}, checks[:5]  # it was guessed
@@ -726,10 +725,7 @@ def test_a_guessed_own_file_that_fails_its_check_is_read_from_storage(tmp_path, 
     own.write_bytes(bytes(damaged))
     checks = _checksummed_files(monkeypatch)
     fresh = _fresh_state()
-    with Checkpointer(root, staging_dir=str(staging), uploader="thread") as ckpt:
-        assert ckpt.restore(fresh) == 1
-        info = ckpt.last_restore
-        assert wait_for_node_local_copies(30)
+    info = _restored(root, staging, fresh)
     assert torch.equal(fresh["model"].weight, model.weight) and info.remote_files >= 1
     node_local_checks = {thread for thread, path, _ in checks if path == str(own)}
     assert node_local_checks == {"rg-restore-guess"}, checks  # the guess's verdict was used
@@ -750,10 +746,7 @@ def test_a_partial_restore_from_the_node_local_copy_checks_only_the_blocks_it_ne
     checks = _checksummed_files(monkeypatch)
     _slow_choice(monkeypatch, 0.3)  # the guess would have finished: its result must go unused
     fresh = torch.nn.Linear(512, 512)
-    with Checkpointer(root, staging_dir=str(staging), uploader="thread") as ckpt:
-        assert ckpt.restore({"model": fresh}) == 1
-        info = ckpt.last_restore
-        assert wait_for_node_local_copies(30)
+    info = _restored(root, staging, {"model": fresh})
     assert torch.equal(fresh.weight, model.weight) and info.remote_files == 0
     loads = [size for thread, path, size in checks if path == str(own) and thread != "rg-restore-guess"]
     assert loads and all(size is not None and size < own.stat().st_size / 2 for size in loads), checks
