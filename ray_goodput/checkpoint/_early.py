@@ -144,7 +144,8 @@ class Countdown:
 
 
 def close_result(future: concurrent.futures.Future[Early | None], *,
-                  let_go: Callable[[], None] | None = None) -> None:
+                 let_go: Callable[[], None] | None = None) -> None:
+    """Close what a fetch nobody took mapped, once it ended; then ``let_go``."""
     try:
         if future.cancelled() or future.exception() is not None:
             return

@@ -113,12 +113,12 @@ def load_checkpoint(state: dict[str, Any], *, root: StorageLocation, manifest: M
     loaded before every rank checked all of its files: a failure up to then (a damaged or
     missing file, storage down) leaves the live state as it was, and an optimizer that had
     no state gets none (building the state dict to load into gives a never-stepped
-    optimizer zero moments and step 1). ``guess``: the rank's own node-local data file,
-    checked while the checkpoint was chosen (taken when it is this one's). A failure while
-    copying, after that agreement,
+    optimizer zero moments and step 1). A failure while copying, after that agreement,
     raises on every rank too but can leave the state partly loaded. The outcome is agreed
     last (a rank's copy can fail while the others' succeed); the load's background work
     (writing fetched files into the node-local copy, unmapping) starts after that.
+    ``guess``: the rank's own node-local data file, checked while the checkpoint was
+    chosen (taken when it is this one's and read whole).
     """
     readers: list[TieredReader] = []
     error: BaseException | None = None
