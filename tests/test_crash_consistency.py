@@ -495,11 +495,11 @@ def test_an_orphan_that_restore_commits_is_restored_not_quarantined_by_a_listing
     assert torch.equal(fresh.weight, model.weight)
 
 
-def test_restore_chooses_its_checkpoint_only_once_this_attempts_generation_claim_landed(
+def test_restore_chooses_while_the_generation_claim_is_in_flight_and_returns_once_it_landed(
         s3_server, slow_s3, tmp_path):
-    """A dead attempt's uploader committing late stops pruning once a newer generation is
-    claimed: a choice made before the claim landed (tried in this round to save the
-    claim's two requests) could be pruned under the restore."""
+    """A Checkpointer made just before restore waited for its claim's two requests and only
+    then listed storage: rank 0 now chooses while the claim is in flight. Restore still
+    returns only once the claim landed (its generation names the resume pin and the saves)."""
     import json
     import threading
 
@@ -512,10 +512,14 @@ def test_restore_chooses_its_checkpoint_only_once_this_attempts_generation_claim
     saved = _save(uri, str(tmp_path / "a"), [10])
     proxy.stall(_layout.GENERATION, methods=("PUT",))  # the new attempt's claim is held
     state, got = _state(3), []
+    commit_10 = f"{_layout.step_dir(10)}/{_layout.COMMITTED}"
     with Checkpointer(uri, staging_dir=str(tmp_path / "b"), uploader="thread") as ckpt:
+        before = sum(proxy.gets(commit_10).values())
         restoring = threading.Thread(target=lambda: got.append(ckpt.restore(state)))
         restoring.start()
-        restoring.join(1.0)
+        wait_for(lambda: sum(proxy.gets(commit_10).values()) > before, timeout_s=30,
+                 what="restore reading the manifest it chose while the claim is held")
+        restoring.join(0.5)
         assert restoring.is_alive() and _retention.claimed_generation(direct) == 1  # waits for the claim
         proxy.release()
         restoring.join(60)
@@ -523,6 +527,35 @@ def test_restore_chooses_its_checkpoint_only_once_this_attempts_generation_claim
     assert torch.equal(_weight(state), saved[10])
     pin = json.loads(read_bytes(_catalog.checkpoints_location(direct), _layout.RESUME))
     assert pin == {"attempt": 2, "step": 10}
+
+
+def test_a_checkpoint_pruned_between_restores_choice_and_its_load_is_chosen_again_not_raised(
+        s3_server, slow_s3, tmp_path):
+    """A dead attempt's late retention pass can delete the directory restore just chose
+    (it read the claimed generation before this attempt's claim landed). The load then
+    found its files gone and restore raised on every rank, failing the attempt; now rank 0
+    sees the commit gone and every rank chooses again (no quarantine: nothing is damaged)."""
+    import threading
+
+    proxy, uri = slow_s3
+    direct = resolve(uri.replace(proxy.endpoint, s3_server.endpoint))
+    run_world(_save_two, 2, uri, str(tmp_path / "a"))
+    commit_20 = f"{_layout.step_dir(20)}/{_layout.COMMITTED}"
+    proxy.stall(commit_20)  # rank 0's read of step 20's manifest, while choosing, held half-way
+    got: list = []
+    restoring = threading.Thread(target=lambda: got.append(
+        run_world(_restore_fresh, 2, uri, str(tmp_path / "fresh"), timeout_s=120)))
+    restoring.start()
+    # Held once the server answered it: the choice reads the commit as it was.
+    wait_for(lambda: any(p.endswith(commit_20) for _, p in proxy.held), timeout_s=60,
+             what="rank 0 reading step 20's manifest")
+    step_20 = _catalog.step_location(direct, 20)
+    step_20.fs.delete_file(step_20.join(_layout.COMMITTED))  # pruned: the commit first
+    step_20.fs.delete_dir(step_20.root)
+    proxy.release()
+    restoring.join(150)
+    assert not restoring.is_alive() and got == [[10, 10]]
+    assert not [i for i in list_dir(direct, recursive=True) if i.path.endswith(_layout.QUARANTINED)]
 
 
 def test_saves_faster_than_uploads_supersede_the_waiting_one_and_commit_the_newest(slow_s3, tmp_path):

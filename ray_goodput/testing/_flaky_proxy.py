@@ -30,7 +30,8 @@ class FlakyProxy:
 
     Failures alternate between an HTTP 500/503 answer and a reset connection. ``counts``
     has how many requests were forwarded and how many failed; ``requests`` counts them
-    per ``(method, path)`` and ``spans`` has the (start, end) of each forwarded GET.
+    per ``(method, path)``, ``held`` counts those a :meth:`stall` is holding or held, and
+    ``spans`` has the (start, end) of each forwarded GET.
     """
 
     HOLD_S = 120.0
@@ -42,6 +43,7 @@ class FlakyProxy:
         self.latency_s = latency_s
         self.counts = {"forwarded": 0, "failed": 0}
         self.requests: Counter = Counter()
+        self.held: Counter = Counter()
         self.spans: dict[str, list[tuple[float, float]]] = {}
         self._stall: tuple[str, tuple[str, ...]] | None = None
         self._release = threading.Event()
@@ -108,7 +110,9 @@ class FlakyProxy:
         stall = self._stall
         return stall is not None and method in stall[1] and stall[0] in path
 
-    def _hold(self) -> None:
+    def _hold(self, method: str, path: str) -> None:
+        with self._lock:
+            self.held[(method, path)] += 1
         self._release.wait(self.HOLD_S)
 
     def _handler(self) -> type[BaseHTTPRequestHandler]:
@@ -159,7 +163,7 @@ def _make_handler(proxy: FlakyProxy) -> type[BaseHTTPRequestHandler]:
                 return
             began = time.monotonic()
             if self.command != "GET" and proxy._stalls(self.command, path):
-                proxy._hold()
+                proxy._hold(self.command, path)
             headers = {k: v for k, v in self.headers.items()
                        if k.lower() not in _HOP and k.lower() != "content-length"}
             headers["Content-Length"] = str(len(body))
@@ -185,7 +189,7 @@ def _make_handler(proxy: FlakyProxy) -> type[BaseHTTPRequestHandler]:
             if self.command == "GET" and proxy._stalls(self.command, path):
                 self.wfile.write(data[: len(data) // 4])
                 self.wfile.flush()
-                proxy._hold()
+                proxy._hold(self.command, path)
                 data = data[len(data) // 4:]
             self.wfile.write(data)
 
