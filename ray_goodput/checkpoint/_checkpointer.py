@@ -12,6 +12,7 @@ every ``sync_every``-th save (a count, so every rank syncs at the same save).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -40,11 +41,11 @@ from ray_goodput.checkpoint._local_copies import LocalCopyDropper
 from ray_goodput.checkpoint._metrics import SaveMetrics
 from ray_goodput.checkpoint._ray_report import report_checkpoint, report_closed
 from ray_goodput.checkpoint._local_guess import LocalGuess
-from ray_goodput.checkpoint._restore import RestoreInfo, choose, load_checkpoint
+from ray_goodput.checkpoint._restore import RestoreInfo, choose, failed_load_verdict, load_checkpoint
 from ray_goodput.checkpoint._save_state import SaveRecord, SaveState, agree
 from ray_goodput.checkpoint._schedule import SaveSchedule
 from ray_goodput.checkpoint._uploader import ActorBackend
-from ray_goodput.errors import CheckpointCorruptError, CheckpointError, ConfigError
+from ray_goodput.errors import CheckpointError, ConfigError, StateMismatchError
 from ray_goodput.goodput import get_recorder
 from ray_goodput.runtime import WorkerContext, ray_initialized
 from ray_goodput.runtime._resume import resume_decision
@@ -59,6 +60,8 @@ _ARENA_WAIT_S = 600.0
 #: (seconds for a GPU-sized shard); what is left is collected by the run's next
 #: Checkpointer on the node.
 _DROP_JOIN_S = 60.0
+#: How many times one restore chooses again after its pick left storage during the load.
+_CHOICES_AFTER_GONE = 3
 
 
 @dataclass
@@ -434,6 +437,7 @@ class Checkpointer:
         before: tuple[int, int] | None = None
         # The own node-local data file of the likely pick, checked while rank 0 chooses.
         guess = LocalGuess(self.staging, self.rank, step)
+        gone = 0
         try:
             while True:
                 manifest = self._choose(step, before)
@@ -442,12 +446,20 @@ class Checkpointer:
                     return None
                 try:
                     self._load_agreed(state, manifest, guess)
-                except CheckpointCorruptError as exc:  # every rank: agreed in _load_agreed
-                    logger.warning("checkpoint step %d is damaged (%s); falling back", manifest.step, exc)
-                    reason, loc = str(exc)[:500], _catalog.step_location(self.root, manifest.step)
-                    if self.rank == 0:  # best effort: no rank may raise alone here
-                        _best_effort("quarantining", lambda: _catalog.quarantine_damaged(loc, manifest, reason))
-                    before = manifest.order
+                except StateMismatchError:
+                    raise  # the state passed in does not fit: no other checkpoint would
+                except Exception as exc:  # every rank alike: agreed in _load_agreed
+                    verdict = _collective.on_rank0(functools.partial(failed_load_verdict, self.root, manifest, exc),
+                                                   "checking the checkpoint whose load failed")
+                    if verdict == "damaged":  # quarantined by rank 0: every rank falls back
+                        logger.warning("checkpoint step %d is damaged (%s); falling back", manifest.step, exc)
+                        before = manifest.order
+                        continue
+                    gone += 1
+                    if verdict == "failed" or gone > _CHOICES_AFTER_GONE:
+                        raise  # the load's own error; "gone" again and again: say so, do not loop
+                    logger.warning("checkpoint step %d left storage while it was loaded (%s); choosing "
+                                   "again", manifest.step, exc)
                     continue
                 if decision is None and self.rank == 0:  # a Recovery pins its own choice
                     self._pin_resume(manifest.step)
@@ -459,19 +471,21 @@ class Checkpointer:
 
     def _choose(self, step: int | None, before: tuple[int, int] | None) -> Any:
         """Rank 0's pick of the checkpoint to load (see ``choose``), broadcast. The first
-        one comes after this attempt's generation claim has landed, in the same broadcast:
-        a dead attempt's uploader that commits late stops pruning once a newer generation
-        is claimed (``_retention.apply_retention``), so it cannot delete what is chosen."""
+        one is made while this attempt's generation claim (started when the Checkpointer
+        was made) is in flight, and broadcast with it once it landed. A dead attempt's
+        uploader that commits late stops pruning once a newer generation is claimed; one
+        that prunes the pick before that makes the load fail on a missing file, and
+        ``restore`` then chooses again (``failed_load_verdict``)."""
         def pick() -> Any:
             return choose(self.root, step=step, before=before, checksums=self.verify_checksums)
         if self._generation is not None:
             return _collective.on_rank0(pick, "choosing the checkpoint to restore")
 
-        def claim_then_pick() -> tuple[tuple[int, str], Any]:
-            claimed = self._claim()
-            return claimed, pick()
+        def pick_then_claim() -> tuple[tuple[int, str], Any]:
+            manifest = pick()
+            return self._claim(), manifest
         (self._generation, self._token), manifest = _collective.on_rank0(
-            claim_then_pick, "claiming a checkpoint generation and choosing the checkpoint to restore")
+            pick_then_claim, "choosing the checkpoint to restore and claiming a checkpoint generation")
         return manifest
 
     def _pin_resume(self, step: int) -> None:

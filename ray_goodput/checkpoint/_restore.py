@@ -7,7 +7,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
@@ -241,6 +241,34 @@ def _reader(step_loc: StorageLocation, local_dir: Path, local: set[str], manifes
         raise
     reader.fs.early.adopt(name, check, guess.stop)
     return reader
+
+
+def failed_load_verdict(root: StorageLocation, manifest: Manifest, error: BaseException,
+                        ) -> Literal["gone", "damaged", "failed"]:
+    """Rank 0, after every rank agreed that loading ``manifest``'s checkpoint failed with
+    ``error``: ``"gone"`` when that commit no longer stands in storage (pruned since it was
+    chosen, or committed again: choose again, nothing is damaged); else ``"damaged"`` for a
+    damaged checkpoint, quarantined here (fall back below it), and ``"failed"`` for any
+    other error (raise it). Never raises: a storage error while looking is logged, and the
+    load's error is taken as it is."""
+    loc = _catalog.step_location(root, manifest.step)
+    try:
+        current = read_manifest(loc)
+        stands = current is not None and current.digest == manifest.digest
+    except CheckpointCorruptError:
+        stands = False  # COMMITTED rewritten since, and torn: not the commit that was chosen
+    except Exception as exc:  # noqa: BLE001 - the load's own error is what counts
+        logger.warning("could not check whether step %d is still committed at %s: %s", manifest.step, loc.uri, exc)
+        stands = True
+    if not stands:
+        return "gone"
+    if not isinstance(error, CheckpointCorruptError):
+        return "failed"
+    try:  # best effort: the fall-back happens whether or not the marker is written
+        _catalog.quarantine_damaged(loc, manifest, str(error)[:500])
+    except Exception as exc:  # noqa: BLE001 - logged; the next reader finds the damage again
+        logger.warning("could not quarantine step %d at %s: %s", manifest.step, loc.uri, exc)
+    return "damaged"
 
 
 def choose(root: StorageLocation, *, step: int | None, before: tuple[int, int] | None,
