@@ -547,7 +547,7 @@ def test_a_checkpoint_pruned_between_restores_choice_and_its_load_is_chosen_agai
         run_world(_restore_fresh, 2, uri, str(tmp_path / "fresh"), timeout_s=120)))
     restoring.start()
     # Held once the server answered it: the choice reads the commit as it was.
-    wait_for(lambda: any(p.endswith(commit_20) for _, p in proxy.held), timeout_s=60,
+    wait_for(lambda: proxy.holding(commit_20), timeout_s=60,
              what="rank 0 reading step 20's manifest")
     step_20 = _catalog.step_location(direct, 20)
     step_20.fs.delete_file(step_20.join(_layout.COMMITTED))  # pruned: the commit first
@@ -556,6 +556,44 @@ def test_a_checkpoint_pruned_between_restores_choice_and_its_load_is_chosen_agai
     restoring.join(150)
     assert not restoring.is_alive() and got == [[10, 10]]
     assert not [i for i in list_dir(direct, recursive=True) if i.path.endswith(_layout.QUARANTINED)]
+
+
+def test_a_pick_that_left_storage_with_nothing_left_to_fall_back_to_raises_instead_of_starting_fresh(
+        s3_server, slow_s3, tmp_path):
+    """Choosing again after the pick left storage kept the fall-back bounds; finding
+    nothing within them returned None, and the attempt trained from scratch although
+    a newer commit (the one whose retention pruned the pick) may exist."""
+    import threading
+
+    from ray_goodput.errors import CheckpointError
+
+    proxy, uri = slow_s3
+    direct = resolve(uri.replace(proxy.endpoint, s3_server.endpoint))
+    _save(uri, str(tmp_path / "a"), [20])
+    commit_20 = f"{_layout.step_dir(20)}/{_layout.COMMITTED}"
+    proxy.stall(commit_20)
+    state, errors = _state(3), []
+    before = _weight(state)
+
+    def restore() -> None:
+        try:
+            ckpt.restore(state)
+        except Exception as exc:  # noqa: BLE001 - asserted below
+            errors.append(exc)
+
+    with Checkpointer(uri, staging_dir=str(tmp_path / "b"), uploader="thread") as ckpt:
+        restoring = threading.Thread(target=restore)
+        restoring.start()
+        wait_for(lambda: proxy.holding(commit_20), timeout_s=30, what="restore reading step 20's manifest")
+        step_20 = _catalog.step_location(direct, 20)
+        step_20.fs.delete_file(step_20.join(_layout.COMMITTED))
+        step_20.fs.delete_dir(step_20.root)
+        proxy.release()
+        restoring.join(60)
+        assert not restoring.is_alive()
+    assert len(errors) == 1 and type(errors[0]) is CheckpointError, errors
+    assert "left storage while it was loaded" in str(errors[0])
+    assert torch.equal(_weight(state), before)  # untouched
 
 
 def test_saves_faster_than_uploads_supersede_the_waiting_one_and_commit_the_newest(slow_s3, tmp_path):

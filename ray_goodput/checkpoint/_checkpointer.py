@@ -441,6 +441,11 @@ class Checkpointer:
         try:
             while True:
                 manifest = self._choose(step, before)
+                if manifest is None and gone:  # never start fresh for want of a pick that left
+                    raise CheckpointError(
+                        "the checkpoint chosen to restore left storage while it was loaded, and none is "
+                        "left to fall back to within this attempt's bounds; restart the attempt (a new "
+                        "restore chooses among the commits made since)")
                 if manifest is None:
                     self._recorder.restored(None, t0, time.time())
                     return None

@@ -134,18 +134,21 @@ def load_checkpoint(state: dict[str, Any], *, root: StorageLocation, manifest: M
         _collective.agree(error)
     finally:  # also when interrupted: the node-local copy, the unmapping and the marker's removal
         for reader in readers:
-            if not reader.released:
-                reader.release(defer=True)
-            _start_deferred(reader)
+            _let_go(reader)
     if info is None:  # unreachable: a rank without its info had an error, raised by agree
         raise CheckpointError(f"rank {rank}: the load of step {manifest.step} ended without a result")
     return info
 
 
-def _start_deferred(reader: TieredReader) -> None:
+def _let_go(reader: TieredReader) -> None:
+    """Release ``reader`` and start its background work. Never raises: the outcome was
+    agreed, and an error only this rank raised here would leave it alone in the collective
+    its caller makes next (``Checkpointer.restore`` checks a failed load on every rank)."""
     try:
+        if not reader.released:
+            reader.release(defer=True)
         reader.start_deferred()
-    except RuntimeError as exc:  # no thread could start: the outcome agreed on stands
+    except Exception as exc:  # noqa: BLE001 - e.g. no thread could start: the agreed outcome stands
         logger.warning("could not start the restore's background work (node-local copy, unmapping): %s", exc)
 
 

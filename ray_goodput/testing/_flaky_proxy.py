@@ -71,7 +71,13 @@ class FlakyProxy:
 
     def gets(self, suffix: str = "") -> dict[str, int]:
         """GETs per path ending in ``suffix``."""
-        return {p: n for (m, p), n in self.requests.items() if m == "GET" and p.endswith(suffix)}
+        with self._lock:  # the relay's threads add keys
+            return {p: n for (m, p), n in self.requests.items() if m == "GET" and p.endswith(suffix)}
+
+    def holding(self, suffix: str) -> int:
+        """Requests to a path ending in ``suffix`` that a :meth:`stall` holds or held."""
+        with self._lock:
+            return sum(n for (_, p), n in self.held.items() if p.endswith(suffix))
 
     def sequential_gets(self, path: str) -> int:
         """GETs of ``path`` that began after an earlier GET of it had been answered: a
