@@ -191,6 +191,55 @@ def test_only_the_committer_reads_rank_markers(s3_server, tmp_path):
     assert marker_gets == [0, 0, 0, world], marker_gets  # was O(world) per rank: O(world^2)
 
 
+def test_restore_reads_the_commit_of_its_node_local_guess_beside_the_listing(s3_server, tmp_path):
+    """Rank 0 listed storage, then read the newest commit: two round trips in sequence
+    before any load. The commit of the newest node-local step now goes out with the listing."""
+    proxy = FlakyProxy(s3_server.endpoint, latency_s=0.1)  # each request: >= 0.1 s
+    try:
+        uri = s3_server.bucket_uri("run").replace(s3_server.endpoint, proxy.endpoint)
+        model, staging = torch.nn.Linear(8, 8), str(tmp_path / "s")
+        with Checkpointer(uri, staging_dir=staging, uploader="thread") as ckpt:
+            for step in (1, 2):
+                ckpt.save(step, {"model": model})
+                ckpt.wait()
+        bucket = "/" + uri.split("//", 1)[1].split("/", 1)[0]
+        commit = f"{bucket}/run/{_layout.CHECKPOINTS_DIR}/{_layout.step_dir(2)}/{_layout.COMMITTED}"
+        with Checkpointer(uri, staging_dir=staging, uploader="thread") as ckpt:
+            began = time.monotonic()
+            assert ckpt.restore({"model": torch.nn.Linear(8, 8)}) == 2
+        listings = [span for span in proxy.spans.get(bucket, []) if span[0] >= began]
+        reads = [t for t, _, path in list(proxy.arrivals) if path == commit and t >= began]  # HEAD, GET
+        assert listings and reads, (listings, reads)
+        assert min(reads) < listings[0][1]  # the read began before the listing ended
+    finally:
+        proxy.close()
+
+
+def test_a_commit_read_beside_the_listing_is_taken_only_when_the_listing_shows_its_files():
+    """The early read can predate the listing: a commit replaced in between (its step saved
+    again) must not be taken for the one listed."""
+    from concurrent.futures import Future
+
+    from ray_goodput.checkpoint._catalog import StepDir, _listed_manifest
+
+    def read(manifest: Manifest | None = None, error: BaseException | None = None) -> Future:
+        future: Future = Future()
+        future.set_exception(error) if error is not None else future.set_result(manifest)
+        return future
+
+    manifest = Manifest(step=3, world_size=1, created=1.0,
+                        files=(FileEntry(name="__0_a.distcp", size=10, crc32=1),
+                               FileEntry(name=".metadata", size=4, crc32=2)))
+    listed = StepDir(3, resolve("/tmp/unused"), files={"__0_a.distcp": 10, ".metadata": 4, "COMMITTED": 9})
+    assert _listed_manifest(listed, read(manifest)) is manifest
+    resized = StepDir(3, listed.loc, files={"__0_a.distcp": 11, ".metadata": 4, "COMMITTED": 9})
+    missing = StepDir(3, listed.loc, files={".metadata": 4, "COMMITTED": 9})
+    assert _listed_manifest(resized, read(manifest)) is None
+    assert _listed_manifest(missing, read(manifest)) is None
+    assert _listed_manifest(listed, read(None)) is None  # not committed when read
+    assert _listed_manifest(listed, read(error=OSError("reset"))) is None
+
+
 # ---- restore reads and checks only what it opens -------------------------------------------
 
 
@@ -811,6 +860,43 @@ def test_a_generation_claim_that_failed_in_the_background_fails_the_first_save_w
     ckpt.save(1, {"model": torch.nn.Linear(4, 4)})
     ckpt.close()
     assert ckpt.generation == 1 and [i.step for i in list_checkpoints(str(root)) if i.committed] == [1]
+
+
+def test_the_generation_claim_reads_beside_the_storage_probe_and_writes_only_once_it_passed(s3_server, tmp_path):
+    """The claim started after the constructor's probe (four requests), so a restore right
+    after the constructor waited for the claim's two: its read now goes out with the probe."""
+    proxy = FlakyProxy(s3_server.endpoint)
+    try:
+        uri = s3_server.bucket_uri("run").replace(s3_server.endpoint, proxy.endpoint)
+        proxy.stall(".ray_goodput_probe-")  # the probe's read back, held half-way
+        made: list = []
+        making = threading.Thread(target=lambda: made.append(
+            Checkpointer(uri, staging_dir=str(tmp_path / "s"), uploader="thread")))
+        making.start()
+        wait_for(lambda: proxy.holding("") > 0, timeout_s=30, what="the probe's read back, held")
+        wait_for(lambda: proxy.count(_layout.GENERATION, ("HEAD", "GET")), timeout_s=30,
+                 what="the claim's read of GENERATION while the probe is held")
+        time.sleep(0.2)  # a write that did not wait for the probe would be in by now
+        assert proxy.count(_layout.GENERATION, ("PUT",)) == 0
+        proxy.release()
+        making.join(60)
+        assert made, "the Checkpointer was not made"
+        with made[0] as ckpt:
+            ckpt.save(1, {"model": torch.nn.Linear(4, 4)})
+            assert ckpt.generation == 1
+    finally:
+        proxy.close()
+
+
+def test_an_early_claim_abandoned_because_the_probe_failed_writes_nothing(tmp_path):
+    from ray_goodput.checkpoint._generation import EarlyClaim
+
+    root = resolve(str(tmp_path / "root"))
+    claim = EarlyClaim(root, RetryPolicy(attempts=1))
+    claim.abandon()
+    with pytest.raises(StorageError, match="was not made"):
+        claim.result()
+    assert not (tmp_path / "root" / _layout.CHECKPOINTS_DIR / _layout.GENERATION).exists()
 
 
 # ---- local storage: one write of the bytes -------------------------------------------------

@@ -143,9 +143,24 @@ class Checkpointer:
             raise ConfigError(f"sync_every must be >= 1 (saves between outcome agreements), got {sync_every}")
         if isinstance(uploader, str) and uploader not in ("auto", "actor", "thread"):
             raise ConfigError(f"uploader must be 'auto', 'actor' or 'thread', got {uploader!r}")
+        if not 0 < wait_timeout_s < threading.TIMEOUT_MAX / 2:
+            raise ConfigError(f"wait_timeout_s must be > 0 and finite (seconds wait() waits for uploads), "
+                              f"got {wait_timeout_s}")
         self._ctx = WorkerContext.detect()
+        schedule = SaveSchedule(every, world_size=self.world_size, mtbf_hours=mtbf_hours)
         self.root = self._ctx.storage_root(storage_path)
-        self.root.probe()
+        self._retry = retry or RetryPolicy()
+        # Rank 0 claims the generation now, beside the probe; the first save or restore
+        # only waits for it.
+        self._early_claim = _generation.EarlyClaim(self.root, self._retry) if self.rank == 0 else None
+        try:
+            self.root.probe()
+        except BaseException:
+            if self._early_claim is not None:
+                self._early_claim.abandon()
+            raise
+        if self._early_claim is not None:
+            self._early_claim.probed()
         self._run_key = hashlib.sha1(self.root.uri.encode()).hexdigest()[:16]
         self.staging = (Path(staging_dir) if staging_dir else _env.staging_root()) / self._run_key
         self._dropper = LocalCopyDropper(self.staging)
@@ -153,14 +168,10 @@ class Checkpointer:
         self.keep_last = keep_last
         self.verify_checksums = verify_checksums
         self.upload_concurrency = upload_concurrency
-        self._retry = retry or RetryPolicy()
         self._uploader_choice = uploader
         self.sync_every = sync_every
-        if not 0 < wait_timeout_s < threading.TIMEOUT_MAX / 2:
-            raise ConfigError(f"wait_timeout_s must be > 0 and finite (seconds wait() waits for uploads), "
-                              f"got {wait_timeout_s}")
         self.wait_timeout_s = wait_timeout_s
-        self._schedule = SaveSchedule(every, world_size=self.world_size, mtbf_hours=mtbf_hours)
+        self._schedule = schedule
         self._tick: float | None = None
         self._token = ""
         self._uploader: UploadBackend | None = None if isinstance(uploader, str) else uploader
@@ -171,8 +182,6 @@ class Checkpointer:
         self._last_step: int | None = None
         self._reported: int | None = None
         self._generation: int | None = None
-        # Rank 0 claims the generation now; the first save or restore only waits for it.
-        self._early_claim = _generation.EarlyClaim(self.root, self._retry) if self.rank == 0 else None
         self._pinning: threading.Thread | None = None  # rank 0's resume pin, written in the background
         self._errors: list[tuple[str, BaseException | None]] = []
         self._closed = False
@@ -440,7 +449,7 @@ class Checkpointer:
         gone = 0
         try:
             while True:
-                manifest = self._choose(step, before)
+                manifest = self._choose(step, before, guess.step)
                 if manifest is None and gone:  # never start fresh for want of a pick that left
                     raise CheckpointError(
                         "the checkpoint chosen to restore left storage while it was loaded, and none is "
@@ -474,15 +483,16 @@ class Checkpointer:
         finally:
             guess.close()  # a guess the load did not take
 
-    def _choose(self, step: int | None, before: tuple[int, int] | None) -> Any:
+    def _choose(self, step: int | None, before: tuple[int, int] | None, hint: int | None) -> Any:
         """Rank 0's pick of the checkpoint to load (see ``choose``), broadcast. The first
         one is made while this attempt's generation claim (started when the Checkpointer
         was made) is in flight, and broadcast with it once it landed. A dead attempt's
         uploader that commits late stops pruning once a newer generation is claimed; one
         that prunes the pick before that makes the load fail on a missing file, and
-        ``restore`` then chooses again (``failed_load_verdict``)."""
+        ``restore`` then chooses again (``failed_load_verdict``). ``hint``: rank 0's guess
+        of the pick (the newest step of its node-local copy)."""
         def pick() -> Any:
-            return choose(self.root, step=step, before=before, checksums=self.verify_checksums)
+            return choose(self.root, step=step, before=before, checksums=self.verify_checksums, hint=hint)
         if self._generation is not None:
             return _collective.on_rank0(pick, "choosing the checkpoint to restore")
 

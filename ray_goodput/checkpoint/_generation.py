@@ -26,43 +26,73 @@ logger = logging.getLogger(__name__)
 #: Bound on waiting for an early claim (its storage requests have their own bounds).
 CLAIM_TIMEOUT_S = 600.0
 _POLICY = RetryPolicy()
+_ONE_TRY = RetryPolicy(attempts=1)
 
 
-def next_generation(root: StorageLocation, attempt: int | None, policy: RetryPolicy = _POLICY) -> int:
+def next_generation(root: StorageLocation, attempt: int | None, policy: RetryPolicy = _POLICY,
+                    *, claimed: int | None = None) -> int:
     """The generation the next claim gets: above every one claimed under ``root`` (a root
-    reused across runs keeps counting), and at least the driver's ``attempt``."""
-    return max(_retention.claimed_generation(root, policy) + 1, attempt or 0)
+    reused across runs keeps counting; ``claimed``: that highest one, read already), and at
+    least the driver's ``attempt``."""
+    if claimed is None:
+        claimed = _retention.claimed_generation(root, policy)
+    return max(claimed + 1, attempt or 0)
 
 
-def claim(root: StorageLocation, attempt: int | None, policy: RetryPolicy = _POLICY) -> int:
+def claim(root: StorageLocation, attempt: int | None, policy: RetryPolicy = _POLICY,
+          *, claimed: int | None = None) -> int:
     """Claim and return this attempt's generation (rank 0 only)."""
-    generation = next_generation(root, attempt, policy)
+    generation = next_generation(root, attempt, policy, claimed=claimed)
     write_bytes(_catalog.checkpoints_location(root), _layout.GENERATION,
                 json.dumps({"generation": generation}).encode(), policy)
     return generation
 
 
-def claim_attempt(root: StorageLocation, policy: RetryPolicy = _POLICY) -> tuple[int, str]:
+def claim_attempt(root: StorageLocation, policy: RetryPolicy = _POLICY,
+                  *, claimed: int | None = None) -> tuple[int, str]:
     """Rank 0: claim the generation of this attempt (the driver's Recovery decision, when
     there is one, names the attempt) and draw the token that, with the step, names every
     save of it."""
     decision = resume_decision(root)
-    return claim(root, decision.attempt if decision is not None else None, policy), uuid.uuid4().hex[:8]
+    generation = claim(root, decision.attempt if decision is not None else None, policy, claimed=claimed)
+    return generation, uuid.uuid4().hex[:8]
 
 
 class EarlyClaim:
     """Rank 0's :func:`claim_attempt`, started when the Checkpointer is made: its storage
-    requests overlap the model's set-up instead of blocking the first save or restore,
-    which then only waits for the result (and broadcasts it)."""
+    requests overlap the storage probe and the model's set-up instead of blocking the
+    first save or restore, which then only waits for the result (and broadcasts it).
+
+    The read of the highest claimed generation goes out at once, beside the probe (one
+    try: a failed one is made again, with retries, after the probe); the write waits for
+    :meth:`probed`, and :meth:`abandon` (the probe failed) ends the claim without writing
+    to storage found unusable."""
 
     def __init__(self, root: StorageLocation, policy: RetryPolicy) -> None:
         self._root, self._policy = root, policy
         self._future: Future[tuple[int, str]] = Future()
+        self._gate = threading.Event()
+        self._abandoned = False
         threading.Thread(target=self._run, name="rg-generation-claim", daemon=True).start()
+
+    def probed(self) -> None:
+        """The storage probe passed: write the claim."""
+        self._gate.set()
+
+    def abandon(self) -> None:
+        """The Checkpointer was not made: claim nothing."""
+        self._abandoned = True
+        self._gate.set()
 
     def _run(self) -> None:
         try:
-            self._future.set_result(claim_attempt(self._root, self._policy))
+            try:
+                claimed: int | None = _retention.claimed_generation(self._root, _ONE_TRY)
+            except Exception:  # noqa: BLE001 - read again after the probe, with retries
+                claimed = None
+            if not self._gate.wait(CLAIM_TIMEOUT_S) or self._abandoned:
+                raise StorageError(f"no generation claimed under {self._root.uri}: the Checkpointer was not made")
+            self._future.set_result(claim_attempt(self._root, self._policy, claimed=claimed))
         except BaseException as exc:  # noqa: BLE001 - raised by result(), on the caller's thread
             self._future.set_exception(exc)
 

@@ -275,10 +275,11 @@ def failed_load_verdict(root: StorageLocation, manifest: Manifest, error: BaseEx
 
 
 def choose(root: StorageLocation, *, step: int | None, before: tuple[int, int] | None,
-           checksums: bool) -> Manifest | None:
+           checksums: bool, hint: int | None = None) -> Manifest | None:
     """Rank 0's pick: exactly ``step`` when the driver decided one (or, when that one is
     damaged, the newest intact checkpoint below it, never a newer one); else the newest
-    intact committed checkpoint below ``before``."""
+    intact committed checkpoint below ``before``. ``hint``: the step the pick likely is
+    (its commit is read beside the listing, see ``_catalog.scan``)."""
     if step is not None and before is None:
         loc = _catalog.step_location(root, step)
         try:
@@ -293,7 +294,7 @@ def choose(root: StorageLocation, *, step: int | None, before: tuple[int, int] |
             _catalog.quarantine_damaged(loc, manifest, "; ".join(problems[:5]))
             before = manifest.order
         logger.warning("the step the driver chose (%d) is not intact; falling back to an older one", step)
-    found = _catalog.newest_valid(root, checksums=checksums, before=before,
+    found = _catalog.newest_valid(root, checksums=checksums, before=before, hint=hint,
                                   max_step=(step if before is not None else step - 1)
                                   if step is not None else None)
     return found[1] if found else None

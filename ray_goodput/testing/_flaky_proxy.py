@@ -30,7 +30,8 @@ class FlakyProxy:
 
     Failures alternate between an HTTP 500/503 answer and a reset connection. ``counts``
     has how many requests were forwarded and how many failed; ``requests`` counts them
-    per ``(method, path)``, ``held`` counts those a :meth:`stall` is holding or held, and
+    per ``(method, path)``, ``held`` counts those a :meth:`stall` is holding or held,
+    ``arrivals`` has ``(time.monotonic(), method, path)`` of each request as it came in, and
     ``spans`` has the (start, end) of each forwarded GET.
     """
 
@@ -44,6 +45,7 @@ class FlakyProxy:
         self.counts = {"forwarded": 0, "failed": 0}
         self.requests: Counter = Counter()
         self.held: Counter = Counter()
+        self.arrivals: list[tuple[float, str, str]] = []
         self.spans: dict[str, list[tuple[float, float]]] = {}
         self._stall: tuple[str, tuple[str, ...]] | None = None
         self._release = threading.Event()
@@ -74,6 +76,11 @@ class FlakyProxy:
         with self._lock:  # the relay's threads add keys
             return {p: n for (m, p), n in self.requests.items() if m == "GET" and p.endswith(suffix)}
 
+    def count(self, suffix: str, methods: tuple[str, ...]) -> int:
+        """Requests of ``methods`` to a path ending in ``suffix``."""
+        with self._lock:
+            return sum(n for (m, p), n in self.requests.items() if m in methods and p.endswith(suffix))
+
     def holding(self, suffix: str) -> int:
         """Requests to a path ending in ``suffix`` that a :meth:`stall` holds or held."""
         with self._lock:
@@ -96,6 +103,7 @@ class FlakyProxy:
     def _decide(self, method: str, path: str) -> str | None:
         with self._lock:
             self.requests[(method, path)] += 1
+            self.arrivals.append((time.monotonic(), method, path))
             if self._rng.random() >= self.failure_rate:
                 self.counts["forwarded"] += 1
                 return None
