@@ -194,7 +194,7 @@ def test_only_the_committer_reads_rank_markers(s3_server, tmp_path):
 def test_restore_reads_the_commit_of_its_node_local_guess_beside_the_listing(s3_server, tmp_path):
     """Rank 0 listed storage, then read the newest commit: two round trips in sequence
     before any load. The commit of the newest node-local step now goes out with the listing."""
-    proxy = FlakyProxy(s3_server.endpoint, latency_s=0.1)  # each request: >= 0.1 s
+    proxy = FlakyProxy(s3_server.endpoint, latency_s=0.3)  # each request: >= 0.3 s
     try:
         uri = s3_server.bucket_uri("run").replace(s3_server.endpoint, proxy.endpoint)
         model, staging = torch.nn.Linear(8, 8), str(tmp_path / "s")
@@ -237,6 +237,10 @@ def test_a_commit_read_beside_the_listing_is_taken_only_when_the_listing_shows_i
     assert _listed_manifest(resized, read(manifest)) is None
     assert _listed_manifest(missing, read(manifest)) is None
     assert _listed_manifest(listed, read(None)) is None  # not committed when read
+    # Found in review: the step saved and committed again by a newer generation since the
+    # early read; the old save's files are still there, and .metadata is as long.
+    resaved = StepDir(3, listed.loc, files={**listed.files, "__0_g000002-abcdef0123.distcp": 10})
+    assert _listed_manifest(resaved, read(manifest)) is None
     assert _listed_manifest(listed, read(error=OSError("reset"))) is None
 
 
@@ -876,14 +880,16 @@ def test_the_generation_claim_reads_beside_the_storage_probe_and_writes_only_onc
         wait_for(lambda: proxy.holding("") > 0, timeout_s=30, what="the probe's read back, held")
         wait_for(lambda: proxy.count(_layout.GENERATION, ("HEAD", "GET")), timeout_s=30,
                  what="the claim's read of GENERATION while the probe is held")
-        time.sleep(0.2)  # a write that did not wait for the probe would be in by now
-        assert proxy.count(_layout.GENERATION, ("PUT",)) == 0
         proxy.release()
         making.join(60)
         assert made, "the Checkpointer was not made"
         with made[0] as ckpt:
             ckpt.save(1, {"model": torch.nn.Linear(4, 4)})
             assert ckpt.generation == 1
+        arrivals = list(proxy.arrivals)
+        probe_deleted = [t for t, m, p in arrivals if m == "DELETE" and ".ray_goodput_probe-" in p]
+        claimed = [t for t, m, p in arrivals if m == "PUT" and p.endswith(_layout.GENERATION)]
+        assert probe_deleted and claimed and min(claimed) > max(probe_deleted)  # written once the probe passed
     finally:
         proxy.close()
 

@@ -30,9 +30,9 @@ from ray_goodput.storage import StorageLocation, list_dir, object_crc32, resolve
 
 logger = logging.getLogger(__name__)
 
-#: Bound on waiting for the early read of a hinted commit (it has its own retries'
-#: bounds; past this one the commit is read again after the listing).
-_EARLY_READ_WAIT_S = 600.0
+#: Bound on waiting, after the listing, for the early read of a hinted commit; past it
+#: the commit is read again (the early read's own retries can take longer).
+_EARLY_READ_WAIT_S = 10.0
 
 @dataclass(frozen=True)
 class CheckpointInfo:
@@ -139,12 +139,18 @@ def _read_early(step_loc: StorageLocation) -> Future[Manifest | None]:
 
 def _listed_manifest(d: StepDir, early: Future[Manifest | None]) -> Manifest | None:
     """The manifest read beside the listing, if it names only files the listing found at
-    their sizes (then it is the commit listed); None otherwise."""
+    their sizes and the listing shows no save file of a newer generation; None otherwise.
+
+    A newer generation's files mean the step may have been saved and committed again
+    since the early read (the commit of a re-save replaces the old ``COMMITTED`` only
+    once all of its own files are there): the old save's files and an equally long
+    ``.metadata`` would pass the size check."""
     try:
         manifest = early.result(timeout=_EARLY_READ_WAIT_S)
     except Exception:  # noqa: BLE001 - not committed then, unreadable, slow: read it again
         return None
-    if manifest is None or any(d.files.get(f.name) != f.size for f in manifest.files):
+    if manifest is None or any(d.files.get(f.name) != f.size for f in manifest.files) \
+            or max(d.generations, default=0) > manifest.generation:
         return None
     return manifest
 

@@ -90,7 +90,8 @@ class EarlyClaim:
                 claimed: int | None = _retention.claimed_generation(self._root, _ONE_TRY)
             except Exception:  # noqa: BLE001 - read again after the probe, with retries
                 claimed = None
-            if not self._gate.wait(CLAIM_TIMEOUT_S) or self._abandoned:
+            self._gate.wait(CLAIM_TIMEOUT_S)  # a probe still running then has not failed: claim
+            if self._abandoned:
                 raise StorageError(f"no generation claimed under {self._root.uri}: the Checkpointer was not made")
             self._future.set_result(claim_attempt(self._root, self._policy, claimed=claimed))
         except BaseException as exc:  # noqa: BLE001 - raised by result(), on the caller's thread

@@ -144,12 +144,16 @@ def _let_go(reader: TieredReader) -> None:
     """Release ``reader`` and start its background work. Never raises: the outcome was
     agreed, and an error only this rank raised here would leave it alone in the collective
     its caller makes next (``Checkpointer.restore`` checks a failed load on every rank)."""
-    try:
-        if not reader.released:
+    if not reader.released:
+        try:
             reader.release(defer=True)
+        except Exception:  # noqa: BLE001 - the agreed outcome stands
+            logger.warning("could not release the restore's reader", exc_info=True)
+    try:
         reader.start_deferred()
-    except Exception as exc:  # noqa: BLE001 - e.g. no thread could start: the agreed outcome stands
-        logger.warning("could not start the restore's background work (node-local copy, unmapping): %s", exc)
+    except Exception:  # noqa: BLE001 - e.g. no thread could start: the agreed outcome stands
+        logger.warning("could not start the restore's background work (node-local copy, unmapping)",
+                       exc_info=True)
 
 
 def _load(roles: _state.Roles, state: dict[str, Any], *, root: StorageLocation, manifest: Manifest,
