@@ -75,14 +75,17 @@ def test_a_follower_that_followed_another_file_than_the_one_written_is_not_used(
     was taken for the new one (sizes alone were compared): the renamed file must be the
     very file followed (its inode)."""
     loc = resolve(s3_server.bucket_uri("follow-other"))
-    path = tmp_path / "part" / "__0_0.distcp"
-    follow = FollowUpload(path, tmp_path / "final", loc, "f.distcp", CRC32C)
+    path, final = tmp_path / "part" / "__0_0.distcp", tmp_path / "final"
+    follow = FollowUpload(path, final, loc, "f.distcp", CRC32C)
     _write_slowly(path, [b"y" * 1000])
+    # As the writer does: renamed, then done. (Done without the rename, a follower that had
+    # not opened the file yet on a loaded machine looked for it under the final name in vain.)
+    path.rename(final)
     follow.writer_done(ok=True)
     other = tmp_path / "written.distcp"
     other.write_bytes(b"z" * 1000)  # same size, another file
     assert follow.result(other, timeout_s=60, stop_s=10) is None  # the caller uploads the file itself
-    assert follow.result(path, timeout_s=60, stop_s=10) is not None
+    assert follow.result(final, timeout_s=60, stop_s=10) is not None
 
 
 def test_on_object_storage_each_data_file_is_uploaded_while_dcp_writes_it(s3_server, tmp_path, caplog):
