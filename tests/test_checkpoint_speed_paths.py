@@ -215,6 +215,48 @@ def test_restore_reads_the_commit_of_its_node_local_guess_beside_the_listing(s3_
         proxy.close()
 
 
+def test_restore_reads_only_the_commit_it_picks_not_every_one_kept(s3_server, tmp_path):
+    """The choice read every kept commit's COMMITTED (a HEAD and a GET each on S3), one
+    after another, before picking the newest: keep_last=3 made it six requests in sequence."""
+    proxy = FlakyProxy(s3_server.endpoint)
+    try:
+        uri = s3_server.bucket_uri("run").replace(s3_server.endpoint, proxy.endpoint)
+        model = torch.nn.Linear(8, 8)
+        with Checkpointer(uri, staging_dir=str(tmp_path / "s"), keep_last=3, uploader="thread") as ckpt:
+            for step in (1, 2, 3):
+                ckpt.save(step, {"model": model})
+                ckpt.wait()
+        before = proxy.gets(_layout.COMMITTED)
+        with Checkpointer(uri, staging_dir=str(tmp_path / "fresh"), uploader="thread") as ckpt:
+            assert ckpt.restore({"model": torch.nn.Linear(8, 8)}) == 3
+        after = proxy.gets(_layout.COMMITTED)
+        read = {path.split("/")[-2] for path, n in after.items() if n > before.get(path, 0)}
+        assert read == {_layout.step_dir(3)}, read
+        assert len([i for i in list_checkpoints(uri) if i.committed]) == 3  # all kept
+    finally:
+        proxy.close()
+
+
+def test_the_pick_reads_commits_newest_first_and_still_ranks_by_generation(tmp_path):
+    """A directory ranks by its files' newest generation until its commit is read: a step
+    whose commit is of an older generation than its files (a re-save not committed) must
+    not outrank a newer generation's commit of a lower step."""
+    from ray_goodput.checkpoint._catalog import newest_valid
+
+    root = str(tmp_path / "root")
+    with Checkpointer(root, staging_dir=str(tmp_path / "a"), uploader="thread") as ckpt:
+        ckpt.save(20, {"model": torch.nn.Linear(4, 4)})  # generation 1
+        ckpt.wait()
+    with Checkpointer(root, staging_dir=str(tmp_path / "b"), uploader="thread") as ckpt:
+        ckpt.save(10, {"model": torch.nn.Linear(4, 4)})  # generation 2: outranks step 20
+        ckpt.wait()
+    step20 = Path(_catalog.step_location(resolve(root), 20).root)
+    (step20 / "__0_g000003-abcdef0123.distcp").write_bytes(b"x")  # a later save's file, no commit
+    loc, manifest = newest_valid(root)
+    assert (manifest.step, manifest.generation) == (10, 2)
+    assert newest_valid(root, before=manifest.order)[1].step == 20
+
+
 def test_a_commit_read_beside_the_listing_is_taken_only_when_the_listing_shows_its_files():
     """The early read can predate the listing: a commit replaced in between (its step saved
     again) must not be taken for the one listed."""

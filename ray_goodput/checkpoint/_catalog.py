@@ -96,15 +96,18 @@ class StepDir:
             damaged=self.torn or self.quarantined)
 
 
-def scan(root: str | StorageLocation, *, hint: int | None = None) -> list[StepDir]:
-    """Every step directory under ``<root>/checkpoints``, by step.
+def scan(root: str | StorageLocation) -> list[StepDir]:
+    """Every step directory under ``<root>/checkpoints``, by step, with its manifest when
+    committed."""
+    dirs = _list_steps(checkpoints_location(root))
+    for d in dirs:
+        if _layout.COMMITTED in d.files:
+            _read_commit(d)
+    return dirs
 
-    ``hint``: a step likely committed (the newest in the node-local copy): its ``COMMITTED``
-    is read while the listing is made instead of after it, one storage round trip less.
-    That early read is taken only when the listing shows every file it names, at its size
-    (else it is read again after the listing, as any other)."""
-    ckpts = checkpoints_location(root)
-    early = _read_early(ckpts.child(_layout.step_dir(hint))) if hint is not None else None
+
+def _list_steps(ckpts: StorageLocation) -> list[StepDir]:
+    """Every step directory under ``ckpts`` and its files, from one listing, by step."""
     dirs: dict[int, StepDir] = {}
     for info in list_dir(ckpts, recursive=True):
         rel = info.path[len(ckpts.root) + 1:]
@@ -115,9 +118,6 @@ def scan(root: str | StorageLocation, *, hint: int | None = None) -> list[StepDi
         d = dirs.setdefault(step, StepDir(step, ckpts.child(top)))
         if rest and info.type == pafs.FileType.File:
             d.files[rest] = info.size or 0
-    for d in dirs.values():
-        if _layout.COMMITTED in d.files:
-            _read_commit(d, early if d.step == hint else None)
     return [dirs[s] for s in sorted(dirs)]
 
 
@@ -196,17 +196,8 @@ def verify(step_loc: StorageLocation, manifest: Manifest, *, checksums: bool,
     return problems
 
 
-def _candidates(dirs: list[StepDir]) -> list[tuple[tuple[int, int], int]]:
-    """A max-heap of (order, index): commits by their order, orphans (rank markers, no
-    commit) by the newest generation among their files."""
-    heap = []
-    for i, d in enumerate(dirs):
-        if d.intact:
-            heap.append(((-d.manifest.generation, -d.step), i))
-        elif d.manifest is None and not d.torn and any(n.startswith(_layout.RANKS_DIR + "/") for n in d.files):
-            heap.append(((-max(d.generations, default=0), -d.step), i))
-    heapq.heapify(heap)
-    return heap
+def _has_markers(d: StepDir) -> bool:
+    return any(n.startswith(_layout.RANKS_DIR + "/") for n in d.files)
 
 
 def newest_valid(root: str | StorageLocation, *, checksums: bool = False,
@@ -216,29 +207,53 @@ def newest_valid(root: str | StorageLocation, *, checksums: bool = False,
     ``before`` (and at most ``max_step``) that matches its manifest.
 
     A damaged one is quarantined with a warning (fall back to the previous one); an
-    orphan whose every rank is durable is committed on the way. ``hint``: see :func:`scan`.
+    orphan whose every rank is durable is committed on the way.
+
+    One listing, then commits read newest first, only as far as needed: until its
+    ``COMMITTED`` is read, a directory ranks by the newest generation among its save files
+    (its commit's generation is never above it: the commit's own files carry it), so the
+    pick usually reads one commit, not every one kept. ``hint``: a step likely picked (the
+    newest of the node-local copy); its ``COMMITTED`` is read while the listing is made,
+    and that read is taken when the listing agrees with it (:func:`_listed_manifest`).
     """
-    dirs = scan(root, hint=hint)
-    for d in dirs:
-        if d.torn and _layout.QUARANTINED not in d.files:
-            quarantine_damaged(d.loc, None, "COMMITTED is unreadable")
-    heap = _candidates(dirs)
+    ckpts = checkpoints_location(root)
+    early = _read_early(ckpts.child(_layout.step_dir(hint))) if hint is not None else None
+    dirs = _list_steps(ckpts)
+    heap = [((-max(d.generations, default=0), -d.step), i) for i, d in enumerate(dirs)
+            if _layout.COMMITTED in d.files or _has_markers(d)]
+    heapq.heapify(heap)
+    read: set[int] = set()      # directories whose COMMITTED was read
+    finished: set[int] = set()  # orphans committed here: the listing predates their commit
     while heap:
         neg, i = heapq.heappop(heap)
         d, order = dirs[i], (-neg[0], -neg[1])
-        if (max_step is not None and d.step > max_step) or (before is not None and order >= before):
+        if max_step is not None and d.step > max_step:
+            continue
+        if _layout.COMMITTED in d.files and i not in read:
+            read.add(i)
+            _read_commit(d, early if d.step == hint else None)
+            if d.torn:
+                if _layout.QUARANTINED not in d.files:
+                    quarantine_damaged(d.loc, None, "COMMITTED is unreadable")
+                continue
+            if d.manifest is not None and d.manifest.order != order:  # ranked by its files so far
+                heapq.heappush(heap, ((-d.manifest.generation, -d.step), i))
+                continue
+        if d.quarantined or d.torn or (before is not None and order >= before):
             continue
         manifest = d.manifest
-        finished_now = manifest is None
-        if manifest is None:
+        if manifest is None:  # an orphan (rank markers, no commit), or a commit gone since the listing
+            if not _has_markers(d):
+                continue
             manifest = d.manifest = finish_orphan(d.loc, d.step)
             if manifest is None:
                 continue
+            finished.add(i)
             if manifest.order != order:  # the complete save was an older one: re-rank it
                 heapq.heappush(heap, ((-manifest.generation, -manifest.step), i))
                 continue
-        problems = verify(d.loc, manifest, checksums=checksums, present=d.files)  # sizes as scanned
-        if problems and finished_now:  # the listing predates the commit just made: look again
+        problems = verify(d.loc, manifest, checksums=checksums, present=d.files)  # sizes as listed
+        if problems and i in finished:  # the listing predates the commit just made: look again
             problems = verify(d.loc, manifest, checksums=checksums)
         if not problems:
             return d.loc, manifest
