@@ -237,7 +237,7 @@ def test_restore_reads_only_the_commit_it_picks_not_every_one_kept(s3_server, tm
         proxy.close()
 
 
-def test_the_pick_reads_commits_newest_first_and_still_ranks_by_generation(tmp_path):
+def test_a_directory_ranked_by_its_newest_files_is_put_back_by_its_commits_generation(tmp_path):
     """A directory ranks by its files' newest generation until its commit is read: a step
     whose commit is of an older generation than its files (a re-save not committed) must
     not outrank a newer generation's commit of a lower step."""
@@ -255,6 +255,26 @@ def test_the_pick_reads_commits_newest_first_and_still_ranks_by_generation(tmp_p
     loc, manifest = newest_valid(root)
     assert (manifest.step, manifest.generation) == (10, 2)
     assert newest_valid(root, before=manifest.order)[1].step == 20
+
+
+def test_an_orphan_finished_by_the_pick_and_re_ranked_is_not_quarantined_by_the_older_listing(tmp_path):
+    """Found in review: an orphan finished on the way whose complete save is of an older
+    generation than the directory's newest files is put back, and on its second pass it
+    was checked against the listing made before its .metadata existed: quarantined."""
+    from ray_goodput.checkpoint._catalog import newest_valid
+
+    root = str(tmp_path / "root")
+    model = torch.nn.Linear(4, 4)
+    with Checkpointer(root, staging_dir=str(tmp_path / "a"), uploader="thread") as ckpt:
+        ckpt.save(5, {"model": model})  # generation 1
+        ckpt.wait()
+    step5 = Path(_catalog.step_location(resolve(root), 5).root)
+    (step5 / _layout.COMMITTED).unlink()  # the committer died after every rank's marker
+    (step5 / _layout.DCP_METADATA).unlink()
+    (step5 / "__0_g000002-abcdef0123.distcp").write_bytes(b"x")  # a newer save, cut short
+    found = newest_valid(root)
+    assert found is not None and (found[1].step, found[1].generation) == (5, 1)
+    assert not (step5 / _layout.QUARANTINED).exists()
 
 
 def test_a_commit_read_beside_the_listing_is_taken_only_when_the_listing_shows_its_files():

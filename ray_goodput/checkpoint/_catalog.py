@@ -222,8 +222,7 @@ def newest_valid(root: str | StorageLocation, *, checksums: bool = False,
     heap = [((-max(d.generations, default=0), -d.step), i) for i, d in enumerate(dirs)
             if _layout.COMMITTED in d.files or _has_markers(d)]
     heapq.heapify(heap)
-    read: set[int] = set()      # directories whose COMMITTED was read
-    finished: set[int] = set()  # orphans committed here: the listing predates their commit
+    read: set[int] = set()  # directories whose COMMITTED was read
     while heap:
         neg, i = heapq.heappop(heap)
         d, order = dirs[i], (-neg[0], -neg[1])
@@ -248,13 +247,12 @@ def newest_valid(root: str | StorageLocation, *, checksums: bool = False,
             manifest = d.manifest = finish_orphan(d.loc, d.step)
             if manifest is None:
                 continue
-            finished.add(i)
             if manifest.order != order:  # the complete save was an older one: re-rank it
                 heapq.heappush(heap, ((-manifest.generation, -manifest.step), i))
                 continue
         problems = verify(d.loc, manifest, checksums=checksums, present=d.files)  # sizes as listed
-        if problems and i in finished:  # the listing predates the commit just made: look again
-            problems = verify(d.loc, manifest, checksums=checksums)
+        if problems:  # the listing may predate this commit (an orphan finished here, a step
+            problems = verify(d.loc, manifest, checksums=checksums)  # committed again since): look again
         if not problems:
             return d.loc, manifest
         quarantine_damaged(d.loc, manifest, "; ".join(problems[:5]))
