@@ -194,7 +194,7 @@ def test_only_the_committer_reads_rank_markers(s3_server, tmp_path):
 def test_restore_reads_the_commit_of_its_node_local_guess_beside_the_listing(s3_server, tmp_path):
     """Rank 0 listed storage, then read the newest commit: two round trips in sequence
     before any load. The commit of the newest node-local step now goes out with the listing."""
-    proxy = FlakyProxy(s3_server.endpoint, latency_s=0.3)  # each request: >= 0.3 s
+    proxy = FlakyProxy(s3_server.endpoint)
     try:
         uri = s3_server.bucket_uri("run").replace(s3_server.endpoint, proxy.endpoint)
         model, staging = torch.nn.Linear(8, 8), str(tmp_path / "s")
@@ -204,6 +204,7 @@ def test_restore_reads_the_commit_of_its_node_local_guess_beside_the_listing(s3_
                 ckpt.wait()
         bucket = "/" + uri.split("//", 1)[1].split("/", 1)[0]
         commit = f"{bucket}/run/{_layout.CHECKPOINTS_DIR}/{_layout.step_dir(2)}/{_layout.COMMITTED}"
+        proxy.latency_s = 0.3  # from here on, each request takes >= 0.3 s
         with Checkpointer(uri, staging_dir=staging, uploader="thread") as ckpt:
             began = time.monotonic()
             assert ckpt.restore({"model": torch.nn.Linear(8, 8)}) == 2

@@ -283,7 +283,7 @@ def choose(root: StorageLocation, *, step: int | None, before: tuple[int, int] |
     """Rank 0's pick: exactly ``step`` when the driver decided one (or, when that one is
     damaged, the newest intact checkpoint below it, never a newer one); else the newest
     intact committed checkpoint below ``before``. ``hint``: the step the pick likely is
-    (its commit is read beside the listing, see ``_catalog.scan``)."""
+    (its commit is read beside the listing, see ``_catalog.newest_valid``)."""
     if step is not None and before is None:
         loc = _catalog.step_location(root, step)
         try:
