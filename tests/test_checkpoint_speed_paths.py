@@ -10,6 +10,7 @@ import os
 import sys
 import threading
 import time
+import types
 import zlib
 from pathlib import Path
 
@@ -1204,12 +1205,12 @@ def test_restore_cuda_rng_on_a_machine_without_devices_restores_none():
 # ---- node uploader before the first save (needs Ray) ----------------------------------------
 
 
-class _WorkerGroup:
-    """The one method of Ray Train's worker group the callback uses, run in this process
-    (a driver-side stand-in: the function it runs and the actor it creates are real)."""
+class _Placed:
+    """What the trainer's callback reads of one of Ray Train's ``Worker``s: its node (a
+    stand-in; the actors the callback creates are real)."""
 
-    def execute(self, fn, *args):
-        return [fn(*args)]
+    def __init__(self, node_id: str) -> None:
+        self.metadata = types.SimpleNamespace(node_id=node_id)
 
 
 def test_node_services_start_the_uploader_and_jobs_carry_their_settings(ray_local, tmp_path):
@@ -1218,7 +1219,7 @@ def test_node_services_start_the_uploader_and_jobs_carry_their_settings(ray_loca
     from ray_goodput.runtime import _services
     from ray_goodput.storage import RetryPolicy
 
-    NodeServices().after_worker_group_start(_WorkerGroup())
+    assert NodeServices().before_init_train_context([_Placed(_services.current_node_id())] * 2) == {}
     assert _services.current_node_id() in _services.find(KIND)
     model = torch.nn.Linear(16, 16)
     retry = RetryPolicy(attempts=2, initial_delay=0.01, max_delay=0.02)

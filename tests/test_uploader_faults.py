@@ -5,6 +5,7 @@ upload that the uploader's wait gives up on, and no uploader left behind after a
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 import pytest
 import ray
@@ -79,6 +80,41 @@ def _other_node(ray_cluster) -> str:
 def _wait_committed(uri: str, step: int, timeout: float = 120) -> None:
     wait_for(lambda: any(i.step == step and i.committed for i in list_checkpoints(uri)),
              timeout_s=timeout, what=f"step {step} committed in {uri}", interval_s=0.2)
+
+
+class _Placed:
+    """What the trainer's callback reads of one of Ray Train's ``Worker``s: its node (a
+    stand-in; the actors the callback creates are real)."""
+
+    def __init__(self, node_id: str) -> None:
+        self.metadata = SimpleNamespace(node_id=node_id)
+
+
+def test_the_trainer_creates_each_workers_uploader_on_the_workers_node_in_their_runtime_env(ray_cluster):
+    # Ray Train runs this callback in its controller (here: the driver, on the head node)
+    # before the workers initialize; the uploaders must go where the workers are, with
+    # the environment a worker-created one would have inherited.
+    from ray.util.state import list_actors
+    from ray_goodput.driver._node_services import NodeServices
+
+    nodes = list(ray_cluster.worker_ids)
+    mark = f"placed-{os.getpid()}"
+    services = NodeServices({"env_vars": {"RG_TEST_UPLOADER_MARK": mark}})
+    assert services.before_init_train_context([_Placed(n) for n in nodes + nodes]) == {}
+
+    def placed() -> dict[str, str]:
+        alive = list_actors(filters=[("state", "=", "ALIVE")])
+        return {a.name: a.node_id for a in alive if a.name.startswith(f"{KIND}:")}
+
+    want = {_services.actor_name(KIND, n): n for n in nodes}
+    wait_for(lambda: all(placed().get(name) == n for name, n in want.items()), timeout_s=60,
+             what="an uploader alive on each worker's node", interval_s=0.2)
+    assert ray_cluster.worker_ids[0] != ray.get_runtime_context().get_node_id()  # not the caller's node
+    for n in nodes:
+        handle = _services.find(KIND)[n]
+        got = ray.get(handle.__ray_call__.remote(lambda _self: os.environ.get("RG_TEST_UPLOADER_MARK")),
+                      timeout=30)
+        assert got == mark
 
 
 def test_worker_killed_right_after_save_still_commits(ray_cluster, s3_server):

@@ -214,14 +214,16 @@ def _actor_class() -> Any:
     return ray.remote(CheckpointUploader)
 
 
-def start_node_uploader() -> None:
-    """Find or create this node's uploader without waiting for it to start.
+def start_node_uploader(node_id: str, runtime_env: dict[str, Any] | None = None) -> None:
+    """Find or create the uploader of node ``node_id`` without waiting for it to start.
 
-    Run on every worker when the worker group starts (``driver._node_services``), so the
-    actor is up before the first save needs it. Settings travel with each job.
+    Run by Ray Train's controller for every worker node once a worker group is placed
+    (``driver._node_services``), so the actor is up before the first save needs it.
+    ``runtime_env``: the workers' (``RunConfig.worker_runtime_env``), which an uploader
+    a worker creates inherits. Settings travel with each job.
     """
-    node_id = _services.current_node_id()
-    _services.get_or_create(_actor_class(), KIND, node_id, node_id=node_id, max_concurrency=64)
+    _services.get_or_create(_actor_class(), KIND, node_id, node_id=node_id, max_concurrency=64,
+                            runtime_env=runtime_env)
 
 
 def _chain(source: Future, target: Future) -> None:
@@ -242,9 +244,10 @@ class ActorBackend:
 
     ``submit`` hands the job over before it returns (one actor round trip, the actor maps
     the arena): a save that returned survives its worker being killed right after. The
-    trainer pre-starts the uploaders (``driver._node_services``), so the first save does
-    not wait for the actor to start; without it, a save made before the actor is up waits
-    for it (bounded), rather than holding a job that would die with the worker.
+    trainer creates the uploaders before the workers initialize their train context
+    (``driver._node_services``), so the first save does not wait for the actor to start;
+    without it, a save made before the actor is up waits for it (bounded), rather than
+    holding a job that would die with the worker.
     """
 
     def __init__(self, *, durable_timeout_s: float, root: StorageLocation | None = None) -> None:

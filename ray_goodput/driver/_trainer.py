@@ -45,7 +45,8 @@ class TorchTrainer(ray.train.torch.TorchTrainer):
         if self.recovery is not None and not any(c is self.recovery for c in merged):
             merged.append(self.recovery)
         if not any(isinstance(c, NodeServices) for c in merged):
-            merged.append(NodeServices())  # node uploaders up before the first save
+            # Node uploaders up before the first save, in the workers' runtime env.
+            merged.append(NodeServices(run_config.worker_runtime_env))
         super().__init__(train_loop_per_worker,
                          run_config=dataclasses.replace(run_config, callbacks=merged), **kwargs)
 

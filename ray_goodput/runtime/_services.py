@@ -33,15 +33,18 @@ def current_node_id() -> str:
 
 
 def get_or_create(actor_cls: Any, kind: str, *args: Any, node_id: str | None = None,
-                  max_concurrency: int = 16, **kwargs: Any) -> Any:
+                  max_concurrency: int = 16, runtime_env: dict[str, Any] | None = None,
+                  **kwargs: Any) -> Any:
     """The ``kind`` actor of ``node_id`` (default: this node), created on first use.
 
     ``actor_cls`` is a ``@ray.remote`` class; ``args``/``kwargs`` go to its constructor
     and are ignored when the actor already exists. Hard node affinity: the service must
-    live where its local disk is.
+    live where its local disk is. ``runtime_env``: the actor's (default: the caller's).
     """
     node_id = node_id or current_node_id()
+    extra = {"runtime_env": runtime_env} if runtime_env else {}
     return actor_cls.options(
+        **extra,
         name=actor_name(kind, node_id),
         namespace=NAMESPACE,
         lifetime="detached",
