@@ -1213,6 +1213,22 @@ class _Placed:
         self.metadata = types.SimpleNamespace(node_id=node_id)
 
 
+def test_an_uploader_no_worker_registered_with_yet_stays_up_longer_than_one_whose_workers_died():
+    # Pure logic (the actor's watchdog decides with it). The trainer creates the uploader
+    # before its workers initialize; with the 30 s grace after a worker's death, one
+    # created for a model that takes longer than that to build exited just before the
+    # first Checkpointer registered (found in review).
+    from ray_goodput.checkpoint import _uploader
+
+    uploader = _uploader.CheckpointUploader.__new__(_uploader.CheckpointUploader)  # no actor, no watchdog
+    uploader._had_client, uploader._clean_close = False, False
+    assert uploader._idle_grace_s() == _uploader._GRACE_BEFORE_FIRST_CLIENT_S >= 300
+    uploader._had_client = True
+    assert uploader._idle_grace_s() == _uploader._GRACE_AFTER_DEATH_S < _uploader._GRACE_BEFORE_FIRST_CLIENT_S
+    uploader._clean_close = True
+    assert uploader._idle_grace_s() == _uploader._GRACE_AFTER_CLOSE_S
+
+
 def test_node_services_start_the_uploader_and_jobs_carry_their_settings(ray_local, tmp_path):
     from ray_goodput.checkpoint._uploader import KIND
     from ray_goodput.driver._node_services import NodeServices

@@ -71,6 +71,11 @@ def test_trainer_merges_callbacks_into_run_config_and_recovery_none_turns_it_off
     assert t.run_config.callbacks[0] is user and t.recovery is user and t.run_config.name == "m"
     # and the node services that start each node's uploader before the training function
     assert [type(c).__name__ for c in t.run_config.callbacks[1:]] == ["NodeServices"]
+    assert t.run_config.callbacks[1].runtime_env is None
+    # which give the uploaders the workers' runtime env (a worker-created one inherited it)
+    env = {"env_vars": {"AWS_PROFILE": "training"}}
+    t = TorchTrainer(lambda: None, run_config=RunConfig(worker_runtime_env=env))
+    assert next(c for c in t.run_config.callbacks if type(c).__name__ == "NodeServices").runtime_env == env
     t = TorchTrainer(lambda: None, recovery=None)
     assert not any(isinstance(c, Recovery) for c in t.run_config.callbacks) and t.recovery is None
     assert isinstance(TorchTrainer(lambda: None).recovery, Recovery)

@@ -41,6 +41,10 @@ KIND = "uploader"
 # (long enough for Ray Train to restart the worker group and reconnect).
 _GRACE_AFTER_CLOSE_S = 2.0
 _GRACE_AFTER_DEATH_S = 30.0
+# Exit this long after starting when no worker ever registered: the trainer creates the
+# uploader before its workers initialize, and a worker registers only once it has built
+# its model and made its Checkpointer (which can take minutes for a large model).
+_GRACE_BEFORE_FIRST_CLIENT_S = 600.0
 # Bound on handing one job to the uploader (its start included).
 _HANDOFF_TIMEOUT_S = 120.0
 
@@ -61,6 +65,7 @@ class CheckpointUploader:
         self._lanes: dict[tuple[str, int], RankLane] = {}  # one per (run, rank)
         self._clients: set[int] = set()
         self._clean_close = False
+        self._had_client = False
         self._idle_since = time.monotonic()
         self._metrics = UploaderMetrics(node_id)
         self._stats: dict[str, Any] = {"jobs_done": 0, "jobs_failed": 0, "jobs_superseded": 0,
@@ -74,6 +79,7 @@ class CheckpointUploader:
         with self._lock:
             self._clients.add(pid)
             self._clean_close = False
+            self._had_client = True
         try:
             self._resolve_root(root)
         except Exception as exc:  # noqa: BLE001 - a warm-up: the first job resolves it again and fails there
@@ -188,6 +194,12 @@ class CheckpointUploader:
             self._clients = {pid for pid in self._clients if pid_alive(pid)}
             return len(self._clients)
 
+    def _idle_grace_s(self) -> float:
+        """How long this uploader stays up idle with no live client."""
+        if not self._had_client:
+            return _GRACE_BEFORE_FIRST_CLIENT_S
+        return _GRACE_AFTER_CLOSE_S if self._clean_close else _GRACE_AFTER_DEATH_S
+
     def _watch(self) -> None:
         """Exit once idle with no live client for a while (its run ended or died)."""
         while True:
@@ -195,8 +207,7 @@ class CheckpointUploader:
             if self.busy() or self._live_clients():
                 self._idle_since = time.monotonic()
                 continue
-            grace = _GRACE_AFTER_CLOSE_S if self._clean_close else _GRACE_AFTER_DEATH_S
-            if time.monotonic() - self._idle_since > grace:
+            if time.monotonic() - self._idle_since > self._idle_grace_s():
                 logger.info("uploader on node %s: idle with no live client; exiting", self.node_id)
                 ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
                 return
