@@ -47,6 +47,13 @@ _GRACE_AFTER_DEATH_S = 30.0
 _GRACE_BEFORE_FIRST_CLIENT_S = 600.0
 # Bound on handing one job to the uploader (its start included).
 _HANDOFF_TIMEOUT_S = 120.0
+# Bound on waiting for an uploader that said it is exiting to be gone.
+_EXIT_WAIT_S = 30.0
+
+
+class UploaderExitingError(CheckpointError):
+    """The uploader a worker tried to register with is exiting (it was idle with no live
+    client); the worker waits until it is gone and makes a new one."""
 
 
 class CheckpointUploader:
@@ -66,6 +73,7 @@ class CheckpointUploader:
         self._clients: set[int] = set()
         self._clean_close = False
         self._had_client = False
+        self._exiting = False  # set under _lock once the watchdog decided to exit
         self._idle_since = time.monotonic()
         self._metrics = UploaderMetrics(node_id)
         self._stats: dict[str, Any] = {"jobs_done": 0, "jobs_failed": 0, "jobs_superseded": 0,
@@ -75,8 +83,12 @@ class CheckpointUploader:
     # -- client side API --
     def register(self, pid: int, root: bytes | None = None) -> str:
         """A worker uses this uploader from now on; ``root``: its storage location, pickled,
-        resolved here ahead of its first job (an S3 client takes ~0.1 s to build)."""
+        resolved here ahead of its first job (an S3 client takes ~0.1 s to build).
+        Raises UploaderExitingError when this uploader is exiting."""
         with self._lock:
+            if self._exiting:
+                raise UploaderExitingError(f"the uploader on node {self.node_id} is exiting (idle with no "
+                                           "live client); register with a new one")
             self._clients.add(pid)
             self._clean_close = False
             self._had_client = True
@@ -208,6 +220,10 @@ class CheckpointUploader:
                 self._idle_since = time.monotonic()
                 continue
             if time.monotonic() - self._idle_since > self._idle_grace_s():
+                with self._lock:  # decided where register() looks: a worker registering from now on is told
+                    if self._clients or any(not t.done.is_set() for t in self._jobs.values()):
+                        continue
+                    self._exiting = True
                 logger.info("uploader on node %s: idle with no live client; exiting", self.node_id)
                 ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
                 return
@@ -278,7 +294,12 @@ class ActorBackend:
     def _get(self, fresh: bool = False) -> Any:
         if self._actor is None or fresh:
             self.start()
-        ray.get(self._registered, timeout=_HANDOFF_TIMEOUT_S)
+        try:
+            ray.get(self._registered, timeout=_HANDOFF_TIMEOUT_S)
+        except UploaderExitingError:  # it was idle and is going: its name is free once it is gone
+            _wait_gone(self._actor)
+            self.start()
+            ray.get(self._registered, timeout=_HANDOFF_TIMEOUT_S)
         return self._actor
 
     def submit(self, job: ShardJob) -> Handoff:
@@ -324,6 +345,22 @@ class ActorBackend:
             except Exception as exc:  # noqa: BLE001 - it may be gone already
                 logger.debug("uploader unregister failed: %s", exc)
             self._actor = None
+
+
+def _wait_gone(actor: Any) -> None:
+    """Return once ``actor`` (an uploader that said it is exiting) is dead; raise
+    CheckpointError after ``_EXIT_WAIT_S``."""
+    deadline = time.monotonic() + _EXIT_WAIT_S
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.busy.remote(), timeout=max(0.1, deadline - time.monotonic()))
+        except ray.exceptions.RayActorError:
+            return
+        except ray.exceptions.GetTimeoutError:
+            break
+        time.sleep(0.05)
+    raise CheckpointError(f"the node uploader said it was exiting but was still up after {_EXIT_WAIT_S:.0f}s; "
+                          "check it with 'ray-goodput status'")
 
 
 def uploader_status(timeout_s: float = 10.0) -> list[dict[str, Any]]:
