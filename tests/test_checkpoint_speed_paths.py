@@ -1229,34 +1229,39 @@ def test_an_uploader_no_worker_registered_with_yet_stays_up_longer_than_one_whos
     assert uploader._idle_grace_s() == _uploader._GRACE_AFTER_CLOSE_S
 
 
-def _exit_in_a_second(uploader) -> None:
-    """Run in an uploader (``__ray_call__``): what its watchdog does when it finds it idle
-    with no live client, with the kill a second later (the window a registration can hit)."""
+def _decide_to_exit(uploader) -> None:
+    """Run in an uploader (``__ray_call__``): what its watchdog decides when it finds it idle
+    with no live client, just before it kills itself."""
     with uploader._lock:
         uploader._exiting = True
-    me = ray.get_runtime_context().current_actor
-    threading.Timer(1.0, lambda: ray.kill(me, no_restart=True)).start()
 
 
 def test_a_worker_registering_with_an_uploader_that_is_exiting_idle_gets_a_new_one(ray_local, tmp_path):
     # The uploader decided to exit (idle, no live client) just as a worker came: before,
     # the registration was taken, the uploader died a moment later, and the worker's
     # save went to a dead actor (found in review).
-    from ray_goodput.checkpoint._uploader import KIND, _actor_class
+    from ray_goodput.checkpoint._uploader import KIND, UploaderExitingError, _actor_class
     from ray_goodput.runtime import _services
 
     node = _services.current_node_id()
     old = _services.get_or_create(_actor_class(), KIND, node, node_id=node, max_concurrency=64)
-    ray.get(old.__ray_call__.remote(_exit_in_a_second), timeout=60)
+    ray.get(old.__ray_call__.remote(_decide_to_exit), timeout=60)
     model = torch.nn.Linear(16, 16)
     with Checkpointer(str(tmp_path / "root"), staging_dir=str(tmp_path / "s"), uploader="actor") as ckpt:
-        used = ckpt._uploader._get()  # noqa: SLF001 - the uploader this worker registered with
-        assert used._actor_id != old._actor_id
+        backend = ckpt._uploader  # noqa: SLF001 - the registration it sent when it was made
+        with pytest.raises(UploaderExitingError):
+            ray.get(backend._registered, timeout=60)
+        # The worker waits until that uploader is gone, then registers with a new one.
+        got = []
+        waiter = threading.Thread(target=lambda: got.append(backend._get()))
+        waiter.start()
+        ray.kill(old, no_restart=True)  # what the exiting uploader does next
+        waiter.join(60)
+        assert got and got[0]._actor_id != old._actor_id
         ckpt.save(1, {"model": model})
         ckpt.wait()
         assert ckpt.stats.committed == [1]
-    with pytest.raises(ray.exceptions.RayActorError):
-        ray.get(old.busy.remote(), timeout=30)
+    _services.shutdown(KIND, drain_timeout_s=10)  # the next test starts without an uploader
 
 
 def test_node_services_start_the_uploader_and_jobs_carry_their_settings(ray_local, tmp_path):

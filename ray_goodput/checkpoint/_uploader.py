@@ -225,7 +225,14 @@ class CheckpointUploader:
                         continue
                     self._exiting = True
                 logger.info("uploader on node %s: idle with no live client; exiting", self.node_id)
-                ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
+                try:
+                    ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
+                except Exception:  # noqa: BLE001 - keep serving rather than refuse every worker
+                    logger.warning("uploader on node %s could not exit; serving on", self.node_id, exc_info=True)
+                    with self._lock:
+                        self._exiting = False
+                    self._idle_since = time.monotonic()
+                    continue
                 return
 
     def drain_and_exit(self, timeout_s: float) -> None:
