@@ -1240,6 +1240,7 @@ def test_a_worker_registering_with_an_uploader_that_is_exiting_idle_gets_a_new_o
     # The uploader decided to exit (idle, no live client) just as a worker came: before,
     # the registration was taken, the uploader died a moment later, and the worker's
     # save went to a dead actor (found in review).
+    from ray_goodput.checkpoint._channel import ChannelClient
     from ray_goodput.checkpoint._uploader import KIND, UploaderExitingError, _actor_class
     from ray_goodput.runtime import _services
 
@@ -1248,9 +1249,12 @@ def test_a_worker_registering_with_an_uploader_that_is_exiting_idle_gets_a_new_o
     ray.get(old.__ray_call__.remote(_decide_to_exit), timeout=60)
     model = torch.nn.Linear(16, 16)
     with Checkpointer(str(tmp_path / "root"), staging_dir=str(tmp_path / "s"), uploader="actor") as ckpt:
-        backend = ckpt._uploader  # noqa: SLF001 - the registration it sent when it was made
+        backend = ckpt._uploader  # noqa: SLF001 - it asked for the socket when it was made
+        # Both ways in are refused: the hello on its socket and a registration by actor call.
         with pytest.raises(UploaderExitingError):
-            ray.get(backend._registered, timeout=60)
+            ChannelClient(ray.get(backend._endpoint, timeout=60), os.getpid(), None, 30)
+        with pytest.raises(UploaderExitingError):
+            ray.get(old.register.remote(os.getpid(), None, "other"), timeout=60)
         # The worker waits until that uploader is gone, then registers with a new one.
         got = []
         waiter = threading.Thread(target=lambda: got.append(backend._get()))
@@ -1262,6 +1266,57 @@ def test_a_worker_registering_with_an_uploader_that_is_exiting_idle_gets_a_new_o
         ckpt.wait()
         assert ckpt.stats.committed == [1]
     _services.shutdown(KIND, drain_timeout_s=10)  # the next test starts without an uploader
+
+
+def _clients_of_this_nodes_uploader() -> int:
+    from ray_goodput.checkpoint._uploader import KIND
+    from ray_goodput.runtime import _services
+
+    return ray.get(_services.find(KIND)[_services.current_node_id()].stats.remote(), timeout=30)["clients"]
+
+
+def _two_checkpointers_share_the_uploader_and_close_apart(tmp_path) -> list[tuple[bool, bool]]:
+    """Two Checkpointers of one process save; closing one leaves the other a client."""
+    model = torch.nn.Linear(16, 16)
+    first = Checkpointer(str(tmp_path / "a"), staging_dir=str(tmp_path / "sa"), uploader="actor")
+    with Checkpointer(str(tmp_path / "b"), staging_dir=str(tmp_path / "sb"), uploader="actor") as second:
+        first.save(1, {"model": model})
+        second.save(1, {"model": model})
+        first.wait()
+        assert _clients_of_this_nodes_uploader() == 2
+        # How each handed over: (over the socket, registered by actor call).
+        ways = [(b._channel is not None, b._registered) for b in (first._uploader, second._uploader)]  # noqa: SLF001
+        first.close()
+        wait_for(lambda: _clients_of_this_nodes_uploader() == 1, timeout_s=30,
+                 what="the uploader counting the one Checkpointer left")
+        time.sleep(3)  # past the uploader's grace after a clean close: it must still serve
+        second.save(2, {"model": model})
+        second.wait()
+        assert second.stats.committed == [1, 2]
+    return ways
+
+
+def test_two_checkpointers_of_one_process_are_two_clients_of_the_node_uploader(ray_local, tmp_path):
+    # Before, clients were counted by pid: closing one of two Checkpointers of a process
+    # unregistered both, and the uploader could exit under the other (found in review).
+    from ray_goodput.checkpoint._uploader import KIND
+    from ray_goodput.runtime import _services
+
+    assert _two_checkpointers_share_the_uploader_and_close_apart(tmp_path) == [(True, False)] * 2
+    _services.shutdown(KIND, drain_timeout_s=10)
+
+
+def test_a_worker_that_cannot_reach_the_uploaders_socket_hands_jobs_over_by_actor_calls(ray_local, tmp_path):
+    # The socket file is gone (a temp-dir cleaner, or a worker in another mount namespace):
+    # the hand-off falls back to actor calls, one registration per Checkpointer.
+    from ray_goodput.checkpoint._uploader import KIND, _actor_class
+    from ray_goodput.runtime import _services
+
+    node = _services.current_node_id()
+    uploader = _services.get_or_create(_actor_class(), KIND, node, node_id=node, max_concurrency=64)
+    os.unlink(ray.get(uploader.endpoint.remote(None), timeout=60))
+    assert _two_checkpointers_share_the_uploader_and_close_apart(tmp_path) == [(False, True)] * 2
+    _services.shutdown(KIND, drain_timeout_s=10)
 
 
 def test_node_services_start_the_uploader_and_jobs_carry_their_settings(ray_local, tmp_path):

@@ -5,6 +5,7 @@ upload that the uploader's wait gives up on, and no uploader left behind after a
 from __future__ import annotations
 
 import os
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -44,14 +45,10 @@ class Worker:
         return self.ckpt.stats.last_block_seconds
 
     def save_and_die(self, step: int) -> None:
-        from ray_goodput.checkpoint._catalog import step_location
-        from ray_goodput.checkpoint._manifest import read_manifest
         from ray_goodput.testing import kill_self
 
         self.ckpt.save(step, self.state)
-        if read_manifest(step_location(self.ckpt.root, step)) is not None:
-            raise AssertionError("committed before the kill: the test would prove nothing")
-        kill_self()
+        kill_self()  # at once: nothing of the job may have reached the uploader's thread yet
 
     def wait(self) -> list[int]:
         self.ckpt.wait()
@@ -117,12 +114,37 @@ def test_the_trainer_creates_each_workers_uploader_on_the_workers_node_in_their_
         assert got == mark
 
 
-def test_worker_killed_right_after_save_still_commits(ray_cluster, s3_server):
+def _hold_jobs(uploader, until: str) -> None:
+    """Run in the uploader (``__ray_call__``): hold the lock it takes to accept a job until
+    the file ``until`` exists (two minutes at most)."""
+    held = threading.Event()
+
+    def hold() -> None:
+        with uploader._lock:  # noqa: SLF001 - what accepting a job waits on
+            held.set()
+            wait_for(lambda: os.path.exists(until), timeout_s=120, what=until, interval_s=0.02)
+
+    threading.Thread(target=hold, daemon=True).start()
+    if not held.wait(60):
+        raise TimeoutError("the uploader's lock was not taken within 60 s")
+
+
+def test_worker_killed_right_after_save_still_commits(ray_cluster, s3_server, tmp_path):
+    # save() returns once the job's frame is written to the uploader's socket, without
+    # waiting for the uploader to accept it. Here the uploader cannot accept it (its lock
+    # is held) until the worker, SIGKILLed the moment save() returned, is dead.
     uri = s3_server.bucket_uri("killed-worker")
     node = _other_node(ray_cluster)
     worker = _on(node).remote(uri, seed=1)
-    with pytest.raises(ray.exceptions.RayActorError):
-        ray.get(worker.save_and_die.remote(5))
+    ray.get(worker.save.remote(4))  # the worker is connected to its node's uploader
+    assert ray.get(worker.wait.remote()) == [4]
+    uploader = _services.find(KIND)[node]
+    opened = tmp_path / "open"
+    ray.get(uploader.__ray_call__.remote(_hold_jobs, str(opened)), timeout=60)
+    with pytest.raises(ray.exceptions.RayActorError):  # not GetTimeoutError: save() did not wait
+        ray.get(worker.save_and_die.remote(5), timeout=30)
+    assert not any(i.step == 5 for i in list_checkpoints(uri))
+    opened.touch()
     _wait_committed(uri, 5)
     # The uploader is on the worker's node and shows in the state API (the dashboard's source).
     from ray.util.state import list_actors

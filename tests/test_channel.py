@@ -1,0 +1,141 @@
+"""The worker-to-uploader socket (``checkpoint/_channel.py``) between real processes and
+threads, with stand-in handlers for the uploader's side (its real use is in
+test_uploader_faults and test_checkpoint_speed_paths)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+from concurrent.futures import Future
+
+import pytest
+
+from ray_goodput.checkpoint._backends import Handoff
+from ray_goodput.checkpoint._channel import (ChannelClient, ChannelServer, UploaderExitingError,
+                                             UploaderGoneError)
+from ray_goodput.errors import CheckpointError
+from ray_goodput.testing import wait_for
+
+
+class _Uploader:
+    """Stand-in handlers: records requests, answers a submit per ``answer``."""
+
+    def __init__(self, *, welcome: bool = True) -> None:
+        self.welcome = welcome
+        self.requests: list[tuple] = []
+        self.closed: list[bool] = []  # said_bye of each closed connection
+        self.peers: list = []
+        self.gate = threading.Event()
+        self.gate.set()
+        self.server = ChannelServer(self.hello, self.request, self.close)
+
+    def hello(self, peer, pid: int, root: bytes | None) -> bool:
+        self.peers.append(peer)
+        return self.welcome
+
+    def request(self, peer, body: tuple):
+        if not self.gate.wait(60):
+            raise TimeoutError("the test never opened the gate")
+        self.requests.append(body)
+        if body[0] == "submit" and body[1] == "refuse":
+            raise CheckpointError("the uploader refused this job")
+        return body[1] == "waiting" if body[0] == "cancel" else None
+
+    def close(self, peer) -> None:
+        self.closed.append(peer.said_bye)
+
+
+def _handoff(key: str) -> Handoff:
+    return Handoff(released=Future(), durable=Future(), key=key)
+
+
+@pytest.fixture
+def uploader():
+    up = _Uploader()
+    yield up
+    up.server.close()
+
+
+def test_a_job_gets_its_release_and_result_pushed_back_and_a_clean_close_says_bye(uploader):
+    client = ChannelClient(uploader.server.path, os.getpid(), b"root", 10)
+    handoff = _handoff("job-1")
+    client.submit("job-1", b"root", handoff)
+    wait_for(lambda: uploader.requests == [("submit", "job-1", b"root")], timeout_s=10, what="the submit")
+    peer = uploader.peers[0]
+    peer.send(("released", "job-1"))
+    assert handoff.released.result(timeout=10) is None and not handoff.durable.done()
+    peer.send(("done", "job-1", {"state": "committed"}, None))
+    assert handoff.durable.result(timeout=10) == {"state": "committed"}
+    assert client.request(("cancel", "waiting"), 10) is True
+    client.close()
+    wait_for(lambda: uploader.closed == [True], timeout_s=10, what="the uploader seeing a clean close")
+
+
+def test_a_refused_job_fails_its_save_and_frees_its_arena(uploader):
+    client = ChannelClient(uploader.server.path, os.getpid(), None, 10)
+    handoff = _handoff("refuse")
+    client.submit("refuse", None, handoff)  # returns before the answer
+    with pytest.raises(CheckpointError, match="refused this job"):
+        handoff.durable.result(timeout=10)
+    assert handoff.released.done()
+    client.close()
+
+
+def test_the_uploaders_end_closing_fails_what_is_pending_and_every_later_send(uploader):
+    client = ChannelClient(uploader.server.path, os.getpid(), None, 10)
+    handoff = _handoff("job-1")
+    client.submit("job-1", None, handoff)
+    wait_for(lambda: uploader.requests, timeout_s=10, what="the submit")
+    uploader.peers[0].sock.shutdown(socket.SHUT_RDWR)  # as the uploader process dying closes it
+    with pytest.raises(UploaderGoneError):
+        handoff.durable.result(timeout=10)
+    assert handoff.released.done()  # its mapping died with it
+    wait_for(lambda: not client.alive, timeout_s=10, what="the client seeing the close")
+    with pytest.raises(UploaderGoneError):
+        client.submit("job-2", None, _handoff("job-2"))
+    client.close()
+
+
+def test_a_closed_server_stops_accepting_and_leaves_no_socket_file(uploader):
+    uploader.server.close()
+    assert not os.path.exists(uploader.server.path)
+    with pytest.raises(OSError):
+        ChannelClient(uploader.server.path, os.getpid(), None, 10)
+
+
+def test_an_exiting_uploader_refuses_the_hello():
+    up = _Uploader(welcome=False)
+    try:
+        with pytest.raises(UploaderExitingError):
+            ChannelClient(up.server.path, os.getpid(), None, 10)
+    finally:
+        up.server.close()
+
+
+_SUBMIT_AND_DIE = """
+import os, signal, sys
+from concurrent.futures import Future
+from ray_goodput.checkpoint._backends import Handoff
+from ray_goodput.checkpoint._channel import ChannelClient
+client = ChannelClient(sys.argv[1], os.getpid(), None, 10)
+for key in ("first", "second"):
+    client.submit(key, None, Handoff(released=Future(), durable=Future(), key=key))
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_job_written_before_its_worker_was_killed_is_still_read(uploader):
+    # submit() returns once the frame is written; the uploader is still busy with the
+    # first job when the worker is SIGKILLed, so the second frame is read only after its
+    # writer is dead (the kernel keeps it in the socket's queue), and then the close.
+    uploader.gate.clear()
+    child = subprocess.run([sys.executable, "-c", _SUBMIT_AND_DIE, uploader.server.path],
+                           timeout=120, capture_output=True, text=True)
+    assert child.returncode == -9, child.stderr
+    assert uploader.requests == [] and uploader.closed == []
+    uploader.gate.set()
+    wait_for(lambda: uploader.closed == [False], timeout_s=10, what="the dead worker's close")
+    assert [r[1] for r in uploader.requests] == ["first", "second"]
