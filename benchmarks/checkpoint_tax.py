@@ -366,7 +366,7 @@ def m_copy_floor(b: _Bench, i: int) -> None:
     pinned = None
     if b.pinned is not None:
         pinned = _timed(b, lambda: _copy_into(b.pinned, b.tensors, non_blocking=True))
-    del copies
+    copies.clear()
     b.record("copy_floor", b.allmax(fresh), None)
     b.record("copy_warm", b.allmax(warm), None)
     if pinned is not None:

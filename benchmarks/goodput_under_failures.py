@@ -59,12 +59,10 @@ def _step(model, optim, ids, compute_s: float) -> None:
 
 def plain_loop(cfg: dict) -> None:
     import ray.train
-    from ray.train import Checkpoint, CheckpointUploadMode
     from ray.train.torch import prepare_model
 
     from ray_goodput.data import DataLoader, FileDataset
-    from ray_goodput.goodput import get_recorder, record_step
-    from ray_goodput.testing import FailAt
+    from ray_goodput.goodput import get_recorder
 
     rank = ray.train.get_context().get_world_rank()
     model = prepare_model(_model())
@@ -424,7 +422,6 @@ def _plan_every(cfg: dict, step_times: list[float], save_s: float) -> dict:
 
 
 def s3_loop(cfg: dict) -> None:
-    import ray.train
     import torch.distributed as dist
 
     from ray_goodput.goodput import get_recorder, record_step
