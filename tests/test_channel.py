@@ -30,9 +30,9 @@ class _Uploader:
         self.peers: list = []
         self.gate = threading.Event()
         self.gate.set()
-        self.server = ChannelServer(self.hello, self.request, self.close)
+        self.server = ChannelServer("node", self.hello, self.request, self.close)
 
-    def hello(self, peer, pid: int, root: bytes | None) -> bool:
+    def hello(self, peer, pid: int, root: bytes | None, token: str) -> bool:
         self.peers.append(peer)
         return self.welcome
 
@@ -60,7 +60,7 @@ def uploader():
 
 
 def test_a_job_gets_its_release_and_result_pushed_back_and_a_clean_close_says_bye(uploader):
-    client = ChannelClient(uploader.server.path, os.getpid(), b"root", 10)
+    client = ChannelClient(uploader.server.path, (os.getpid(), b"root", "t"), 10)
     handoff = _handoff("job-1")
     client.submit("job-1", b"root", handoff)
     wait_for(lambda: uploader.requests == [("submit", "job-1", b"root")], timeout_s=10, what="the submit")
@@ -75,7 +75,7 @@ def test_a_job_gets_its_release_and_result_pushed_back_and_a_clean_close_says_by
 
 
 def test_a_refused_job_fails_its_save_and_frees_its_arena(uploader):
-    client = ChannelClient(uploader.server.path, os.getpid(), None, 10)
+    client = ChannelClient(uploader.server.path, (os.getpid(), None, "t"), 10)
     handoff = _handoff("refuse")
     client.submit("refuse", None, handoff)  # returns before the answer
     with pytest.raises(CheckpointError, match="refused this job"):
@@ -84,8 +84,39 @@ def test_a_refused_job_fails_its_save_and_frees_its_arena(uploader):
     client.close()
 
 
+def test_a_clean_close_returns_only_once_every_job_sent_before_it_was_handled(uploader):
+    # The worker unlinks its arenas right after: a job still unread then would find its
+    # arena gone (found in review).
+    uploader.gate.clear()
+    client = ChannelClient(uploader.server.path, (os.getpid(), None, "t"), 10)
+    client.submit("job-1", None, _handoff("job-1"))
+    closer = threading.Thread(target=client.close)
+    closer.start()
+    closer.join(0.5)
+    assert closer.is_alive() and uploader.requests == []
+    uploader.gate.set()
+    closer.join(30)
+    assert not closer.is_alive() and uploader.requests == [("submit", "job-1", None)]
+    assert uploader.closed == [True]
+
+
+def test_a_connection_broken_while_the_uploader_lives_does_not_free_its_jobs_arenas(uploader):
+    # The uploader may still be writing from a job's arena: reusing it would tear that
+    # checkpoint (found in review). The jobs go to on_lost, which asks the uploader.
+    lost: list = []
+    client = ChannelClient(uploader.server.path, (os.getpid(), None, "t"), 10, on_lost=lost.extend)
+    handoff = _handoff("job-1")
+    client.submit("job-1", None, handoff)
+    wait_for(lambda: uploader.requests, timeout_s=10, what="the submit")
+    uploader.peers[0].sock.shutdown(socket.SHUT_RDWR)  # a send past its bound shuts it so
+    with pytest.raises(UploaderGoneError):
+        handoff.durable.result(timeout=10)
+    assert lost == [handoff] and not handoff.released.done()
+    client.close()
+
+
 def test_the_uploaders_end_closing_fails_what_is_pending_and_every_later_send(uploader):
-    client = ChannelClient(uploader.server.path, os.getpid(), None, 10)
+    client = ChannelClient(uploader.server.path, (os.getpid(), None, "t"), 10)
     handoff = _handoff("job-1")
     client.submit("job-1", None, handoff)
     wait_for(lambda: uploader.requests, timeout_s=10, what="the submit")
@@ -103,14 +134,14 @@ def test_a_closed_server_stops_accepting_and_leaves_no_socket_file(uploader):
     uploader.server.close()
     assert not os.path.exists(uploader.server.path)
     with pytest.raises(OSError):
-        ChannelClient(uploader.server.path, os.getpid(), None, 10)
+        ChannelClient(uploader.server.path, (os.getpid(), None, "t"), 10)
 
 
 def test_an_exiting_uploader_refuses_the_hello():
     up = _Uploader(welcome=False)
     try:
         with pytest.raises(UploaderExitingError):
-            ChannelClient(up.server.path, os.getpid(), None, 10)
+            ChannelClient(up.server.path, (os.getpid(), None, "t"), 10)
     finally:
         up.server.close()
 
@@ -120,7 +151,7 @@ import os, signal, sys
 from concurrent.futures import Future
 from ray_goodput.checkpoint._backends import Handoff
 from ray_goodput.checkpoint._channel import ChannelClient
-client = ChannelClient(sys.argv[1], os.getpid(), None, 10)
+client = ChannelClient(sys.argv[1], (os.getpid(), None, "t"), 10)
 for key in ("first", "second"):
     client.submit(key, None, Handoff(released=Future(), durable=Future(), key=key))
 os.kill(os.getpid(), signal.SIGKILL)

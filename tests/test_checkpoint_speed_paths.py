@@ -1252,9 +1252,10 @@ def test_a_worker_registering_with_an_uploader_that_is_exiting_idle_gets_a_new_o
         backend = ckpt._uploader  # noqa: SLF001 - it asked for the socket when it was made
         # Both ways in are refused: the hello on its socket and a registration by actor call.
         with pytest.raises(UploaderExitingError):
-            ChannelClient(ray.get(backend._endpoint, timeout=60), os.getpid(), None, 30)
+            ray.get(backend._endpoint, timeout=60)
+        path = ray.get(old.__ray_call__.remote(lambda up: up._channel.path), timeout=60)
         with pytest.raises(UploaderExitingError):
-            ray.get(old.register.remote(os.getpid(), None, "other"), timeout=60)
+            ChannelClient(path, (os.getpid(), None, "other"), 30)
         # The worker waits until that uploader is gone, then registers with a new one.
         got = []
         waiter = threading.Thread(target=lambda: got.append(backend._get()))
@@ -1284,8 +1285,9 @@ def _two_checkpointers_share_the_uploader_and_close_apart(tmp_path) -> list[tupl
         second.save(1, {"model": model})
         first.wait()
         assert _clients_of_this_nodes_uploader() == 2
-        # How each handed over: (over the socket, registered by actor call).
-        ways = [(b._channel is not None, b._registered) for b in (first._uploader, second._uploader)]  # noqa: SLF001
+        # How each handed over: (over the socket, by actor calls).
+        ways = [(b._channel is not None, b._by_actor) for b in (first._uploader, second._uploader)]  # noqa: SLF001
+        actor = second._uploader._actor._actor_id  # noqa: SLF001
         first.close()
         wait_for(lambda: _clients_of_this_nodes_uploader() == 1, timeout_s=30,
                  what="the uploader counting the one Checkpointer left")
@@ -1293,6 +1295,7 @@ def _two_checkpointers_share_the_uploader_and_close_apart(tmp_path) -> list[tupl
         second.save(2, {"model": model})
         second.wait()
         assert second.stats.committed == [1, 2]
+        assert second._uploader._actor._actor_id == actor  # noqa: SLF001 - the same uploader served on
     return ways
 
 
@@ -1314,7 +1317,8 @@ def test_a_worker_that_cannot_reach_the_uploaders_socket_hands_jobs_over_by_acto
 
     node = _services.current_node_id()
     uploader = _services.get_or_create(_actor_class(), KIND, node, node_id=node, max_concurrency=64)
-    os.unlink(ray.get(uploader.endpoint.remote(None), timeout=60))
+    os.unlink(ray.get(uploader.endpoint.remote(os.getpid(), None, "probe"), timeout=60))
+    ray.get(uploader.unregister.remote(os.getpid(), "probe"), timeout=60)
     assert _two_checkpointers_share_the_uploader_and_close_apart(tmp_path) == [(False, True)] * 2
     _services.shutdown(KIND, drain_timeout_s=10)
 
@@ -1338,8 +1342,8 @@ def test_node_services_start_the_uploader_and_jobs_carry_their_settings(ray_loca
                  timeout_s=30, what="the uploader resolving the storage location at registration")
         # A location it cannot resolve then is not an error of the registration (found in
         # review: it was kept, and failed every later save's hand-off).
-        assert ray.get(uploader.register.remote(os.getpid(), b"\x80not a pickle"), timeout=30) \
-            == _services.current_node_id()
+        assert ray.get(uploader.endpoint.remote(os.getpid(), b"\x80not a pickle", "probe"), timeout=30)
+        ray.get(uploader.unregister.remote(os.getpid(), "probe"), timeout=30)
         ckpt.save(1, {"model": model})
         ckpt.save(2, {"model": model})
         ckpt.wait()

@@ -5,7 +5,9 @@ upload that the uploader's wait gives up on, and no uploader left behind after a
 from __future__ import annotations
 
 import os
+import socket
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -48,11 +50,14 @@ class Worker:
         from ray_goodput.testing import kill_self
 
         self.ckpt.save(step, self.state)
-        kill_self()  # at once: nothing of the job may have reached the uploader's thread yet
+        kill_self()  # at once: the uploader may not have read the job yet
 
     def wait(self) -> list[int]:
         self.ckpt.wait()
         return self.ckpt.stats.committed
+
+    def released(self, step: int) -> bool:
+        return self.ckpt._pending[step].handoff.released.done()  # noqa: SLF001 - its arena may be reused
 
     def key(self, step: int) -> str:
         return self.ckpt._pending[step].handoff.key  # noqa: SLF001 - the job's name in the uploader
@@ -72,6 +77,16 @@ def _on(node_id: str):
 def _other_node(ray_cluster) -> str:
     """A worker node: not the head, where the driver runs."""
     return ray_cluster.worker_ids[0]
+
+
+def _worker_with_a_commit(ray_cluster, uri: str, seed: int, step: int = 1):
+    """A worker on a worker node that saved and committed ``step``: it is connected to its
+    node's uploader. Returns (node, worker, uploader)."""
+    node = _other_node(ray_cluster)
+    worker = _on(node).remote(uri, seed=seed)
+    ray.get(worker.save.remote(step))
+    assert ray.get(worker.wait.remote()) == [step]
+    return node, worker, _services.find(KIND)[node]
 
 
 def _wait_committed(uri: str, step: int, timeout: float = 120) -> None:
@@ -134,11 +149,7 @@ def test_worker_killed_right_after_save_still_commits(ray_cluster, s3_server, tm
     # waiting for the uploader to accept it. Here the uploader cannot accept it (its lock
     # is held) until the worker, SIGKILLed the moment save() returned, is dead.
     uri = s3_server.bucket_uri("killed-worker")
-    node = _other_node(ray_cluster)
-    worker = _on(node).remote(uri, seed=1)
-    ray.get(worker.save.remote(4))  # the worker is connected to its node's uploader
-    assert ray.get(worker.wait.remote()) == [4]
-    uploader = _services.find(KIND)[node]
+    node, worker, uploader = _worker_with_a_commit(ray_cluster, uri, 1, step=4)
     opened = tmp_path / "open"
     ray.get(uploader.__ray_call__.remote(_hold_jobs, str(opened)), timeout=60)
     with pytest.raises(ray.exceptions.RayActorError):  # not GetTimeoutError: save() did not wait
@@ -159,13 +170,39 @@ def test_worker_killed_right_after_save_still_commits(ray_cluster, s3_server, tm
     ray.get(reader.close.remote())
 
 
+def _cut_connections(uploader) -> None:
+    """Run in the uploader (``__ray_call__``): break every worker's connection from its end,
+    as a send stuck past its bound does."""
+    for peer in list(uploader._peers):  # noqa: SLF001
+        peer.sock.shutdown(socket.SHUT_RDWR)
+
+
+def test_a_connection_broken_while_the_uploader_lives_keeps_the_arena_until_the_job_lets_go(
+        ray_cluster, s3_server, tmp_path):
+    # Before, a broken connection freed the arenas of the jobs sent on it, and the next save
+    # could overwrite an arena the uploader was still writing a checkpoint from (found in
+    # review). Now the worker asks the actor, which answers once the job let go of it.
+    uri = s3_server.bucket_uri("cut")
+    node, worker, uploader = _worker_with_a_commit(ray_cluster, uri, 7)
+    opened = tmp_path / "open"
+    ray.get(uploader.__ray_call__.remote(_hold_jobs, str(opened)), timeout=60)
+    ray.get(worker.save.remote(2), timeout=60)
+    ray.get(uploader.__ray_call__.remote(_cut_connections), timeout=60)
+    time.sleep(1.0)
+    assert not ray.get(worker.released.remote(2), timeout=60)  # the uploader holds it still
+    opened.touch()
+    wait_for(lambda: ray.get(worker.released.remote(2), timeout=60), timeout_s=60,
+             what="step 2's arena released by the uploader", interval_s=0.1)
+    with pytest.raises(CheckpointError):  # its outcome was lost with the connection
+        ray.get(worker.wait.remote())
+    ray.get(worker.save.remote(3))  # a new connection takes it
+    assert 3 in ray.get(worker.wait.remote())
+    ray.get(worker.close.remote())
+
+
 def test_uploader_killed_mid_upload(ray_cluster, s3_server):
     uri = s3_server.bucket_uri("killed-uploader")
-    node = _other_node(ray_cluster)
-    worker = _on(node).remote(uri, seed=3)
-    ray.get(worker.save.remote(1))
-    assert ray.get(worker.wait.remote()) == [1]
-    uploader = _services.find(KIND)[node]
+    node, worker, uploader = _worker_with_a_commit(ray_cluster, uri, 3)
     ray.get(worker.save.remote(2))
     wait_for(lambda: ray.get(uploader.stats.remote())["queue"] > 0, timeout_s=30,
              what="step 2 in the uploader's queue", interval_s=0.01)

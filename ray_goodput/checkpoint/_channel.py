@@ -8,6 +8,14 @@ ranks busy (several processes and threads between the caller and the method), ag
 once ``send`` returns, the frame is in the uploader's receive queue, where the kernel keeps
 it when the worker dies (the uploader reads it before it sees the close). The uploader's
 reply (accepted, or refused with an error) comes back later, like the job's other events.
+A clean close waits for the reply to its "bye": requests are served in order, so by then
+every job sent before it has mapped its arena, and the worker may unlink its arenas.
+
+A job's arena is free once the uploader says so, or once the uploader is gone. A connection
+that breaks while the uploader lives (a send stuck past its bound, a frame it could not
+read) does not free it: the uploader may still be writing from it. The worker then asks
+the actor (``on_lost``), which answers once that connection's frames are all handled and
+the job let go of its arena.
 
 The uploader listens on a socket in a directory only its user can enter (the frames are
 pickles: whoever can connect can run code as that user). A worker finds its path with one
@@ -16,7 +24,7 @@ the uploader counts connections as clients, and one that closes without ``bye`` 
 worker that died. Jobs go as requests that get a reply; each job's "released" and "done"
 come back on the same connection when they happen, so no actor thread waits on a job.
 
-A frame is a 4-byte big-endian length and a pickle. Both ends run this library, on one
+A frame is an 8-byte big-endian length and a pickle. Both ends run this library, on one
 node, as one user.
 """
 
@@ -33,7 +41,7 @@ import struct
 import tempfile
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from pathlib import Path
 from typing import Any
 
@@ -43,8 +51,7 @@ from ray_goodput.runtime import pid_alive
 
 logger = logging.getLogger(__name__)
 
-_LENGTH = struct.Struct("!I")
-_MAX_FRAME = 1 << 30  # a job is tens of KB (slots, leaves, RNG state); more is a broken peer
+_LENGTH = struct.Struct("!Q")  # a job is KBs (slots, leaves, RNG state) plus its pickled plain values
 # Bound on one frame's send when the other end stopped reading (a full socket buffer).
 _SEND_TIMEOUT_S = 60
 
@@ -70,18 +77,19 @@ class UploaderExitingError(CheckpointError):
 def _send(sock: socket.socket, lock: threading.Lock, message: tuple[Any, ...]) -> None:
     blob = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
     with lock:
-        sock.sendall(_LENGTH.pack(len(blob)) + blob)
+        sock.sendall(_LENGTH.pack(len(blob)))
+        sock.sendall(blob)
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
-    parts, left = [], n
-    while left:
-        chunk = sock.recv(left)
-        if not chunk:
+def _recv_exact(sock: socket.socket, n: int) -> bytearray | None:
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        count = sock.recv_into(view[got:])
+        if not count:
             return None
-        parts.append(chunk)
-        left -= len(chunk)
-    return b"".join(parts)
+        got += count
+    return buf
 
 
 def _recv(sock: socket.socket) -> tuple[Any, ...] | None:
@@ -89,10 +97,7 @@ def _recv(sock: socket.socket) -> tuple[Any, ...] | None:
     head = _recv_exact(sock, _LENGTH.size)
     if head is None:
         return None
-    (size,) = _LENGTH.unpack(head)
-    if size > _MAX_FRAME:
-        raise CheckpointError(f"a {size}-byte frame on the uploader channel: the peer is not a ray_goodput channel")
-    body = _recv_exact(sock, size)
+    body = _recv_exact(sock, _LENGTH.unpack(head)[0])
     return None if body is None else pickle.loads(body)  # noqa: S301 - our own user's process
 
 
@@ -105,17 +110,18 @@ def portable_error(exc: BaseException) -> BaseException:
         return CheckpointError(f"{type(exc).__name__}: {exc}")
 
 
-def socket_dir() -> Path:
-    """A directory of this machine's temp dir that only this user can enter."""
+def socket_dir() -> tuple[Path, bool]:
+    """A directory of this machine's temp dir that only this user can enter, and whether
+    it is a private one made for this caller alone (to remove when done)."""
     base = Path(tempfile.gettempdir()) / f"ray_goodput-{os.getuid()}"
     try:
         base.mkdir(mode=0o700, exist_ok=True)
         info = base.lstat()
         if stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid() and not info.st_mode & 0o077:
-            return base
+            return base, False
     except OSError:
         pass
-    return Path(tempfile.mkdtemp(prefix="rg-"))  # someone else's or unusable: a private one
+    return Path(tempfile.mkdtemp(prefix="rg-")), True  # someone else's or unusable
 
 
 # ---- the uploader's end ---------------------------------------------------------------
@@ -128,6 +134,8 @@ class Peer:
         self.sock = sock
         self.lock = threading.Lock()
         self.said_bye = False
+        self.token = ""  # the worker's, from its hello
+        self.ended = threading.Event()  # set once its last frame is handled
 
     def send(self, message: tuple[Any, ...]) -> None:
         """Send, dropping the message when the worker is gone (its jobs go on). A send
@@ -137,23 +145,28 @@ class Peer:
         except OSError as exc:
             logger.debug("a worker's uploader connection failed before %s reached it: %s", message[0], exc)
             _shut(self.sock)
+        except Exception:  # noqa: BLE001 - a message that does not pickle: the worker must still hear
+            logger.exception("uploader channel: could not send %s", message[0])
+            _shut(self.sock)
 
 
 class ChannelServer:
-    """Listens for workers; runs ``on_hello(peer, pid, root)`` (False: refuse, the uploader
-    is exiting), then ``on_request(peer, message)`` per request (its return value is the
-    reply, a raise is sent back to be raised there) and ``on_close(peer)`` at the end."""
+    """Listens for workers; runs ``on_hello(peer, pid, root, token)`` (False: refuse, the
+    uploader is exiting), then ``on_request(peer, message)`` per request (its return value
+    is the reply, a raise is sent back to be raised there) and ``on_close(peer)`` once the
+    connection's last frame is handled. ``name``: this node's, in the socket's file name."""
 
-    def __init__(self, on_hello: Callable[[Peer, int, bytes | None], bool],
+    def __init__(self, name: str, on_hello: Callable[[Peer, int, bytes | None, str], bool],
                  on_request: Callable[[Peer, tuple[Any, ...]], Any],
                  on_close: Callable[[Peer], None]) -> None:
         self._on_hello, self._on_request, self._on_close = on_hello, on_request, on_close
-        self.path = str(socket_dir() / f"up-{os.getpid()}.sock")
+        directory, self._private_dir = socket_dir()
+        self.path = str(directory / f"up-{name[:12]}-{os.getpid()}.sock")
         Path(self.path).unlink(missing_ok=True)  # a dead process's, with our pid reused
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._listener.bind(self.path)
         self._listener.listen(64)
-        sweep_stale_sockets(Path(self.path).parent)
+        sweep_stale_sockets(directory, name[:12])
         threading.Thread(target=self._accept, name="rg-channel-accept", daemon=True).start()
 
     def _accept(self) -> None:
@@ -162,8 +175,13 @@ class ChannelServer:
                 sock, _ = self._listener.accept()
             except OSError:
                 return  # closed
-            _bound_sends(sock, _SEND_TIMEOUT_S)
-            threading.Thread(target=self._serve, args=(Peer(sock),), name="rg-channel", daemon=True).start()
+            try:
+                sock.settimeout(None)  # reads wait for the next frame however long (not setdefaulttimeout)
+                _bound_sends(sock, _SEND_TIMEOUT_S)
+                threading.Thread(target=self._serve, args=(Peer(sock),), name="rg-channel", daemon=True).start()
+            except Exception:  # noqa: BLE001 - one connection's set-up must not end the accepting
+                logger.exception("uploader channel: could not set up a worker's connection")
+                sock.close()
 
     def _serve(self, peer: Peer) -> None:
         hello = None
@@ -171,23 +189,26 @@ class ChannelServer:
             hello = _recv(peer.sock)
             if hello is None or hello[0] != "hello":
                 return
-            accepted = self._on_hello(peer, hello[1], hello[2])
+            accepted = self._on_hello(peer, *hello[1:4])
             peer.send(("welcome",) if accepted else ("exiting",))
             if accepted:
                 self._serve_requests(peer)
-        except (OSError, CheckpointError, pickle.UnpicklingError, EOFError) as exc:
-            logger.warning("uploader channel: a worker's connection failed: %s", exc)
+        except (OSError, pickle.UnpicklingError, EOFError, ValueError) as exc:
+            # A killed worker's connection ends in ECONNRESET when it had unread events.
+            logger.debug("uploader channel: a worker's connection ended: %s", exc)
         finally:
             if hello is not None and hello[0] == "hello":
                 self._on_close(peer)
+            peer.ended.set()
             peer.sock.close()
 
     def _serve_requests(self, peer: Peer) -> None:
         while (message := _recv(peer.sock)) is not None:
-            if message[0] == "bye":
-                peer.said_bye = True
-                continue
             rid = message[1]
+            if message[2] == "bye":
+                peer.said_bye = True
+                peer.send(("reply", rid, True, None))
+                continue
             try:
                 peer.send(("reply", rid, True, self._on_request(peer, message[2:])))
             except Exception as exc:  # noqa: BLE001 - the worker raises it
@@ -197,13 +218,15 @@ class ChannelServer:
         Path(self.path).unlink(missing_ok=True)
         _shut(self._listener)  # wakes the accepting thread (a bare close does not, on Linux)
         self._listener.close()
+        if self._private_dir:
+            Path(self.path).parent.rmdir()
 
 
-def sweep_stale_sockets(directory: Path) -> None:
-    """Remove the sockets of uploaders that died without removing their own."""
-    for path in directory.glob("up-*.sock"):
+def sweep_stale_sockets(directory: Path, name: str) -> None:
+    """Remove the sockets of this node's uploaders that died without removing their own."""
+    for path in directory.glob(f"up-{name}-*.sock"):
         try:
-            pid = int(path.stem.split("-", 1)[1])
+            pid = int(path.stem.rsplit("-", 1)[1])
         except ValueError:
             continue
         if not pid_alive(pid):
@@ -217,10 +240,13 @@ class ChannelClient:
     """A worker's connection to its node uploader: send jobs, get their events.
 
     Raises UploaderExitingError when the uploader refuses the hello (it is exiting),
-    OSError when the socket cannot be reached; both within ``timeout_s``.
+    OSError when the socket cannot be reached; both within ``timeout_s``. ``on_lost``
+    gets the jobs whose arena was not released when the connection broke (see the module
+    docstring); without it they are released.
     """
 
-    def __init__(self, path: str, pid: int, root: bytes | None, timeout_s: float) -> None:
+    def __init__(self, path: str, hello: tuple[int, bytes | None, str], timeout_s: float,
+                 on_lost: Callable[[list[Handoff]], None] | None = None) -> None:
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._lock = threading.Lock()  # sends
         self._state_lock = threading.Lock()
@@ -228,10 +254,12 @@ class ChannelClient:
         self._jobs: dict[str, Handoff] = {}
         self._ids = itertools.count()
         self._closed = False
+        self._closing = False
+        self._on_lost = on_lost
         try:
             self._sock.settimeout(timeout_s)
             self._sock.connect(path)
-            _send(self._sock, self._lock, ("hello", pid, root))
+            _send(self._sock, self._lock, ("hello", *hello))
             answer = _recv(self._sock)
             self._sock.settimeout(None)
             _bound_sends(self._sock, max(1, int(timeout_s)))
@@ -256,6 +284,8 @@ class ChannelClient:
         ``handoff`` gets its acceptance (a refusal fails it), release and end. Raises
         UploaderGoneError when the uploader's end is closed or the send ran past its bound."""
         with self._state_lock:
+            if self._closed:
+                raise UploaderGoneError("the connection to the node uploader is closed")
             self._jobs[handoff.key] = handoff  # before the send: its events may come first
         try:
             reply = self._send_request(("submit", job, root))
@@ -267,13 +297,13 @@ class ChannelClient:
 
     def _refused(self, key: str, reply: Future[Any]) -> None:
         error = reply.exception()
-        if error is None:
+        if error is None or isinstance(error, UploaderGoneError):  # gone: _fail_all settles the job
             return
         with self._state_lock:
             handoff = self._jobs.pop(key, None)
-        if handoff is not None:
-            _settle(handoff.released, None, None)
-            _settle(handoff.durable, None, error)
+        if handoff is not None:  # never accepted: its arena was not mapped
+            settle(handoff.released, None, None)
+            settle(handoff.durable, None, error)
 
     def request(self, body: tuple[Any, ...], timeout_s: float) -> Any:
         """Send one request and return its reply within ``timeout_s`` (TimeoutError)."""
@@ -291,7 +321,11 @@ class ChannelClient:
             self._replies[rid] = reply
         try:
             _send(self._sock, self._lock, ("request", rid, *body))
-        except OSError as exc:
+        except BaseException as exc:
+            with self._state_lock:
+                self._replies.pop(rid, None)
+            if not isinstance(exc, OSError):
+                raise
             _shut(self._sock)  # a frame cut midway: the reader sees the end and fails the rest
             raise UploaderGoneError(f"could not send {body[0]!r} to the node uploader: {exc}") from exc
         return reply
@@ -300,7 +334,7 @@ class ChannelClient:
         try:
             while (message := _recv(self._sock)) is not None:
                 self._dispatch(message)
-        except (OSError, CheckpointError, pickle.UnpicklingError, EOFError) as exc:
+        except (OSError, pickle.UnpicklingError, EOFError, ValueError) as exc:
             logger.debug("uploader channel read ended: %s", exc)
         finally:
             self._fail_all()
@@ -312,39 +346,45 @@ class ChannelClient:
             with self._state_lock:
                 reply = self._replies.pop(rid, None)
             if reply is not None:
-                _settle(reply, value if ok else None, None if ok else value)
+                settle(reply, value if ok else None, None if ok else value)
             return
         with self._state_lock:
             handoff = self._jobs.get(message[1]) if kind == "released" else self._jobs.pop(message[1], None)
         if handoff is None:
             return
         if kind == "released":
-            _settle(handoff.released, None, None)
+            settle(handoff.released, None, None)
         else:  # "done": (key, result, error); its arena is free too
-            _settle(handoff.released, None, None)
-            _settle(handoff.durable, message[2], message[3])
+            settle(handoff.released, None, None)
+            settle(handoff.durable, message[2], message[3])
 
     def _fail_all(self) -> None:
         with self._state_lock:
             self._closed = True
             replies, self._replies = list(self._replies.values()), {}
             jobs, self._jobs = list(self._jobs.values()), {}
-        gone = UploaderGoneError("the node uploader closed its connection (it died or exited) "
-                                 "before the save was durable; see `ray-goodput status`")
+        gone = UploaderGoneError("the connection to the node uploader closed before the save was durable "
+                                 "(the uploader died, exited or could not read it); see `ray-goodput status`")
         for reply in replies:
-            _settle(reply, None, gone)
+            settle(reply, None, gone)
         for handoff in jobs:
-            _settle(handoff.released, None, None)  # its mapping died with it: the arena is free
-            _settle(handoff.durable, None, gone)
+            settle(handoff.durable, None, gone)
+        held = [h for h in jobs if not h.released.done()]
+        if held and self._on_lost is not None and not self._closing:
+            self._on_lost(held)  # the uploader may live on and still write from those arenas
+            return
+        for handoff in held:
+            settle(handoff.released, None, None)
 
-    def close(self, timeout_s: float = 10.0) -> None:
-        """Say bye (a clean close: the uploader may exit soon) and close."""
-        if not self._closed:
-            try:
-                _send(self._sock, self._lock, ("bye",))
-                self._sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Say bye and wait for the answer (every job sent before has mapped its arena by
+        then; bounded by ``timeout_s``), then close: a clean close, the uploader may exit."""
+        self._closing = True
+        try:
+            self.request(("bye",), timeout_s)
+        except (UploaderGoneError, TimeoutError) as exc:
+            logger.warning("closing the uploader connection without its goodbye: %s", exc)
+        _shut(self._sock)
         self._reader.join(timeout_s)
         self._sock.close()
 
@@ -356,10 +396,12 @@ def _shut(sock: socket.socket) -> None:
         pass
 
 
-def _settle(future: Future[Any], result: Any, error: BaseException | None) -> None:
-    if future.done():
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(result)
+def settle(future: Future[Any], result: Any, error: BaseException | None) -> None:
+    """Set ``future``'s outcome unless it has one (the first to settle it wins)."""
+    try:
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+    except InvalidStateError:
+        pass

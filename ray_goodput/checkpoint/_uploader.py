@@ -27,7 +27,7 @@ import torch
 from ray_goodput._lazy import LazyModule
 from ray_goodput.checkpoint._backends import Handoff
 from ray_goodput.checkpoint._channel import (ChannelClient, ChannelServer, Peer, UploaderExitingError,
-                                             UploaderGoneError, portable_error)
+                                             UploaderGoneError, portable_error, settle)
 from ray_goodput.checkpoint._job import ShardJob, ShardResult
 from ray_goodput.checkpoint._lane import RankLane, Ticket
 from ray_goodput.checkpoint._metrics import UploaderMetrics
@@ -71,9 +71,10 @@ class CheckpointUploader:
         self._lock = threading.Lock()
         self._jobs: dict[str, Ticket] = {}
         self._lanes: dict[tuple[str, int], RankLane] = {}  # one per (run, rank)
-        # Workers using it: open channel connections, and (pid, token) registrations of
-        # those that could not reach the channel's socket.
+        # Workers using it: open channel connections, and (pid, token) registrations made
+        # by endpoint() (until that worker's hello; for good when it cannot reach the socket).
         self._peers: set[Peer] = set()
+        self._connections: dict[str, Peer] = {}  # by the worker's token
         self._clients: set[tuple[int, str]] = set()
         self._clean_close = False
         self._had_client = False
@@ -86,20 +87,15 @@ class CheckpointUploader:
         threading.Thread(target=self._watch, name="rg-uploader-watch", daemon=True).start()
 
     # -- client side API --
-    def endpoint(self, root: bytes | None = None) -> str | None:
-        """The path of this uploader's socket (None: it has none; register instead).
-        ``root``: the asking worker's storage location, pickled, resolved here ahead of its
-        first job (an S3 client takes ~0.1 s to build)."""
-        self._warm(root)
-        return self._channel.path if self._channel is not None else None
-
-    def register(self, pid: int, root: bytes | None = None, token: str = "") -> str:
-        """A worker that cannot reach the socket uses this uploader through actor calls
-        from now on (``token`` tells apart two of one process). Raises
-        UploaderExitingError when this uploader is exiting."""
+    def endpoint(self, pid: int, root: bytes | None = None, token: str = "") -> str | None:
+        """Register a worker (its process ``pid``; ``token`` tells apart two of one process)
+        and return the path of this uploader's socket (None: it has none; hand jobs over by
+        actor calls). ``root``: the worker's storage location, pickled, resolved here ahead
+        of its first job (an S3 client takes ~0.1 s to build). Raises UploaderExitingError
+        when this uploader is exiting."""
         self._add_client(lambda: self._clients.add((pid, token)))
         self._warm(root)
-        return self.node_id
+        return self._channel.path if self._channel is not None else None
 
     def _add_client(self, add: Any) -> None:
         with self._lock:
@@ -117,9 +113,15 @@ class CheckpointUploader:
             logger.warning("could not resolve a worker's storage location ahead of its first save: %s", exc)
 
     # -- the channel's callbacks (ChannelServer threads) --
-    def _on_hello(self, peer: Peer, pid: int, root: bytes | None) -> bool:
+    def _on_hello(self, peer: Peer, pid: int, root: bytes | None, token: str) -> bool:
+        def connect() -> None:  # the connection replaces the registration from endpoint()
+            self._peers.add(peer)
+            self._clients.discard((pid, token))
+            self._connections[token] = peer
+
+        peer.token = token
         try:
-            self._add_client(lambda: self._peers.add(peer))
+            self._add_client(connect)
         except UploaderExitingError:
             return False
         self._warm(root)
@@ -136,6 +138,8 @@ class CheckpointUploader:
     def _on_close(self, peer: Peer) -> None:
         with self._lock:
             self._peers.discard(peer)
+            if self._connections.get(peer.token) is peer:
+                del self._connections[peer.token]
             self._clean_close = peer.said_bye and not (self._peers or self._clients)
         self._idle_since = time.monotonic()
 
@@ -166,18 +170,22 @@ class CheckpointUploader:
         pickle costs ~0.1 s, so it is done once per storage root, not once per save.
         """
         ticket = Ticket(dataclasses.replace(job, root=self._resolve_root(root)))
-        ticket.release_callbacks.append(self._released)
-        ticket.callbacks.append(self._finished)
-        if peer is not None:
+        if peer is not None:  # first: the worker must hear whatever the bookkeeping does
             ticket.release_callbacks.append(lambda t: peer.send(("released", t.job.key)))
             ticket.callbacks.append(functools.partial(self._tell_done, peer))
+        ticket.release_callbacks.append(self._released)
+        ticket.callbacks.append(self._finished)
         with self._lock:
             self._jobs[job.key] = ticket
             lane = self._lanes.get(job.lane)
             if lane is None:
                 lane = self._lanes[job.lane] = RankLane(concurrency=self._concurrency, policy=self._policy)
         self._metrics.queued(job.num_bytes, +1)
-        lane.submit(ticket)
+        try:
+            lane.submit(ticket)
+        except BaseException as exc:  # the lane did not take it: end it here, or it stays "busy" for ever
+            ticket.finish(None, exc)
+            raise
 
     def cancel(self, key: str) -> bool:
         """Supersede job ``key`` when it is still waiting."""
@@ -185,10 +193,14 @@ class CheckpointUploader:
         lane = self._lanes.get(ticket.job.lane) if ticket is not None else None
         return lane is not None and lane.cancel(key)
 
-    def wait_released(self, key: str) -> None:
+    def wait_released(self, key: str, token: str = "") -> None:
         """Return once job ``key`` let go of its arena. Unbounded here on purpose: a result
         means "the arena is free", which only the job can say; the worker bounds its own
-        wait for it (``_ARENA_WAIT_S``) and raises when it runs out."""
+        wait for it (``_ARENA_WAIT_S``) and raises when it runs out. ``token``: of a
+        worker whose connection broke; its frames are all handled before this looks."""
+        peer = self._connections.get(token) if token else None
+        if peer is not None:
+            peer.ended.wait()
         ticket = self._jobs.get(key)
         if ticket is None:  # wait_durable already collected it: the job is over
             return
@@ -305,7 +317,8 @@ class CheckpointUploader:
 def _listen(uploader: CheckpointUploader) -> ChannelServer | None:
     """The uploader's socket; None (workers fall back to actor calls) when it cannot listen."""
     try:
-        return ChannelServer(uploader._on_hello, uploader._on_request, uploader._on_close)  # noqa: SLF001
+        return ChannelServer(uploader.node_id, uploader._on_hello, uploader._on_request,  # noqa: SLF001
+                             uploader._on_close)  # noqa: SLF001
     except OSError as exc:
         logger.warning("uploader on node %s has no socket (%s): workers hand it jobs by actor calls, "
                        "a few ms slower per save", uploader.node_id, exc)
@@ -348,39 +361,39 @@ class ActorBackend:
 
     ``submit`` hands the job over before it returns: a save that returned survives its
     worker being killed right after. The hand-off goes over the uploader's socket
-    (``_channel``: one write, ~0.3-2 ms, where an actor call took 7-23 ms on a busy node),
-    or by actor calls (the actor maps the arena before it answers) when the socket cannot
-    be reached. The
-    trainer creates the uploaders before the workers initialize their train context
-    (``driver._node_services``), so the first save does not wait for the actor to start;
-    without it, a save made before the actor is up waits for it (bounded), rather than
-    holding a job that would die with the worker.
+    (``_channel``: one write, 0.4-2.4 ms here, where an actor call took 7-23 ms on a busy
+    node), or by actor calls (the actor maps the arena before it answers) when the socket
+    cannot be reached. The trainer creates the uploaders before the workers initialize
+    their train context (``driver._node_services``), so the first save does not wait for
+    the actor to start; without it, a save made before the actor is up waits for it
+    (bounded), rather than holding a job that would die with the worker.
     """
 
     def __init__(self, *, durable_timeout_s: float, root: StorageLocation | None = None) -> None:
         self._actor = None
-        self._endpoint = None  # ObjectRef of the socket's path, asked at start()
+        self._endpoint = None  # ObjectRef of the socket's path; asking registers this worker
         self._channel: ChannelClient | None = None
-        self._registered = False  # by actor call (no channel)
+        self._by_actor = False  # the socket could not be reached: jobs go by actor calls
         self._token = uuid.uuid4().hex  # tells this backend from others of its process
         # Sent at start: the actor builds the storage client before the first save.
         self._root_blob: bytes | None = pickle.dumps(root) if root is not None else None
-        self._durable_timeout_s = durable_timeout_s  # bound of the actor-side wait for a result
+        self._durable_timeout_s = durable_timeout_s  # bound of the actor-side wait (by actor calls)
 
     def start(self) -> None:
-        """Find or create this node's uploader without waiting for it (it starts, and
-        resolves the storage location, while the worker builds its model and restores)."""
+        """Find or create this node's uploader and register with it, without waiting for
+        it (it starts, and resolves the storage location, while the worker builds its model
+        and restores)."""
         node_id = _services.current_node_id()
-        self._actor = _services.get_or_create(_actor_class(), KIND, node_id, node_id=node_id, max_concurrency=64)
-        self._endpoint = self._actor.endpoint.remote(self._root_blob)
         self._drop_channel()
-        self._registered = False
+        self._by_actor = False
+        self._actor = _services.get_or_create(_actor_class(), KIND, node_id, node_id=node_id, max_concurrency=64)
+        self._endpoint = self._actor.endpoint.remote(os.getpid(), self._root_blob, self._token)
 
     def _get(self, fresh: bool = False) -> Any:
-        """The uploader, attached to (a channel, or a registration); a fresh one when asked."""
+        """The uploader, attached to (a channel, or actor calls); a fresh one when asked."""
         if self._actor is None or fresh or (self._channel is not None and not self._channel.alive):
             self.start()  # a channel that closed is an uploader that died or exited
-        if self._channel is not None or self._registered:
+        if self._channel is not None or self._by_actor:
             return self._actor
         try:
             self._attach()
@@ -394,13 +407,19 @@ class ActorBackend:
         path = ray.get(self._endpoint, timeout=_HANDOFF_TIMEOUT_S)
         if path is not None:
             try:
-                self._channel = ChannelClient(path, os.getpid(), self._root_blob, _HANDOFF_TIMEOUT_S)
+                self._channel = ChannelClient(path, (os.getpid(), self._root_blob, self._token),
+                                              _HANDOFF_TIMEOUT_S, functools.partial(self._ask_actor, self._actor))
                 return
             except OSError as exc:
                 logger.warning("cannot reach the node uploader's socket %s (%s); handing jobs over by actor "
                                "calls, a few ms slower per save", path, exc)
-        ray.get(self._actor.register.remote(os.getpid(), self._root_blob, self._token), timeout=_HANDOFF_TIMEOUT_S)
-        self._registered = True
+        self._by_actor = True
+
+    def _ask_actor(self, actor: Any, held: list[Handoff]) -> None:
+        """The channel to ``actor`` broke with these jobs' arenas not released: ask the
+        actor (it answers once the job let go, or fails at once when it is dead)."""
+        for handoff in held:
+            _chain(actor.wait_released.remote(handoff.key, self._token).future(), handoff.released)
 
     def _drop_channel(self) -> None:
         if self._channel is not None:
@@ -415,26 +434,33 @@ class ActorBackend:
         return handoff
 
     def _hand_over(self, light: ShardJob, handoff: Handoff) -> None:
+        """Hand ``light`` over, once more to a fresh uploader when this one is gone; each
+        try has its own events, and only the one that took the job reaches ``handoff``."""
         try:
             try:
-                self._send(self._get(), light, handoff)
+                attempt = self._send(self._get(), light)
             except (ray.exceptions.RayActorError, UploaderGoneError):
                 # The uploader died (killed, or exiting as idle): a new one takes the job.
-                self._send(self._get(fresh=True), light, handoff)
+                attempt = self._send(self._get(fresh=True), light)
         except Exception as exc:  # noqa: BLE001 - the save fails; wait() raises it on every rank
             failure = CheckpointError(f"could not hand step {light.step} to the node uploader: "
                                       f"{type(exc).__name__}: {exc}; check it with 'ray-goodput status'")
-            handoff.released.set_result(None)
-            handoff.durable.set_exception(failure)
-
-    def _send(self, actor: Any, light: ShardJob, handoff: Handoff) -> None:
-        if self._channel is not None:
-            self._channel.submit(light, self._root_blob, handoff)
+            settle(handoff.released, None, None)
+            settle(handoff.durable, None, failure)
             return
+        _chain(attempt.released, handoff.released)
+        _chain(attempt.durable, handoff.durable)
+
+    def _send(self, actor: Any, light: ShardJob) -> Handoff:
+        attempt = Handoff(released=Future(), durable=Future(), key=light.key)
+        if self._channel is not None:
+            self._channel.submit(light, self._root_blob, attempt)
+            return attempt
         ray.get(actor.submit.remote(light, self._root_blob), timeout=_HANDOFF_TIMEOUT_S)
         # Asked only after submit returned: the actor knows the key by then.
-        _chain(actor.wait_released.remote(light.key).future(), handoff.released)
-        _chain(actor.wait_durable.remote(light.key, self._durable_timeout_s).future(), handoff.durable)
+        _chain(actor.wait_released.remote(light.key).future(), attempt.released)
+        _chain(actor.wait_durable.remote(light.key, self._durable_timeout_s).future(), attempt.durable)
+        return attempt
 
     def cancel(self, key: str) -> bool:
         if self._actor is None:
@@ -448,10 +474,13 @@ class ActorBackend:
             return False
 
     def close(self) -> None:
+        """Leave the uploader: a connection says bye (once every job it sent is accepted:
+        the caller unlinks the arenas next); a registration is dropped."""
         if self._actor is None:
             return
+        connected = self._channel is not None
         self._drop_channel()
-        if self._registered:
+        if not connected:
             try:
                 ray.get(self._actor.unregister.remote(os.getpid(), self._token), timeout=30)
             except Exception as exc:  # noqa: BLE001 - it may be gone already
