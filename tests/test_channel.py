@@ -32,7 +32,8 @@ class _Uploader:
         self.gate.set()
         self.server = ChannelServer("node", self.hello, self.request, self.close)
 
-    def hello(self, peer, pid: int, root: bytes | None, token: str) -> bool:
+    def hello(self, peer, pid: int, root: bytes | None, token: str, conn: str) -> bool:
+        peer.conn = conn  # as the uploader does: the name its worker asks about it by
         self.peers.append(peer)
         return self.welcome
 
@@ -50,6 +51,12 @@ class _Uploader:
 
 def _handoff(key: str) -> Handoff:
     return Handoff(released=Future(), durable=Future(), key=key)
+
+
+def _client_telling(uploader: _Uploader, lost: list) -> ChannelClient:
+    """A client whose broken connection appends (conn, jobs) to ``lost``."""
+    return ChannelClient(uploader.server.path, (os.getpid(), None, "t"), 10,
+                         on_lost=lambda conn, jobs: lost.append((conn, jobs)))
 
 
 @pytest.fixture
@@ -102,17 +109,37 @@ def test_a_clean_close_returns_only_once_every_job_sent_before_it_was_handled(up
 
 def test_a_connection_broken_while_the_uploader_lives_does_not_free_its_jobs_arenas(uploader):
     # The uploader may still be writing from a job's arena: reusing it would tear that
-    # checkpoint (found in review). The jobs go to on_lost, which asks the uploader.
+    # checkpoint, and may still commit it (found in review). The jobs go to on_lost, which
+    # asks the uploader; nothing is decided here.
     lost: list = []
-    client = ChannelClient(uploader.server.path, (os.getpid(), None, "t"), 10, on_lost=lost.extend)
+    client = _client_telling(uploader, lost)
     handoff = _handoff("job-1")
     client.submit("job-1", None, handoff)
     wait_for(lambda: uploader.requests, timeout_s=10, what="the submit")
     uploader.peers[0].sock.shutdown(socket.SHUT_RDWR)  # a send past its bound shuts it so
-    with pytest.raises(UploaderGoneError):
-        handoff.durable.result(timeout=10)
-    assert lost == [handoff] and not handoff.released.done()
+    wait_for(lambda: lost, timeout_s=10, what="the broken connection's jobs handed to on_lost")
+    assert lost == [(client.conn, [handoff])] and uploader.peers[0].conn == client.conn
+    assert not handoff.released.done() and not handoff.durable.done()
     client.close()
+
+
+def test_a_reconnect_leaves_a_running_jobs_arena_to_on_lost_and_only_a_final_goodbye_frees_it(uploader):
+    # Before, any close released the arenas of the jobs still running; a worker that
+    # reconnects after a failed send goes on saving, and would overwrite an arena the
+    # uploader was still writing from (found in review).
+    lost: list = []
+    client = _client_telling(uploader, lost)
+    running = _handoff("job-1")
+    client.submit("job-1", None, running)
+    assert client.close(final=False) is True
+    assert lost == [(client.conn, [running])] and not running.released.done()
+    final = _client_telling(uploader, lost)
+    last = _handoff("job-2")
+    final.submit("job-2", None, last)
+    assert final.close() is True  # the goodbye was answered: the job mapped its arena
+    assert len(lost) == 1 and last.released.done()
+    with pytest.raises(UploaderGoneError):
+        last.durable.result(timeout=10)
 
 
 def test_the_uploaders_end_closing_fails_what_is_pending_and_every_later_send(uploader):
@@ -156,6 +183,35 @@ for key in ("first", "second"):
     client.submit(key, None, Handoff(released=Future(), durable=Future(), key=key))
 os.kill(os.getpid(), signal.SIGKILL)
 """
+
+
+_FORK_THEN_DIE = """
+import os, signal, sys, time
+from ray_goodput.checkpoint._channel import ChannelClient
+client = ChannelClient(sys.argv[1], (os.getpid(), None, "t"), 10)
+child = os.fork()
+if child == 0:  # a DataLoader worker: lives on a while after its parent is killed
+    os.close(1), os.close(2)  # the test reads the parent's output to its end
+    time.sleep(120)
+    os._exit(0)
+print(child, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_killed_workers_connection_ends_while_its_forked_children_live(uploader):
+    # A forked child holding a copy of the socket kept the connection open: the uploader
+    # counted a dead worker as a live client until its DataLoader children exited.
+    proc = subprocess.run([sys.executable, "-c", _FORK_THEN_DIE, uploader.server.path],
+                          timeout=120, capture_output=True, text=True)
+    assert proc.returncode == -9, proc.stderr
+    child = int(proc.stdout.split()[0])
+    try:
+        wait_for(lambda: uploader.closed == [False], timeout_s=10,
+                 what="the killed worker's connection closing while its child lives")
+        assert os.path.exists(f"/proc/{child}")
+    finally:
+        os.kill(child, 9)
 
 
 def test_a_job_written_before_its_worker_was_killed_is_still_read(uploader):

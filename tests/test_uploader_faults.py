@@ -180,8 +180,9 @@ def _cut_connections(uploader) -> None:
 def test_a_connection_broken_while_the_uploader_lives_keeps_the_arena_until_the_job_lets_go(
         ray_cluster, s3_server, tmp_path):
     # Before, a broken connection freed the arenas of the jobs sent on it, and the next save
-    # could overwrite an arena the uploader was still writing a checkpoint from (found in
-    # review). Now the worker asks the actor, which answers once the job let go of it.
+    # could overwrite an arena the uploader was still writing a checkpoint from; and it
+    # failed a save the uploader went on to commit (found in review). Now the worker asks
+    # the actor, which answers once the job let go of its arena, and with its outcome.
     uri = s3_server.bucket_uri("cut")
     node, worker, uploader = _worker_with_a_commit(ray_cluster, uri, 7)
     opened = tmp_path / "open"
@@ -193,10 +194,10 @@ def test_a_connection_broken_while_the_uploader_lives_keeps_the_arena_until_the_
     opened.touch()
     wait_for(lambda: ray.get(worker.released.remote(2), timeout=60), timeout_s=60,
              what="step 2's arena released by the uploader", interval_s=0.1)
-    with pytest.raises(CheckpointError):  # its outcome was lost with the connection
-        ray.get(worker.wait.remote())
+    assert ray.get(worker.wait.remote(), timeout=120) == [1, 2]  # committed, and every rank hears it
+    _wait_committed(uri, 2)
     ray.get(worker.save.remote(3))  # a new connection takes it
-    assert 3 in ray.get(worker.wait.remote())
+    assert ray.get(worker.wait.remote(), timeout=120) == [1, 2, 3]
     ray.get(worker.close.remote())
 
 

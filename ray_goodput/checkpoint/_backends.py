@@ -30,7 +30,9 @@ class Handoff:
 
 class UploadBackend(Protocol):
     def submit(self, job: ShardJob) -> Handoff:
-        """Accept ``job`` (its arena is mapped before this returns); never waits for uploads."""
+        """Hand ``job`` over so that it survives this process (in the uploader, or in a
+        queue the uploader reads even after this process died); never waits for uploads.
+        The caller keeps the arena until ``released``, and unlinks it only after ``close``."""
 
     def cancel(self, key: str) -> bool:
         """Supersede job ``key`` if it is still waiting; False when it started or ended."""

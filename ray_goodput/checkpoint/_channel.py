@@ -1,21 +1,25 @@
 """The socket through which a worker hands its save jobs to its node's uploader.
 
-``save()`` returns only once the node uploader has accepted the job (a save that returned
-survives its worker), so the hand-off's round trip is on every save's blocking path. As a
-Ray actor call it measured 7-23 ms on this project's 2-core machine with the training
-ranks busy (several processes and threads between the caller and the method), against a
-5-20 ms copy. Over a Unix socket a save waits only for its job's frame to be written:
-once ``send`` returns, the frame is in the uploader's receive queue, where the kernel keeps
-it when the worker dies (the uploader reads it before it sees the close). The uploader's
-reply (accepted, or refused with an error) comes back later, like the job's other events.
-A clean close waits for the reply to its "bye": requests are served in order, so by then
-every job sent before it has mapped its arena, and the worker may unlink its arenas.
+A save that returned must survive its worker being killed, so the job has to be out of
+the worker's process before ``save()`` returns. As a Ray actor call that waited for the
+uploader's answer, the hand-off measured 7-23 ms on this project's 2-core machine with the
+training ranks busy (several processes and threads between the caller and the method),
+against a 5-20 ms copy. Over a Unix socket a save waits only for its job's frame to be
+written: once ``send`` returns, the frame is in the uploader's receive queue, where the
+kernel keeps it when the worker dies (the uploader reads it before it sees the close). The
+uploader maps the job's arena when it handles the frame; its reply (accepted, or refused
+with an error) comes back later, like the job's other events. A final close waits for the
+reply to its "bye": requests are served in order, so by then every job sent before it has
+mapped its arena, and the worker may unlink its arenas.
 
 A job's arena is free once the uploader says so, or once the uploader is gone. A connection
 that breaks while the uploader lives (a send stuck past its bound, a frame it could not
-read) does not free it: the uploader may still be writing from it. The worker then asks
-the actor (``on_lost``), which answers once that connection's frames are all handled and
-the job let go of its arena.
+read, a reconnect) does not free it, and does not decide the job's outcome: the uploader
+may still be writing from the arena, and may still commit. The worker hands those jobs to
+``on_lost``, which asks the actor; it answers once that connection's frames are all
+handled, and then for each job as it lets go of its arena and as it ends. Child processes
+forked from a worker (DataLoader workers) close their inherited copy of the socket, so a
+dead worker's connection ends when the worker does.
 
 The uploader listens on a socket in a directory only its user can enter (the frames are
 pickles: whoever can connect can run code as that user). A worker finds its path with one
@@ -40,8 +44,11 @@ import stat
 import struct
 import tempfile
 import threading
+import uuid
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import Any
 
@@ -74,11 +81,21 @@ class UploaderExitingError(CheckpointError):
 # ---- frames ---------------------------------------------------------------------------
 
 
-def _send(sock: socket.socket, lock: threading.Lock, message: tuple[Any, ...]) -> None:
-    blob = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+def _frame(message: tuple[Any, ...]) -> bytes:
+    """``message`` as a frame's body (a pickling error raises here, before any byte is sent)."""
+    return pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _write(sock: socket.socket, lock: threading.Lock, blob: bytes) -> None:
+    """Write one frame. Anything that stops it midway (an error, a timeout, an interrupt)
+    leaves a partial frame that would put the reader out of step: the socket is shut."""
     with lock:
-        sock.sendall(_LENGTH.pack(len(blob)))
-        sock.sendall(blob)
+        try:
+            sock.sendall(_LENGTH.pack(len(blob)))
+            sock.sendall(blob)
+        except BaseException:
+            _shut(sock)
+            raise
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytearray | None:
@@ -134,29 +151,30 @@ class Peer:
         self.sock = sock
         self.lock = threading.Lock()
         self.said_bye = False
-        self.token = ""  # the worker's, from its hello
+        self.conn = ""  # the connection's id, from the worker's hello
         self.ended = threading.Event()  # set once its last frame is handled
 
-    def send(self, message: tuple[Any, ...]) -> None:
-        """Send, dropping the message when the worker is gone (its jobs go on). A send
-        that failed midway leaves the stream unusable: the connection is shut."""
+    def send(self, message: tuple[Any, ...]) -> bool:
+        """Send; False when the worker is gone or the connection broke (its jobs go on,
+        and the worker asks the actor for what it did not hear)."""
         try:
-            _send(self.sock, self.lock, message)
+            _write(self.sock, self.lock, _frame(message))
+            return True
         except OSError as exc:
             logger.debug("a worker's uploader connection failed before %s reached it: %s", message[0], exc)
-            _shut(self.sock)
         except Exception:  # noqa: BLE001 - a message that does not pickle: the worker must still hear
             logger.exception("uploader channel: could not send %s", message[0])
-            _shut(self.sock)
+            _shut(self.sock)  # the worker sees the end and asks the actor
+        return False
 
 
 class ChannelServer:
-    """Listens for workers; runs ``on_hello(peer, pid, root, token)`` (False: refuse, the
-    uploader is exiting), then ``on_request(peer, message)`` per request (its return value
+    """Listens for workers; runs ``on_hello(peer, pid, root, token, conn)`` (False: refuse,
+    the uploader is exiting), then ``on_request(peer, message)`` per request (its return value
     is the reply, a raise is sent back to be raised there) and ``on_close(peer)`` once the
     connection's last frame is handled. ``name``: this node's, in the socket's file name."""
 
-    def __init__(self, name: str, on_hello: Callable[[Peer, int, bytes | None, str], bool],
+    def __init__(self, name: str, on_hello: Callable[[Peer, int, bytes | None, str, str], bool],
                  on_request: Callable[[Peer, tuple[Any, ...]], Any],
                  on_close: Callable[[Peer], None]) -> None:
         self._on_hello, self._on_request, self._on_close = on_hello, on_request, on_close
@@ -189,7 +207,7 @@ class ChannelServer:
             hello = _recv(peer.sock)
             if hello is None or hello[0] != "hello":
                 return
-            accepted = self._on_hello(peer, *hello[1:4])
+            accepted = self._on_hello(peer, *hello[1:5])
             peer.send(("welcome",) if accepted else ("exiting",))
             if accepted:
                 self._serve_requests(peer)
@@ -236,17 +254,35 @@ def sweep_stale_sockets(directory: Path, name: str) -> None:
 # ---- the worker's end -----------------------------------------------------------------
 
 
+_open_clients: weakref.WeakSet[ChannelClient] = weakref.WeakSet()
+
+
+def _close_in_child() -> None:
+    """After a fork: the child closes its copies of the worker's sockets (closing a copy
+    leaves the parent's connection alone; a shutdown would end it). Else a killed
+    worker's connection would stay open, to the uploader a live client, while its
+    DataLoader children live."""
+    for client in list(_open_clients):
+        client._forked()  # noqa: SLF001
+
+
+os.register_at_fork(after_in_child=_close_in_child)
+
+
 class ChannelClient:
     """A worker's connection to its node uploader: send jobs, get their events.
 
     Raises UploaderExitingError when the uploader refuses the hello (it is exiting),
-    OSError when the socket cannot be reached; both within ``timeout_s``. ``on_lost``
-    gets the jobs whose arena was not released when the connection broke (see the module
-    docstring); without it they are released.
+    OSError when the socket cannot be reached; both within ``timeout_s``. ``on_lost(conn,
+    jobs)`` gets the jobs that had not ended when the connection broke, unless a final
+    close's goodbye was answered (see the module docstring); without it their arenas are
+    released and their outcome fails. ``conn`` (also :attr:`conn`) names this connection
+    to the uploader.
     """
 
     def __init__(self, path: str, hello: tuple[int, bytes | None, str], timeout_s: float,
-                 on_lost: Callable[[list[Handoff]], None] | None = None) -> None:
+                 on_lost: Callable[[str, list[Handoff]], None] | None = None) -> None:
+        self.conn = uuid.uuid4().hex
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._lock = threading.Lock()  # sends
         self._state_lock = threading.Lock()
@@ -254,12 +290,12 @@ class ChannelClient:
         self._jobs: dict[str, Handoff] = {}
         self._ids = itertools.count()
         self._closed = False
-        self._closing = False
+        self._release_held = False  # a final close's goodbye was answered
         self._on_lost = on_lost
         try:
             self._sock.settimeout(timeout_s)
             self._sock.connect(path)
-            _send(self._sock, self._lock, ("hello", *hello))
+            _write(self._sock, self._lock, _frame(("hello", *hello, self.conn)))
             answer = _recv(self._sock)
             self._sock.settimeout(None)
             _bound_sends(self._sock, max(1, int(timeout_s)))
@@ -274,6 +310,16 @@ class ChannelClient:
             raise UploaderGoneError("the node uploader closed the connection during the hello")
         self._reader = threading.Thread(target=self._read, name="rg-channel-reader", daemon=True)
         self._reader.start()
+        _open_clients.add(self)
+
+    def _forked(self) -> None:
+        """In a forked child: this copy is not the worker's connection; close it quietly."""
+        self._closed = True
+        self._jobs, self._replies = {}, {}
+        try:
+            self._sock.close()
+        except OSError:
+            pass
 
     @property
     def alive(self) -> bool:
@@ -309,7 +355,7 @@ class ChannelClient:
         """Send one request and return its reply within ``timeout_s`` (TimeoutError)."""
         try:
             return self._send_request(body).result(timeout=timeout_s)
-        except TimeoutError as exc:
+        except (TimeoutError, FutureTimeout) as exc:  # two classes before Python 3.11
             raise TimeoutError(f"the node uploader did not answer {body[0]!r} within {timeout_s:.0f}s") from exc
 
     def _send_request(self, body: tuple[Any, ...]) -> Future[Any]:
@@ -320,13 +366,13 @@ class ChannelClient:
             rid = next(self._ids)
             self._replies[rid] = reply
         try:
-            _send(self._sock, self._lock, ("request", rid, *body))
+            blob = _frame(("request", rid, *body))
+            _write(self._sock, self._lock, blob)  # shuts the socket if cut midway: the reader sees the end
         except BaseException as exc:
             with self._state_lock:
                 self._replies.pop(rid, None)
             if not isinstance(exc, OSError):
                 raise
-            _shut(self._sock)  # a frame cut midway: the reader sees the end and fails the rest
             raise UploaderGoneError(f"could not send {body[0]!r} to the node uploader: {exc}") from exc
         return reply
 
@@ -337,6 +383,7 @@ class ChannelClient:
         except (OSError, pickle.UnpicklingError, EOFError, ValueError) as exc:
             logger.debug("uploader channel read ended: %s", exc)
         finally:
+            _shut(self._sock)  # the uploader's next send fails: it keeps what it could not tell
             self._fail_all()
 
     def _dispatch(self, message: tuple[Any, ...]) -> None:
@@ -365,28 +412,36 @@ class ChannelClient:
             jobs, self._jobs = list(self._jobs.values()), {}
         gone = UploaderGoneError("the connection to the node uploader closed before the save was durable "
                                  "(the uploader died, exited or could not read it); see `ray-goodput status`")
-        for reply in replies:
+        for reply in replies:  # a submit's refusal callback leaves a gone job to what follows
             settle(reply, None, gone)
+        if jobs and self._on_lost is not None and not self._release_held:
+            try:
+                self._on_lost(self.conn, jobs)  # the uploader may live on, write from them, commit them
+                return
+            except Exception:  # noqa: BLE001 - nobody to ask: the jobs fail here
+                logger.exception("could not ask the node uploader about %d jobs of a broken connection", len(jobs))
         for handoff in jobs:
-            settle(handoff.durable, None, gone)
-        held = [h for h in jobs if not h.released.done()]
-        if held and self._on_lost is not None and not self._closing:
-            self._on_lost(held)  # the uploader may live on and still write from those arenas
-            return
-        for handoff in held:
             settle(handoff.released, None, None)
+            settle(handoff.durable, None, gone)
 
-    def close(self, timeout_s: float = 30.0) -> None:
-        """Say bye and wait for the answer (every job sent before has mapped its arena by
-        then; bounded by ``timeout_s``), then close: a clean close, the uploader may exit."""
-        self._closing = True
+    def close(self, timeout_s: float = 30.0, final: bool = True) -> bool:
+        """Say bye and wait for the answer (bounded by ``timeout_s``): every job sent before
+        has mapped its arena by then. Returns whether it was answered. ``final``: the worker
+        unlinks its arenas next and reuses none, so jobs still running once the goodbye
+        was answered release them here; a reconnect (``final=False``) leaves them to
+        ``on_lost``."""
+        answered = False
         try:
             self.request(("bye",), timeout_s)
+            answered = True
         except (UploaderGoneError, TimeoutError) as exc:
             logger.warning("closing the uploader connection without its goodbye: %s", exc)
+        self._release_held = final and answered
+        _open_clients.discard(self)
         _shut(self._sock)
         self._reader.join(timeout_s)
         self._sock.close()
+        return answered
 
 
 def _shut(sock: socket.socket) -> None:

@@ -52,6 +52,9 @@ _GRACE_BEFORE_FIRST_CLIENT_S = 600.0
 _HANDOFF_TIMEOUT_S = 120.0
 # Bound on waiting for an uploader that said it is exiting to be gone.
 _EXIT_WAIT_S = 30.0
+# Bound on a closing worker's wait for the uploader to read its last jobs, when the
+# goodbye got no answer.
+_BYE_WAIT_S = 30.0
 
 __all__ = ["ActorBackend", "CheckpointUploader", "UploaderExitingError", "UploaderGoneError",
            "start_node_uploader", "uploader_status"]
@@ -74,7 +77,7 @@ class CheckpointUploader:
         # Workers using it: open channel connections, and (pid, token) registrations made
         # by endpoint() (until that worker's hello; for good when it cannot reach the socket).
         self._peers: set[Peer] = set()
-        self._connections: dict[str, Peer] = {}  # by the worker's token
+        self._connections: dict[str, Peer] = {}  # by connection id (the worker's, from its hello)
         self._clients: set[tuple[int, str]] = set()
         self._clean_close = False
         self._had_client = False
@@ -113,13 +116,13 @@ class CheckpointUploader:
             logger.warning("could not resolve a worker's storage location ahead of its first save: %s", exc)
 
     # -- the channel's callbacks (ChannelServer threads) --
-    def _on_hello(self, peer: Peer, pid: int, root: bytes | None, token: str) -> bool:
+    def _on_hello(self, peer: Peer, pid: int, root: bytes | None, token: str, conn: str) -> bool:
         def connect() -> None:  # the connection replaces the registration from endpoint()
             self._peers.add(peer)
             self._clients.discard((pid, token))
-            self._connections[token] = peer
+            self._connections[conn] = peer
 
-        peer.token = token
+        peer.conn = conn
         try:
             self._add_client(connect)
         except UploaderExitingError:
@@ -138,8 +141,8 @@ class CheckpointUploader:
     def _on_close(self, peer: Peer) -> None:
         with self._lock:
             self._peers.discard(peer)
-            if self._connections.get(peer.token) is peer:
-                del self._connections[peer.token]
+            if self._connections.get(peer.conn) is peer:
+                del self._connections[peer.conn]
             self._clean_close = peer.said_bye and not (self._peers or self._clients)
         self._idle_since = time.monotonic()
 
@@ -193,25 +196,40 @@ class CheckpointUploader:
         lane = self._lanes.get(ticket.job.lane) if ticket is not None else None
         return lane is not None and lane.cancel(key)
 
-    def wait_released(self, key: str, token: str = "") -> None:
+    def _after_connection(self, conn: str, timeout_s: float | None) -> bool:
+        """Wait until connection ``conn`` (one that broke; "" for none) has had its last
+        frame handled; False when that took longer than ``timeout_s``."""
+        peer = self._connections.get(conn) if conn else None
+        return peer is None or peer.ended.wait(timeout_s)
+
+    def wait_connection(self, conn: str, timeout_s: float) -> bool:
+        """Whether connection ``conn``'s frames were all handled within ``timeout_s``."""
+        return self._after_connection(conn, timeout_s)
+
+    def wait_released(self, key: str, conn: str = "") -> None:
         """Return once job ``key`` let go of its arena. Unbounded here on purpose: a result
         means "the arena is free", which only the job can say; the worker bounds its own
-        wait for it (``_ARENA_WAIT_S``) and raises when it runs out. ``token``: of a
-        worker whose connection broke; its frames are all handled before this looks."""
-        peer = self._connections.get(token) if token else None
-        if peer is not None:
-            peer.ended.wait()
+        wait for it (``_ARENA_WAIT_S``) and raises when it runs out. ``conn``: the broken
+        connection the job was sent on; its frames are all handled before this looks."""
+        self._after_connection(conn, None)
         ticket = self._jobs.get(key)
         if ticket is None:  # wait_durable already collected it: the job is over
             return
         ticket.released.wait()
 
-    def wait_durable(self, key: str, timeout_s: float) -> ShardResult:
+    def wait_durable(self, key: str, timeout_s: float, conn: str = "") -> ShardResult:
         """Job ``key``'s result once it is durable (or its error); TimeoutError after
         ``timeout_s``, so that no actor thread waits on a stuck upload for ever (the job
-        itself goes on, and may still commit)."""
-        ticket = self._jobs[key]
-        if not ticket.done.wait(timeout_s):
+        itself goes on, and may still commit). ``conn``: as for :meth:`wait_released`."""
+        deadline = time.monotonic() + timeout_s
+        if not self._after_connection(conn, timeout_s):
+            raise TimeoutError(f"the uploader on node {self.node_id} had not read a broken connection's "
+                               f"last frames after {timeout_s:.0f}s")
+        ticket = self._jobs.get(key)
+        if ticket is None:
+            raise CheckpointError(f"the uploader on node {self.node_id} has no job {key}: it never read it, "
+                                  "or it ended and its outcome went out on a connection that broke")
+        if not ticket.done.wait(max(0.0, deadline - time.monotonic())):
             raise TimeoutError(f"step {ticket.job.step} (rank {ticket.job.rank}) was not durable after "
                                f"{timeout_s:.0f}s in the uploader on node {self.node_id}")
         with self._lock:
@@ -221,10 +239,11 @@ class CheckpointUploader:
         return ticket.result
 
     def _tell_done(self, peer: Peer, ticket: Ticket) -> None:
-        with self._lock:  # nobody asks wait_durable for a channel's job
-            self._jobs.pop(ticket.job.key, None)
         error = portable_error(ticket.error) if ticket.error is not None else None
-        peer.send(("done", ticket.job.key, ticket.result, error))
+        if peer.send(("done", ticket.job.key, ticket.result, error)):
+            with self._lock:  # the worker heard: nobody asks wait_durable for it
+                self._jobs.pop(ticket.job.key, None)
+        # else kept for the worker's wait_durable (or dropped once it is dead: _live_clients)
 
     # -- bookkeeping --
     def _released(self, ticket: Ticket) -> None:
@@ -271,6 +290,9 @@ class CheckpointUploader:
     def _live_clients(self) -> int:
         with self._lock:
             self._clients = {(pid, token) for pid, token in self._clients if pid_alive(pid)}
+            # Ended jobs nobody collected (their worker died before it asked): forget them.
+            for key in [k for k, t in self._jobs.items() if t.done.is_set() and not pid_alive(t.job.owner_pid)]:
+                del self._jobs[key]
             return len(self._clients) + len(self._peers)
 
     def _idle_grace_s(self) -> float:
@@ -345,14 +367,12 @@ def start_node_uploader(node_id: str, runtime_env: dict[str, Any] | None = None)
 
 def _chain(source: Future, target: Future) -> None:
     def _copy(done: Future) -> None:
-        if target.done():
-            return
         if done.cancelled():
-            target.set_exception(CheckpointError("the uploader cancelled this job"))
+            settle(target, None, CheckpointError("the uploader cancelled this job"))
         elif done.exception() is not None:
-            target.set_exception(done.exception())
+            settle(target, None, done.exception())
         else:
-            target.set_result(done.result())
+            settle(target, done.result(), None)
     source.add_done_callback(_copy)
 
 
@@ -415,16 +435,35 @@ class ActorBackend:
                                "calls, a few ms slower per save", path, exc)
         self._by_actor = True
 
-    def _ask_actor(self, actor: Any, held: list[Handoff]) -> None:
-        """The channel to ``actor`` broke with these jobs' arenas not released: ask the
-        actor (it answers once the job let go, or fails at once when it is dead)."""
-        for handoff in held:
-            _chain(actor.wait_released.remote(handoff.key, self._token).future(), handoff.released)
+    def _ask_actor(self, actor: Any, conn: str, jobs: list[Handoff]) -> None:
+        """The channel ``conn`` to ``actor`` broke before these jobs ended: ask the actor
+        when each lets go of its arena and how it ends (a dead actor fails both at once)."""
+        for handoff in jobs:
+            try:
+                if not handoff.released.done():
+                    _chain(actor.wait_released.remote(handoff.key, conn).future(), handoff.released)
+                _chain(actor.wait_durable.remote(handoff.key, self._durable_timeout_s, conn).future(),
+                       handoff.durable)
+            except Exception as exc:  # noqa: BLE001 - Ray itself is going: nobody can answer
+                settle(handoff.released, None, None)
+                settle(handoff.durable, None, CheckpointError(f"could not ask the node uploader about "
+                                                              f"{handoff.key}: {type(exc).__name__}: {exc}"))
 
-    def _drop_channel(self) -> None:
-        if self._channel is not None:
-            self._channel.close()
-            self._channel = None
+    def _drop_channel(self, final: bool = False) -> None:
+        """Close the connection. When its goodbye went unanswered on a final close, wait
+        (bounded) until the uploader handled its last frames: the caller unlinks the arenas
+        next, and a job not yet read would find its arena gone."""
+        if self._channel is None:
+            return
+        channel, self._channel = self._channel, None
+        if channel.close(final=final) or not final:
+            return
+        try:
+            if not ray.get(self._actor.wait_connection.remote(channel.conn, _BYE_WAIT_S), timeout=_BYE_WAIT_S + 5):
+                logger.warning("the node uploader had not read this worker's last jobs after %.0fs; "
+                               "unlinking their snapshots may fail them", _BYE_WAIT_S)
+        except Exception as exc:  # noqa: BLE001 - a dead uploader reads nothing more
+            logger.debug("uploader wait_connection failed: %s", exc)
 
     def submit(self, job: ShardJob) -> Handoff:
         if self._root_blob is None:
@@ -479,7 +518,7 @@ class ActorBackend:
         if self._actor is None:
             return
         connected = self._channel is not None
-        self._drop_channel()
+        self._drop_channel(final=True)
         if not connected:
             try:
                 ray.get(self._actor.unregister.remote(os.getpid(), self._token), timeout=30)
