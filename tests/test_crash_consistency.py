@@ -11,12 +11,13 @@ import pytest
 import torch
 
 from ray_goodput import Checkpointer, list_checkpoints
-from ray_goodput.checkpoint import _catalog, _generation, _layout, _retention
+from ray_goodput.checkpoint import _catalog, _generation, _layout, _retention, _uploader
 from ray_goodput.checkpoint._backends import ThreadBackend
 from ray_goodput.checkpoint._manifest import read_manifest
 from ray_goodput.checkpoint._commit import CommitProtocol
 from ray_goodput.checkpoint._parts import part_file
 from ray_goodput.errors import IncompleteSaveError, StorageError
+from ray_goodput.runtime import _services
 from ray_goodput.runtime._resume import ResumeDecision, root_key, set_decision
 from ray_goodput.storage import RetryPolicy, list_dir, resolve, upload_file
 from ray_goodput.testing import FlakyProxy, run_world, wait_for
@@ -637,6 +638,11 @@ def test_leaving_the_with_block_on_an_error_does_not_lose_a_snapshot_queued_in_t
     proxy.release()
     wait_for(lambda: _committed(uri) == [1, 2], timeout_s=90,
              what="steps 1 and 2 committed by the node uploader after the worker left")
+    # Their outcomes had nobody to go to: the worker said it left for good, so the uploader
+    # keeps nothing for it and exits (it kept them for as long as this process lived).
+    node = _services.current_node_id()
+    wait_for(lambda: node not in _services.find(_uploader.KIND), timeout_s=60,
+             what="the node uploader exiting after its only worker left for good")
     fresh = _state(9)
     with Checkpointer(uri, staging_dir=str(tmp_path / "o"), uploader="thread") as ckpt:
         assert ckpt.restore(fresh) == 2

@@ -151,6 +151,7 @@ class Peer:
         self.sock = sock
         self.lock = threading.Lock()
         self.said_bye = False
+        self.final = False  # its goodbye said the worker is done: nobody asks about its jobs
         self.conn = ""  # the connection's id, from the worker's hello
         self.ended = threading.Event()  # set once its last frame is handled
 
@@ -224,7 +225,7 @@ class ChannelServer:
         while (message := _recv(peer.sock)) is not None:
             rid = message[1]
             if message[2] == "bye":
-                peer.said_bye = True
+                peer.said_bye, peer.final = True, bool(message[3])
                 peer.send(("reply", rid, True, None))
                 continue
             try:
@@ -284,6 +285,7 @@ class ChannelClient:
                  on_lost: Callable[[str, list[Handoff]], None] | None = None) -> None:
         self.conn = uuid.uuid4().hex
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        _open_clients.add(self)  # from here: a fork during the hello closes the child's copy too
         self._lock = threading.Lock()  # sends
         self._state_lock = threading.Lock()
         self._replies: dict[int, Future[Any]] = {}
@@ -300,9 +302,11 @@ class ChannelClient:
             self._sock.settimeout(None)
             _bound_sends(self._sock, max(1, int(timeout_s)))
         except BaseException:
+            _open_clients.discard(self)
             self._sock.close()
             raise
         if answer is None or answer[0] != "welcome":
+            _open_clients.discard(self)
             self._sock.close()
             if answer is not None and answer[0] == "exiting":
                 raise UploaderExitingError("the node uploader is exiting (idle with no live client); "
@@ -310,7 +314,6 @@ class ChannelClient:
             raise UploaderGoneError("the node uploader closed the connection during the hello")
         self._reader = threading.Thread(target=self._read, name="rg-channel-reader", daemon=True)
         self._reader.start()
-        _open_clients.add(self)
 
     def _forked(self) -> None:
         """In a forked child: this copy is not the worker's connection; close it quietly."""
@@ -432,7 +435,7 @@ class ChannelClient:
         ``on_lost``."""
         answered = False
         try:
-            self.request(("bye",), timeout_s)
+            self.request(("bye", final), timeout_s)
             answered = True
         except (UploaderGoneError, TimeoutError) as exc:
             logger.warning("closing the uploader connection without its goodbye: %s", exc)

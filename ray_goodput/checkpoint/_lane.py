@@ -37,6 +37,7 @@ class Ticket:
         self.done = threading.Event()
         self.result: ShardResult | None = None
         self.error: BaseException | None = None
+        self.origin = ""  # the worker connection it came on ("" by an actor call)
         self.callbacks: list[Callable[[Ticket], None]] = []          # when done
         self.release_callbacks: list[Callable[[Ticket], None]] = []  # when the arena is free
 

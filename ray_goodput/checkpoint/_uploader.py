@@ -174,6 +174,7 @@ class CheckpointUploader:
         """
         ticket = Ticket(dataclasses.replace(job, root=self._resolve_root(root)))
         if peer is not None:  # first: the worker must hear whatever the bookkeeping does
+            ticket.origin = peer.conn
             ticket.release_callbacks.append(lambda t: peer.send(("released", t.job.key)))
             ticket.callbacks.append(functools.partial(self._tell_done, peer))
         ticket.release_callbacks.append(self._released)
@@ -213,7 +214,7 @@ class CheckpointUploader:
         connection the job was sent on; its frames are all handled before this looks."""
         self._after_connection(conn, None)
         ticket = self._jobs.get(key)
-        if ticket is None:  # wait_durable already collected it: the job is over
+        if ticket is None or (conn and ticket.origin != conn):  # over (collected), or not read from that connection
             return
         ticket.released.wait()
 
@@ -226,9 +227,9 @@ class CheckpointUploader:
             raise TimeoutError(f"the uploader on node {self.node_id} had not read a broken connection's "
                                f"last frames after {timeout_s:.0f}s")
         ticket = self._jobs.get(key)
-        if ticket is None:
-            raise CheckpointError(f"the uploader on node {self.node_id} has no job {key}: it never read it, "
-                                  "or it ended and its outcome went out on a connection that broke")
+        if ticket is None or (conn and ticket.origin != conn):  # a retry of the key may have come on another
+            raise CheckpointError(f"the uploader on node {self.node_id} has no job {key} from that connection: "
+                                  "it never read it, or it ended and its outcome went out before the break")
         if not ticket.done.wait(max(0.0, deadline - time.monotonic())):
             raise TimeoutError(f"step {ticket.job.step} (rank {ticket.job.rank}) was not durable after "
                                f"{timeout_s:.0f}s in the uploader on node {self.node_id}")
@@ -240,10 +241,10 @@ class CheckpointUploader:
 
     def _tell_done(self, peer: Peer, ticket: Ticket) -> None:
         error = portable_error(ticket.error) if ticket.error is not None else None
-        if peer.send(("done", ticket.job.key, ticket.result, error)):
-            with self._lock:  # the worker heard: nobody asks wait_durable for it
+        if peer.send(("done", ticket.job.key, ticket.result, error)) or peer.final:
+            with self._lock:  # the worker heard, or left for good: nobody asks wait_durable for it
                 self._jobs.pop(ticket.job.key, None)
-        # else kept for the worker's wait_durable (or dropped once it is dead: _live_clients)
+        # else kept for the worker's wait_durable, and the uploader stays up for it (_live_clients)
 
     # -- bookkeeping --
     def _released(self, ticket: Ticket) -> None:
@@ -288,12 +289,18 @@ class CheckpointUploader:
             return any(not t.done.is_set() for t in self._jobs.values())
 
     def _live_clients(self) -> int:
+        """Live registrations and connections, and live workers with an ended job they have
+        not collected yet (their connection broke; they ask the actor)."""
         with self._lock:
             self._clients = {(pid, token) for pid, token in self._clients if pid_alive(pid)}
             # Ended jobs nobody collected (their worker died before it asked): forget them.
             for key in [k for k, t in self._jobs.items() if t.done.is_set() and not pid_alive(t.job.owner_pid)]:
                 del self._jobs[key]
-            return len(self._clients) + len(self._peers)
+            return len(self._clients) + len(self._peers) + len(self._uncollected())
+
+    def _uncollected(self) -> set[int]:
+        """Workers (pids) with an ended job whose outcome they have not heard; under _lock."""
+        return {t.job.owner_pid for t in self._jobs.values() if t.done.is_set()}
 
     def _idle_grace_s(self) -> float:
         """How long this uploader stays up idle with no live client."""
@@ -310,7 +317,7 @@ class CheckpointUploader:
                 continue
             if time.monotonic() - self._idle_since > self._idle_grace_s():
                 with self._lock:  # decided where register() looks: a worker registering from now on is told
-                    if self._clients or self._peers or any(not t.done.is_set() for t in self._jobs.values()):
+                    if self._clients or self._peers or self._jobs:  # running, or ended and not collected
                         continue
                     self._exiting = True
                 logger.info("uploader on node %s: idle with no live client; exiting", self.node_id)
@@ -445,7 +452,8 @@ class ActorBackend:
                 _chain(actor.wait_durable.remote(handoff.key, self._durable_timeout_s, conn).future(),
                        handoff.durable)
             except Exception as exc:  # noqa: BLE001 - Ray itself is going: nobody can answer
-                settle(handoff.released, None, None)
+                # The arena stays held (the uploader, another process, may still write from
+                # it): the next save that needs it raises after _ARENA_WAIT_S.
                 settle(handoff.durable, None, CheckpointError(f"could not ask the node uploader about "
                                                               f"{handoff.key}: {type(exc).__name__}: {exc}"))
 
