@@ -134,6 +134,7 @@ def test_a_reconnect_leaves_a_running_jobs_arena_to_on_lost_and_only_a_final_goo
     assert client.close(final=False) is True
     assert lost == [(client.conn, [running])] and not running.released.done()
     final = _client_telling(uploader, lost)
+    assert final.conn != client.conn  # the uploader is asked about a broken one by its own id
     last = _handoff("job-2")
     final.submit("job-2", None, last)
     assert final.close() is True  # the goodbye was answered: the job mapped its arena
