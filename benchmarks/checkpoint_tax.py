@@ -268,6 +268,9 @@ class _Bench:
             self.pinned = [torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
                            for t in self.tensors]
         self.ckpt = Checkpointer(keep_last=1, staging_dir=str(Path(cfg["work"]) / "rg_staging"))
+        # As a training script does before its loop (nothing to load here): it also gets
+        # the first save ready (the owner plan, the arena's pages, the uploader connection).
+        self.ckpt.restore(self.state)
         self.stager = None  # DCP's async stager, made by the first dcp_async save
         self.stagers_made = 0
         # dcp.async_save's collectives run in a background thread: on a group of their own,

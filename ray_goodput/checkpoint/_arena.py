@@ -25,6 +25,8 @@ from ray_goodput.runtime import pid_alive
 
 logger = logging.getLogger(__name__)
 _ALIGN = 64
+_PAGE = 4096
+_SHM = Path("/dev/shm")
 _NAME_RE = re.compile(r"^rank-\d+-(\d+)(?:-\d+)?\.arena$")
 
 
@@ -45,9 +47,8 @@ class TensorSlot:
 
 def pick_dir(staging: Path, need_bytes: int) -> Path:
     """/dev/shm when it has twice ``need_bytes`` free, else ``staging``."""
-    shm = Path("/dev/shm")
-    if shm.is_dir() and shutil.disk_usage(shm).free > 2 * need_bytes:
-        return shm / "ray_goodput"
+    if _SHM.is_dir() and shutil.disk_usage(_SHM).free > 2 * need_bytes:
+        return _SHM / "ray_goodput"
     return staging
 
 
@@ -61,6 +62,11 @@ def sweep_dead(directory: Path) -> None:
         if not pid_alive(pid):
             path.unlink(missing_ok=True)
             logger.info("removed the snapshot arena of dead process %d", pid)
+
+
+def aligned(nbytes: int) -> int:
+    """The bytes a slot of ``nbytes`` takes in an arena."""
+    return -(-nbytes // _ALIGN) * _ALIGN
 
 
 def _u8(path: Path, size: int, mode: str) -> torch.Tensor:
@@ -140,13 +146,20 @@ class Arena:
             self._buf, self.size = _u8(self.path, size, "r+"), size
         return self._buf
 
+    def prefault(self, size: int) -> None:
+        """Map ``size`` bytes and touch each page, so that the first snapshot copies at the
+        speed of later ones (run before it, off the save path; not concurrently with it)."""
+        buf = self._ensure(size)
+        if self.path.is_relative_to(_SHM):  # a file on disk would write the zeros out too
+            buf[::_PAGE].fill_(0)
+
     def snapshot(self, tensors: dict[str, torch.Tensor]) -> list[TensorSlot]:
         """Copy ``tensors`` into the arena; blocks until the copy is complete."""
         slots, offset = [], 0
         for fqn, t in tensors.items():
             nbytes = t.numel() * t.element_size()
             slots.append(TensorSlot(fqn, t.dtype, tuple(t.shape), offset, nbytes))
-            offset += -(-nbytes // _ALIGN) * _ALIGN
+            offset += aligned(nbytes)
         buf = self._ensure(offset)
         device = next((t.device for t in tensors.values() if t.device.type == "cuda"), None)
         if device is not None:

@@ -36,6 +36,7 @@ from ray_goodput.checkpoint import (_catalog, _collective, _generation, _layout,
                                     _state)
 from ray_goodput.checkpoint._arena import Arena, arena_name, pick_dir, sweep_dead
 from ray_goodput.checkpoint._backends import Handoff, ThreadBackend, UploadBackend
+from ray_goodput.checkpoint._first_save import snapshot_bound
 from ray_goodput.checkpoint._job import ShardJob
 from ray_goodput.checkpoint._local_copies import LocalCopyDropper
 from ray_goodput.checkpoint._metrics import SaveMetrics
@@ -176,6 +177,7 @@ class Checkpointer:
         self._token = ""
         self._uploader: UploadBackend | None = None if isinstance(uploader, str) else uploader
         self._arenas: list[Arena] = []
+        self._prefault: threading.Thread | None = None  # arena 0's pages, touched after restore()
         self._holders: list[Handoff | None] = [None, None]
         self._owner_cache: tuple[int, dict[str, int]] | None = None
         self._pending: dict[int, _Pending] = {}
@@ -296,6 +298,7 @@ class Checkpointer:
             keys = _shard_plan.local_keys(leaves, self._owners(leaves), self.rank)
             tensors = {k: _local(flat[k]) for k in keys if leaves[k].kind != _shard_plan.OBJECT}
             objects = {k: pickle.dumps(flat[k]) for k in keys if leaves[k].kind == _shard_plan.OBJECT}
+            self._prefaulted()
             index = self._free_arena(sum(t.numel() * t.element_size() for t in tensors.values()))
             arena = self._arenas[index]
             slots = arena.snapshot(tensors)
@@ -330,9 +333,7 @@ class Checkpointer:
         """Index of an arena no job holds. When both are held (one being written, one
         waiting), the waiting job is superseded: the newest state goes next."""
         if not self._arenas:
-            base = pick_dir(self.staging, 2 * need_bytes) / self._run_key
-            sweep_dead(base)
-            self._arenas = [Arena(base / arena_name(self.rank, os.getpid(), i)) for i in (0, 1)]
+            self._arenas = self._new_arenas(need_bytes)
         free = [i for i, h in enumerate(self._holders) if h is None or h.released.done()]
         if free:
             return free[0]
@@ -346,6 +347,11 @@ class Checkpointer:
             raise CheckpointError(f"no snapshot arena was released by the uploader within {_ARENA_WAIT_S:.0f}s; "
                                   "check the uploader's health (ray-goodput status)")
         return next(i for i, h in enumerate(self._holders) if h.released in done)
+
+    def _new_arenas(self, need_bytes: int) -> list[Arena]:
+        base = pick_dir(self.staging, 2 * need_bytes) / self._run_key
+        sweep_dead(base)
+        return [Arena(base / arena_name(self.rank, os.getpid(), i)) for i in (0, 1)]
 
     def _pending_step_of(self, handoff: Handoff | None) -> int:
         return next((s for s, p in self._pending.items() if p.handoff is handoff), -1)
@@ -432,7 +438,36 @@ class Checkpointer:
         (None: start fresh); otherwise the newest intact committed checkpoint. A damaged
         one is quarantined with a warning and every rank falls back to the previous intact
         one. The world size may differ from the one that saved it (DCP resharding).
+        Before the first save, it also gets that save ready (``_first_save``).
         """
+        step = self._restore(state)
+        self._prepare_first_save(state)
+        return step
+
+    def _prepare_first_save(self, state: dict[str, Any]) -> None:
+        """Size the first arena for ``state`` and touch its pages in the background."""
+        if self.stats.saves or self._arenas:
+            return
+        size = snapshot_bound(state, self.world_size)
+        if not size:
+            return
+        self._arenas = self._new_arenas(size)
+        self._prefault = threading.Thread(target=self._arenas[0].prefault, args=(size,),
+                                          name="rg-arena-prefault", daemon=True)
+        self._prefault.start()
+
+    def _prefaulted(self) -> None:
+        """Wait for the background prefault (milliseconds; bounded): the arena is not
+        thread-safe, and a snapshot must not be copied under its zeros."""
+        if self._prefault is None:
+            return
+        self._prefault.join(_DROP_JOIN_S)
+        if self._prefault.is_alive():
+            raise CheckpointError(f"touching the snapshot arena's pages took over {_DROP_JOIN_S:.0f}s; "
+                                  "is the node out of memory?")
+        self._prefault = None
+
+    def _restore(self, state: dict[str, Any]) -> int | None:
         self._check_open()
         if self.stats.saves:  # none yet (every rank alike: saves are collective): nothing to settle
             self.wait()  # collective: called on every rank, whatever each one has pending
@@ -548,6 +583,8 @@ class Checkpointer:
 
     def _release(self) -> None:
         self._closed = True
+        if self._prefault is not None:
+            self._prefault.join(_DROP_JOIN_S)
         if self._uploader is not None:
             self._uploader.close()
         for arena in self._arenas:

@@ -401,33 +401,62 @@ class ActorBackend:
         self._endpoint = None  # ObjectRef of the socket's path; asking registers this worker
         self._channel: ChannelClient | None = None
         self._by_actor = False  # the socket could not be reached: jobs go by actor calls
+        self._attaching: threading.Thread | None = None  # the connection made at start(), off the save path
         self._token = uuid.uuid4().hex  # tells this backend from others of its process
         # Sent at start: the actor builds the storage client before the first save.
         self._root_blob: bytes | None = pickle.dumps(root) if root is not None else None
         self._durable_timeout_s = durable_timeout_s  # bound of the actor-side wait (by actor calls)
 
     def start(self) -> None:
-        """Find or create this node's uploader and register with it, without waiting for
-        it (it starts, and resolves the storage location, while the worker builds its model
-        and restores)."""
+        """Find or create this node's uploader, register with it and connect to it in the
+        background (it starts, and resolves the storage location, while the worker builds
+        its model and restores)."""
         node_id = _services.current_node_id()
+        self._attached()
         self._drop_channel()
         self._by_actor = False
         self._actor = _services.get_or_create(_actor_class(), KIND, node_id, node_id=node_id, max_concurrency=64)
         self._endpoint = self._actor.endpoint.remote(os.getpid(), self._root_blob, self._token)
+        self._attaching = threading.Thread(target=self._attach_ahead, name="rg-uploader-attach", daemon=True)
+        self._attaching.start()
+
+    def _attach_ahead(self) -> None:
+        """Connect while the worker builds its model and restores: the first save then
+        finds the connection made (~10-20 ms here once the actor is up, seconds before)."""
+        try:
+            self._attach()
+        except Exception as exc:  # noqa: BLE001 - the first save attaches again, and raises
+            logger.debug("could not connect to the node uploader ahead of the first save: %s", exc)
+
+    def _attached(self, *, strict: bool = True) -> None:
+        """Wait for the connection started at start() (its calls are bounded; so is this).
+        ``strict``: raise when it is still going (another attach must not race it)."""
+        if self._attaching is None:
+            return
+        self._attaching.join(2 * _HANDOFF_TIMEOUT_S + 10)
+        if self._attaching.is_alive():
+            if strict:
+                raise CheckpointError(f"connecting to the node uploader took over {2 * _HANDOFF_TIMEOUT_S + 10:.0f}s; "
+                                      "check it with 'ray-goodput status'")
+            return
+        self._attaching = None
 
     def _get(self, fresh: bool = False) -> Any:
         """The uploader, attached to (a channel, or actor calls); a fresh one when asked."""
+        self._attached()
         if self._actor is None or fresh or (self._channel is not None and not self._channel.alive):
             self.start()  # a channel that closed is an uploader that died or exited
+            self._attached()
         if self._channel is not None or self._by_actor:
             return self._actor
         try:
-            self._attach()
+            self._attach()  # again: the attempt made ahead failed (it logged why)
         except UploaderExitingError:  # it was idle and is going: its name is free once it is gone
             _wait_gone(self._actor)
             self.start()
-            self._attach()
+            self._attached()
+            if self._channel is None and not self._by_actor:
+                self._attach()
         return self._actor
 
     def _attach(self) -> None:
@@ -525,6 +554,7 @@ class ActorBackend:
         the caller unlinks the arenas next); a registration is dropped."""
         if self._actor is None:
             return
+        self._attached(strict=False)
         connected = self._channel is not None
         self._drop_channel(final=True)
         if not connected:
