@@ -707,11 +707,12 @@ def _restore_with(b: _Bench, staging_dir: Path, step: int):
     worker makes, whose node-local copy lives under ``staging_dir``."""
     from ray_goodput import Checkpointer
 
-    # Never closed: close() would add a Ray Train report; it saved nothing, so it holds
-    # no uploader and no arena to release.
+    # Not closed: close() would add a Ray Train report. It saved nothing; it holds no
+    # uploader, only the arena its restore prepared for a first save, released here.
     ck = Checkpointer(keep_last=1, staging_dir=str(staging_dir), uploader="thread")
     got: list = []
     seconds = _timed(b, lambda: got.append(ck.restore(b.state)))
+    ck._release()  # noqa: SLF001 - after the timing: joins the arena's prefault, unlinks it
     if got != [step]:
         raise RuntimeError(f"restore loaded step {got[0] if got else None}, expected {step}")
     return seconds, ck.last_restore

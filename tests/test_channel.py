@@ -104,7 +104,8 @@ def test_a_clean_close_returns_only_once_every_job_sent_before_it_was_handled(up
     uploader.gate.set()
     closer.join(30)
     assert not closer.is_alive() and uploader.requests == [("submit", "job-1", None)]
-    assert uploader.closed == [True]
+    # The uploader sees the end after the goodbye's answer went out: not yet, maybe.
+    wait_for(lambda: uploader.closed == [True], timeout_s=10, what="the uploader seeing a clean close")
 
 
 def test_a_connection_broken_while_the_uploader_lives_does_not_free_its_jobs_arenas(uploader):

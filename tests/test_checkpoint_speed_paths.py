@@ -1330,35 +1330,85 @@ def test_a_worker_that_cannot_reach_the_uploaders_socket_hands_jobs_over_by_acto
     _services.shutdown(KIND, drain_timeout_s=10)
 
 
+def _stepped(model: torch.nn.Module) -> dict:
+    optim = torch.optim.AdamW(model.parameters())
+    for param in model.parameters():
+        param.grad = torch.zeros_like(param)
+    optim.step()
+    return {"model": model, "optim": optim}
+
+
+class _Tiny(torch.nn.Module):
+    """One large and 250 tiny replicated tensors: the owner plan balances unpadded bytes,
+    so one rank gets the tiny ones, which take 64 bytes each in an arena."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.big = torch.nn.Parameter(torch.zeros(250))
+        self.small = torch.nn.ParameterList(torch.nn.Parameter(torch.zeros(1)) for _ in range(250))
+
+
 @pytest.mark.parametrize("world", [1, 2, 3, 8])
-def test_the_first_saves_arena_size_holds_each_ranks_share_of_the_replicated_leaves(world):
-    # Sized from one rank's state alone (no collective in restore): its share as the owner
-    # plan spreads the replicated leaves, plus the largest; never less than a rank gets.
+def test_the_first_saves_arena_size_is_each_ranks_share_under_the_owner_plan(world):
+    # Sized from one rank's state alone (no collective in restore): exactly what the
+    # owner plan gives the rank when every rank holds the same replicated leaves.
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
     from ray_goodput.checkpoint import _shard_plan, _state
     from ray_goodput.checkpoint._arena import aligned
-    from ray_goodput.checkpoint._first_save import snapshot_bound
+    from ray_goodput.checkpoint._first_save import snapshot_size
 
-    model = torch.nn.Sequential(torch.nn.Linear(64, 300), torch.nn.Linear(300, 7), torch.nn.Embedding(1000, 33))
-    state = {"model": model, "optim": torch.optim.AdamW(model.parameters())}
-    bound = snapshot_bound(state, world)
-    with _state.saving(_state.classify(state)) as (sd, _):
-        flat, _ = flatten_state_dict(sd)
-        leaves = {fqn: _shard_plan.describe(v) for fqn, v in flat.items()}
-        sizes = {fqn: aligned(v.numel() * v.element_size()) for fqn, v in flat.items() if isinstance(v, torch.Tensor)}
-    owners = _shard_plan.assign_owners([leaves] * world)
-    shares = [sum(sizes.get(fqn, 0) for fqn in _shard_plan.local_keys(leaves, owners, r)) for r in range(world)]
-    assert max(shares) <= bound <= sum(sizes.values())
-    assert bound <= sum(sizes.values()) / world + max(sizes.values()) + 64  # not the whole state per rank
+    models = [torch.nn.Sequential(torch.nn.Linear(64, 300), torch.nn.Linear(300, 7), torch.nn.Embedding(1000, 33)),
+              _Tiny()]
+    for state in map(_stepped, models):
+        with _state.saving(_state.classify(state)) as (sd, _):
+            flat, _ = flatten_state_dict(sd)
+            leaves = {fqn: _shard_plan.describe(v) for fqn, v in flat.items()}
+            sizes = {fqn: aligned(v.numel() * v.element_size()) for fqn, v in flat.items()
+                     if isinstance(v, torch.Tensor)}
+        owners = _shard_plan.assign_owners([leaves] * world)
+        for rank in range(world):
+            share = sum(sizes.get(fqn, 0) for fqn in _shard_plan.local_keys(leaves, owners, rank))
+            assert snapshot_size(state, world, rank) == share
 
 
-def test_restore_gets_the_first_save_ready_connected_planned_and_its_arena_touched(ray_local, tmp_path):
+def test_restore_does_not_step_an_optimizer_that_never_stepped_to_size_the_first_save(tmp_path):
+    # Sizing it would run a made-up step (hooks, memory, a GradScaler): a fresh start's
+    # first save sizes and touches its arena itself (found in review).
+    model = torch.nn.Linear(32, 32)
+    optim = torch.optim.AdamW(model.parameters())
+    steps: list[int] = []
+    optim.register_step_post_hook(lambda *_: steps.append(1))
+    with Checkpointer(str(tmp_path / "r"), staging_dir=str(tmp_path / "s"), uploader="thread") as ckpt:
+        assert ckpt.restore({"model": model, "optim": optim}) is None
+        assert steps == [] and not optim.state and ckpt._arenas == []  # noqa: SLF001
+
+
+def test_a_checkpointer_that_only_restores_leaves_another_ones_arenas_alone(tmp_path):
+    # Arenas were named by run, rank and process: a second Checkpointer of the process on
+    # the same run (restoring into an eval copy) prepared, resized and unlinked the
+    # trainer's arena files (found in review).
+    root = str(tmp_path / "r")
+    trainer_state = _stepped(torch.nn.Linear(64, 64))
+    with Checkpointer(root, staging_dir=str(tmp_path / "s"), uploader="thread") as trainer:
+        trainer.save(1, trainer_state)
+        trainer.wait()
+        paths = [a.path for a in trainer._arenas if a.path.exists()]  # noqa: SLF001 - arena 1: never used
+        assert paths
+        with Checkpointer(root, staging_dir=str(tmp_path / "e"), uploader="thread") as evaluator:
+            assert evaluator.restore(_stepped(torch.nn.Linear(64, 64))) == 1
+            assert not {a.path for a in evaluator._arenas} & set(paths)  # noqa: SLF001
+        assert all(p.exists() for p in paths)
+        trainer.save(2, trainer_state)
+        trainer.wait()
+        assert trainer.stats.committed == [1, 2]
+
+
+def test_restore_gets_the_first_save_ready_connected_and_its_arena_touched(ray_local, tmp_path):
     # The first save of each attempt paid the connection to the uploader and the first
     # touch of its arena's pages (0.04 s per 72 MiB here, against 0.005 s into touched
     # pages). The connection is made from construction, the pages touched after restore().
-    model = torch.nn.Linear(256, 256)
-    state = {"model": model, "optim": torch.optim.AdamW(model.parameters())}  # not stepped yet
+    state = _stepped(torch.nn.Linear(256, 256))  # as a resumed attempt's
     with Checkpointer(str(tmp_path / "r"), staging_dir=str(tmp_path / "s"), uploader="actor") as ckpt:
         assert ckpt.restore(state) is None
         ckpt._prefaulted()  # noqa: SLF001 - the background touch is done

@@ -10,6 +10,7 @@ in the staging directory.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import re
@@ -27,11 +28,16 @@ logger = logging.getLogger(__name__)
 _ALIGN = 64
 _PAGE = 4096
 _SHM = Path("/dev/shm")
-_NAME_RE = re.compile(r"^rank-\d+-(\d+)(?:-\d+)?\.arena$")
+_NAME_RE = re.compile(r"^rank-\d+-(\d+)(?:-\d+)?(?:-[0-9a-f]+)?\.arena$")
+_instances = itertools.count()
 
 
-def arena_name(rank: int, pid: int, index: int) -> str:
-    return f"rank-{rank:05d}-{pid}-{index}.arena"
+def arena_names(rank: int) -> tuple[str, str]:
+    """The file names of a new Checkpointer's two arenas: its process and its own number
+    in it (two Checkpointers of one process on one run, a trainer's and one that only
+    restores, say, must not share files)."""
+    pid, instance = os.getpid(), next(_instances)
+    return tuple(f"rank-{rank:05d}-{pid}-{index}-{instance:x}.arena" for index in (0, 1))
 
 
 @dataclass(frozen=True)
@@ -148,10 +154,14 @@ class Arena:
 
     def prefault(self, size: int) -> None:
         """Map ``size`` bytes and touch each page, so that the first snapshot copies at the
-        speed of later ones (run before it, off the save path; not concurrently with it)."""
-        buf = self._ensure(size)
-        if self.path.is_relative_to(_SHM):  # a file on disk would write the zeros out too
-            buf[::_PAGE].fill_(0)
+        speed of later ones (run before it, off the save path; not concurrently with it).
+        A failure is logged: the snapshot maps and faults the pages itself."""
+        try:
+            buf = self._ensure(size)
+            if self.path.is_relative_to(_SHM):  # a file on disk would write the zeros out too
+                buf[::_PAGE].fill_(0)
+        except Exception as exc:  # noqa: BLE001 - an optimisation
+            logger.warning("could not prepare the snapshot arena %s ahead of the first save: %s", self.path, exc)
 
     def snapshot(self, tensors: dict[str, torch.Tensor]) -> list[TensorSlot]:
         """Copy ``tensors`` into the arena; blocks until the copy is complete."""

@@ -34,9 +34,9 @@ from torch.distributed.tensor import DTensor
 from ray_goodput import _env
 from ray_goodput.checkpoint import (_catalog, _collective, _generation, _layout, _retention, _shard_plan,
                                     _state)
-from ray_goodput.checkpoint._arena import Arena, arena_name, pick_dir, sweep_dead
+from ray_goodput.checkpoint._arena import Arena, arena_names, pick_dir, sweep_dead
 from ray_goodput.checkpoint._backends import Handoff, ThreadBackend, UploadBackend
-from ray_goodput.checkpoint._first_save import snapshot_bound
+from ray_goodput.checkpoint._first_save import snapshot_size
 from ray_goodput.checkpoint._job import ShardJob
 from ray_goodput.checkpoint._local_copies import LocalCopyDropper
 from ray_goodput.checkpoint._metrics import SaveMetrics
@@ -351,7 +351,7 @@ class Checkpointer:
     def _new_arenas(self, need_bytes: int) -> list[Arena]:
         base = pick_dir(self.staging, 2 * need_bytes) / self._run_key
         sweep_dead(base)
-        return [Arena(base / arena_name(self.rank, os.getpid(), i)) for i in (0, 1)]
+        return [Arena(base / name) for name in arena_names(self.rank)]
 
     def _pending_step_of(self, handoff: Handoff | None) -> int:
         return next((s for s, p in self._pending.items() if p.handoff is handoff), -1)
@@ -445,16 +445,23 @@ class Checkpointer:
         return step
 
     def _prepare_first_save(self, state: dict[str, Any]) -> None:
-        """Size the first arena for ``state`` and touch its pages in the background."""
+        """Size the first arena for ``state`` and touch its pages in the background. Never
+        raises: ``restore()`` succeeded on every rank, and must return on every rank (a
+        failure here is the first save's to meet, where every rank agrees on it)."""
         if self.stats.saves or self._arenas:
             return
-        size = snapshot_bound(state, self.world_size)
-        if not size:
+        try:
+            size = snapshot_size(state, self.world_size, self.rank)
+            if not size:
+                return
+            arenas = self._new_arenas(size)
+            prefault = threading.Thread(target=arenas[0].prefault, args=(size,), name="rg-arena-prefault",
+                                        daemon=True)
+            prefault.start()
+        except Exception as exc:  # noqa: BLE001 - an optimisation
+            logger.warning("could not prepare the first save's snapshot arena: %s", exc)
             return
-        self._arenas = self._new_arenas(size)
-        self._prefault = threading.Thread(target=self._arenas[0].prefault, args=(size,),
-                                          name="rg-arena-prefault", daemon=True)
-        self._prefault.start()
+        self._arenas, self._prefault = arenas, prefault
 
     def _prefaulted(self) -> None:
         """Wait for the background prefault (milliseconds; bounded): the arena is not

@@ -4,11 +4,16 @@ The first save of each attempt paid what a later save does not: the first touch 
 page of its snapshot arena (a fresh tmpfs mapping: 0.04 s per 72 MiB on this project's
 2-core machine, against 0.005 s for a copy into touched pages) and the connection to the
 node uploader. ``restore()`` runs on every rank before training and knows the state: it
-sizes the arena (:func:`snapshot_bound`, from this rank alone: no collective) and leaves
+sizes the arena (:func:`snapshot_size`, from this rank alone: no collective) and leaves
 its pages to be touched in the background (:meth:`Arena.prefault`) while the training
 loop starts; the backend connects in the background from construction. The owner plan
 stays with the first save (one exchange among the ranks): in restore it cost more than it
 saved there.
+
+Only a state whose optimizers have stepped is sized here (a resumed attempt's, or one
+restored into): describing an optimizer that never stepped means running a made-up step
+(``_state.made_up_state``), whose hooks, memory and wrappers (a GradScaler) ``restore()``
+must not set off. A fresh start's first save touches its arena itself.
 """
 
 from __future__ import annotations
@@ -25,29 +30,27 @@ from ray_goodput.checkpoint._arena import aligned
 logger = logging.getLogger(__name__)
 
 
-def snapshot_bound(state: dict[str, Any], world_size: int) -> int | None:
-    """At least the bytes this rank's arena needs to snapshot ``state`` as a save sees
-    it, from this rank's state alone: its shards, and its share of the replicated leaves
-    as the owner plan spreads them (largest first, each to the least-loaded rank, so no
-    rank gets more than the average plus the largest one, when every rank holds them).
-    None when the state cannot be described: the save sizes the arena itself."""
+def snapshot_size(state: dict[str, Any], world_size: int, rank: int) -> int | None:
+    """The bytes this rank's arena needs to snapshot ``state`` as a save sees it, from this
+    rank's state alone: its shards, and the replicated leaves the owner plan gives it when
+    every rank holds the same ones (else the save grows the arena). None when an optimizer
+    has not stepped or the state cannot be described: the save sizes the arena itself."""
     try:
-        with _state.saving(_state.classify(state)) as (sd, _):
+        roles = _state.classify(state)
+        if any(not optim.state for optim, _ in roles.optimizers.values()):
+            return None
+        with _state.saving(roles) as (sd, _):
             flat, _ = flatten_state_dict(sd)
-            shards = replicated = largest = count = 0
-            for value in flat.values():
-                kind = _shard_plan.describe(value).kind
-                if kind == _shard_plan.OBJECT:
-                    continue
-                local = value.to_local() if isinstance(value, DTensor) else value
-                nbytes = aligned(local.numel() * local.element_size())
-                if kind == _shard_plan.SHARD:
-                    shards += nbytes
-                else:
-                    replicated, largest, count = replicated + nbytes, max(largest, nbytes), count + 1
+            leaves = {fqn: _shard_plan.describe(value) for fqn, value in flat.items()}
+            sizes = {fqn: aligned(_nbytes(value)) for fqn, value in flat.items()
+                     if leaves[fqn].kind != _shard_plan.OBJECT}
     except Exception as exc:  # noqa: BLE001 - an optimisation: the save itself raises what is wrong
         logger.debug("could not size the first save's arena ahead: %s", exc)
         return None
-    if not count:
-        return shards
-    return shards + min(replicated, -(-replicated // world_size) + largest)
+    mine = _shard_plan.share_when_all_hold(leaves, world_size, rank)
+    return sum(sizes[fqn] for fqn in mine if fqn in sizes)
+
+
+def _nbytes(value: Any) -> int:
+    local = value.to_local() if isinstance(value, DTensor) else value
+    return local.numel() * local.element_size()

@@ -10,6 +10,7 @@ owner of each replicated leaf is a deterministic function of all descriptions.
 from __future__ import annotations
 
 import hashlib
+import heapq
 import pickle
 from dataclasses import dataclass
 from typing import Any
@@ -78,6 +79,26 @@ def assign_owners(leaves_by_rank: list[dict[str, Leaf]]) -> dict[str, int]:
         owners[fqn] = owner
         load[owner] += sizes[fqn]
     return owners
+
+
+def share_when_all_hold(leaves: dict[str, Leaf], world_size: int, rank: int) -> list[str]:
+    """:func:`local_keys` of ``rank`` under :func:`assign_owners` when every one of the
+    ``world_size`` ranks holds the same replicated leaves as this one (DDP; or no
+    replicated leaf at all), from this rank's leaves alone: the same greedy spread,
+    O(leaves x log world) instead of O(leaves x world)."""
+    load = [(0, r) for r in range(world_size)]  # a heap: the least-loaded rank, ties by rank
+    mine = [fqn for fqn, leaf in leaves.items() if leaf.kind == SHARD]
+    for fqn in sorted((f for f, leaf in leaves.items() if leaf.kind != SHARD),
+                      key=lambda f: (-leaves[f].nbytes, f)):
+        nbytes = leaves[fqn].nbytes
+        if nbytes == 0:
+            owner = 0
+        else:
+            done, owner = heapq.heappop(load)
+            heapq.heappush(load, (done + nbytes, owner))
+        if owner == rank:
+            mine.append(fqn)
+    return mine
 
 
 def local_keys(leaves: dict[str, Leaf], owners: dict[str, int], rank: int) -> list[str]:

@@ -402,6 +402,8 @@ class ActorBackend:
         self._channel: ChannelClient | None = None
         self._by_actor = False  # the socket could not be reached: jobs go by actor calls
         self._attaching: threading.Thread | None = None  # the connection made at start(), off the save path
+        self._closing = False  # close() ran: a connection made late is closed by its thread
+        self._swap = threading.Lock()  # the channel's hand-over between that thread and close()
         self._token = uuid.uuid4().hex  # tells this backend from others of its process
         # Sent at start: the actor builds the storage client before the first save.
         self._root_blob: bytes | None = pickle.dumps(root) if root is not None else None
@@ -427,13 +429,15 @@ class ActorBackend:
             self._attach()
         except Exception as exc:  # noqa: BLE001 - the first save attaches again, and raises
             logger.debug("could not connect to the node uploader ahead of the first save: %s", exc)
+        if self._closing:  # close() stopped waiting for this: leave for good
+            self._drop_channel(final=True)
 
-    def _attached(self, *, strict: bool = True) -> None:
+    def _attached(self, *, strict: bool = True, timeout_s: float = 2 * _HANDOFF_TIMEOUT_S + 10) -> None:
         """Wait for the connection started at start() (its calls are bounded; so is this).
         ``strict``: raise when it is still going (another attach must not race it)."""
         if self._attaching is None:
             return
-        self._attaching.join(2 * _HANDOFF_TIMEOUT_S + 10)
+        self._attaching.join(timeout_s)
         if self._attaching.is_alive():
             if strict:
                 raise CheckpointError(f"connecting to the node uploader took over {2 * _HANDOFF_TIMEOUT_S + 10:.0f}s; "
@@ -490,9 +494,10 @@ class ActorBackend:
         """Close the connection. When its goodbye went unanswered on a final close, wait
         (bounded) until the uploader handled its last frames: the caller unlinks the arenas
         next, and a job not yet read would find its arena gone."""
-        if self._channel is None:
+        with self._swap:
+            channel, self._channel = self._channel, None
+        if channel is None:
             return
-        channel, self._channel = self._channel, None
         if channel.close(final=final) or not final:
             return
         try:
@@ -554,7 +559,8 @@ class ActorBackend:
         the caller unlinks the arenas next); a registration is dropped."""
         if self._actor is None:
             return
-        self._attached(strict=False)
+        self._closing = True
+        self._attached(strict=False, timeout_s=_BYE_WAIT_S)
         connected = self._channel is not None
         self._drop_channel(final=True)
         if not connected:
