@@ -1,8 +1,9 @@
 """Where a rank's shard job runs: an :class:`UploadBackend`.
 
 :class:`ThreadBackend` (here) runs it in a thread of the worker; ``ActorBackend``
-(``_uploader``) hands it to the node's CheckpointUploader actor. Both queue a rank's
-jobs in a :class:`~ray_goodput.checkpoint._lane.RankLane` (one running, one waiting)."""
+(``_actor_backend``) hands it to the node's CheckpointUploader actor (``_uploader``).
+Both queue a rank's jobs in a :class:`~ray_goodput.checkpoint._lane.RankLane` (one
+running, one waiting)."""
 
 from __future__ import annotations
 

@@ -45,7 +45,7 @@ from ray_goodput.checkpoint._local_guess import LocalGuess
 from ray_goodput.checkpoint._restore import RestoreInfo, choose, failed_load_verdict, load_checkpoint
 from ray_goodput.checkpoint._save_state import SaveRecord, SaveState, agree
 from ray_goodput.checkpoint._schedule import SaveSchedule
-from ray_goodput.checkpoint._uploader import ActorBackend
+from ray_goodput.checkpoint._actor_backend import ActorBackend
 from ray_goodput.errors import CheckpointError, ConfigError, StateMismatchError
 from ray_goodput.goodput import get_recorder
 from ray_goodput.runtime import WorkerContext, ray_initialized
