@@ -110,7 +110,7 @@ class ActorBackend:
         self._attaching.join(timeout_s)
         if self._attaching.is_alive():
             if strict:
-                raise CheckpointError(f"connecting to the node uploader took over {2 * _HANDOFF_TIMEOUT_S + 10:.0f}s; "
+                raise CheckpointError(f"connecting to the node uploader took over {timeout_s:.0f}s; "
                                       "check it with 'ray-goodput status'")
             return
         self._attaching = None
