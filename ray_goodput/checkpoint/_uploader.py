@@ -187,22 +187,18 @@ class CheckpointUploader:
         lane = self._lanes.get(ticket.job.lane) if ticket is not None else None
         return lane is not None and lane.cancel(key)
 
-    def _after_connection(self, conn: str, timeout_s: float | None) -> bool:
-        """Wait until connection ``conn`` (one that broke; "" for none) has had its last
-        frame handled; False when that took longer than ``timeout_s``."""
+    def wait_connection(self, conn: str, timeout_s: float | None) -> bool:
+        """Wait until connection ``conn`` (one that broke or closed; "" for none) has had
+        its last frame handled; False when that took longer than ``timeout_s``."""
         peer = self._connections.get(conn) if conn else None
         return peer is None or peer.ended.wait(timeout_s)
-
-    def wait_connection(self, conn: str, timeout_s: float) -> bool:
-        """Whether connection ``conn``'s frames were all handled within ``timeout_s``."""
-        return self._after_connection(conn, timeout_s)
 
     def wait_released(self, key: str, conn: str = "") -> None:
         """Return once job ``key`` let go of its arena. Unbounded here on purpose: a result
         means "the arena is free", which only the job can say; the worker bounds its own
         wait for it (``_ARENA_WAIT_S``) and raises when it runs out. ``conn``: the broken
         connection the job was sent on; its frames are all handled before this looks."""
-        self._after_connection(conn, None)
+        self.wait_connection(conn, None)
         ticket = self._jobs.get(key)
         if ticket is None or (conn and ticket.origin != conn):  # over (collected), or not read from that connection
             return
@@ -213,7 +209,7 @@ class CheckpointUploader:
         ``timeout_s``, so that no actor thread waits on a stuck upload for ever (the job
         itself goes on, and may still commit). ``conn``: as for :meth:`wait_released`."""
         deadline = time.monotonic() + timeout_s
-        if not self._after_connection(conn, timeout_s):
+        if not self.wait_connection(conn, timeout_s):
             raise TimeoutError(f"the uploader on node {self.node_id} had not read a broken connection's "
                                f"last frames after {timeout_s:.0f}s")
         ticket = self._jobs.get(key)
