@@ -237,15 +237,15 @@ def test_bad_cache_config_names_the_setting():
 
 
 _RANK_WITH_LOADER_WORKERS = """
-import json, os, sys, time
+import json, sys, time
 import psutil
 from ray_goodput.data import DataLoader, FileDataset
+from ray_goodput.testing import publish_file
 loader = DataLoader(FileDataset(sys.argv[1], decode=int, seed=0, cache=None), 2, num_workers=2,
                     rank=0, world_size=1, persistent_workers=True)
 it = iter(loader)
 next(it)
-open(sys.argv[2] + ".tmp", "w").write(json.dumps([c.pid for c in psutil.Process().children()]))
-os.rename(sys.argv[2] + ".tmp", sys.argv[2])
+publish_file(sys.argv[2], json.dumps([c.pid for c in psutil.Process().children()]))
 time.sleep(300)
 """
 

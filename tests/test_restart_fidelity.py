@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from ray_goodput import list_checkpoints
 from ray_goodput.checkpoint._layout import step_dir
-from ray_goodput.testing import FailAt, FlakyProxy, run_world, wait_for, wait_for_file
+from ray_goodput.testing import FailAt, FlakyProxy, publish_file, run_world, wait_for, wait_for_file
 
 SAMPLES, BATCH, EVERY, STEPS, NODE_LOSS_STEP = 48, 4, 4, 30, 20
 PULL_TIMEOUT_S = 300  # rank 1 waits this long for the test to pull its node
@@ -88,8 +88,10 @@ def _loop(config: dict) -> None:
                 if config.get("node_loss") and world == 2 and step == NODE_LOSS_STEP and rank == 1:
                     # Its upload of this step is held by the proxy; rank 0 waits in the
                     # next step's collective. The test pulls this node, which ends us.
-                    (out / "trigger").write_text(ray.get_runtime_context().get_node_id())
-                    wait_for_file(out / "never", timeout_s=PULL_TIMEOUT_S,
+                    publish_file(out / "trigger", ray.get_runtime_context().get_node_id())
+                    # Ends only if the test could not pull the node: the run then goes on
+                    # to its end instead of outliving the failed test in the background.
+                    wait_for_file(out / "not-pulled", timeout_s=PULL_TIMEOUT_S,
                                   what="the test to pull this node")
                 if step == config["steps"]:
                     break
@@ -118,7 +120,12 @@ def _fit(config, workers, name, storage, on_trigger=None):
     thread.start()
     trigger = wait_for_file(Path(config["out"]) / "trigger", timeout_s=PULL_TIMEOUT_S,
                             what=f"rank 1 to reach step {NODE_LOSS_STEP} (or the run died: {box})")
-    on_trigger(trigger.read_text())
+    try:
+        on_trigger(trigger.read_text())
+    except BaseException:
+        publish_file(Path(config["out"]) / "not-pulled", "")
+        thread.join(timeout=600)
+        raise
     thread.join(timeout=600)
     assert not thread.is_alive(), "the run did not end within 600 s of the node loss"
     assert "result" in box

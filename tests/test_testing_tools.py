@@ -4,6 +4,7 @@ start, and the markers that select tiers."""
 from __future__ import annotations
 
 import subprocess
+import threading
 import sys
 from pathlib import Path
 
@@ -77,3 +78,25 @@ def test_a_moto_server_whose_port_was_taken_meanwhile_starts_again_on_another(mo
     finally:
         first.kill()
         first.wait()
+
+
+def test_a_published_marker_file_is_never_read_before_its_writer_finished(tmp_path):
+    """A reader that opens a marker as soon as it exists must see all of it. The restart
+    fidelity test read its trigger (a node id) empty once, pulled node "" and failed,
+    with its run left going in the background."""
+    from ray_goodput.testing import publish_file, wait_for_file
+
+    text = "x" * (4 << 20)
+    seen: list[int] = []
+
+    def read_all() -> None:
+        for i in range(20):
+            seen.append(len(wait_for_file(tmp_path / f"m{i}", timeout_s=60).read_text()))
+
+    reader = threading.Thread(target=read_all)
+    reader.start()
+    for i in range(20):
+        publish_file(tmp_path / f"m{i}", text)
+    reader.join(timeout=60)
+    assert not reader.is_alive()
+    assert seen == [len(text)] * 20

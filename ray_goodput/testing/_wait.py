@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -27,8 +28,25 @@ def wait_for(condition: Callable[[], T], *, timeout_s: float, what: str,
         time.sleep(interval_s)
 
 
+def publish_file(path: str | Path, text: str) -> Path:
+    """Write ``text`` to ``path`` for a :func:`wait_for_file` in another process.
+
+    The file appears whole or not at all (written beside it, then renamed): a reader that
+    opens it as soon as it exists never sees it empty or cut short.
+    """
+    path = Path(path)
+    part = path.with_name(f".{path.name}.{os.getpid()}.part")
+    part.write_text(text)
+    os.replace(part, path)
+    return path
+
+
 def wait_for_file(path: str | Path, *, timeout_s: float, what: str | None = None) -> Path:
-    """Wait until ``path`` exists (a marker file another process writes); returns it."""
+    """Wait until ``path`` exists (a marker file another process writes); returns it.
+
+    Read what it holds only if the writer used :func:`publish_file`: a plain write can be
+    seen between the file's creation and its last byte.
+    """
     path = Path(path)
     wait_for(path.exists, timeout_s=timeout_s, what=what or f"file {path}")
     return path
