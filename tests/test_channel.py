@@ -228,3 +228,37 @@ def test_a_job_written_before_its_worker_was_killed_is_still_read(uploader):
     uploader.gate.set()
     wait_for(lambda: uploader.closed == [False], timeout_s=10, what="the dead worker's close")
     assert [r[1] for r in uploader.requests] == ["first", "second"]
+
+
+def test_a_send_cut_midway_ends_the_connection_instead_of_leaving_a_partial_frame(uploader):
+    # The uploader is busy (it stopped reading): a big frame fills the socket buffer and
+    # its send runs past the bound. The frame's first bytes are in the socket already: a
+    # later frame on the same connection would be read as the rest of it.
+    uploader.gate.clear()
+    lost: list = []
+    client = ChannelClient(uploader.server.path, (os.getpid(), None, "t"), 1,
+                           on_lost=lambda conn, jobs: lost.append((conn, jobs)))
+    running = _handoff("job-1")
+    client.submit("job-1", None, running)
+    wait_for(lambda: uploader.peers, timeout_s=10, what="the connection")
+    big = _handoff("job-2")
+    with pytest.raises(UploaderGoneError, match="could not send 'submit'"):
+        client.submit(b"x" * (64 << 20), None, big)
+    wait_for(lambda: not client.alive, timeout_s=10, what="the client ending the cut connection")
+    assert not big.durable.done()  # never accepted: the caller has the error already
+    assert lost == [(client.conn, [running])]  # the job sent whole is asked about
+    uploader.gate.set()
+    wait_for(lambda: uploader.closed == [False], timeout_s=10, what="the uploader seeing the end")
+    assert uploader.requests == [("submit", "job-1", None)]  # the cut frame was never handled
+    with pytest.raises(UploaderGoneError):
+        client.submit("job-3", None, _handoff("job-3"))
+    client.close(timeout_s=1)
+
+
+def test_a_request_nobody_answers_raises_timeout_naming_it(uploader):
+    uploader.gate.clear()
+    client = ChannelClient(uploader.server.path, (os.getpid(), None, "t"), 10)
+    with pytest.raises(TimeoutError, match="did not answer 'cancel' within"):
+        client.request(("cancel", "waiting"), 0.3)
+    uploader.gate.set()
+    assert client.close() is True

@@ -86,15 +86,19 @@ def _frame(message: tuple[Any, ...]) -> bytes:
     return pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
 
 
-def _write(sock: socket.socket, lock: threading.Lock, blob: bytes) -> None:
+def _write(sock: socket.socket, lock: threading.Lock, blob: bytes,
+           undo: Callable[[], None] | None = None) -> None:
     """Write one frame. Anything that stops it midway (an error, a timeout, an interrupt)
-    leaves a partial frame that would put the reader out of step: the socket is shut."""
+    leaves a partial frame that would put the reader out of step: the socket is shut, and
+    ``undo`` runs before ``lock`` is let go (whoever takes it next sees the send undone)."""
     with lock:
         try:
             sock.sendall(_LENGTH.pack(len(blob)))
             sock.sendall(blob)
         except BaseException:
             _shut(sock)
+            if undo is not None:
+                undo()
             raise
 
 
@@ -336,12 +340,7 @@ class ChannelClient:
             if self._closed:
                 raise UploaderGoneError("the connection to the node uploader is closed")
             self._jobs[handoff.key] = handoff  # before the send: its events may come first
-        try:
-            reply = self._send_request(("submit", job, root))
-        except BaseException:
-            with self._state_lock:
-                self._jobs.pop(handoff.key, None)
-            raise
+        reply = self._send_request(("submit", job, root), job_key=handoff.key)
         reply.add_done_callback(functools.partial(self._refused, handoff.key))
 
     def _refused(self, key: str, reply: Future[Any]) -> None:
@@ -361,21 +360,32 @@ class ChannelClient:
         except (TimeoutError, FutureTimeout) as exc:  # two classes before Python 3.11
             raise TimeoutError(f"the node uploader did not answer {body[0]!r} within {timeout_s:.0f}s") from exc
 
-    def _send_request(self, body: tuple[Any, ...]) -> Future[Any]:
+    def _send_request(self, body: tuple[Any, ...], job_key: str | None = None) -> Future[Any]:
+        """Send a request; ``job_key``: the job it submits, forgotten here if the send fails
+        (the caller has the error: the job is not the broken connection's to hand on_lost)."""
         reply: Future[Any] = Future()
         with self._state_lock:
             if self._closed:
                 raise UploaderGoneError("the connection to the node uploader is closed")
             rid = next(self._ids)
             self._replies[rid] = reply
-        try:
-            blob = _frame(("request", rid, *body))
-            _write(self._sock, self._lock, blob)  # shuts the socket if cut midway: the reader sees the end
-        except BaseException as exc:
+
+        def forget() -> None:
             with self._state_lock:
                 self._replies.pop(rid, None)
-            if not isinstance(exc, OSError):
-                raise
+                if job_key is not None:
+                    self._jobs.pop(job_key, None)
+
+        try:
+            blob = _frame(("request", rid, *body))
+        except BaseException:  # nothing was sent
+            forget()
+            raise
+        try:
+            # Cut midway, it shuts the socket (the reader sees the end) and forgets the job
+            # before the reader's _fail_all can take the send lock and collect the jobs.
+            _write(self._sock, self._lock, blob, undo=forget)
+        except OSError as exc:
             raise UploaderGoneError(f"could not send {body[0]!r} to the node uploader: {exc}") from exc
         return reply
 
@@ -409,6 +419,8 @@ class ChannelClient:
             settle(handoff.durable, message[2], message[3])
 
     def _fail_all(self) -> None:
+        with self._lock:  # a send in flight ends first (the socket is shut): sent whole, or undone
+            pass
         with self._state_lock:
             self._closed = True
             replies, self._replies = list(self._replies.values()), {}
