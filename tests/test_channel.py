@@ -1,6 +1,7 @@
 """The worker-to-uploader socket (``checkpoint/_channel.py``) between real processes and
 threads, with stand-in handlers for the uploader's side (its real use is in
-test_uploader_faults and test_checkpoint_speed_paths)."""
+test_uploader_faults and test_checkpoint_speed_paths); and, as pure logic, how the uploader
+answers for the jobs of a broken connection."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import threading
 from concurrent.futures import Future
+from types import SimpleNamespace
 
 import pytest
 
@@ -178,6 +180,7 @@ def test_an_exiting_uploader_refuses_the_hello():
 _SUBMIT_AND_DIE = """
 import os, signal, sys
 from concurrent.futures import Future
+from types import SimpleNamespace
 from ray_goodput.checkpoint._backends import Handoff
 from ray_goodput.checkpoint._channel import ChannelClient
 client = ChannelClient(sys.argv[1], (os.getpid(), None, "t"), 10)
@@ -262,3 +265,67 @@ def test_a_request_nobody_answers_raises_timeout_naming_it(uploader):
         client.request(("cancel", "waiting"), 0.3)
     uploader.gate.set()
     assert client.close() is True
+
+
+# ---- the uploader's bookkeeping for broken connections (pure logic, no actor) ---------
+
+
+def _bare_uploader():
+    """A CheckpointUploader without its actor, socket or watchdog (nor its os.nice)."""
+    from ray_goodput.checkpoint._uploader import CheckpointUploader
+
+    up = CheckpointUploader.__new__(CheckpointUploader)
+    up.node_id, up._lock = "node", threading.Lock()
+    up._jobs, up._clients, up._peers, up._connections = {}, set(), set(), {}
+    return up
+
+
+def _ended_ticket(key: str, owner_pid: int, origin: str, result=None):
+    from ray_goodput.checkpoint._lane import Ticket
+
+    ticket = Ticket(SimpleNamespace(key=key, slots=(), step=1, rank=0, nonce="n", owner_pid=owner_pid))
+    ticket.origin = origin
+    ticket.finish(result, None)
+    return ticket
+
+
+def _dead_pid() -> int:
+    proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, timeout=60, check=True)
+    return int(proc.stdout)
+
+
+def test_a_broken_connections_job_is_answered_only_to_the_connection_it_came_on():
+    # A retry of the same key on a new connection must not answer for the old one: the
+    # old attempt's arena and outcome are that connection's (found in review).
+    up = _bare_uploader()
+    up._jobs["k"] = _ended_ticket("k", os.getpid(), origin="conn-new", result="committed")
+    up.wait_released("k", "conn-old")  # returns at once: not that connection's job
+    with pytest.raises(CheckpointError, match="no job k from that connection"):
+        up.wait_durable("k", 5, "conn-old")
+    assert "k" in up._jobs  # still there for its own connection
+    assert up.wait_durable("k", 5, "conn-new") == "committed"
+    assert "k" not in up._jobs  # collected
+
+
+def test_waiting_on_a_connection_waits_for_its_last_frame_only_while_it_is_open():
+    # After a final goodbye nobody answered, the worker asks before unlinking its arenas.
+    up = _bare_uploader()
+    assert up.wait_connection("", 0) is True and up.wait_connection("unknown", 0) is True
+    peer = SimpleNamespace(ended=threading.Event())
+    up._connections["c"] = peer
+    assert up.wait_connection("c", 0.2) is False
+    threading.Timer(0.2, peer.ended.set).start()
+    assert up.wait_connection("c", 30) is True
+
+
+def test_an_ended_job_keeps_the_uploader_up_only_while_its_worker_lives_to_collect_it():
+    up = _bare_uploader()
+    dead = _dead_pid()
+    up._jobs["mine"] = _ended_ticket("mine", os.getpid(), origin="c1")  # its worker will ask
+    up._jobs["theirs"] = _ended_ticket("theirs", dead, origin="c2")     # nobody will
+    up._clients = {(dead, "t")}
+    assert up._live_clients() == 1
+    assert list(up._jobs) == ["mine"] and up._clients == set()
+    up.wait_durable("mine", 5, "c1")
+    assert up._live_clients() == 0
