@@ -1,8 +1,8 @@
 """Both examples in their --smoke mode, as a user runs them (a subprocess each).
 
-The two start together (a module fixture) and each test waits for its own: much of each
-run is waiting (Ray starting, a killed worker's restart), so side by side they take ~45 s
-here instead of ~65 s one after the other."""
+Both are ``early`` tests (see conftest): they start when collection ends and run beside
+the quick tests, and each test waits for its own. Much of each run is waiting (Ray
+starting, a killed worker's restart), which leaves the cores to the quick tests."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import kill_tree
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 TIMEOUT_S = 300
@@ -27,30 +29,24 @@ def _start(script: str, out: Path, *extra: str) -> subprocess.Popen:
                                 stdout=stdout, stderr=stderr, cwd=out.parent)
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    base = tmp_path_factory.mktemp("examples")
-    procs = {"lm": (_start("train_lm_fsdp2.py", base / "lm" / "out"), base / "lm" / "out"),
-             "img": (_start("image_classification.py", base / "img" / "out", "--images", "400"),  # smoke: 1000
-                     base / "img" / "out")}
-    yield procs
-    for proc, _ in procs.values():
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+def _start_lm(directory: Path) -> subprocess.Popen:
+    return _start("train_lm_fsdp2.py", directory / "lm" / "out")
+
+
+def _start_img(directory: Path) -> subprocess.Popen:
+    return _start("image_classification.py", directory / "img" / "out", "--images", "400")  # smoke: 1000
 
 
 def _output(out: Path) -> str:
     return (out.parent / "stdout").read_text() + "\n" + (out.parent / "stderr").read_text()[-5000:]
 
 
-def _finish(runs: dict, key: str) -> tuple[str, Path]:
-    proc, out = runs[key]
+def _finish(early: tuple[subprocess.Popen, Path], key: str) -> tuple[str, Path]:
+    proc, out = early[0], early[1] / key / "out"
     try:
         proc.wait(timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+        kill_tree(proc)  # and the Ray it started
         raise AssertionError(f"{key} --smoke still running after {TIMEOUT_S} s:\n{_output(out)}") from None
     stdout = (out.parent / "stdout").read_text()
     assert proc.returncode == 0, f"{key} failed:\n{_output(out)}"
@@ -58,8 +54,9 @@ def _finish(runs: dict, key: str) -> tuple[str, Path]:
     return stdout, out
 
 
-def test_lm_fsdp2_smoke_resumes_after_killed_worker(runs):
-    stdout, _ = _finish(runs, "lm")
+@pytest.mark.early.with_args(_start_lm)
+def test_lm_fsdp2_smoke_resumes_after_killed_worker(early):
+    stdout, _ = _finish(early, "lm")
     assert re.search(r"^resumed from committed checkpoint step (10|20|30)$", stdout, re.M), stdout
     stalls = re.search(r"^checkpoint stall per save, rank 0 \(s\): (.+)$", stdout, re.M)
     assert stalls and len(re.findall(r"step \d+: \d+\.\d+", stalls.group(1))) >= 4, stdout
@@ -70,8 +67,9 @@ def test_lm_fsdp2_smoke_resumes_after_killed_worker(runs):
     assert len(losses) == 6 and losses[-1] < losses[0], stdout  # it learns across the resume
 
 
-def test_image_classification_smoke_prints_both_loaders(runs):
-    stdout, out = _finish(runs, "img")
+@pytest.mark.early.with_args(_start_img)
+def test_image_classification_smoke_prints_both_loaders(early):
+    stdout, out = _finish(early, "img")
     rows = {}
     for name in ("stock", "ray_goodput"):
         row = re.search(rf"^\| {name} \| ([\d,]+) \| ([\d,]+) \| (\d+)% \| (\d+)% \|$", stdout, re.M)
