@@ -329,3 +329,22 @@ def test_an_ended_job_keeps_the_uploader_up_only_while_its_worker_lives_to_colle
     assert list(up._jobs) == ["mine"] and up._clients == set()
     up.wait_durable("mine", 5, "c1")
     assert up._live_clients() == 0
+
+
+def test_a_broken_connections_jobs_fail_when_the_actor_cannot_even_be_asked_and_keep_their_arenas():
+    # Ray itself going away makes .remote() raise: the jobs must end (their saves fail
+    # on every rank through wait()) rather than wait for an answer that never comes, and
+    # their arenas stay held, since the uploader may still be writing from them.
+    from ray_goodput.checkpoint._actor_backend import ActorBackend
+
+    class _Gone:
+        def remote(self, *args):
+            raise RuntimeError("Ray is shutting down")
+
+    backend = ActorBackend(durable_timeout_s=5)
+    jobs = [_handoff("job-1"), _handoff("job-2")]
+    backend._ask_actor(SimpleNamespace(wait_released=_Gone(), wait_durable=_Gone()), "conn", jobs)
+    for job in jobs:
+        with pytest.raises(CheckpointError, match=f"could not ask the node uploader about {job.key}: RuntimeError"):
+            job.durable.result(timeout=0)
+        assert not job.released.done()
