@@ -1384,6 +1384,49 @@ def test_restore_does_not_step_an_optimizer_that_never_stepped_to_size_the_first
         assert steps == [] and not optim.state and ckpt._arenas == []  # noqa: SLF001
 
 
+def test_a_fresh_starts_first_save_is_sized_and_touched_right_after_the_optimizers_first_step(tmp_path):
+    # restore() cannot size it (the optimizers hold no state yet): a fresh start's first
+    # save paid the first touch of every page of its arena (most runs' first save).
+    model = torch.nn.Linear(256, 256)
+    optim = torch.optim.AdamW(model.parameters())
+    state = {"model": model, "optim": optim}
+    with Checkpointer(str(tmp_path / "r"), staging_dir=str(tmp_path / "s"), uploader="thread") as ckpt:
+        assert ckpt.restore(state) is None and ckpt._arenas == []  # noqa: SLF001
+        model(torch.randn(4, 256)).sum().backward()
+        optim.step()
+        ckpt._prefaulted()  # noqa: SLF001 - the background touch is done
+        arena = ckpt._arenas[0]  # noqa: SLF001
+        assert arena.path.is_relative_to("/dev/shm") and arena.size > 0
+        assert os.stat(arena.path).st_blocks * 512 >= arena.size  # every page is there
+        size = arena.size
+        optim.step()  # the hook is gone: nothing is sized again
+        assert ckpt._arenas[0] is arena and ckpt._first_steps == []  # noqa: SLF001
+        ckpt.save(1, state)
+        assert ckpt._arenas[0].size == size  # noqa: SLF001 - sized ahead: the save did not grow it
+        ckpt.wait()
+        assert ckpt.stats.committed == [1]
+
+
+def test_a_save_before_the_first_step_is_not_taken_for_it(tmp_path):
+    # The save describes the unstepped optimizer by a made-up step, which runs its post-step
+    # hooks: the hook that sizes the first arena must be gone by then.
+    model = torch.nn.Linear(64, 64)
+    optim = torch.optim.AdamW(model.parameters())
+    state = {"model": model, "optim": optim}
+    with Checkpointer(str(tmp_path / "r"), staging_dir=str(tmp_path / "s"), uploader="thread") as ckpt:
+        ckpt.restore(state)
+        assert ckpt._first_steps  # noqa: SLF001 - waiting for the first step
+        ckpt.save(1, state)
+        assert ckpt._first_steps == [] and not optim.state  # noqa: SLF001 - put back as it was
+        arenas = list(ckpt._arenas)  # noqa: SLF001 - the save made its own
+        model(torch.randn(4, 64)).sum().backward()
+        optim.step()
+        assert ckpt._arenas == arenas and ckpt._prefault is None  # noqa: SLF001
+        ckpt.save(2, state)
+        ckpt.wait()
+        assert ckpt.stats.committed == [1, 2]
+
+
 def test_a_checkpointer_that_only_restores_leaves_another_ones_arenas_alone(tmp_path):
     # Arenas were named by run, rank and process: a second Checkpointer of the process on
     # the same run (restoring into an eval copy) prepared, resized and unlinked the

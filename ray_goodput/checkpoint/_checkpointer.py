@@ -36,7 +36,7 @@ from ray_goodput.checkpoint import (_catalog, _collective, _generation, _layout,
                                     _state)
 from ray_goodput.checkpoint._arena import Arena, arena_names, pick_dir, sweep_dead
 from ray_goodput.checkpoint._backends import Handoff, ThreadBackend, UploadBackend
-from ray_goodput.checkpoint._first_save import snapshot_size
+from ray_goodput.checkpoint._first_save import after_first_steps, snapshot_size
 from ray_goodput.checkpoint._job import ShardJob
 from ray_goodput.checkpoint._local_copies import LocalCopyDropper
 from ray_goodput.checkpoint._metrics import SaveMetrics
@@ -178,6 +178,7 @@ class Checkpointer:
         self._uploader: UploadBackend | None = None if isinstance(uploader, str) else uploader
         self._arenas: list[Arena] = []
         self._prefault: threading.Thread | None = None  # arena 0's pages, touched after restore()
+        self._first_steps: list[Any] = []  # hooks that size arena 0 after a fresh start's first step
         self._holders: list[Handoff | None] = [None, None]
         self._owner_cache: tuple[int, dict[str, int]] | None = None
         self._pending: dict[int, _Pending] = {}
@@ -246,6 +247,7 @@ class Checkpointer:
         by :meth:`wait` on every rank alike. Collective: every rank saves the same steps.
         """
         self._check_open()
+        self._stop_watching_steps()  # the save's made-up steps are not the optimizers' first
         if not isinstance(step, int) or step < 0:
             raise ConfigError(f"step must be a non-negative int, got {step!r}")
         if self._last_step is not None and step <= self._last_step:
@@ -445,14 +447,17 @@ class Checkpointer:
         return step
 
     def _prepare_first_save(self, state: dict[str, Any]) -> None:
-        """Size the first arena for ``state`` and touch its pages in the background. Never
-        raises: ``restore()`` succeeded on every rank, and must return on every rank (a
-        failure here is the first save's to meet, where every rank agrees on it)."""
-        if self.stats.saves or self._arenas:
+        """Size the first arena for ``state`` and touch its pages in the background; for a
+        fresh start, right after its optimizers' first step. Never raises: ``restore()``
+        succeeded on every rank, and must return on every rank, and a step must not fail
+        for it (a failure here is the first save's to meet, where every rank agrees on it)."""
+        self._stop_watching_steps()
+        if self.stats.saves or self._arenas or self._closed:
             return
         try:
             size = snapshot_size(state, self.world_size, self.rank)
-            if not size:
+            if not size:  # a fresh start: sized after its optimizers' first step, on every rank alike
+                self._first_steps = after_first_steps(state, functools.partial(self._prepare_first_save, state))
                 return
             arenas = self._new_arenas(size)
             prefault = threading.Thread(target=arenas[0].prefault, args=(size,), name="rg-arena-prefault",
@@ -462,6 +467,11 @@ class Checkpointer:
             logger.warning("could not prepare the first save's snapshot arena: %s", exc)
             return
         self._arenas, self._prefault = arenas, prefault
+
+    def _stop_watching_steps(self) -> None:
+        for handle in self._first_steps:
+            handle.remove()
+        self._first_steps = []
 
     def _prefaulted(self) -> None:
         """Wait for the background prefault (milliseconds; bounded): the arena is not
@@ -476,6 +486,7 @@ class Checkpointer:
 
     def _restore(self, state: dict[str, Any]) -> int | None:
         self._check_open()
+        self._stop_watching_steps()  # its made-up steps are not the optimizers' first
         if self.stats.saves:  # none yet (every rank alike: saves are collective): nothing to settle
             self.wait()  # collective: called on every rank, whatever each one has pending
         t0 = time.time()
@@ -590,6 +601,7 @@ class Checkpointer:
 
     def _release(self) -> None:
         self._closed = True
+        self._stop_watching_steps()
         if self._prefault is not None:
             self._prefault.join(_DROP_JOIN_S)
         if self._uploader is not None:

@@ -10,19 +10,23 @@ loop starts; the backend connects in the background from construction. The owner
 stays with the first save (one exchange among the ranks): in restore it cost more than it
 saved there.
 
-Only a state whose optimizers have stepped is sized here (a resumed attempt's, or one
-restored into): describing an optimizer that never stepped means running a made-up step
-(``_state.made_up_state``), whose hooks, memory and wrappers (a GradScaler) ``restore()``
-must not set off. A fresh start's first save touches its arena itself.
+Only a state whose optimizers have stepped is sized in ``restore()`` (a resumed attempt's,
+or one restored into): describing an optimizer that never stepped means running a made-up
+step (``_state.made_up_state``), whose hooks, memory and wrappers (a GradScaler)
+``restore()`` must not set off. A fresh start's optimizers get their state at their first
+real step: :func:`after_first_steps` sizes the arena then (a post-step hook, once), while
+the steps before the first save run.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.tensor import DTensor
+from torch.utils.hooks import RemovableHandle
 
 from ray_goodput.checkpoint import _shard_plan, _state
 from ray_goodput.checkpoint._arena import aligned
@@ -54,3 +58,25 @@ def snapshot_size(state: dict[str, Any], world_size: int, rank: int) -> int | No
 def _nbytes(value: Any) -> int:
     local = value.to_local() if isinstance(value, DTensor) else value
     return local.numel() * local.element_size()
+
+
+def after_first_steps(state: dict[str, Any], ready: Callable[[], None]) -> list[RemovableHandle]:
+    """Call ``ready()`` once, right after the optimizers of ``state`` that hold no state yet
+    have all stepped (a post-step hook on each, removed when it calls). Returns the hooks'
+    handles (remove them to stop waiting: a save or restore runs made-up steps); [] when
+    no optimizer waits. ``ready`` must not raise (it runs inside ``optimizer.step()``)."""
+    try:
+        waiting = [optim for optim, _ in _state.classify(state).optimizers.values() if not optim.state]
+    except Exception:  # noqa: BLE001 - the save itself raises what is wrong with the state
+        return []
+    handles: list[RemovableHandle] = []
+
+    def stepped(*_: Any) -> None:
+        if any(not optim.state for optim in waiting):
+            return
+        for handle in handles:
+            handle.remove()
+        ready()
+
+    handles.extend(optim.register_step_post_hook(stepped) for optim in waiting)
+    return handles
