@@ -120,6 +120,27 @@ def test_a_gpu_model_and_optimizer_round_trip_with_the_cuda_rng(tmp_path):
         assert torch.equal(value, expected[name]), name
 
 
+def test_the_first_saves_arena_is_pinned_in_the_background_before_the_first_save(tmp_path):
+    # Pinning a rank's arena (GBs) took seconds of the first GPU save; restore() now has
+    # it pinned, with its pages touched, before the save (a fresh start: after the first step).
+    for stepped_before_restore in (True, False):
+        state = _cuda_state(0)
+        if stepped_before_restore:
+            _step(state)
+        with Checkpointer(str(tmp_path / f"r{stepped_before_restore}"), staging_dir=str(tmp_path / "s"),
+                          uploader="thread") as ckpt:
+            ckpt.restore(state)
+            if not stepped_before_restore:
+                _step(state)
+            ckpt._prefaulted()  # noqa: SLF001 - the background work is done
+            arena = ckpt._arenas[0]  # noqa: SLF001
+            assert arena.path.is_relative_to("/dev/shm") and arena.pinned
+            ckpt.save(1, state)
+            assert ckpt._arenas[0] is arena and arena.pinned  # noqa: SLF001 - not pinned again
+            ckpt.wait()
+            assert ckpt.stats.committed == [1]
+
+
 def test_the_default_gpu_health_check_passes_on_a_healthy_gpu():
     assert _gpu_check.check_device(torch.device("cuda", 0), alloc_gib=1.0) is None
     before = torch.backends.cuda.matmul.allow_tf32

@@ -118,8 +118,8 @@ def _cuda_unregister(buf: torch.Tensor) -> None:
 class Arena:
     """Writer side: reusable, grows when the state grows. Not thread-safe.
 
-    On CUDA the mapped file is registered as pinned host memory at the first snapshot of
-    a GPU tensor (and again after it grows)."""
+    On CUDA the mapped file is registered as pinned host memory ahead of the first save
+    (:meth:`prefault`), else at the first snapshot of a GPU tensor (and again after it grows)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -152,14 +152,17 @@ class Arena:
             self._buf, self.size = _u8(self.path, size, "r+"), size
         return self._buf
 
-    def prefault(self, size: int) -> None:
-        """Map ``size`` bytes and touch each page, so that the first snapshot copies at the
-        speed of later ones (run before it, off the save path; not concurrently with it).
-        A failure is logged: the snapshot maps and faults the pages itself."""
+    def prefault(self, size: int, device: torch.device | None = None) -> None:
+        """Map ``size`` bytes and touch each page, and pin them for CUDA ``device`` (when
+        given), so that the first snapshot copies at the speed of later ones (run before
+        it, off the save path; not concurrently with it). A failure is logged: the
+        snapshot maps, faults and pins the pages itself."""
         try:
             buf = self._ensure(size)
             if self.path.is_relative_to(_SHM):  # a file on disk would write the zeros out too
                 buf[::_PAGE].fill_(0)
+            if device is not None and device.type == "cuda":
+                self._pin(device)  # seconds for GBs: the first GPU save did it before
         except Exception as exc:  # noqa: BLE001 - an optimisation
             logger.warning("could not prepare the snapshot arena %s ahead of the first save: %s", self.path, exc)
 

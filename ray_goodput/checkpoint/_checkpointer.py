@@ -36,7 +36,7 @@ from ray_goodput.checkpoint import (_catalog, _collective, _generation, _layout,
                                     _state)
 from ray_goodput.checkpoint._arena import Arena, arena_names, pick_dir, sweep_dead
 from ray_goodput.checkpoint._backends import Handoff, ThreadBackend, UploadBackend
-from ray_goodput.checkpoint._first_save import after_first_steps, snapshot_size
+from ray_goodput.checkpoint._first_save import after_first_steps, snapshot_device, snapshot_size
 from ray_goodput.checkpoint._job import ShardJob
 from ray_goodput.checkpoint._local_copies import LocalCopyDropper
 from ray_goodput.checkpoint._metrics import SaveMetrics
@@ -447,7 +447,7 @@ class Checkpointer:
         return step
 
     def _prepare_first_save(self, state: dict[str, Any]) -> None:
-        """Size the first arena for ``state`` and touch its pages in the background; for a
+        """Size the first arena for ``state`` and touch (and pin) its pages in the background; for a
         fresh start, right after its optimizers' first step. Never raises: ``restore()``
         succeeded on every rank, and must return on every rank, and a step must not fail
         for it (a failure here is the first save's to meet, where every rank agrees on it)."""
@@ -460,8 +460,8 @@ class Checkpointer:
                 self._first_steps = after_first_steps(state, functools.partial(self._prepare_first_save, state))
                 return
             arenas = self._new_arenas(size)
-            prefault = threading.Thread(target=arenas[0].prefault, args=(size,), name="rg-arena-prefault",
-                                        daemon=True)
+            prefault = threading.Thread(target=arenas[0].prefault, args=(size, snapshot_device(state)),
+                                        name="rg-arena-prefault", daemon=True)
             prefault.start()
         except Exception as exc:  # noqa: BLE001 - an optimisation
             logger.warning("could not prepare the first save's snapshot arena: %s", exc)
@@ -480,7 +480,7 @@ class Checkpointer:
             return
         self._prefault.join(_DROP_JOIN_S)
         if self._prefault.is_alive():
-            raise CheckpointError(f"touching the snapshot arena's pages took over {_DROP_JOIN_S:.0f}s; "
+            raise CheckpointError(f"touching (and pinning) the snapshot arena's pages took over {_DROP_JOIN_S:.0f}s; "
                                   "is the node out of memory?")
         self._prefault = None
 

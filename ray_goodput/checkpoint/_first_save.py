@@ -5,10 +5,10 @@ page of its snapshot arena (a fresh tmpfs mapping: 0.04 s per 72 MiB on this pro
 2-core machine, against 0.005 s for a copy into touched pages) and the connection to the
 node uploader. ``restore()`` runs on every rank before training and knows the state: it
 sizes the arena (:func:`snapshot_size`, from this rank alone: no collective) and leaves
-its pages to be touched in the background (:meth:`Arena.prefault`) while the training
-loop starts; the backend connects in the background from construction. The owner plan
-stays with the first save (one exchange among the ranks): in restore it cost more than it
-saved there.
+its pages to be touched, and pinned for CUDA when the model is on a GPU, in the
+background (:meth:`Arena.prefault`) while the training loop starts; the backend connects
+in the background from construction. The owner plan stays with the first save (one
+exchange among the ranks): in restore it cost more than it saved there.
 
 Only a state whose optimizers have stepped is sized in ``restore()`` (a resumed attempt's,
 or one restored into): describing an optimizer that never stepped means running a made-up
@@ -24,6 +24,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
@@ -53,6 +54,16 @@ def snapshot_size(state: dict[str, Any], world_size: int, rank: int) -> int | No
         return None
     mine = _shard_plan.share_when_all_hold(leaves, world_size, rank)
     return sum(sizes[fqn] for fqn in mine if fqn in sizes)
+
+
+def snapshot_device(state: dict[str, Any]) -> torch.device | None:
+    """The CUDA device of the first parameter of ``state``'s modules on one (the device a
+    save copies from, for which its arena is pinned); None when none is on a GPU."""
+    try:
+        modules = _state.classify(state).modules.values()
+        return next((p.device for m in modules for p in m.parameters() if p.device.type == "cuda"), None)
+    except Exception:  # noqa: BLE001 - an optimisation: the save pins the arena itself
+        return None
 
 
 def _nbytes(value: Any) -> int:
