@@ -184,7 +184,24 @@ def _runs_dir(spec: RunSpec) -> Path:
 
 
 def _mark(spec: RunSpec, rank: int, what: str, text: str = "") -> None:
-    (_runs_dir(spec) / f"a{spec.attempt}-r{rank}.{what}").write_text(text)
+    _mark_file(_runs_dir(spec) / f"a{spec.attempt}-r{rank}.{what}", text)
+
+
+def _mark_file(path: Path, text: str) -> None:
+    """Whole or not at all: peers poll the marks and read them (a pid) as they appear."""
+    from ray_goodput.testing import publish_file
+
+    publish_file(path, text)
+
+
+def _peer_dead(pid_file: Path) -> bool:
+    """Whether the peer whose pid ``pid_file`` holds has died (not known while the file
+    is missing, or empty: no reader is told pid 0, which no process has)."""
+    try:
+        text = pid_file.read_text().strip()
+    except FileNotFoundError:
+        return False
+    return bool(text) and _proc_dead(int(text))
 
 
 def _append(path: Path, obj: dict) -> None:
@@ -225,8 +242,7 @@ def _watch_peers(spec: RunSpec, rank: int, world: int) -> None:
                     _mark(spec, rank, "watchdog", f"peer {peer} raised; this rank did not")
                     os.kill(os.getpid(), signal.SIGKILL)
                 continue
-            pid_file = Path(f"{base}.pid")
-            if pid_file.exists() and _proc_dead(int(pid_file.read_text() or 0)):
+            if _peer_dead(Path(f"{base}.pid")):
                 time.sleep(spec.peer_kill_delay)
                 _mark(spec, rank, "peer_died", f"peer {peer} died")
                 os.kill(os.getpid(), signal.SIGKILL)

@@ -5,6 +5,7 @@ fault kind."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from argparse import Namespace
@@ -187,3 +188,20 @@ def test_ci_soak_has_no_violation_and_fires_every_fault_kind(early):
     assert proc.returncode == 0
     silent = [k for k in soak.KINDS if not summary["kinds"].get(k, {}).get("fired")]
     assert silent == [], f"fault kinds that never fired: {silent}\n{stdout[-3000:]}"
+
+
+def test_a_peers_pid_mark_caught_empty_is_not_read_as_its_death(tmp_path):
+    # The watchdog polls every 20 ms; a mark written in place can be seen empty (or cut
+    # short) between its creation and its last byte. Read as pid 0 ("dead"), the rank
+    # killed itself for a peer that was alive, a fault nobody injected.
+    empty = tmp_path / "a1-r1.pid"
+    empty.write_text("")
+    assert not soak._peer_dead(empty)
+    assert not soak._peer_dead(tmp_path / "missing.pid")
+    mine = tmp_path / "a1-r0.pid"
+    soak._mark_file(mine, str(os.getpid()))
+    assert mine.read_text() == str(os.getpid()) and not soak._peer_dead(mine)
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, timeout=60, check=True)
+    soak._mark_file(tmp_path / "a1-r2.pid", gone.stdout.strip())
+    assert soak._peer_dead(tmp_path / "a1-r2.pid")
