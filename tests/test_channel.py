@@ -247,14 +247,33 @@ def test_a_send_cut_midway_ends_the_connection_instead_of_leaving_a_partial_fram
     big = _handoff("job-2")
     with pytest.raises(UploaderGoneError, match="could not send 'submit'"):
         client.submit(b"x" * (64 << 20), None, big)
-    wait_for(lambda: not client.alive, timeout_s=10, what="the client ending the cut connection")
-    assert not big.durable.done()  # never accepted: the caller has the error already
+    wait_for(lambda: lost, timeout_s=10, what="the cut connection's jobs handed to on_lost")
+    assert not client.alive and not big.durable.done()  # never accepted: the caller has the error already
     assert lost == [(client.conn, [running])]  # the job sent whole is asked about
     uploader.gate.set()
     wait_for(lambda: uploader.closed == [False], timeout_s=10, what="the uploader seeing the end")
     assert uploader.requests == [("submit", "job-1", None)]  # the cut frame was never handled
     with pytest.raises(UploaderGoneError):
         client.submit("job-3", None, _handoff("job-3"))
+    client.close(timeout_s=1)
+
+
+def test_a_connection_that_breaks_while_a_job_is_pickled_leaves_that_job_to_its_caller(uploader):
+    # The job used to be registered before its frame was pickled: a break in between
+    # handed it to on_lost as well as raising to the caller (found in review).
+    lost: list = []
+    client = _client_telling(uploader, lost)
+    wait_for(lambda: uploader.peers, timeout_s=10, what="the connection")
+
+    class _BreaksTheConnection:
+        def __reduce__(self):
+            uploader.peers[0].sock.shutdown(socket.SHUT_RDWR)
+            client._reader.join(10)  # noqa: SLF001 - the reader saw the end and failed what it had
+            return (str, ("job",))
+
+    with pytest.raises(UploaderGoneError):
+        client.submit(_BreaksTheConnection(), None, _handoff("job-1"))
+    assert lost == [] and not client.alive
     client.close(timeout_s=1)
 
 

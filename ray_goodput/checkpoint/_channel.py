@@ -86,20 +86,22 @@ def _frame(message: tuple[Any, ...]) -> bytes:
     return pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
 
 
-def _write(sock: socket.socket, lock: threading.Lock, blob: bytes,
-           undo: Callable[[], None] | None = None) -> None:
-    """Write one frame. Anything that stops it midway (an error, a timeout, an interrupt)
-    leaves a partial frame that would put the reader out of step: the socket is shut, and
-    ``undo`` runs before ``lock`` is let go (whoever takes it next sees the send undone)."""
+def _write(sock: socket.socket, lock: threading.Lock, blob: bytes) -> None:
+    """Write one frame under the connection's send lock (see :func:`_send_frame`)."""
     with lock:
-        try:
-            sock.sendall(_LENGTH.pack(len(blob)))
-            sock.sendall(blob)
-        except BaseException:
-            _shut(sock)
-            if undo is not None:
-                undo()
-            raise
+        _send_frame(sock, blob)
+
+
+def _send_frame(sock: socket.socket, blob: bytes) -> None:
+    """Write one frame; the caller holds the send lock. Anything that stops it midway (an
+    error, a timeout, an interrupt) leaves a partial frame that would put the reader out
+    of step: the socket is shut."""
+    try:
+        sock.sendall(_LENGTH.pack(len(blob)))
+        sock.sendall(blob)
+    except BaseException:
+        _shut(sock)
+        raise
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytearray | None:
@@ -336,11 +338,7 @@ class ChannelClient:
         """Hand ``job`` over: return once its frame is in the uploader's socket queue.
         ``handoff`` gets its acceptance (a refusal fails it), release and end. Raises
         UploaderGoneError when the uploader's end is closed or the send ran past its bound."""
-        with self._state_lock:
-            if self._closed:
-                raise UploaderGoneError("the connection to the node uploader is closed")
-            self._jobs[handoff.key] = handoff  # before the send: its events may come first
-        reply = self._send_request(("submit", job, root), job_key=handoff.key)
+        reply = self._send_request(("submit", job, root), handoff)
         reply.add_done_callback(functools.partial(self._refused, handoff.key))
 
     def _refused(self, key: str, reply: Future[Any]) -> None:
@@ -360,33 +358,31 @@ class ChannelClient:
         except (TimeoutError, FutureTimeout) as exc:  # two classes before Python 3.11
             raise TimeoutError(f"the node uploader did not answer {body[0]!r} within {timeout_s:.0f}s") from exc
 
-    def _send_request(self, body: tuple[Any, ...], job_key: str | None = None) -> Future[Any]:
-        """Send a request; ``job_key``: the job it submits, forgotten here if the send fails
-        (the caller has the error: the job is not the broken connection's to hand on_lost)."""
+    def _send_request(self, body: tuple[Any, ...], handoff: Handoff | None = None) -> Future[Any]:
+        """Send a request (``handoff``: the job it submits). A job is registered, and its
+        frame written, under the send lock, which ``_fail_all`` takes to collect the jobs
+        of a broken connection: a job whose send failed is never among them (its error is
+        the caller's alone), and one sent whole always is."""
+        rid = next(self._ids)
+        blob = _frame(("request", rid, *body))  # a pickling error raises here, before anything is kept
         reply: Future[Any] = Future()
-        with self._state_lock:
-            if self._closed:
-                raise UploaderGoneError("the connection to the node uploader is closed")
-            rid = next(self._ids)
-            self._replies[rid] = reply
-
-        def forget() -> None:
+        with self._lock:
             with self._state_lock:
-                self._replies.pop(rid, None)
-                if job_key is not None:
-                    self._jobs.pop(job_key, None)
-
-        try:
-            blob = _frame(("request", rid, *body))
-        except BaseException:  # nothing was sent
-            forget()
-            raise
-        try:
-            # Cut midway, it shuts the socket (the reader sees the end) and forgets the job
-            # before the reader's _fail_all can take the send lock and collect the jobs.
-            _write(self._sock, self._lock, blob, undo=forget)
-        except OSError as exc:
-            raise UploaderGoneError(f"could not send {body[0]!r} to the node uploader: {exc}") from exc
+                if self._closed:
+                    raise UploaderGoneError("the connection to the node uploader is closed")
+                self._replies[rid] = reply
+                if handoff is not None:
+                    self._jobs[handoff.key] = handoff  # before the send: its events may come first
+            try:
+                _send_frame(self._sock, blob)  # shuts the socket if cut midway: the reader sees the end
+            except BaseException as exc:
+                with self._state_lock:
+                    self._replies.pop(rid, None)
+                    if handoff is not None:
+                        self._jobs.pop(handoff.key, None)
+                if isinstance(exc, OSError):
+                    raise UploaderGoneError(f"could not send {body[0]!r} to the node uploader: {exc}") from exc
+                raise
         return reply
 
     def _read(self) -> None:
@@ -419,9 +415,7 @@ class ChannelClient:
             settle(handoff.durable, message[2], message[3])
 
     def _fail_all(self) -> None:
-        with self._lock:  # a send in flight ends first (the socket is shut): sent whole, or undone
-            pass
-        with self._state_lock:
+        with self._lock, self._state_lock:  # a send in flight ends first (the socket is shut)
             self._closed = True
             replies, self._replies = list(self._replies.values()), {}
             jobs, self._jobs = list(self._jobs.values()), {}
