@@ -1399,32 +1399,56 @@ def test_a_fresh_starts_first_save_is_sized_and_touched_right_after_the_optimize
         assert arena.path.is_relative_to("/dev/shm") and arena.size > 0 and not arena.pinned  # a CPU model
         assert os.stat(arena.path).st_blocks * 512 >= arena.size  # every page is there
         size = arena.size
-        optim.step()  # the hook is gone: nothing is sized again
-        assert ckpt._arenas[0] is arena and ckpt._first_steps == []  # noqa: SLF001
+        optim.step()  # the hook fired once: nothing is sized again
+        assert ckpt._arenas[0] is arena  # noqa: SLF001
         ckpt.save(1, state)
+        assert ckpt._first_steps == []  # noqa: SLF001 - removed by the save, outside any step()
         assert ckpt._arenas[0].size == size  # noqa: SLF001 - sized ahead: the save did not grow it
         ckpt.wait()
         assert ckpt.stats.committed == [1]
 
 
-def test_a_save_before_the_first_step_is_not_taken_for_it(tmp_path):
+def test_a_save_before_the_first_step_is_not_taken_for_it(tmp_path, monkeypatch):
     # The save describes the unstepped optimizer by a made-up step, which runs its post-step
     # hooks: the hook that sizes the first arena must be gone by then.
+    sized: list[int] = []
+    real = Checkpointer._size_first_arena  # noqa: SLF001
+    monkeypatch.setattr(Checkpointer, "_size_first_arena",
+                        lambda self, state: sized.append(self.stats.saves) or real(self, state))
     model = torch.nn.Linear(64, 64)
     optim = torch.optim.AdamW(model.parameters())
     state = {"model": model, "optim": optim}
     with Checkpointer(str(tmp_path / "r"), staging_dir=str(tmp_path / "s"), uploader="thread") as ckpt:
         ckpt.restore(state)
-        assert ckpt._first_steps  # noqa: SLF001 - waiting for the first step
+        assert sized == [0] and ckpt._first_steps  # noqa: SLF001 - tried in restore; now waiting for a step
         ckpt.save(1, state)
-        assert ckpt._first_steps == [] and not optim.state  # noqa: SLF001 - put back as it was
-        arenas = list(ckpt._arenas)  # noqa: SLF001 - the save made its own
+        assert sized == [0] and ckpt._first_steps == [] and not optim.state  # noqa: SLF001
         model(torch.randn(4, 64)).sum().backward()
         optim.step()
-        assert ckpt._arenas == arenas and ckpt._prefault is None  # noqa: SLF001
+        assert sized == [0]
         ckpt.save(2, state)
         ckpt.wait()
         assert ckpt.stats.committed == [1, 2]
+
+
+def test_the_first_step_hook_leaves_the_users_own_post_step_hooks_running(tmp_path):
+    # It removed itself while step() was iterating over the hooks: a hook registered after
+    # it (an EMA update, a second Checkpointer's) met "OrderedDict mutated during
+    # iteration", and the first training step raised (found in review).
+    model = torch.nn.Linear(64, 64)
+    optim = torch.optim.AdamW(model.parameters())
+    state = {"model": model, "optim": optim}
+    with Checkpointer(str(tmp_path / "r"), staging_dir=str(tmp_path / "s"), uploader="thread") as ckpt:
+        ckpt.restore(state)
+        ran: list[int] = []
+        optim.register_step_post_hook(lambda *_: ran.append(1))
+        for _ in range(2):
+            model(torch.randn(4, 64)).sum().backward()
+            optim.step()
+        assert ran == [1, 1] and ckpt._arenas  # noqa: SLF001 - sized after the first step
+        ckpt.save(1, state)
+        ckpt.wait()
+        assert ckpt.stats.committed == [1]
 
 
 def test_a_checkpointer_that_only_restores_leaves_another_ones_arenas_alone(tmp_path):

@@ -177,7 +177,7 @@ class Checkpointer:
         self._token = ""
         self._uploader: UploadBackend | None = None if isinstance(uploader, str) else uploader
         self._arenas: list[Arena] = []
-        self._prefault: threading.Thread | None = None  # arena 0's pages, touched after restore()
+        self._prefault: threading.Thread | None = None  # arena 0's pages touched (pinned) ahead of the first save
         self._first_steps: list[Any] = []  # hooks that size arena 0 after a fresh start's first step
         self._holders: list[Handoff | None] = [None, None]
         self._owner_cache: tuple[int, dict[str, int]] | None = None
@@ -247,7 +247,6 @@ class Checkpointer:
         by :meth:`wait` on every rank alike. Collective: every rank saves the same steps.
         """
         self._check_open()
-        self._stop_watching_steps()  # the save's made-up steps are not the optimizers' first
         if not isinstance(step, int) or step < 0:
             raise ConfigError(f"step must be a non-negative int, got {step!r}")
         if self._last_step is not None and step <= self._last_step:
@@ -256,6 +255,7 @@ class Checkpointer:
         if self.stats.saves and (self.stats.saves % self.sync_every == 0
                                  or self._schedule.wants_sync(self.stats.saves)):
             self._resolve(block=False)  # a count: every rank syncs at the same save
+        self._stop_watching_steps()  # the save's made-up steps are not the optimizers' first
         generation = self._ensure_generation()
         # Unique without a collective: a generation is claimed once per Checkpointer and
         # its steps only grow.
@@ -447,26 +447,34 @@ class Checkpointer:
         return step
 
     def _prepare_first_save(self, state: dict[str, Any]) -> None:
-        """Size the first arena for ``state`` and touch (and pin) its pages in the background; for a
-        fresh start, right after its optimizers' first step. Never raises: ``restore()``
-        succeeded on every rank, and must return on every rank, and a step must not fail
-        for it (a failure here is the first save's to meet, where every rank agrees on it)."""
+        """Size the first arena for ``state`` and touch (and pin) its pages in the
+        background; for a fresh start, right after its optimizers' first step. Never
+        raises: ``restore()`` succeeded on every rank, and must return on every rank, and
+        a step must not fail for it (a failure here is the first save's to meet, where
+        every rank agrees on it)."""
         self._stop_watching_steps()
+        if not self._size_first_arena(state):  # a fresh start: sized after its optimizers' first step
+            self._first_steps = after_first_steps(state, functools.partial(self._size_first_arena, state))
+
+    def _size_first_arena(self, state: dict[str, Any]) -> bool:
+        """Size arena 0 for ``state`` and start touching it. False only when the state
+        cannot be sized yet (an optimizer that never stepped); True when done or nothing is
+        to be done. Never raises (see above)."""
         if self.stats.saves or self._arenas or self._closed:
-            return
+            return True
         try:
             size = snapshot_size(state, self.world_size, self.rank)
-            if not size:  # a fresh start: sized after its optimizers' first step, on every rank alike
-                self._first_steps = after_first_steps(state, functools.partial(self._prepare_first_save, state))
-                return
+            if not size:
+                return False
             arenas = self._new_arenas(size)
             prefault = threading.Thread(target=arenas[0].prefault, args=(size, snapshot_device(state)),
                                         name="rg-arena-prefault", daemon=True)
             prefault.start()
         except Exception as exc:  # noqa: BLE001 - an optimisation
             logger.warning("could not prepare the first save's snapshot arena: %s", exc)
-            return
+            return True
         self._arenas, self._prefault = arenas, prefault
+        return True
 
     def _stop_watching_steps(self) -> None:
         for handle in self._first_steps:
@@ -474,8 +482,9 @@ class Checkpointer:
         self._first_steps = []
 
     def _prefaulted(self) -> None:
-        """Wait for the background prefault (milliseconds; bounded): the arena is not
-        thread-safe, and a snapshot must not be copied under its zeros."""
+        """Wait for the background prefault (milliseconds; seconds to pin GBs on a GPU;
+        bounded): the arena is not thread-safe, and a snapshot must not be copied under its
+        zeros."""
         if self._prefault is None:
             return
         self._prefault.join(_DROP_JOIN_S)
@@ -602,12 +611,18 @@ class Checkpointer:
     def _release(self) -> None:
         self._closed = True
         self._stop_watching_steps()
+        busy = None  # an arena the prefault thread still maps and may pin: left to it
         if self._prefault is not None:
             self._prefault.join(_DROP_JOIN_S)
+            if self._prefault.is_alive():
+                busy = self._arenas[0]
+                logger.warning("the snapshot arena %s was still being prepared after %.0fs; left in place",
+                               busy.path, _DROP_JOIN_S)
         if self._uploader is not None:
             self._uploader.close()
         for arena in self._arenas:
-            arena.close()  # jobs that accepted a snapshot keep their own mapping
+            if arena is not busy:
+                arena.close()  # jobs that accepted a snapshot keep their own mapping
 
     def __enter__(self) -> Checkpointer:
         return self

@@ -73,21 +73,22 @@ def _nbytes(value: Any) -> int:
 
 def after_first_steps(state: dict[str, Any], ready: Callable[[], None]) -> list[RemovableHandle]:
     """Call ``ready()`` once, right after the optimizers of ``state`` that hold no state yet
-    have all stepped (a post-step hook on each, removed when it calls). Returns the hooks'
-    handles (remove them to stop waiting: a save or restore runs made-up steps); [] when
-    no optimizer waits. ``ready`` must not raise (it runs inside ``optimizer.step()``)."""
+    have all stepped (a post-step hook on each). Returns the hooks' handles, for the
+    caller to remove (a save or restore runs made-up steps first; [] when no optimizer
+    waits): a hook cannot remove itself, since ``step()`` is iterating over the hooks
+    then and a later one would meet a dict changed under it. ``ready`` must not raise
+    (it runs inside ``optimizer.step()``)."""
     try:
         waiting = [optim for optim, _ in _state.classify(state).optimizers.values() if not optim.state]
     except Exception:  # noqa: BLE001 - the save itself raises what is wrong with the state
         return []
-    handles: list[RemovableHandle] = []
+    fired = False
 
     def stepped(*_: Any) -> None:
-        if any(not optim.state for optim in waiting):
+        nonlocal fired
+        if fired or any(not optim.state for optim in waiting):
             return
-        for handle in handles:
-            handle.remove()
+        fired = True
         ready()
 
-    handles.extend(optim.register_step_post_hook(stepped) for optim in waiting)
-    return handles
+    return [optim.register_step_post_hook(stepped) for optim in waiting]
