@@ -860,7 +860,7 @@ def measure_restore(b: _Bench) -> list[str]:
 def _write_result(b: _Bench, log: list[str], slow: dict[str, Any], *, final: bool) -> None:
     """Rank 0 writes what was measured so far to ``cfg["out"]`` (after each phase, so a run
     stopped at a time limit still leaves its finished phases); ``final`` also closes."""
-    arenas = b.ckpt._arenas  # noqa: SLF001 - report only
+    arenas = b.ckpt._arenas.arenas  # noqa: SLF001 - report only
     arena = str(arenas[0].path) if arenas else None
     pinned = [a.pinned for a in arenas] if b.dev == "cuda" else None
     if final:

@@ -53,7 +53,7 @@ work = tempfile.mkdtemp(prefix="rg-first-save-")
 with Checkpointer(work + "/run", staging_dir=work + "/staging", uploader="thread") as ckpt:
     ckpt.restore(state)
     if mode == "fresh start, not prepared":
-        ckpt._stop_watching_steps()  # noqa: SLF001 - as before the hook existed
+        ckpt._arenas.stop_watching_steps()  # noqa: SLF001 - as before the hook existed
     blocked = []
     for i in range(1, saves + 1):
         step()
@@ -62,7 +62,7 @@ with Checkpointer(work + "/run", staging_dir=work + "/staging", uploader="thread
         ckpt.save(i, state)
         blocked.append(time.perf_counter() - t0)
         ckpt.wait()
-    snapshot = ckpt._arenas[0].size  # noqa: SLF001 - the arena the saves used
+    snapshot = ckpt._arenas.arenas[0].size  # noqa: SLF001 - the arena the saves used
 # The floor: a fresh copy of the same bytes (model + AdamW state), faulting its pages in.
 flat = tensors + [v for s in optim.state.values() for v in s.values() if torch.is_tensor(v)]
 t0 = time.perf_counter()

@@ -1381,7 +1381,7 @@ def test_restore_does_not_step_an_optimizer_that_never_stepped_to_size_the_first
     optim.register_step_post_hook(lambda *_: steps.append(1))
     with Checkpointer(str(tmp_path / "r"), staging_dir=str(tmp_path / "s"), uploader="thread") as ckpt:
         assert ckpt.restore({"model": model, "optim": optim}) is None
-        assert steps == [] and not optim.state and ckpt._arenas == []  # noqa: SLF001
+        assert steps == [] and not optim.state and ckpt._arenas.arenas == []  # noqa: SLF001
 
 
 def test_a_fresh_starts_first_save_is_sized_and_touched_right_after_the_optimizers_first_step(tmp_path):
@@ -1391,19 +1391,19 @@ def test_a_fresh_starts_first_save_is_sized_and_touched_right_after_the_optimize
     optim = torch.optim.AdamW(model.parameters())
     state = {"model": model, "optim": optim}
     with Checkpointer(str(tmp_path / "r"), staging_dir=str(tmp_path / "s"), uploader="thread") as ckpt:
-        assert ckpt.restore(state) is None and ckpt._arenas == []  # noqa: SLF001
+        assert ckpt.restore(state) is None and ckpt._arenas.arenas == []  # noqa: SLF001
         model(torch.randn(4, 256)).sum().backward()
         optim.step()
-        ckpt._prefaulted()  # noqa: SLF001 - the background touch is done
-        arena = ckpt._arenas[0]  # noqa: SLF001
+        ckpt._arenas.wait_prepared()  # noqa: SLF001 - the background touch is done
+        arena = ckpt._arenas.arenas[0]  # noqa: SLF001
         assert arena.path.is_relative_to("/dev/shm") and arena.size > 0 and not arena.pinned  # a CPU model
         assert os.stat(arena.path).st_blocks * 512 >= arena.size  # every page is there
         size = arena.size
         optim.step()  # the hook fired once: nothing is sized again
-        assert ckpt._arenas[0] is arena  # noqa: SLF001
+        assert ckpt._arenas.arenas[0] is arena  # noqa: SLF001
         ckpt.save(1, state)
-        assert ckpt._first_steps == []  # noqa: SLF001 - removed by the save, outside any step()
-        assert ckpt._arenas[0].size == size  # noqa: SLF001 - sized ahead: the save did not grow it
+        assert ckpt._arenas._first_steps == []  # noqa: SLF001 - removed by the save, outside any step()
+        assert ckpt._arenas.arenas[0].size == size  # noqa: SLF001 - sized ahead: the save did not grow it
         ckpt.wait()
         assert ckpt.stats.committed == [1]
 
@@ -1411,18 +1411,19 @@ def test_a_fresh_starts_first_save_is_sized_and_touched_right_after_the_optimize
 def test_a_save_before_the_first_step_is_not_taken_for_it(tmp_path, monkeypatch):
     # The save describes the unstepped optimizer by a made-up step, which runs its post-step
     # hooks: the hook that sizes the first arena must be gone by then.
-    sized: list[int] = []
-    real = Checkpointer._size_first_arena  # noqa: SLF001
-    monkeypatch.setattr(Checkpointer, "_size_first_arena",
-                        lambda self, state: sized.append(self.stats.saves) or real(self, state))
+    from ray_goodput.checkpoint._arena_pair import ArenaPair
+
+    sized: list[int] = []  # arenas there were at each try to size arena 0
+    real = ArenaPair._size_first  # noqa: SLF001
+    monkeypatch.setattr(ArenaPair, "_size_first", lambda self, state: sized.append(len(self.arenas)) or real(self, state))
     model = torch.nn.Linear(64, 64)
     optim = torch.optim.AdamW(model.parameters())
     state = {"model": model, "optim": optim}
     with Checkpointer(str(tmp_path / "r"), staging_dir=str(tmp_path / "s"), uploader="thread") as ckpt:
         ckpt.restore(state)
-        assert sized == [0] and ckpt._first_steps  # noqa: SLF001 - tried in restore; now waiting for a step
+        assert sized == [0] and ckpt._arenas._first_steps  # noqa: SLF001 - tried in restore; now waiting for a step
         ckpt.save(1, state)
-        assert sized == [0] and ckpt._first_steps == [] and not optim.state  # noqa: SLF001
+        assert sized == [0] and ckpt._arenas._first_steps == [] and not optim.state  # noqa: SLF001
         model(torch.randn(4, 64)).sum().backward()
         optim.step()
         assert sized == [0]
@@ -1445,7 +1446,7 @@ def test_the_first_step_hook_leaves_the_users_own_post_step_hooks_running(tmp_pa
         for _ in range(2):
             model(torch.randn(4, 64)).sum().backward()
             optim.step()
-        assert ran == [1, 1] and ckpt._arenas  # noqa: SLF001 - sized after the first step
+        assert ran == [1, 1] and ckpt._arenas.arenas  # noqa: SLF001 - sized after the first step
         ckpt.save(1, state)
         ckpt.wait()
         assert ckpt.stats.committed == [1]
@@ -1460,11 +1461,11 @@ def test_a_checkpointer_that_only_restores_leaves_another_ones_arenas_alone(tmp_
     with Checkpointer(root, staging_dir=str(tmp_path / "s"), uploader="thread") as trainer:
         trainer.save(1, trainer_state)
         trainer.wait()
-        paths = [a.path for a in trainer._arenas if a.path.exists()]  # noqa: SLF001 - arena 1: never used
+        paths = [a.path for a in trainer._arenas.arenas if a.path.exists()]  # noqa: SLF001 - arena 1: never used
         assert paths
         with Checkpointer(root, staging_dir=str(tmp_path / "e"), uploader="thread") as evaluator:
             assert evaluator.restore(_stepped(torch.nn.Linear(64, 64))) == 1
-            assert not {a.path for a in evaluator._arenas} & set(paths)  # noqa: SLF001
+            assert not {a.path for a in evaluator._arenas.arenas} & set(paths)  # noqa: SLF001
         assert all(p.exists() for p in paths)
         trainer.save(2, trainer_state)
         trainer.wait()
@@ -1478,15 +1479,15 @@ def test_restore_gets_the_first_save_ready_connected_and_its_arena_touched(ray_l
     state = _stepped(torch.nn.Linear(256, 256))  # as a resumed attempt's
     with Checkpointer(str(tmp_path / "r"), staging_dir=str(tmp_path / "s"), uploader="actor") as ckpt:
         assert ckpt.restore(state) is None
-        ckpt._prefaulted()  # noqa: SLF001 - the background touch is done
+        ckpt._arenas.wait_prepared()  # noqa: SLF001 - the background touch is done
         ckpt._uploader._attached()  # noqa: SLF001 - and the connection made at construction
-        arena = ckpt._arenas[0]  # noqa: SLF001
+        arena = ckpt._arenas.arenas[0]  # noqa: SLF001
         assert arena.path.is_relative_to("/dev/shm") and arena.size > 0
         assert os.stat(arena.path).st_blocks * 512 >= arena.size  # every page is there
         assert ckpt._uploader._channel is not None  # noqa: SLF001
         size = arena.size
         ckpt.save(1, state)
-        assert ckpt._arenas[0].size == size  # noqa: SLF001 - sized ahead: the save did not grow it
+        assert ckpt._arenas.arenas[0].size == size  # noqa: SLF001 - sized ahead: the save did not grow it
         ckpt.wait()
         assert ckpt.stats.committed == [1]
 

@@ -132,13 +132,13 @@ def test_the_first_saves_arena_is_pinned_in_the_background_before_the_first_save
             ckpt.restore(state)
             if not stepped_before_restore:
                 _step(state)
-            ckpt._prefaulted()  # noqa: SLF001 - the background work is done
-            arena = ckpt._arenas[0]  # noqa: SLF001
+            ckpt._arenas.wait_prepared()  # noqa: SLF001 - the background work is done
+            arena = ckpt._arenas.arenas[0]  # noqa: SLF001
             assert arena.path.is_relative_to("/dev/shm") and arena.pinned
             size = arena.size
             ckpt.save(1, state)
             # Sized exactly: a grown arena would be unpinned and pinned again in the save.
-            assert ckpt._arenas[0] is arena and arena.pinned and arena.size == size  # noqa: SLF001
+            assert ckpt._arenas.arenas[0] is arena and arena.pinned and arena.size == size  # noqa: SLF001
             ckpt.wait()
             assert ckpt.stats.committed == [1]
 

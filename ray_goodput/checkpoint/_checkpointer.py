@@ -19,9 +19,8 @@ import os
 import pickle
 import threading
 import time
-from concurrent.futures import FIRST_COMPLETED, Future
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -34,9 +33,8 @@ from torch.distributed.tensor import DTensor
 from ray_goodput import _env
 from ray_goodput.checkpoint import (_catalog, _collective, _generation, _layout, _retention, _shard_plan,
                                     _state)
-from ray_goodput.checkpoint._arena import Arena, arena_names, pick_dir, sweep_dead
+from ray_goodput.checkpoint._arena_pair import ArenaPair
 from ray_goodput.checkpoint._backends import Handoff, ThreadBackend, UploadBackend
-from ray_goodput.checkpoint._first_save import after_first_steps, snapshot_device, snapshot_size
 from ray_goodput.checkpoint._job import ShardJob
 from ray_goodput.checkpoint._local_copies import LocalCopyDropper
 from ray_goodput.checkpoint._metrics import SaveMetrics
@@ -54,9 +52,6 @@ from ray_goodput.storage import RetryPolicy
 
 logger = logging.getLogger(__name__)
 
-#: Bound on waiting for an arena that the uploader has already let go (it is immediate
-#: unless the uploader is wedged).
-_ARENA_WAIT_S = 600.0
 #: How long a clean ``close()`` lets superseded node-local copies finish being deleted
 #: (seconds for a GPU-sized shard); what is left is collected by the run's next
 #: Checkpointer on the node.
@@ -176,10 +171,7 @@ class Checkpointer:
         self._tick: float | None = None
         self._token = ""
         self._uploader: UploadBackend | None = None if isinstance(uploader, str) else uploader
-        self._arenas: list[Arena] = []
-        self._prefault: threading.Thread | None = None  # arena 0's pages touched (pinned) ahead of the first save
-        self._first_steps: list[Any] = []  # hooks that size arena 0 after a fresh start's first step
-        self._holders: list[Handoff | None] = [None, None]
+        self._arenas = ArenaPair(self.staging, self._run_key, self.rank, self.world_size)
         self._owner_cache: tuple[int, dict[str, int]] | None = None
         self._pending: dict[int, _Pending] = {}
         self._last_step: int | None = None
@@ -255,7 +247,7 @@ class Checkpointer:
         if self.stats.saves and (self.stats.saves % self.sync_every == 0
                                  or self._schedule.wants_sync(self.stats.saves)):
             self._resolve(block=False)  # a count: every rank syncs at the same save
-        self._stop_watching_steps()  # the save's made-up steps are not the optimizers' first
+        self._arenas.stop_watching_steps()  # the save's made-up steps are not the optimizers' first
         generation = self._ensure_generation()
         # Unique without a collective: a generation is claimed once per Checkpointer and
         # its steps only grow.
@@ -300,9 +292,8 @@ class Checkpointer:
             keys = _shard_plan.local_keys(leaves, self._owners(leaves), self.rank)
             tensors = {k: _local(flat[k]) for k in keys if leaves[k].kind != _shard_plan.OBJECT}
             objects = {k: pickle.dumps(flat[k]) for k in keys if leaves[k].kind == _shard_plan.OBJECT}
-            self._prefaulted()
-            index = self._free_arena(sum(t.numel() * t.element_size() for t in tensors.values()))
-            arena = self._arenas[index]
+            index, arena = self._arenas.take(sum(t.numel() * t.element_size() for t in tensors.values()),
+                                             cancel=self._cancel, step_of=self._pending_step_of)
             slots = arena.snapshot(tensors)
         job = ShardJob(root=self.root, step=step, rank=self.rank, world_size=self.world_size,
                        arena_path=str(arena.path), slots=tuple(slots), objects=objects,
@@ -316,7 +307,7 @@ class Checkpointer:
         if self._uploader is None:
             self._uploader = self._make_uploader()
         handoff = self._uploader.submit(job)
-        self._holders[index] = handoff
+        self._arenas.hold(index, handoff)
         return handoff
 
     def _owners(self, leaves: dict[str, _shard_plan.Leaf]) -> dict[str, int]:
@@ -331,29 +322,8 @@ class Checkpointer:
         self._owner_cache = (sig, owners)
         return owners
 
-    def _free_arena(self, need_bytes: int) -> int:
-        """Index of an arena no job holds. When both are held (one being written, one
-        waiting), the waiting job is superseded: the newest state goes next."""
-        if not self._arenas:
-            self._arenas = self._new_arenas(need_bytes)
-        free = [i for i, h in enumerate(self._holders) if h is None or h.released.done()]
-        if free:
-            return free[0]
-        newer = max((0, 1), key=lambda i: self._pending_step_of(self._holders[i]))
-        if self._uploader is not None and self._uploader.cancel(self._holders[newer].key):
-            logger.info("superseding the waiting save of step %d: a newer save came before it started",
-                        self._pending_step_of(self._holders[newer]))
-        done, _ = wait_futures([h.released for h in self._holders], timeout=_ARENA_WAIT_S,
-                               return_when=FIRST_COMPLETED)
-        if not done:
-            raise CheckpointError(f"no snapshot arena was released by the uploader within {_ARENA_WAIT_S:.0f}s; "
-                                  "check the uploader's health (ray-goodput status)")
-        return next(i for i, h in enumerate(self._holders) if h.released in done)
-
-    def _new_arenas(self, need_bytes: int) -> list[Arena]:
-        base = pick_dir(self.staging, 2 * need_bytes) / self._run_key
-        sweep_dead(base)
-        return [Arena(base / name) for name in arena_names(self.rank)]
+    def _cancel(self, key: str) -> bool:
+        return self._uploader is not None and self._uploader.cancel(key)
 
     def _pending_step_of(self, handoff: Handoff | None) -> int:
         return next((s for s, p in self._pending.items() if p.handoff is handoff), -1)
@@ -440,62 +410,15 @@ class Checkpointer:
         (None: start fresh); otherwise the newest intact committed checkpoint. A damaged
         one is quarantined with a warning and every rank falls back to the previous intact
         one. The world size may differ from the one that saved it (DCP resharding).
-        Before the first save, it also gets that save ready (``_first_save``).
+        Before the first save, it also gets that save ready (``_arena_pair``).
         """
         step = self._restore(state)
-        self._prepare_first_save(state)
+        self._arenas.prepare(state)  # the first save's arena, made ready while the loop starts
         return step
-
-    def _prepare_first_save(self, state: dict[str, Any]) -> None:
-        """Size the first arena for ``state`` and touch (and pin) its pages in the
-        background; for a fresh start, right after its optimizers' first step. Never
-        raises: ``restore()`` succeeded on every rank, and must return on every rank, and
-        a step must not fail for it (a failure here is the first save's to meet, where
-        every rank agrees on it)."""
-        self._stop_watching_steps()
-        if not self._size_first_arena(state):  # a fresh start: sized after its optimizers' first step
-            self._first_steps = after_first_steps(state, functools.partial(self._size_first_arena, state))
-
-    def _size_first_arena(self, state: dict[str, Any]) -> bool:
-        """Size arena 0 for ``state`` and start touching it. False only when the state
-        cannot be sized yet (an optimizer that never stepped); True when done or nothing is
-        to be done. Never raises (see above)."""
-        if self.stats.saves or self._arenas or self._closed:
-            return True
-        try:
-            size = snapshot_size(state, self.world_size, self.rank)
-            if not size:
-                return False
-            arenas = self._new_arenas(size)
-            prefault = threading.Thread(target=arenas[0].prefault, args=(size, snapshot_device(state)),
-                                        name="rg-arena-prefault", daemon=True)
-            prefault.start()
-        except Exception as exc:  # noqa: BLE001 - an optimisation
-            logger.warning("could not prepare the first save's snapshot arena: %s", exc)
-            return True
-        self._arenas, self._prefault = arenas, prefault
-        return True
-
-    def _stop_watching_steps(self) -> None:
-        for handle in self._first_steps:
-            handle.remove()
-        self._first_steps = []
-
-    def _prefaulted(self) -> None:
-        """Wait for the background prefault (milliseconds; seconds to pin GBs on a GPU;
-        bounded): the arena is not thread-safe, and a snapshot must not be copied under its
-        zeros."""
-        if self._prefault is None:
-            return
-        self._prefault.join(_DROP_JOIN_S)
-        if self._prefault.is_alive():
-            raise CheckpointError(f"touching (and pinning) the snapshot arena's pages took over {_DROP_JOIN_S:.0f}s; "
-                                  "is the node out of memory?")
-        self._prefault = None
 
     def _restore(self, state: dict[str, Any]) -> int | None:
         self._check_open()
-        self._stop_watching_steps()  # its made-up steps are not the optimizers' first
+        self._arenas.stop_watching_steps()  # its made-up steps are not the optimizers' first
         if self.stats.saves:  # none yet (every rank alike: saves are collective): nothing to settle
             self.wait()  # collective: called on every rank, whatever each one has pending
         t0 = time.time()
@@ -610,19 +533,10 @@ class Checkpointer:
 
     def _release(self) -> None:
         self._closed = True
-        self._stop_watching_steps()
-        busy = None  # an arena the prefault thread still maps and may pin: left to it
-        if self._prefault is not None:
-            self._prefault.join(_DROP_JOIN_S)
-            if self._prefault.is_alive():
-                busy = self._arenas[0]
-                logger.warning("the snapshot arena %s was still being prepared after %.0fs; left in place",
-                               busy.path, _DROP_JOIN_S)
+        self._arenas.stop_watching_steps()
         if self._uploader is not None:
             self._uploader.close()
-        for arena in self._arenas:
-            if arena is not busy:
-                arena.close()  # jobs that accepted a snapshot keep their own mapping
+        self._arenas.close()  # jobs that accepted a snapshot keep their own mapping
 
     def __enter__(self) -> Checkpointer:
         return self
