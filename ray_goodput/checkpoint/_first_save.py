@@ -57,8 +57,8 @@ def snapshot_size(state: dict[str, Any], world_size: int, rank: int) -> int | No
 
 
 def snapshot_device(state: dict[str, Any]) -> torch.device | None:
-    """The CUDA device of the first parameter of ``state``'s modules on one (the device a
-    save copies from, for which its arena is pinned); None when none is on a GPU."""
+    """The CUDA device of the first module parameter in ``state`` that is on a GPU (the
+    device a save copies from, for which its arena is pinned); None when none is."""
     try:
         modules = _state.classify(state).modules.values()
         return next((p.device for m in modules for p in m.parameters() if p.device.type == "cuda"), None)
