@@ -534,9 +534,11 @@ class Checkpointer:
     def _release(self) -> None:
         self._closed = True
         self._arenas.stop_watching_steps()
-        if self._uploader is not None:
-            self._uploader.close()
-        self._arenas.close()  # jobs that accepted a snapshot keep their own mapping
+        try:
+            if self._uploader is not None:
+                self._uploader.close()
+        finally:
+            self._arenas.close()  # jobs that accepted a snapshot keep their own mapping
 
     def __enter__(self) -> Checkpointer:
         return self
