@@ -1432,6 +1432,35 @@ def test_a_save_before_the_first_step_is_not_taken_for_it(tmp_path, monkeypatch)
         assert ckpt.stats.committed == [1, 2]
 
 
+def _fresh_ddp_start(rank: int, world_size: int, root: str, staging: str) -> dict:
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(
+        torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 64)))
+    optim = torch.optim.AdamW(model.parameters())
+    state = {"model": model, "optim": optim}
+    with Checkpointer(root, staging_dir=f"{staging}/{rank}", uploader="thread") as ckpt:
+        assert ckpt.restore(state) is None
+        model(torch.randn(8, 256)).sum().backward()  # DDP's all-reduce: both ranks step together
+        optim.step()
+        ckpt._arenas.wait_prepared()  # noqa: SLF001
+        arena = ckpt._arenas.arenas[0]  # noqa: SLF001
+        size = arena.size
+        ckpt.save(1, state)
+        ckpt.wait()
+        from ray_goodput.checkpoint._first_save import snapshot_size
+
+        return {"size": size, "same_arena": ckpt._arenas.arenas[0] is arena and arena.size == size,  # noqa: SLF001
+                "whole": snapshot_size(state, 1, 0), "committed": list(ckpt.stats.committed)}
+
+
+def test_a_fresh_ddp_start_sizes_each_ranks_first_arena_after_the_first_step(tmp_path):
+    # Each rank sizes its share alone, inside its step (no collective there): the owner
+    # plan that the first save exchanges gives each rank what its hook sized.
+    out = run_world(_fresh_ddp_start, 2, str(tmp_path / "root"), str(tmp_path / "s"), timeout_s=240)
+    assert all(r["size"] > 0 and r["same_arena"] and r["committed"] == [1] for r in out), out
+    assert out[0]["size"] + out[1]["size"] == out[0]["whole"], out  # each its share, not the whole
+
+
 def test_the_first_step_hook_leaves_the_users_own_post_step_hooks_running(tmp_path):
     # It removed itself while step() was iterating over the hooks: a hook registered after
     # it (an EMA update, a second Checkpointer's) met "OrderedDict mutated during
