@@ -199,6 +199,45 @@ def test_only_the_committer_reads_rank_markers(s3_server, tmp_path):
     assert marker_gets == [0, 0, 0, world], marker_gets  # was O(world) per rank: O(world^2)
 
 
+def test_the_committer_reads_markers_parts_and_the_listing_side_by_side_not_in_turn(s3_server, tmp_path):
+    """The committer read each rank's marker, then listed the step's files, then read each
+    metadata part: 2 x world + 1 storage round trips one after another before COMMITTED
+    (about 0.1 s of the time to durable on the S3 server at 2 ranks). They now go out at
+    once, and its own marker (written just now) and metadata part (staged beside it) are
+    not read back."""
+    from ray_goodput.checkpoint._parts import part_file
+
+    world, save_id = 3, _layout.save_id(1, "abcdef0123")
+    proxy = FlakyProxy(s3_server.endpoint)
+    try:
+        uri = s3_server.bucket_uri("side").replace(s3_server.endpoint, proxy.endpoint)
+        protocol = CommitProtocol(_catalog.step_location(resolve(uri), 7), 7, world, save_id, 1)
+        for rank in range(world):
+            entries = _stage_rank(protocol.step_loc, tmp_path, rank, save_id)
+            own = protocol.declare_durable(rank, entries, created=1.0)
+        first = _layout.rank_marker(0, save_id)
+        proxy.stall(first, methods=("HEAD",))  # the read of rank 0's marker, held
+        done: list = []
+        committing = threading.Thread(target=lambda: done.append(
+            protocol.finalize(tmp_path / f"r{world - 1}", own=own)), daemon=True)
+        committing.start()
+        try:
+            wait_for(lambda: proxy.holding(first), timeout_s=30, what="the read of rank 0's marker, held")
+            # While it is held, the other reads the commit needs have gone out.
+            others = [_layout.rank_marker(1, save_id), part_file(0, save_id), part_file(1, save_id)]
+            wait_for(lambda: all(proxy.count(name, ("HEAD", "GET")) for name in others), timeout_s=30,
+                     what=f"the reads of {others} while rank 0's marker is held")
+            assert not done  # the commit waits for the held read
+        finally:
+            proxy.release()
+        committing.join(60)
+        assert done and done[0].state == COMMITTED, done
+        own_files = (_layout.rank_marker(world - 1, save_id), part_file(world - 1, save_id))
+        assert [proxy.count(name, ("HEAD", "GET")) for name in own_files] == [0, 0]
+    finally:
+        proxy.close()
+
+
 def test_restore_reads_the_commit_of_its_node_local_guess_beside_the_listing(s3_server, tmp_path):
     """Rank 0 listed storage, then read the newest commit: two round trips in sequence
     before any load. The commit of the newest node-local step now goes out with the listing."""

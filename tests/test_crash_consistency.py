@@ -5,6 +5,7 @@ it guards against."""
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import pyarrow.fs as pafs
 import pytest
@@ -252,8 +253,10 @@ def test_an_orphan_whose_metadata_part_went_after_the_presence_check_is_skipped_
     loc.fs.delete_file(loc.join(_layout.COMMITTED))
     protocol = CommitProtocol(loc, 20, 1, manifest.nonce, manifest.generation)
     loc.fs.delete_file(loc.join(part_file(0, manifest.nonce)))
-    with pytest.raises(IncompleteSaveError):
-        protocol._write_dcp_metadata(None)
+    with ThreadPoolExecutor(1) as pool:  # the commit reads the parts beside the presence check
+        parts = {0: pool.submit(protocol._read_part, 0, None)}
+        with pytest.raises(IncompleteSaveError):
+            protocol._write_dcp_metadata(parts, None)
 
 
 def test_finishing_an_orphan_whose_commit_write_retention_prunes_is_skipped_not_raised(tmp_path, monkeypatch):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +51,9 @@ from ray_goodput.storage import (
 )
 
 logger = logging.getLogger(__name__)
+
+#: Most storage reads a commit makes at once (markers, metadata parts, the listing).
+_READERS = 16
 
 PENDING = "pending"        # ranks are still missing
 COMMITTED = "committed"    # this save is the step's commit
@@ -84,28 +88,64 @@ class CommitProtocol:
     generation: int
 
     def declare_durable(self, rank: int, files: list[FileEntry], created: float,
-                        unstepped: tuple[str, ...] = (), stepped: tuple[str, ...] = ()) -> None:
+                        unstepped: tuple[str, ...] = (), stepped: tuple[str, ...] = ()) -> RankMarker:
         """Rank ``rank``'s ``files`` are durable. Call only after every one is uploaded.
-        ``unstepped``/``stepped``: the rank's optimizers saved before / after their first step."""
-        write_rank_marker(self.step_loc, RankMarker(
-            step=self.step, rank=rank, world_size=self.world_size, files=tuple(files),
-            created=created, nonce=self.save_id, generation=self.generation,
-            unstepped=tuple(unstepped), stepped=tuple(stepped)))
+        ``unstepped``/``stepped``: the rank's optimizers saved before / after their first step.
+        Returns the marker written (``finalize`` takes it instead of reading it back)."""
+        marker = RankMarker(step=self.step, rank=rank, world_size=self.world_size, files=tuple(files),
+                            created=created, nonce=self.save_id, generation=self.generation,
+                            unstepped=tuple(unstepped), stepped=tuple(stepped))
+        write_rank_marker(self.step_loc, marker)
+        return marker
 
-    def _read_markers(self) -> dict[int, RankMarker]:
-        """This save's markers by rank (read only once all are listed: O(world) GETs by
-        the committer, not by every rank)."""
-        markers = (read_rank_marker(self.step_loc, rank, self.save_id) for rank in range(self.world_size))
-        return {m.rank: m for m in markers if m is not None
-                and m.step == self.step and m.nonce == self.save_id and m.world_size == self.world_size}
+    def _ours(self, marker: RankMarker | None) -> bool:
+        return marker is not None and marker.step == self.step and marker.nonce == self.save_id \
+            and marker.world_size == self.world_size
+
+    def _gather(self, pool: ThreadPoolExecutor, local_dir: Path | None, own: RankMarker | None,
+                ) -> tuple[dict[int, RankMarker], dict[int, Future[bytes]], Future[dict[str, int]]]:
+        """Start every read the commit needs at once, once every marker is listed (O(world)
+        requests by the committer, side by side, not one after another): the markers (but
+        ``own``, the caller's, written just now), the ranks' metadata parts (the caller's
+        own from ``local_dir`` when it is there) and the listing that checks the files are
+        present. Returns the markers of this save by rank, the parts' reads by rank, and
+        the listing (name under the step directory -> bytes)."""
+        mine = own.rank if self._ours(own) else None
+        markers = {rank: pool.submit(read_rank_marker, self.step_loc, rank, self.save_id)
+                   for rank in range(self.world_size) if rank != mine}
+        parts = {rank: pool.submit(self._read_part, rank, local_dir if rank == mine else None)
+                 for rank in range(self.world_size)}
+        present = pool.submit(self._present)
+        found = {rank: f.result() for rank, f in markers.items()}
+        if own is not None and mine is not None:
+            found[mine] = own
+        return {r: m for r, m in found.items() if self._ours(m)}, parts, present
+
+    def _read_part(self, rank: int, local_dir: Path | None) -> bytes:
+        """A rank's metadata part: from ``local_dir`` (the caller's staged copy, the bytes
+        it uploaded) when given and there, else from storage."""
+        name = part_file(rank, self.save_id)
+        if local_dir is not None:
+            try:
+                return (local_dir / name).read_bytes()
+            except OSError:
+                pass  # not staged there (or gone): storage has it
+        return read_bytes(self.step_loc, name)
+
+    def _present(self) -> dict[str, int]:
+        return {i.path[len(self.step_loc.root) + 1:]: i.size or 0
+                for i in list_dir(self.step_loc, recursive=True) if i.type == pafs.FileType.File}
 
     def check(self) -> Manifest | None:
         """The committed manifest when it is this save's, else None."""
         existing = _existing(self.step_loc)
         return existing if existing is not None and existing.nonce == self.save_id else None
 
-    def finalize(self, local_dir: Path | None = None) -> Finalized:
-        """Commit this save if every rank is durable (see the module docstring)."""
+    def finalize(self, local_dir: Path | None = None, own: RankMarker | None = None) -> Finalized:
+        """Commit this save if every rank is durable (see the module docstring).
+        ``local_dir``: the caller's staged copy of its files (its metadata part is read
+        there; the merged ``.metadata`` is written there too). ``own``: the marker the
+        caller wrote (not read back)."""
         existing = _existing(self.step_loc)
         if existing is not None and existing.nonce == self.save_id:
             return Finalized(COMMITTED, existing)
@@ -118,22 +158,24 @@ class CommitProtocol:
             return Finalized(OUTRANKED)
         if listed.get(self.save_id, set()) != set(range(self.world_size)):
             return Finalized(PENDING)
-        markers = self._read_markers()
-        if set(markers) != set(range(self.world_size)):
-            return Finalized(PENDING)
-        files = [f for m in markers.values() for f in m.files]
-        self._check_present(files)
-        # Replacing an older generation's commit (or a torn one): it stops being one first,
-        # so that no reader pairs its manifest with the new .metadata (and calls it damaged);
-        # its quarantine record goes with it. With none seen, a COMMITTED there now is a
-        # racing finalizer's of this very save: deleting it would un-commit the step.
-        for name in ((_layout.COMMITTED,) if existing is not None else ()) + (_layout.QUARANTINED,):
-            try:
-                self.step_loc.fs.delete_file(self.step_loc.join(name))
-            except FileNotFoundError:
-                pass
-        with self._pruned_meanwhile():
-            metadata, state_keys = self._write_dcp_metadata(local_dir)
+        with ThreadPoolExecutor(max_workers=min(_READERS, 2 * self.world_size + 1),
+                                thread_name_prefix="rg-commit") as pool:
+            markers, parts, present = self._gather(pool, local_dir, own)
+            if set(markers) != set(range(self.world_size)):
+                return Finalized(PENDING)  # the pool's exit waits for the reads still running
+            files = [f for m in markers.values() for f in m.files]
+            self._check_present(files, present.result())
+            # Replacing an older generation's commit (or a torn one): it stops being one
+            # first, so that no reader pairs its manifest with the new .metadata. Its
+            # quarantine record goes with it, before the new COMMITTED (beside the .metadata
+            # write). With none seen, a COMMITTED there now is a racing finalizer's of this
+            # very save: deleting it would un-commit the step.
+            if existing is not None:
+                self._delete(_layout.COMMITTED)
+            unquarantined = pool.submit(self._delete, _layout.QUARANTINED)
+            with self._pruned_meanwhile():
+                metadata, state_keys = self._write_dcp_metadata(parts, local_dir)
+            unquarantined.result()
         files.append(metadata)
         files.sort(key=lambda f: f.name)
         # Unstepped: fresh on some rank and stepped on none (a frozen stage's optimizer never
@@ -155,6 +197,12 @@ class CommitProtocol:
         return Finalized(COMMITTED if newer is None else OUTRANKED,
                          Manifest.from_bytes(data) if newer is None else newer)
 
+    def _delete(self, name: str) -> None:
+        try:
+            self.step_loc.fs.delete_file(self.step_loc.join(name))
+        except FileNotFoundError:
+            pass
+
     @contextmanager
     def _pruned_meanwhile(self) -> Iterator[None]:
         """A write whose file vanished under it (retention deletes the files it listed,
@@ -168,9 +216,9 @@ class CommitProtocol:
             raise IncompleteSaveError(f"step {self.step} save {self.save_id}: a commit file went while "
                                       f"it was written ({exc.__cause__}); retention is pruning it") from exc
 
-    def _check_present(self, files: list[FileEntry]) -> None:
-        present = {i.path[len(self.step_loc.root) + 1:]: i.size
-                   for i in list_dir(self.step_loc, recursive=True) if i.type == pafs.FileType.File}
+    def _check_present(self, files: list[FileEntry], present: dict[str, int]) -> None:
+        """Every declared file is in ``present`` (a listing made once every marker was
+        listed) at its declared size."""
         gone = [f.name for f in files if present.get(f.name) != f.size]
         if gone:
             raise IncompleteSaveError(
@@ -178,17 +226,17 @@ class CommitProtocol:
                 f"missing or changed ({', '.join(gone[:3])}); this save cannot commit, the previous "
                 "committed checkpoint stays the recovery point")
 
-    def _write_dcp_metadata(self, local_dir: Path | None) -> tuple[FileEntry, str]:
-        """Merge the ranks' metadata parts into DCP's ``.metadata`` (and into the node-local
-        staged copy, when there is one, for local-first restore); returns its entry and
-        the digest of its keys."""
+    def _write_dcp_metadata(self, parts: dict[int, Future[bytes]], local_dir: Path | None,
+                            ) -> tuple[FileEntry, str]:
+        """Merge the ranks' metadata parts (their reads, by rank) into DCP's ``.metadata``
+        (and into the node-local staged copy, when there is one, for local-first restore);
+        returns its entry and the digest of its keys."""
         try:
-            parts = [read_bytes(self.step_loc, part_file(rank, self.save_id))
-                     for rank in range(self.world_size)]
-        except FileNotFoundError as exc:  # deleted since the presence check
+            raw = [parts[rank].result() for rank in range(self.world_size)]
+        except FileNotFoundError as exc:  # deleted since its marker was written
             raise IncompleteSaveError(f"step {self.step} save {self.save_id}: a metadata part is gone "
                                       f"({exc}); this save cannot commit") from exc
-        data, state_keys = merge_parts(parts, self.step)
+        data, state_keys = merge_parts(raw, self.step)
         write_bytes(self.step_loc, _layout.DCP_METADATA, data)
         if local_dir is not None and local_dir.is_dir():
             write_local_file(local_dir / _layout.DCP_METADATA, data)

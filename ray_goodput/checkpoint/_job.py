@@ -181,16 +181,19 @@ def upload_and_commit(job: ShardJob, names: list[str], *, concurrency: int,
     files = [(Path(job.local_dir) / n, n) for n in names if n not in sent]
     # Staged files are never written again (a node-local copy is replaced, not rewritten),
     # so storage on the staging dir's file system takes them as hard links: one write.
-    # The rank's small extras file goes last, so a fault between the two is "mid-upload".
-    entries = list(uploaded) + upload_files(files[:-1], protocol.step_loc, concurrency=concurrency,
-                                            policy=policy, algorithm=DEFAULT_ALGORITHM, link=True,
-                                            known=written)
+    # The data file first (on object storage the follower sent it while it was written),
+    # so a fault between it and the small files (metadata part, extras, side by side) is
+    # "mid-upload".
+    data = data_file(job.rank, job.nonce)
+    entries = list(uploaded) + upload_files([f for f in files if f[1] == data], protocol.step_loc,
+                                            concurrency=concurrency, policy=policy,
+                                            algorithm=DEFAULT_ALGORITHM, link=True, known=written)
     fault_point("upload.mid_upload")
-    entries += upload_files(files[-1:], protocol.step_loc, concurrency=concurrency, policy=policy,
-                            algorithm=DEFAULT_ALGORITHM, link=True)
-    protocol.declare_durable(job.rank, entries, created=time.time(), unstepped=job.unstepped,
-                             stepped=job.stepped)
-    done = protocol.finalize(Path(job.local_dir))
+    entries += upload_files([f for f in files if f[1] != data], protocol.step_loc, concurrency=concurrency,
+                            policy=policy, algorithm=DEFAULT_ALGORITHM, link=True, known=written)
+    marker = protocol.declare_durable(job.rank, entries, created=time.time(), unstepped=job.unstepped,
+                                      stepped=job.stepped)
+    done = protocol.finalize(Path(job.local_dir), own=marker)
     if done.state == OUTRANKED:
         logger.warning("step %d: a save of the same or a newer generation (%s) holds it; this save "
                        "(generation %d) stays uncommitted", job.step,
