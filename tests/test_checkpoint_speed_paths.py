@@ -122,16 +122,17 @@ def _count_restore_collectives(rank: int, world_size: int, root: str, staging: s
 
 
 def test_a_restore_makes_three_collectives_and_none_in_dcp(tmp_path):
-    """The choice (after the generation claim, in one broadcast), the agreement once every
-    rank checked its files, and the outcome: DCP plans each rank's reads alone (was 9
-    collectives). Each agreement is one all-reduce of three integers when no rank failed
-    (was an all_gather_object: two all-gathers and pickling). Getting the first save
-    ready adds none; that save exchanges the owner plan (a header all-reduce, a gather)."""
+    """The choice (one broadcast), the agreement once every rank checked its files, and
+    the outcome: DCP plans each rank's reads alone (was 9 collectives). Each agreement is
+    one all-reduce of three integers when no rank failed (was an all_gather_object: two
+    all-gathers and pickling). Getting the first save ready adds none; that save agrees
+    on the generation (a broadcast, as at a fresh start: restore no longer waits for the
+    claim) and exchanges the owner plan (a header all-reduce, a gather)."""
     out = run_world(_count_restore_collectives, 2, str(tmp_path / "root"), str(tmp_path / "s"), timeout_s=240)
     for rank in out:
         assert rank["step"] == 1 and rank["equal"] and rank["opt_step"] == 1.0, rank
         assert rank["calls"] == ["broadcast_object_list", "all_reduce", "all_reduce"], rank
-        assert rank["save_calls"] == ["all_reduce", "all_gather_object"], rank
+        assert rank["save_calls"] == ["broadcast_object_list", "all_reduce", "all_gather_object"], rank
 
 
 def _mismatched(rank: int, world_size: int) -> str:

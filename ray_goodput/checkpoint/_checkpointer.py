@@ -208,7 +208,8 @@ class Checkpointer:
 
     @property
     def generation(self) -> int | None:
-        """This attempt's generation (decided at the first restore or save)."""
+        """This attempt's generation: claimed in the background from construction on,
+        agreed across ranks at the first save (None before it)."""
         return self._generation
 
     def _ensure_generation(self) -> int:
@@ -424,7 +425,6 @@ class Checkpointer:
         t0 = time.time()
         decision = resume_decision(self.root)
         if decision is not None and decision.step is None:
-            self._ensure_generation()
             self._recorder.restored(None, t0, time.time())
             return None
         step = decision.step if decision is not None else None
@@ -469,34 +469,33 @@ class Checkpointer:
             guess.close()  # a guess the load did not take
 
     def _choose(self, step: int | None, before: tuple[int, int] | None, hint: int | None) -> Any:
-        """Rank 0's pick of the checkpoint to load (see ``choose``), broadcast. The first
-        one is made while this attempt's generation claim (started when the Checkpointer
-        was made) is in flight, and broadcast with it once it landed. A dead attempt's
-        uploader that commits late stops pruning once a newer generation is claimed; one
-        that prunes the pick before that makes the load fail on a missing file, and
-        ``restore`` then chooses again (``failed_load_verdict``). ``hint``: rank 0's guess
-        of the pick (the newest step of its node-local copy)."""
-        def pick() -> Any:
-            return choose(self.root, step=step, before=before, checksums=self.verify_checksums, hint=hint)
-        if self._generation is not None:
-            return _collective.on_rank0(pick, "choosing the checkpoint to restore")
-
-        def pick_then_claim() -> tuple[tuple[int, str], Any]:
-            manifest = pick()
-            return self._claim(), manifest
-        (self._generation, self._token), manifest = _collective.on_rank0(
-            pick_then_claim, "choosing the checkpoint to restore and claiming a checkpoint generation")
-        return manifest
+        """Rank 0's pick of the checkpoint to load (see ``choose``), broadcast. It does not
+        wait for this attempt's generation claim: that is written in the background from
+        construction on and agreed at the first save (``_ensure_generation``). A dead
+        attempt's uploader that commits late stops pruning once a newer generation is
+        claimed; one that prunes the pick before that makes the load fail on a missing
+        file, and ``restore`` then chooses again (``failed_load_verdict``). ``hint``: rank
+        0's guess of the pick (the newest step of its node-local copy)."""
+        return _collective.on_rank0(
+            lambda: choose(self.root, step=step, before=before, checksums=self.verify_checksums, hint=hint),
+            "choosing the checkpoint to restore")
 
     def _pin_resume(self, step: int) -> None:
         """Rank 0: record the resume step for retention (see ``pin_resume``) in the
-        background; a storage write the restore need not wait for (``close`` does)."""
-        attempt = self._generation or 0
+        background, once this attempt's generation claim landed; storage writes the
+        restore need not wait for (``close`` does)."""
+        claim, known = self._early_claim, self._generation
         if self._pinning is not None:  # an earlier restore's pin lands first
             self._pinning.join(_DROP_JOIN_S)
-        self._pinning = threading.Thread(
-            target=_best_effort, name="rg-resume-pin", daemon=True,
-            args=("pinning the resume step", lambda: _retention.pin_resume(self.root, attempt=attempt, step=step)))
+
+        def pin() -> None:
+            attempt = known if known is not None else claim.result()[0] if claim is not None else None
+            if attempt is None:  # the claim failed already; the first save claims again
+                logger.warning("step %d is not pinned for retention: this attempt has no generation yet", step)
+                return
+            _retention.pin_resume(self.root, attempt=attempt, step=step)
+        self._pinning = threading.Thread(target=_best_effort, name="rg-resume-pin", daemon=True,
+                                         args=("pinning the resume step", pin))
         self._pinning.start()
 
     def _load_agreed(self, state: dict[str, Any], manifest: Any, guess: LocalGuess) -> None:
