@@ -232,7 +232,7 @@ def test_the_committer_reads_markers_parts_and_the_listing_side_by_side_not_in_t
         finally:
             proxy.release()
         committing.join(60)
-        assert done and done[0].state == COMMITTED, done
+        assert done and done[0].state == COMMITTED and done[0].committed_at is not None, done
         own_files = (_layout.rank_marker(world - 1, save_id), part_file(world - 1, save_id))
         assert [proxy.count(name, ("HEAD", "GET")) for name in own_files] == [0, 0]
     finally:
@@ -260,6 +260,61 @@ def test_restore_reads_the_commit_of_its_node_local_guess_beside_the_listing(s3_
         reads = [t for t, _, path in list(proxy.arrivals) if path == commit and t >= began]  # HEAD, GET
         assert listings and reads, (listings, reads)
         assert min(reads) < listings[0][1]  # the read began before the listing ended
+    finally:
+        proxy.close()
+
+
+def test_the_committing_jobs_result_says_when_its_commit_landed(tmp_path):
+    """Time to durable was measured by polling storage for COMMITTED (benchmarks): up to a
+    poll period late, and ~40 requests/s against the storage the upload was using. The job
+    that writes COMMITTED now reports when the write returned; a job that did not write it
+    reports None."""
+    root = str(tmp_path / "root")
+    model = torch.nn.Linear(8, 8)
+    with Checkpointer(root, staging_dir=str(tmp_path / "s"), uploader="thread") as ckpt:
+        before = time.time()
+        ckpt.save(1, {"model": model})
+        result = ckpt._pending[1].handoff.durable.result(timeout=60)
+        after = time.time()
+    assert result.committed and before <= result.committed_at <= after
+    commit = Path(root) / _layout.CHECKPOINTS_DIR / _layout.step_dir(1) / _layout.COMMITTED
+    assert abs(commit.stat().st_mtime - result.committed_at) < 1.0  # the write it reports
+    world, save_id = 2, _layout.save_id(1, "abcdef0123")
+    protocol = CommitProtocol(_catalog.step_location(resolve(root), 9), 9, world, save_id, 1)
+    entries = _stage_rank(protocol.step_loc, tmp_path, 0, save_id)
+    protocol.declare_durable(0, entries, created=1.0)
+    pending = protocol.finalize()
+    assert pending.state == PENDING and pending.committed_at is None
+
+
+def test_a_restore_of_the_step_the_driver_chose_reads_its_commit_beside_the_listing(s3_server, tmp_path):
+    """A restart's usual restore (the driver's Recovery decided the step) read that step's
+    COMMITTED (a HEAD, then a GET) and only then listed its directory for the size check:
+    three round trips in sequence before any load. The listing now goes out beside the read."""
+    from ray_goodput.runtime._resume import ResumeDecision, root_key, set_decision
+
+    proxy = FlakyProxy(s3_server.endpoint)
+    try:
+        uri = s3_server.bucket_uri("run").replace(s3_server.endpoint, proxy.endpoint)
+        model, staging = torch.nn.Linear(8, 8), str(tmp_path / "s")
+        with Checkpointer(uri, staging_dir=staging, uploader="thread") as ckpt:
+            for step in (1, 2):
+                ckpt.save(step, {"model": model})
+                ckpt.wait()
+        bucket = "/" + uri.split("//", 1)[1].split("/", 1)[0]
+        commit = f"{bucket}/run/{_layout.CHECKPOINTS_DIR}/{_layout.step_dir(1)}/{_layout.COMMITTED}"
+        set_decision(ResumeDecision(attempt=3, step=1, root_key=root_key(uri)))
+        try:
+            proxy.latency_s = 0.3  # from here on, each request takes >= 0.3 s
+            with Checkpointer(uri, staging_dir=staging, uploader="thread") as ckpt:
+                began = time.monotonic()
+                assert ckpt.restore({"model": torch.nn.Linear(8, 8)}) == 1
+        finally:
+            set_decision(None)
+        listings = [span for span in proxy.spans.get(bucket, []) if span[0] >= began]
+        reads = [t for t, _, path in list(proxy.arrivals) if path == commit and t >= began]  # HEAD, GET
+        assert listings and len(reads) == 2, (listings, reads)
+        assert listings[0][0] < max(reads)  # the listing began before the GET, not after it
     finally:
         proxy.close()
 

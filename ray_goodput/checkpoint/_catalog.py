@@ -12,6 +12,7 @@ import heapq
 import logging
 import threading
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 
 import pyarrow.fs as pafs
@@ -26,7 +27,7 @@ from ray_goodput.checkpoint._manifest import (
     read_quarantine,
 )
 from ray_goodput.errors import CheckpointCorruptError
-from ray_goodput.storage import StorageLocation, list_dir, object_crc32, resolve
+from ray_goodput.storage import StorageLocation, file_sizes, list_dir, object_crc32, resolve
 
 logger = logging.getLogger(__name__)
 
@@ -137,6 +138,18 @@ def _read_early(step_loc: StorageLocation) -> Future[Manifest | None]:
     return future
 
 
+def read_beside_listing(step_loc: StorageLocation) -> tuple[Manifest | None, dict[str, int]]:
+    """``read_manifest(step_loc)`` and the step directory's files (``file_sizes``), the two
+    requests side by side instead of one after the other. Raises what ``read_manifest``
+    raises (CheckpointCorruptError for a torn commit)."""
+    early = _read_early(step_loc)
+    present = file_sizes(step_loc)
+    try:
+        return early.result(timeout=_EARLY_READ_WAIT_S), present
+    except FutureTimeout:  # slow in its own retries: read it again, with this thread's bounds
+        return read_manifest(step_loc), present
+
+
 def _listed_manifest(d: StepDir, early: Future[Manifest | None]) -> Manifest | None:
     """The manifest read beside the listing, if it names only files the listing found at
     their sizes and the listing shows no save file of a newer generation; None otherwise.
@@ -182,8 +195,7 @@ def verify(step_loc: StorageLocation, manifest: Manifest, *, checksums: bool,
     made found, by name under the step directory); ``checksums`` reads every byte.
     """
     if present is None:
-        present = {i.path[len(step_loc.root) + 1:]: i.size or 0
-                   for i in list_dir(step_loc, recursive=True) if i.type == pafs.FileType.File}
+        present = file_sizes(step_loc)
     problems = []
     for entry in manifest.files:
         size = present.get(entry.name)

@@ -19,13 +19,12 @@ under its own id (every file name carries it) and becomes visible only when
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-
-import pyarrow.fs as pafs
 
 from ray_goodput._faults import fault_point
 from ray_goodput.checkpoint import _layout
@@ -44,7 +43,7 @@ from ray_goodput.storage import (
     FileEntry,
     StorageLocation,
     checksum,
-    list_dir,
+    file_sizes,
     read_bytes,
     write_bytes,
     write_local_file,
@@ -64,6 +63,9 @@ OUTRANKED = "outranked"    # a save of the same or a newer generation holds the 
 class Finalized:
     state: str
     manifest: Manifest | None = None
+    #: ``time.time()`` when this finalize's ``COMMITTED`` write returned (None when it
+    #: wrote none: found committed already, pending, outranked).
+    committed_at: float | None = None
 
 
 _TORN = Manifest(step=-1, world_size=0, files=(), created=0.0, nonce="<torn>", generation=-1)
@@ -115,7 +117,7 @@ class CommitProtocol:
                    for rank in range(self.world_size) if rank != mine}
         parts = {rank: pool.submit(self._read_part, rank, local_dir if rank == mine else None)
                  for rank in range(self.world_size)}
-        present = pool.submit(self._present)
+        present = pool.submit(file_sizes, self.step_loc)
         found = {rank: f.result() for rank, f in markers.items()}
         if own is not None and mine is not None:
             found[mine] = own
@@ -132,9 +134,6 @@ class CommitProtocol:
                 pass  # not staged there (or gone): storage has it
         return read_bytes(self.step_loc, name)
 
-    def _present(self) -> dict[str, int]:
-        return {i.path[len(self.step_loc.root) + 1:]: i.size or 0
-                for i in list_dir(self.step_loc, recursive=True) if i.type == pafs.FileType.File}
 
     def check(self) -> Manifest | None:
         """The committed manifest when it is this save's, else None."""
@@ -190,12 +189,14 @@ class CommitProtocol:
         data = manifest.to_bytes()
         with self._pruned_meanwhile():
             write_bytes(self.step_loc, _layout.COMMITTED, data)
+        committed_at = time.time()
         logger.info("committed checkpoint step %d generation %d (%d files, %d bytes) at %s",
                     self.step, self.generation, len(files), manifest.total_bytes, self.step_loc.uri)
         # A newer generation that finished meanwhile must end up holding the step.
         newer = finish_orphan(self.step_loc, self.step, above=self.generation)
-        return Finalized(COMMITTED if newer is None else OUTRANKED,
-                         Manifest.from_bytes(data) if newer is None else newer)
+        if newer is not None:
+            return Finalized(OUTRANKED, newer)
+        return Finalized(COMMITTED, Manifest.from_bytes(data), committed_at=committed_at)
 
     def _delete(self, name: str) -> None:
         try:

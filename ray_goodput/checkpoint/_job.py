@@ -91,6 +91,9 @@ class ShardResult:
     write_seconds: float
     upload_seconds: float
     state: SaveState = SaveState.UPLOADED
+    #: ``time.time()`` when this job's ``COMMITTED`` write returned: the save was durable
+    #: from then on (None unless this job wrote the commit).
+    committed_at: float | None = None
 
     @property
     def committed(self) -> bool:
@@ -166,13 +169,14 @@ def write_local(job: ShardJob, tensors: dict[str, Any] | None = None,
 
 def upload_and_commit(job: ShardJob, names: list[str], *, concurrency: int,
                       policy: RetryPolicy, uploaded: Sequence[FileEntry] = (),
-                      written: Mapping[str, Written] | None = None) -> tuple[int, SaveState]:
+                      written: Mapping[str, Written] | None = None) -> tuple[int, SaveState, float | None]:
     """Upload, declare durable, try to commit (and apply retention when committed).
 
     ``uploaded``: files of ``names`` already in storage (sent while they were written).
     ``written``: checksums of staged files computed as they were written (a hard-linked
     upload then does not read them back).
-    Returns the bytes uploaded and ``uploaded`` or ``committed``. An upload that fails
+    Returns the bytes uploaded, ``uploaded`` or ``committed``, and when this job's commit
+    landed (``Finalized.committed_at``). An upload that fails
     after retries raises; then no marker is written, the step can never commit, and the
     previous committed checkpoint stays the recovery point.
     """
@@ -204,7 +208,7 @@ def upload_and_commit(job: ShardJob, names: list[str], *, concurrency: int,
         except Exception as exc:  # noqa: BLE001 - the save is committed; retention retries next time
             logger.warning("retention after step %d failed: %s", job.step, exc)
     state = SaveState.COMMITTED if done.state == COMMITTED else SaveState.UPLOADED
-    return sum(e.size for e in entries), state
+    return sum(e.size for e in entries), state, done.committed_at
 
 
 def _follow_data_file(job: ShardJob) -> FollowUpload | None:
@@ -248,11 +252,11 @@ def run_shard_job(job: ShardJob, record: SaveRecord, tensors: dict[str, Any], *,
         if follow is not None:  # before the failure is reported: the next save needs the disk
             follow.abandon(timeout_s=_FOLLOW_STOP_S)
         raise
-    num_bytes, state = upload_and_commit(job, names, concurrency=concurrency, policy=policy,
+    num_bytes, state, committed_at = upload_and_commit(job, names, concurrency=concurrency, policy=policy,
                                          uploaded=uploaded, written=sums)
     record.advance(SaveState.UPLOADED)
     if state is SaveState.COMMITTED:
         record.advance(SaveState.COMMITTED)
     return ShardResult(step=job.step, rank=job.rank, num_bytes=num_bytes,
                        write_seconds=written - start, upload_seconds=time.monotonic() - written,
-                       state=state)
+                       state=state, committed_at=committed_at)

@@ -286,13 +286,15 @@ def choose(root: StorageLocation, *, step: int | None, before: tuple[int, int] |
     (its commit is read beside the listing, see ``_catalog.newest_valid``)."""
     if step is not None and before is None:
         loc = _catalog.step_location(root, step)
-        try:
-            manifest = read_manifest(loc)
+        try:  # the commit and the size check's listing side by side (a restart's usual path)
+            manifest, present = _catalog.read_beside_listing(loc)
         except CheckpointCorruptError as exc:
-            manifest = None
+            manifest, present = None, {}
             _catalog.quarantine_damaged(loc, None, str(exc))
         if manifest is not None:
-            problems = _catalog.verify(loc, manifest, checksums=checksums)
+            problems = _catalog.verify(loc, manifest, checksums=checksums, present=present)
+            if problems:  # listed beside the read, maybe before the commit (an orphan finished
+                problems = _catalog.verify(loc, manifest, checksums=checksums)  # meanwhile): look again
             if not problems:
                 return manifest
             _catalog.quarantine_damaged(loc, manifest, "; ".join(problems[:5]))

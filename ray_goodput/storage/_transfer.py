@@ -325,6 +325,12 @@ def list_dir(loc: StorageLocation, sub: str = "", *, recursive: bool = False,
     return policy.call(f"listing of {loc.uri}/{sub}", lambda: loc.fs.get_file_info(selector))
 
 
+def file_sizes(loc: StorageLocation, policy: RetryPolicy = DEFAULT_POLICY) -> dict[str, int]:
+    """Every file under ``loc`` (recursively): its name relative to ``loc`` -> bytes."""
+    return {info.path[len(loc.root) + 1:]: info.size or 0
+            for info in list_dir(loc, recursive=True, policy=policy) if info.type == pafs.FileType.File}
+
+
 def delete_dir(loc: StorageLocation, sub: str, policy: RetryPolicy = DEFAULT_POLICY) -> None:
     """Delete ``<loc>/<sub>`` and everything under it; missing is fine."""
     path = loc.join(sub)
