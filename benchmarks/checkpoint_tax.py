@@ -23,7 +23,9 @@ Then the slowdown of a compute-bound step (~100 ms, calibrated) while a ray_good
 is being written/uploaded in the background. Then the read: ``--saves`` rounds of
 ``Checkpointer.restore`` of the newest committed checkpoint by a new Checkpointer (as a
 restarted worker makes), once with a fresh staging dir (every file from storage) and once
-with the staging dir the save left, against plain reads of the same files (the rank's
+with the staging dir the save left; each once as a first attempt does (rank 0 finds the
+newest checkpoint) and once with the step decided by the driver, as ``Recovery`` decides it
+for a restarted worker group; against plain reads of the same files (the rank's
 ``.metadata``, data file and RNG extras) from the same storage and from the node-local
 copy. Starts its own moto S3 server (subprocess) and its own Ray. Prints markdown tables.
 
@@ -73,7 +75,6 @@ os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
 os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
 
 CHUNK = 8 << 20
-POLL_S = 0.025
 CPU_METHODS = ["torch_save", "dcp_sync", "dcp_async", "rt_sync", "rt_async", "rg"]
 CUDA_METHODS = ["dcp_async", "rg"]
 LABELS = {
@@ -272,6 +273,7 @@ class _Bench:
         # the first save ready (the owner plan, the arena's pages, the uploader connection).
         self.ckpt.restore(self.state)
         self.stager = None  # DCP's async stager, made by the first dcp_async save
+        self.attempts_made = 0  # restores measured with a driver decision (each a new attempt)
         self.stagers_made = 0
         # dcp.async_save's collectives run in a background thread: on a group of their own,
         # never interleaved with training's on the default group (as torchtitan does).
@@ -541,14 +543,17 @@ def _rg_committed(b: _Bench, step: int) -> bool:
 
 
 def m_rg(b: _Bench, i: int) -> None:
+    started = time.time() - time.perf_counter()  # wall clock at perf_counter 0 (same host)
     wall, block, t0 = _rg_save(b)
-    durable = 0.0
-    if b.rank == 0:
-        while not _rg_committed(b, b.rg_step):
-            time.sleep(POLL_S)
-        durable = time.perf_counter() - t0
-    # Diagnostics: this rank's local DCP write and upload seconds, from the uploader.
-    res = b.ckpt._pending[b.rg_step].handoff.durable.result()  # noqa: SLF001 - report only
+    # Durable = when the COMMITTED write returned, in the job that wrote it (its wall clock,
+    # this host's). Polling storage for it instead (every 25 ms, before the sixteenth round) added up to a
+    # poll period and ~40 requests/s to the one S3 server process the upload shares 2
+    # cores with; the upload floor is timed to its write's return, unpolled.
+    res = b.ckpt._pending[b.rg_step].handoff.durable.result()  # noqa: SLF001 - the job's result
+    first_commit = -b.allmax(-res.committed_at if res.committed_at is not None else -math.inf)
+    if not math.isfinite(first_commit) or not _rg_committed(b, b.rg_step):
+        raise RuntimeError(f"ray_goodput step {b.rg_step}: no job of any rank committed it")
+    durable = first_commit - started - t0
     # Off the save path: the outcome agreement and Ray Train report run in wait().
     t_wait = time.perf_counter()
     b.ckpt.wait()
@@ -702,31 +707,42 @@ def _rank_files(b: _Bench, manifest) -> list[str]:
                                     if f.name.startswith(f"__{b.rank}_") or f.name == extras)]
 
 
-def _restore_with(b: _Bench, staging_dir: Path, step: int):
+def _restore_with(b: _Bench, staging_dir: Path, step: int, *, decided: bool = False):
     """(seconds of ``restore()``, its RestoreInfo) by a new Checkpointer, as a restarted
-    worker makes, whose node-local copy lives under ``staging_dir``."""
+    worker makes, whose node-local copy lives under ``staging_dir``. ``decided``: the
+    driver chose ``step`` for this attempt, as ``Recovery`` does before a restarted worker
+    group's training function starts (rank 0 then reads that step's commit, no listing of
+    every checkpoint); else rank 0 finds the newest itself (a first attempt, or no Recovery)."""
     from ray_goodput import Checkpointer
+    from ray_goodput.runtime._resume import ResumeDecision, root_key, set_decision
 
-    # Not closed: close() would add a Ray Train report. It saved nothing; it holds no
-    # uploader, only the arena its restore prepared for a first save, released here.
-    ck = Checkpointer(keep_last=1, staging_dir=str(staging_dir), uploader="thread")
-    got: list = []
-    seconds = _timed(b, lambda: got.append(ck.restore(b.state)))
-    ck._release()  # noqa: SLF001 - after the timing: joins the arena's prefault, unlinks it
+    if decided:  # what Recovery installs in each worker process (attempt: any new one)
+        set_decision(ResumeDecision(attempt=b.attempts_made + 1, step=step, root_key=root_key(b.ckpt.root)))
+    try:
+        # Not closed: close() would add a Ray Train report. It saved nothing; it holds no
+        # uploader, only the arena its restore prepared for a first save, released here.
+        ck = Checkpointer(keep_last=1, staging_dir=str(staging_dir), uploader="thread")
+        got: list = []
+        seconds = _timed(b, lambda: got.append(ck.restore(b.state)))
+        ck._release()  # noqa: SLF001 - after the timing: joins the arena's prefault, unlinks it
+    finally:
+        set_decision(None)
+        b.attempts_made += 1
     if got != [step]:
         raise RuntimeError(f"restore loaded step {got[0] if got else None}, expected {step}")
     return seconds, ck.last_restore
 
 
-def m_restore_cold(b: _Bench, i: int, step: int) -> None:
+def m_restore_cold(b: _Bench, i: int, step: int, *, decided: bool = False) -> None:
     from ray_goodput.checkpoint._tiered_reader import wait_for_node_local_copies
 
     # Fresh and this rank's own: every file comes from storage (in a shared one, DCP's
     # .metadata fetched by one rank of the node is a local read for the other).
-    stage = Path(b.cfg["work"]) / f"cold-restore-{i}-rank{b.rank}"
-    seconds, info = _restore_with(b, stage, step)
-    b.record_restore("rs_cold", b.allmax(seconds))
-    b.record_restore("rs_cold_load", b.allmax(info.seconds))
+    stage = Path(b.cfg["work"]) / f"cold-restore-{i}-{int(decided)}-rank{b.rank}"
+    seconds, info = _restore_with(b, stage, step, decided=decided)
+    key = "rs_cold_decided" if decided else "rs_cold"
+    b.record_restore(key, b.allmax(seconds))
+    b.record_restore(f"{key}_load", b.allmax(info.seconds))
     if b.allmax(info.local_files):  # on every rank alike: none raises alone
         raise RuntimeError("the cold restore read files from a node-local copy; its staging dir was not fresh")
     # The files it fetched go into the node-local copy in the background once the load is
@@ -736,11 +752,12 @@ def m_restore_cold(b: _Bench, i: int, step: int) -> None:
     shutil.rmtree(stage, ignore_errors=True)
 
 
-def m_restore_warm(b: _Bench, step: int) -> None:
-    seconds, info = _restore_with(b, b.ckpt.staging.parent, step)  # the copy the save left
-    b.record_restore("rs_warm", b.allmax(seconds))
-    b.record_restore("rs_warm_load", b.allmax(info.seconds))
-    b.record_restore("rs_warm_remote_files", b.allmax(info.remote_files))
+def m_restore_warm(b: _Bench, step: int, *, decided: bool = False) -> None:
+    seconds, info = _restore_with(b, b.ckpt.staging.parent, step, decided=decided)  # the copy the save left
+    key = "rs_warm_decided" if decided else "rs_warm"
+    b.record_restore(key, b.allmax(seconds))
+    b.record_restore(f"{key}_load", b.allmax(info.seconds))
+    b.record_restore(f"{key}_remote_files", b.allmax(info.remote_files))
 
 
 def _read_whole(fs, paths: list[str]) -> int:
@@ -841,6 +858,8 @@ def measure_restore(b: _Bench) -> list[str]:
         "read_floor": lambda i: m_read_floor(b, loc, names),
         "read_floor_peers": lambda i: m_read_floor_peers(b, loc, names, peers),
         "restore_warm": lambda i: m_restore_warm(b, manifest.step),
+        "restore_cold_decided": lambda i: m_restore_cold(b, i, manifest.step, decided=True),
+        "restore_warm_decided": lambda i: m_restore_warm(b, manifest.step, decided=True),
         "local_floor": lambda i: m_local_read_floor(b, local_dir, names),
     }
     order, log = list(todo), []
@@ -1006,7 +1025,11 @@ def _slowdown_verdicts(run: dict) -> list[str]:
 RESTORE_TARGETS = [("rs_cold", "read_floor", "from storage", "a plain read from storage"),
                    ("rs_cold", "read_floor_peers", "from storage",
                     "a plain read of the same bytes from storage (own files and peers' blocks)"),
-                   ("rs_warm", "local_floor", "from the node-local copy", "a plain local read")]
+                   ("rs_warm", "local_floor", "from the node-local copy", "a plain local read"),
+                   ("rs_cold_decided", "read_floor_peers", "from storage, step decided by the driver",
+                    "a plain read of the same bytes from storage (own files and peers' blocks)"),
+                   ("rs_warm_decided", "local_floor", "from the node-local copy, step decided by the driver",
+                    "a plain local read")]
 RESTORE_LABELS = {
     "read_floor": "floor: plain read of the rank's files from storage (whole files)",
     "read_floor_peers": "floor: the same bytes as the restore (own files whole, peers' blocks)",
@@ -1015,9 +1038,15 @@ RESTORE_LABELS = {
     "local_floor": "floor: plain local read of the node-local copy",
     "rs_warm": "Checkpointer.restore from the node-local copy",
     "rs_warm_load": "  (of which loading: check, DCP read)",
+    "rs_cold_decided": "Checkpointer.restore of the step the driver decided (Recovery's restart), all from storage",
+    "rs_cold_decided_load": "  (of which loading)",
+    "rs_warm_decided": "Checkpointer.restore of the step the driver decided, from the node-local copy",
+    "rs_warm_decided_load": "  (of which loading)",
 }
 RESTORE_FLOOR = {"rs_cold": "read_floor", "rs_cold_load": "read_floor",
-                 "rs_warm": "local_floor", "rs_warm_load": "local_floor"}
+                 "rs_warm": "local_floor", "rs_warm_load": "local_floor",
+                 "rs_cold_decided": "read_floor_peers", "rs_cold_decided_load": "read_floor_peers",
+                 "rs_warm_decided": "local_floor", "rs_warm_decided_load": "local_floor"}
 
 
 def _restore_rows(run: dict) -> list[str]:
@@ -1039,9 +1068,10 @@ def _restore_verdicts(run: dict) -> list[str]:
         r = med[key] / med[floor]
         out.append(f"- {run['storage']}: restore {where} {med[key]:.2f} s = {r:.2f}× {floor_words} "
                    f"({med[floor]:.2f} s) → target ≤ 1.3×: {'MET' if r <= 1.3 else 'NOT met'}")
-    if med.get("rs_warm_remote_files"):
-        out.append(f"- {run['storage']}: the restore from the node-local copy still fetched "
-                   f"{med['rs_warm_remote_files']:.0f} file(s) from storage (median, slowest rank)")
+    for key in ("rs_warm_remote_files", "rs_warm_decided_remote_files"):
+        if med.get(key):
+            out.append(f"- {run['storage']}: a restore from the node-local copy ({key}) still fetched "
+                       f"{med[key]:.0f} file(s) from storage (median, slowest rank)")
     return out
 
 
