@@ -58,6 +58,7 @@ import random
 import re
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -746,7 +747,11 @@ class Soak:
         trial found a violation: its directory, with the ranks' logs, stays for study)."""
         if self._moto is not None:
             self._moto.terminate()
-            self._moto.wait(timeout=10)
+            try:
+                self._moto.wait(timeout=10)
+            except subprocess.TimeoutExpired:  # under load: not worth failing a finished soak
+                self._moto.kill()
+                self._moto.wait(timeout=10)
         if "ray" in sys.modules and sys.modules["ray"].is_initialized():
             sys.modules["ray"].shutdown()
         if keep or self.args.keep:
@@ -1059,18 +1064,21 @@ def run_trial(soak: Soak, trial: Trial) -> dict:
     t0 = time.monotonic()
     root = soak.work / f"trial-{trial.index:05d}"
     _trial_dirs(root)
-    ref = soak.reference(trial.schedule)
-    store = _storage(soak, trial, root)
     result: dict[str, Any] = {"index": trial.index, "seed": trial.seed, "kind": trial.kind,
                               "tags": trial.tags(), "trial": asdict(trial), "runs": [],
                               "violations": [], "info": {}}
+    store: _TrialStorage | None = None
     try:
+        # The reference run and the S3 server start inside too: raised out of the soak, a
+        # failure there (a CI run under load) left rc 1 and no record of its cause.
+        ref = soak.reference(trial.schedule)
+        store = _storage(soak, trial, root)
         _run_attempts(soak, trial, root, store, ref, result)
     except Exception as exc:  # noqa: BLE001 - a harness error fails the trial loudly
         result["violations"].append(f"harness_error: {type(exc).__name__}: {exc}")
         result["info"]["traceback"] = traceback.format_exc()
     finally:
-        if store.proxy is not None:
+        if store is not None and store.proxy is not None:
             result["info"]["requests"] = dict(store.proxy.counts)
             store.proxy.close()
     result["wall_s"] = round(time.monotonic() - t0, 2)

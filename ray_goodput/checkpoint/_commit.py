@@ -134,7 +134,6 @@ class CommitProtocol:
                 pass  # not staged there (or gone): storage has it
         return read_bytes(self.step_loc, name)
 
-
     def check(self) -> Manifest | None:
         """The committed manifest when it is this save's, else None."""
         existing = _existing(self.step_loc)
