@@ -202,10 +202,9 @@ def test_only_the_committer_reads_rank_markers(s3_server, tmp_path):
 
 def test_the_committer_reads_markers_parts_and_the_listing_side_by_side_not_in_turn(s3_server, tmp_path):
     """The committer read each rank's marker, then listed the step's files, then read each
-    metadata part: 2 x world + 1 storage round trips one after another before COMMITTED
-    (about 0.1 s of the time to durable on the S3 server at 2 ranks). They now go out at
-    once, and its own marker (written just now) and metadata part (staged beside it) are
-    not read back."""
+    metadata part: 2 x world + 1 storage round trips one after another before COMMITTED.
+    They now go out at once, and its own marker (written just now) and metadata part
+    (staged beside it) are not read back."""
     from ray_goodput.checkpoint._parts import part_file
 
     world, save_id = 3, _layout.save_id(1, "abcdef0123")
