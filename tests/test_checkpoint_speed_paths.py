@@ -238,9 +238,14 @@ def test_the_committer_reads_markers_parts_and_the_listing_side_by_side_not_in_t
         proxy.close()
 
 
-def test_restore_reads_the_commit_of_its_node_local_guess_beside_the_listing(s3_server, tmp_path):
-    """Rank 0 listed storage, then read the newest commit: two round trips in sequence
-    before any load. The commit of the newest node-local step now goes out with the listing."""
+def _restore_after_two_commits(s3_server, tmp_path, *, decided_step: int | None = None,
+                               ) -> tuple[int, list, list]:
+    """Save steps 1 and 2 through a counting proxy, then restore (into a fresh model, the
+    node-local copy in place) with every request delayed 0.3 s, with the driver's decision
+    of ``decided_step`` when given. Returns the restored step, the restore's listings
+    (spans) and the arrival times of its requests to the restored step's COMMITTED."""
+    from ray_goodput.runtime._resume import ResumeDecision, root_key, set_decision
+
     proxy = FlakyProxy(s3_server.endpoint)
     try:
         uri = s3_server.bucket_uri("run").replace(s3_server.endpoint, proxy.endpoint)
@@ -250,17 +255,29 @@ def test_restore_reads_the_commit_of_its_node_local_guess_beside_the_listing(s3_
                 ckpt.save(step, {"model": model})
                 ckpt.wait()
         bucket = "/" + uri.split("//", 1)[1].split("/", 1)[0]
-        commit = f"{bucket}/run/{_layout.CHECKPOINTS_DIR}/{_layout.step_dir(2)}/{_layout.COMMITTED}"
-        proxy.latency_s = 0.3  # from here on, each request takes >= 0.3 s
-        with Checkpointer(uri, staging_dir=staging, uploader="thread") as ckpt:
-            began = time.monotonic()
-            assert ckpt.restore({"model": torch.nn.Linear(8, 8)}) == 2
+        if decided_step is not None:
+            set_decision(ResumeDecision(attempt=3, step=decided_step, root_key=root_key(uri)))
+        try:
+            proxy.latency_s = 0.3  # from here on, each request takes >= 0.3 s
+            with Checkpointer(uri, staging_dir=staging, uploader="thread") as ckpt:
+                began = time.monotonic()
+                restored = ckpt.restore({"model": torch.nn.Linear(8, 8)})
+        finally:
+            set_decision(None)
+        commit = f"{bucket}/run/{_layout.CHECKPOINTS_DIR}/{_layout.step_dir(restored)}/{_layout.COMMITTED}"
         listings = [span for span in proxy.spans.get(bucket, []) if span[0] >= began]
         reads = [t for t, _, path in list(proxy.arrivals) if path == commit and t >= began]  # HEAD, GET
-        assert listings and reads, (listings, reads)
-        assert min(reads) < listings[0][1]  # the read began before the listing ended
+        return restored, listings, reads
     finally:
         proxy.close()
+
+
+def test_restore_reads_the_commit_of_its_node_local_guess_beside_the_listing(s3_server, tmp_path):
+    """Rank 0 listed storage, then read the newest commit: two round trips in sequence
+    before any load. The commit of the newest node-local step now goes out with the listing."""
+    restored, listings, reads = _restore_after_two_commits(s3_server, tmp_path)
+    assert restored == 2 and listings and reads, (restored, listings, reads)
+    assert min(reads) < listings[0][1]  # the read began before the listing ended
 
 
 def test_the_committing_jobs_result_says_when_its_commit_landed(tmp_path):
@@ -290,32 +307,9 @@ def test_a_restore_of_the_step_the_driver_chose_reads_its_commit_beside_the_list
     """A restart's usual restore (the driver's Recovery decided the step) read that step's
     COMMITTED (a HEAD, then a GET) and only then listed its directory for the size check:
     three round trips in sequence before any load. The listing now goes out beside the read."""
-    from ray_goodput.runtime._resume import ResumeDecision, root_key, set_decision
-
-    proxy = FlakyProxy(s3_server.endpoint)
-    try:
-        uri = s3_server.bucket_uri("run").replace(s3_server.endpoint, proxy.endpoint)
-        model, staging = torch.nn.Linear(8, 8), str(tmp_path / "s")
-        with Checkpointer(uri, staging_dir=staging, uploader="thread") as ckpt:
-            for step in (1, 2):
-                ckpt.save(step, {"model": model})
-                ckpt.wait()
-        bucket = "/" + uri.split("//", 1)[1].split("/", 1)[0]
-        commit = f"{bucket}/run/{_layout.CHECKPOINTS_DIR}/{_layout.step_dir(1)}/{_layout.COMMITTED}"
-        set_decision(ResumeDecision(attempt=3, step=1, root_key=root_key(uri)))
-        try:
-            proxy.latency_s = 0.3  # from here on, each request takes >= 0.3 s
-            with Checkpointer(uri, staging_dir=staging, uploader="thread") as ckpt:
-                began = time.monotonic()
-                assert ckpt.restore({"model": torch.nn.Linear(8, 8)}) == 1
-        finally:
-            set_decision(None)
-        listings = [span for span in proxy.spans.get(bucket, []) if span[0] >= began]
-        reads = [t for t, _, path in list(proxy.arrivals) if path == commit and t >= began]  # HEAD, GET
-        assert listings and len(reads) == 2, (listings, reads)
-        assert listings[0][0] < max(reads)  # the listing began before the GET, not after it
-    finally:
-        proxy.close()
+    restored, listings, reads = _restore_after_two_commits(s3_server, tmp_path, decided_step=1)
+    assert restored == 1 and listings and len(reads) == 2, (restored, listings, reads)
+    assert listings[0][0] < max(reads)  # the listing began before the GET, not after it
 
 
 def test_restore_reads_only_the_commit_it_picks_not_every_one_kept(s3_server, tmp_path):
