@@ -546,9 +546,9 @@ def m_rg(b: _Bench, i: int) -> None:
     started = time.time() - time.perf_counter()  # wall clock at perf_counter 0 (same host)
     wall, block, t0 = _rg_save(b)
     # Durable = when the COMMITTED write returned, in the job that wrote it (its wall clock,
-    # this host's). Polling storage for it instead (every 25 ms, before the sixteenth round) added up to a
-    # poll period and ~40 requests/s to the one S3 server process the upload shares 2
-    # cores with; the upload floor is timed to its write's return, unpolled.
+    # this host's). Polling storage for it instead (every 25 ms, before the sixteenth
+    # round) added up to a poll period and ~40 requests/s to the one S3 server process the
+    # upload shares 2 cores with; the upload floor is timed to its write's return, unpolled.
     res = b.ckpt._pending[b.rg_step].handoff.durable.result()  # noqa: SLF001 - the job's result
     first_commit = -b.allmax(-res.committed_at if res.committed_at is not None else -math.inf)
     if not math.isfinite(first_commit) or not _rg_committed(b, b.rg_step):
