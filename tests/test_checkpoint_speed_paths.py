@@ -280,6 +280,37 @@ def test_restore_reads_the_commit_of_its_node_local_guess_beside_the_listing(s3_
     assert min(reads) < listings[0][1]  # the read began before the listing ended
 
 
+def test_two_jobs_of_one_process_that_both_see_every_marker_commit_once(s3_server, tmp_path):
+    """Every job whose listing shows all the markers commits, and each read O(world)
+    markers and metadata parts: at world 8 in storage_requests.py nearly every rank did,
+    343 requests per checkpoint against 44 at world 2. Jobs of the same save in one
+    process (the ranks of a node share its uploader) now commit one at a time; the later
+    one finds the commit made and reads nothing else."""
+    world, save_id = 3, _layout.save_id(1, "abcdef0123")
+    proxy = FlakyProxy(s3_server.endpoint)
+    try:
+        uri = s3_server.bucket_uri("race").replace(s3_server.endpoint, proxy.endpoint)
+        loc = _catalog.step_location(resolve(uri), 7)
+        for rank in range(world):
+            CommitProtocol(loc, 7, world, save_id, 1).declare_durable(
+                rank, _stage_rank(loc, tmp_path, rank, save_id), created=1.0)
+        proxy.latency_s = 0.2  # both jobs list every marker before either commit lands
+        before = sum(n for p, n in proxy.gets("").items() if "/.ranks/" in p)
+        done: list = []
+        jobs = [threading.Thread(target=lambda: done.append(CommitProtocol(loc, 7, world, save_id, 1).finalize()),
+                                 daemon=True) for _ in range(2)]
+        for job in jobs:
+            job.start()
+        for job in jobs:
+            job.join(120)
+        marker_gets = sum(n for p, n in proxy.gets("").items() if "/.ranks/" in p) - before
+    finally:
+        proxy.close()
+    assert sorted(d.state for d in done) == [COMMITTED, COMMITTED], done
+    assert marker_gets == world, marker_gets  # one committer's reads, not two
+    assert sum(d.committed_at is not None for d in done) == 1  # one COMMITTED write
+
+
 def test_the_committing_jobs_result_says_when_its_commit_landed(tmp_path):
     """Time to durable was measured by polling storage for COMMITTED (benchmarks): up to a
     poll period late, and ~40 requests/s against the storage the upload was using. The job

@@ -19,7 +19,9 @@ under its own id (every file name carries it) and becomes visible only when
 from __future__ import annotations
 
 import logging
+import threading
 import time
+import weakref
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
@@ -69,6 +71,27 @@ class Finalized:
 
 
 _TORN = Manifest(step=-1, world_size=0, files=(), created=0.0, nonce="<torn>", generation=-1)
+
+
+class _Turn:
+    """Held while a job of this process finalizes one save (see ``CommitProtocol.finalize``)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()  # re-entered by nothing today; never a self-deadlock
+
+
+_turns: weakref.WeakValueDictionary[tuple[str, str], _Turn] = weakref.WeakValueDictionary()
+_turns_lock = threading.Lock()
+
+
+def _turn(step_loc: StorageLocation, save_id: str) -> _Turn:
+    """This process's turn object for finalizing ``save_id`` in ``step_loc`` (alive while a
+    finalize holds or waits for it)."""
+    with _turns_lock:
+        turn = _turns.get((step_loc.uri, save_id))
+        if turn is None:
+            turn = _turns[(step_loc.uri, save_id)] = _Turn()
+        return turn
 
 
 def _existing(step_loc: StorageLocation) -> Manifest | None:
@@ -143,7 +166,17 @@ class CommitProtocol:
         """Commit this save if every rank is durable (see the module docstring).
         ``local_dir``: the caller's staged copy of its files (its metadata part is read
         there; the merged ``.metadata`` is written there too). ``own``: the marker the
-        caller wrote (not read back)."""
+        caller wrote (not read back).
+
+        Jobs of the same save in one process (the ranks of a node share its uploader)
+        finalize one at a time: one that sees every marker after another committed finds
+        that commit and reads nothing more, instead of each reading O(world) markers and
+        parts. Jobs in other processes can still race; finalizing is idempotent."""
+        turn = _turn(self.step_loc, self.save_id)  # held here: the registry keeps it only while in use
+        with turn.lock:
+            return self._finalize(local_dir, own)
+
+    def _finalize(self, local_dir: Path | None, own: RankMarker | None) -> Finalized:
         existing = _existing(self.step_loc)
         if existing is not None and existing.nonce == self.save_id:
             return Finalized(COMMITTED, existing)
