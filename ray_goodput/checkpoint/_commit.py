@@ -21,7 +21,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import weakref
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
@@ -74,24 +73,36 @@ _TORN = Manifest(step=-1, world_size=0, files=(), created=0.0, nonce="<torn>", g
 
 
 class _Turn:
-    """Held while a job of this process finalizes one save (see ``CommitProtocol.finalize``)."""
+    """One save's commit in this process: its jobs that see every marker take turns, and
+    ``found`` is what the one that finished it found (the later ones return it)."""
 
     def __init__(self) -> None:
-        self.lock = threading.RLock()  # re-entered by nothing today; never a self-deadlock
+        self.lock = threading.Lock()
+        self.found: Finalized | None = None
+        self.users = 0  # jobs holding or waiting for the turn (guarded by _turns_lock)
 
 
-_turns: weakref.WeakValueDictionary[tuple[str, str], _Turn] = weakref.WeakValueDictionary()
+#: A turn lives while a job holds or waits for it, and no longer: what one found is handed
+#: only to jobs that listed every marker while it was committing (storage can change
+#: after that: retention, a quarantine, a commit deleted by hand).
+_turns: dict[tuple[str, str], _Turn] = {}
 _turns_lock = threading.Lock()
 
 
-def _turn(step_loc: StorageLocation, save_id: str) -> _Turn:
-    """This process's turn object for finalizing ``save_id`` in ``step_loc`` (alive while a
-    finalize holds or waits for it)."""
+@contextmanager
+def _taking_turn(step_loc: StorageLocation, save_id: str) -> Iterator[_Turn]:
+    key = (step_loc.uri, save_id)
     with _turns_lock:
-        turn = _turns.get((step_loc.uri, save_id))
-        if turn is None:
-            turn = _turns[(step_loc.uri, save_id)] = _Turn()
-        return turn
+        turn = _turns.setdefault(key, _Turn())
+        turn.users += 1
+    try:
+        with turn.lock:
+            yield turn
+    finally:
+        with _turns_lock:
+            turn.users -= 1
+            if not turn.users:
+                del _turns[key]
 
 
 def _existing(step_loc: StorageLocation) -> Manifest | None:
@@ -168,15 +179,11 @@ class CommitProtocol:
         there; the merged ``.metadata`` is written there too). ``own``: the marker the
         caller wrote (not read back).
 
-        Jobs of the same save in one process (the ranks of a node share its uploader)
-        finalize one at a time: one that sees every marker after another committed finds
-        that commit and reads nothing more, instead of each reading O(world) markers and
-        parts. Jobs in other processes can still race; finalizing is idempotent."""
-        turn = _turn(self.step_loc, self.save_id)  # held here: the registry keeps it only while in use
-        with turn.lock:
-            return self._finalize(local_dir, own)
-
-    def _finalize(self, local_dir: Path | None, own: RankMarker | None) -> Finalized:
+        Jobs of the same save in one process (the ranks of a node share its uploader) that
+        each see every marker commit one at a time: a later one returns what the first
+        found instead of reading O(world) markers and parts again. A job that finds ranks
+        missing never waits for that turn. Jobs in other processes can still race;
+        finalizing is idempotent."""
         existing = _existing(self.step_loc)
         if existing is not None and existing.nonce == self.save_id:
             return Finalized(COMMITTED, existing)
@@ -189,6 +196,18 @@ class CommitProtocol:
             return Finalized(OUTRANKED)
         if listed.get(self.save_id, set()) != set(range(self.world_size)):
             return Finalized(PENDING)
+        with _taking_turn(self.step_loc, self.save_id) as turn:
+            if turn.found is not None:  # another job of this process finished it meanwhile
+                return Finalized(turn.found.state, turn.found.manifest)
+            done = self._commit(existing, local_dir, own)
+            if done.state in (COMMITTED, OUTRANKED):
+                turn.found = done
+            return done
+
+    def _commit(self, existing: Manifest | None, local_dir: Path | None, own: RankMarker | None,
+                ) -> Finalized:
+        """Every marker is listed: read them and the parts, check, write ``.metadata`` and
+        ``COMMITTED`` (see ``finalize``; ``existing``: the step's commit as it read it)."""
         with ThreadPoolExecutor(max_workers=min(_READERS, 2 * self.world_size + 1),
                                 thread_name_prefix="rg-commit") as pool:
             markers, parts, present = self._gather(pool, local_dir, own)
