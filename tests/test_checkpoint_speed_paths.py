@@ -311,6 +311,32 @@ def test_two_jobs_of_one_process_that_both_see_every_marker_commit_once(s3_serve
     assert sum(d.committed_at is not None for d in done) == 1  # one COMMITTED write
 
 
+def test_a_job_waiting_for_another_jobs_commit_of_the_same_save_stops_at_its_bound(tmp_path, monkeypatch):
+    from ray_goodput.checkpoint import _commit
+
+    world, save_id = 1, _layout.save_id(1, "abcdef0123")
+    loc = _catalog.step_location(resolve(str(tmp_path / "root")), 7)
+    protocol = CommitProtocol(loc, 7, world, save_id, 1)
+    protocol.declare_durable(0, _stage_rank(loc, tmp_path, 0, save_id), created=1.0)
+    monkeypatch.setattr(_commit, "_TURN_WAIT_S", 0.2)
+    holding, release = threading.Event(), threading.Event()
+
+    def hold() -> None:  # a job of this process stuck in its commit of the same save
+        with _commit._taking_turn(loc, save_id):
+            holding.set()
+            release.wait(60)
+    holder = threading.Thread(target=hold, daemon=True)
+    holder.start()
+    try:
+        assert holding.wait(30)
+        with pytest.raises(StorageError, match=f"committing save {save_id}"):
+            protocol.finalize()
+    finally:
+        release.set()
+        holder.join(30)
+    assert protocol.finalize().state == COMMITTED and not _commit._turns  # the turn went with its users
+
+
 def test_the_committing_jobs_result_says_when_its_commit_landed(tmp_path):
     """Time to durable was measured by polling storage for COMMITTED (benchmarks): up to a
     poll period late, and ~40 requests/s against the storage the upload was using. The job

@@ -54,6 +54,9 @@ logger = logging.getLogger(__name__)
 
 #: Most storage reads a commit makes at once (markers, metadata parts, the listing).
 _READERS = 16
+#: Bound on waiting for another job of this process to finish committing the same save
+#: (its own storage requests are bounded by their retry policy).
+_TURN_WAIT_S = 600.0
 
 PENDING = "pending"        # ranks are still missing
 COMMITTED = "committed"    # this save is the step's commit
@@ -96,8 +99,13 @@ def _taking_turn(step_loc: StorageLocation, save_id: str) -> Iterator[_Turn]:
         turn = _turns.setdefault(key, _Turn())
         turn.users += 1
     try:
-        with turn.lock:
+        if not turn.lock.acquire(timeout=_TURN_WAIT_S):
+            raise StorageError(f"another job of this process has been committing save {save_id} at "
+                               f"{step_loc.uri} for {_TURN_WAIT_S:.0f} s; check that the storage answers")
+        try:
             yield turn
+        finally:
+            turn.lock.release()
     finally:
         with _turns_lock:
             turn.users -= 1
