@@ -13,6 +13,7 @@ import time
 import types
 import zlib
 from pathlib import Path
+from typing import Any
 
 import pytest
 import ray
@@ -309,6 +310,92 @@ def test_two_jobs_of_one_process_that_both_see_every_marker_commit_once(s3_serve
     assert sorted(d.state for d in done) == [COMMITTED, COMMITTED], done
     assert marker_gets == world, marker_gets  # one committer's reads, not two
     assert sum(d.committed_at is not None for d in done) == 1  # one COMMITTED write
+
+
+def _finalize_side_by_side(s3_server, tmp_path, world: int, *, latency_s: float = 0.2,
+                           ) -> tuple[dict[int, Any], list[FlakyProxy]]:
+    """Every rank of one save durable, then each rank's job finalizes at once, each through
+    a proxy of its own (different URIs share no per-process turn: different processes, as
+    with one node per rank), every request delayed ``latency_s`` so that each job lists
+    every marker before any commit lands. Returns each rank's result and the proxies."""
+    save_id = _layout.save_id(1, "abcdef0123")
+    proxies = [FlakyProxy(s3_server.endpoint) for _ in range(world)]
+    uri = s3_server.bucket_uri("elect")
+    locs = [_catalog.step_location(resolve(uri.replace(s3_server.endpoint, p.endpoint)), 7) for p in proxies]
+    owns = [CommitProtocol(locs[r], 7, world, save_id, 1).declare_durable(
+        r, _stage_rank(locs[r], tmp_path, r, save_id), created=1.0) for r in range(world)]
+    for proxy in proxies:
+        proxy.latency_s = latency_s
+    done: dict[int, Any] = {}
+
+    def job(rank: int) -> None:
+        done[rank] = CommitProtocol(locs[rank], 7, world, save_id, 1).finalize(tmp_path / f"r{rank}", own=owns[rank])
+    jobs = [threading.Thread(target=job, args=(r,), daemon=True) for r in range(world)]
+    for j in jobs:
+        j.start()
+    for j in jobs:
+        j.join(120)
+    return done, proxies
+
+
+def test_jobs_of_different_processes_that_all_see_every_marker_elect_one_committer(s3_server, tmp_path):
+    """Every job whose listing showed all the markers committed, each reading O(world)
+    markers and metadata parts: with a process per rank (storage_requests.py) 343
+    requests per checkpoint at world 8 against 44 at world 2. Those jobs now elect one
+    committer (the lowest rank among the commit intents written); the others defer and
+    read no marker or part."""
+    from ray_goodput.checkpoint import _commit
+
+    world = 4
+    done, proxies = _finalize_side_by_side(s3_server, tmp_path, world)
+    try:
+        marker_gets = sum(n for p in proxies for path, n in p.gets().items() if "/.ranks/rank-" in path)
+        part_gets = sum(n for p in proxies for path, n in p.gets().items() if "/parts/" in path)
+        commits = sum(p.count(f"/{_layout.COMMITTED}", ("PUT",)) for p in proxies)
+    finally:
+        for p in proxies:
+            p.close()
+    assert len(done) == world, done
+    # Were 4, 12 and 12 (every job committed); one commit reads the other ranks' markers and parts.
+    assert (commits, marker_gets, part_gets) == (1, world - 1, world - 1)
+    committed = [r for r, d in done.items() if d.committed_at is not None]
+    assert len(committed) == 1 and done[committed[0]].state == COMMITTED, done
+    assert all(d.state == _commit.DEFERRED for r, d in done.items() if r != committed[0]), done
+
+
+def test_a_save_whose_elected_committer_is_killed_before_committed_is_committed_by_the_next_restore(tmp_path):
+    """The jobs that defer to the elected committer never commit: when it dies between its
+    intent and COMMITTED, the save must not be lost but finished by the next restore's
+    pick (as an orphan), and a job that finds an intent already there writes none."""
+    import subprocess
+
+    from ray_goodput.checkpoint import _commit
+
+    root, world, save_id = str(tmp_path / "root"), 2, _layout.save_id(1, "abcdef0123")
+    loc = _catalog.step_location(resolve(root), 7)
+    owns = [CommitProtocol(loc, 7, world, save_id, 1).declare_durable(
+        r, _stage_rank(loc, tmp_path, r, save_id), created=1.0) for r in range(world)]
+    code = ("import sys\n"
+            "from ray_goodput.checkpoint import _catalog\n"
+            "from ray_goodput.checkpoint._commit import CommitProtocol\n"
+            "from ray_goodput.checkpoint._manifest import read_rank_marker\n"
+            "from ray_goodput.storage import resolve\n"
+            "root, save_id = sys.argv[1], sys.argv[2]\n"
+            "loc = _catalog.step_location(resolve(root), 7)\n"
+            "CommitProtocol(loc, 7, 2, save_id, 1).finalize(own=read_rank_marker(loc, 0, save_id))\n"
+            "print('finished')\n")
+    env = {**os.environ, "RAY_GOODPUT_FAULT": "commit.before_committed:1"}
+    killed = subprocess.run([sys.executable, "-c", code, root, save_id], env=env, capture_output=True,
+                            text=True, timeout=120)
+    assert killed.returncode == -9 and "finished" not in killed.stdout, (killed.returncode, killed.stderr[-800:])
+    ranks_dir = Path(root) / _layout.CHECKPOINTS_DIR / _layout.step_dir(7) / _layout.RANKS_DIR
+    assert (ranks_dir.parent / _layout.commit_intent(0, save_id)).exists()  # it stood, then died
+    deferred = CommitProtocol(loc, 7, world, save_id, 1).finalize(tmp_path / "r1", own=owns[1])
+    assert deferred.state == _commit.DEFERRED and read_manifest(loc) is None
+    assert not (ranks_dir.parent / _layout.commit_intent(1, save_id)).exists()
+    picked = _catalog.newest_valid(root)
+    assert picked is not None and picked[1].step == 7 and picked[1].nonce == save_id, picked
+    assert read_manifest(loc) is not None and read_manifest(loc).nonce == save_id
 
 
 def test_a_job_waiting_for_another_jobs_commit_of_the_same_save_stops_at_its_bound(tmp_path, monkeypatch):

@@ -6,9 +6,10 @@ under its own id (every file name carries it) and becomes visible only when
 
 * :meth:`CommitProtocol.declare_durable`: a rank's files are uploaded (and fsynced on file
   systems); its marker says so.
-* :meth:`CommitProtocol.finalize`: once every rank is durable, check that their files are
-  present, merge DCP's ``.metadata``, then write ``COMMITTED``. Idempotent: racing
-  finalizers write identical bytes. A commit of an *older* generation of the same step is
+* :meth:`CommitProtocol.finalize`: once every rank is durable, one of the jobs that see it
+  (elected through commit intents) checks that their files are present, merges DCP's
+  ``.metadata``, then writes ``COMMITTED``. Idempotent: racing finalizers write identical
+  bytes. A commit of an *older* generation of the same step is
   replaced (a step saved again after a restart wins); a newer one is never touched (a dead
   attempt's late uploader must not overwrite it).
 * :meth:`CommitProtocol.check`: is this save the committed one?
@@ -33,6 +34,7 @@ from ray_goodput.checkpoint._manifest import (
     Manifest,
     RankMarker,
     list_rank_markers,
+    list_ranks,
     read_manifest,
     read_rank_marker,
     write_rank_marker,
@@ -46,6 +48,7 @@ from ray_goodput.storage import (
     checksum,
     file_sizes,
     read_bytes,
+    touch,
     write_bytes,
     write_local_file,
 )
@@ -61,6 +64,7 @@ _TURN_WAIT_S = 600.0
 PENDING = "pending"        # ranks are still missing
 COMMITTED = "committed"    # this save is the step's commit
 OUTRANKED = "outranked"    # a save of the same or a newer generation holds the step
+DEFERRED = "deferred"      # every rank is durable; another job, elected, commits it
 
 
 @dataclass(frozen=True)
@@ -187,53 +191,76 @@ class CommitProtocol:
         there; the merged ``.metadata`` is written there too). ``own``: the marker the
         caller wrote (not read back).
 
-        Jobs of the same save in one process (the ranks of a node share its uploader) that
-        each see every marker commit one at a time: a later one returns what the first
-        found instead of reading O(world) markers and parts again. A job that finds ranks
-        missing never waits for that turn. Jobs in other processes can still race;
-        finalizing is idempotent."""
-        existing = _existing(self.step_loc)
-        if existing is not None and existing.nonce == self.save_id:
-            return Finalized(COMMITTED, existing)
-        if existing is not None and existing is not _TORN and existing.generation >= self.generation:
-            return Finalized(OUTRANKED, existing)
-        listed = list_rank_markers(self.step_loc)
-        others = max((_layout.generation_of(n) or 0 for n in listed if n != self.save_id), default=-1)
-        if existing is _TORN and others >= self.generation:
-            # A torn commit is damaged, not absent: only a newer generation's save replaces it.
-            return Finalized(OUTRANKED)
-        if listed.get(self.save_id, set()) != set(range(self.world_size)):
-            return Finalized(PENDING)
-        with _taking_turn(self.step_loc, self.save_id) as turn:
-            if turn.found is not None:  # another job of this process finished it meanwhile
-                return Finalized(turn.found.state, turn.found.manifest)
-            done = self._commit(existing, local_dir, own)
-            if done.state in (COMMITTED, OUTRANKED):
-                turn.found = done
-            return done
-
-    def _commit(self, existing: Manifest | None, local_dir: Path | None, own: RankMarker | None,
-                ) -> Finalized:
-        """Every marker is listed: read them and the parts, check, write ``.metadata`` and
-        ``COMMITTED`` (see ``finalize``; ``existing``: the step's commit as it read it)."""
+        A job that wrote a marker (``own``) and lists every marker stands to commit; of
+        those, one commits (:meth:`_elect`) and the others return ``DEFERRED`` without
+        reading markers or parts, so a checkpoint costs O(world) requests even when every
+        rank finishes at once. Without ``own`` (finishing an orphan, whose committer is
+        gone) it commits outright. Jobs of the same save in one process (the ranks of a
+        node share its uploader) take turns: a later one returns what the first found.
+        A job that finds ranks missing never waits for that turn. Finalizing is
+        idempotent: finalizers that still race write identical bytes."""
         with ThreadPoolExecutor(max_workers=min(_READERS, 2 * self.world_size + 1),
                                 thread_name_prefix="rg-commit") as pool:
-            markers, parts, present = self._gather(pool, local_dir, own)
-            if set(markers) != set(range(self.world_size)):
-                return Finalized(PENDING)  # the pool's exit waits for the reads still running
-            files = [f for m in markers.values() for f in m.files]
-            self._check_present(files, present.result())
-            # Replacing an older generation's commit (or a torn one): it stops being one
-            # first, so that no reader pairs its manifest with the new .metadata. Its
-            # quarantine record goes with it, before the new COMMITTED (beside the .metadata
-            # write). With none seen, a COMMITTED there now is a racing finalizer's of this
-            # very save: deleting it would un-commit the step.
-            if existing is not None:
-                self._delete(_layout.COMMITTED)
-            unquarantined = pool.submit(self._delete, _layout.QUARANTINED)
-            with self._pruned_meanwhile():
-                metadata, state_keys = self._write_dcp_metadata(parts, local_dir)
-            unquarantined.result()
+            reading = pool.submit(_existing, self.step_loc)  # beside the listing
+            listed = list_ranks(self.step_loc)
+            existing = reading.result()
+            if existing is not None and existing.nonce == self.save_id:
+                return Finalized(COMMITTED, existing)
+            if existing is not None and existing is not _TORN and existing.generation >= self.generation:
+                return Finalized(OUTRANKED, existing)
+            others = max((_layout.generation_of(n) or 0 for n in listed.markers if n != self.save_id),
+                         default=-1)
+            if existing is _TORN and others >= self.generation:
+                # A torn commit is damaged, not absent: only a newer generation's save replaces it.
+                return Finalized(OUTRANKED)
+            if listed.markers.get(self.save_id, set()) != set(range(self.world_size)):
+                return Finalized(PENDING)
+            with _taking_turn(self.step_loc, self.save_id) as turn:
+                if turn.found is not None:  # another job of this process finished it meanwhile
+                    return Finalized(turn.found.state, turn.found.manifest)
+                if own is not None and not self._elect(own.rank, listed.intents.get(self.save_id, set())):
+                    turn.found = Finalized(DEFERRED)
+                    return turn.found
+                done = self._commit(pool, existing, local_dir, own)
+                if done.state in (COMMITTED, OUTRANKED):
+                    turn.found = done
+                return done
+
+    def _elect(self, rank: int, intents: set[int]) -> bool:
+        """Whether ``rank``'s job, which listed every marker, commits. Jobs that do write
+        an intent, then list the intents: the lowest rank among them commits, and so
+        does any whose listing showed no lower one. ``intents``, those its first listing
+        showed: with one there, someone is committing already and it writes none. The
+        job of the lowest intent always commits (no lower one exists), so some job does
+        unless that one dies, and then restore finishes the orphan (``finish_orphan``)."""
+        if self.world_size == 1:
+            return True
+        if intents:
+            return False
+        touch(self.step_loc, _layout.commit_intent(rank, self.save_id))
+        standing = list_ranks(self.step_loc).intents.get(self.save_id, set())
+        return min(standing | {rank}) == rank
+
+    def _commit(self, pool: ThreadPoolExecutor, existing: Manifest | None, local_dir: Path | None,
+                own: RankMarker | None) -> Finalized:
+        """Every marker is listed: read them and the parts, check, write ``.metadata`` and
+        ``COMMITTED`` (see ``finalize``; ``existing``: the step's commit as it read it)."""
+        markers, parts, present = self._gather(pool, local_dir, own)
+        if set(markers) != set(range(self.world_size)):
+            return Finalized(PENDING)  # the pool's exit waits for the reads still running
+        files = [f for m in markers.values() for f in m.files]
+        self._check_present(files, present.result())
+        # Replacing an older generation's commit (or a torn one): it stops being one
+        # first, so that no reader pairs its manifest with the new .metadata. Its
+        # quarantine record goes with it, before the new COMMITTED (beside the .metadata
+        # write). With none seen, a COMMITTED there now is a racing finalizer's of this
+        # very save: deleting it would un-commit the step.
+        if existing is not None:
+            self._delete(_layout.COMMITTED)
+        unquarantined = pool.submit(self._delete, _layout.QUARANTINED)
+        with self._pruned_meanwhile():
+            metadata, state_keys = self._write_dcp_metadata(parts, local_dir)
+        unquarantined.result()
         files.append(metadata)
         files.sort(key=lambda f: f.name)
         # Unstepped: fresh on some rank and stepped on none (a frozen stage's optimizer never

@@ -170,7 +170,7 @@ def write_local(job: ShardJob, tensors: dict[str, Any] | None = None,
 def upload_and_commit(job: ShardJob, names: list[str], *, concurrency: int,
                       policy: RetryPolicy, uploaded: Sequence[FileEntry] = (),
                       written: Mapping[str, Written] | None = None) -> tuple[int, SaveState, float | None]:
-    """Upload, declare durable, try to commit (and apply retention when committed).
+    """Upload, declare durable, try to commit (and apply retention when this job committed).
 
     ``uploaded``: files of ``names`` already in storage (sent while they were written).
     ``written``: checksums of staged files computed as they were written (a hard-linked
@@ -202,7 +202,7 @@ def upload_and_commit(job: ShardJob, names: list[str], *, concurrency: int,
         logger.warning("step %d: a save of the same or a newer generation (%s) holds it; this save "
                        "(generation %d) stays uncommitted", job.step,
                        done.manifest.generation if done.manifest else "?", job.generation)
-    if done.state == COMMITTED:
+    if done.committed_at is not None:  # this job wrote the commit (one job per save)
         try:
             _retention.apply_retention(job.root, job.keep_last, generation=job.generation)
         except Exception as exc:  # noqa: BLE001 - the save is committed; retention retries next time

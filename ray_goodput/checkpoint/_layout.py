@@ -3,6 +3,7 @@
 ```
 <root>/checkpoints/step-<step:09d>/   DCP files + .metadata + extras, COMMITTED written last
 <root>/checkpoints/step-<step:09d>/.ranks/rank-<r:05d>-<save id>.json   "rank r is durable"
+<root>/checkpoints/step-<step:09d>/.ranks/commit-<r:05d>-<save id>     "rank r's job stands to commit"
 <root>/checkpoints/step-<step:09d>/QUARANTINED   the committed save found damaged (JSON)
 <root>/checkpoints/GENERATION                     the highest generation claimed (JSON)
 <root>/checkpoints/RESUME                         the step the live attempt resumes from (JSON)
@@ -45,6 +46,12 @@ def parse_step(name: str) -> int | None:
 def rank_marker(rank: int, nonce: str) -> str:
     """Path of rank ``rank``'s durability marker inside a step directory."""
     return f"{RANKS_DIR}/rank-{rank:05d}-{nonce}.json"
+
+
+def commit_intent(rank: int, nonce: str) -> str:
+    """Path of the (empty) file by which rank ``rank``'s job, having listed every marker
+    of save ``nonce``, stands to commit it; the lowest rank among them commits."""
+    return f"{RANKS_DIR}/commit-{rank:05d}-{nonce}"
 
 
 def extras_file(rank: int, nonce: str) -> str:

@@ -135,17 +135,34 @@ def write_rank_marker(step_loc: StorageLocation, marker: RankMarker) -> None:
 
 
 _MARKER_RE = re.compile(r"^rank-(\d{5,})-(.+)\.json$")
+_INTENT_RE = re.compile(r"^commit-(\d{5,})-(.+)$")
+
+
+@dataclass(frozen=True)
+class RanksListing:
+    """One LIST of a step's ``.ranks`` directory, from the names alone: ``{save id:
+    ranks}`` of the rank markers, and of the commit intents (``_layout.commit_intent``)."""
+
+    markers: dict[str, set[int]]
+    intents: dict[str, set[int]]
+
+
+def list_ranks(step_loc: StorageLocation) -> RanksListing:
+    """The markers and commit intents present: one LIST, no reads (so checking "is every
+    rank durable?" costs O(1) requests, not O(world))."""
+    listing = RanksListing({}, {})
+    for info in list_dir(step_loc, _layout.RANKS_DIR):
+        name = info.path.rsplit("/", 1)[-1]
+        for pattern, found in ((_MARKER_RE, listing.markers), (_INTENT_RE, listing.intents)):
+            match = pattern.match(name)
+            if match:
+                found.setdefault(match.group(2), set()).add(int(match.group(1)))
+    return listing
 
 
 def list_rank_markers(step_loc: StorageLocation) -> dict[str, set[int]]:
-    """``{save id: ranks}`` of the markers present, from their names: one LIST, no reads
-    (so checking "is every rank durable?" costs O(1) requests, not O(world))."""
-    found: dict[str, set[int]] = {}
-    for info in list_dir(step_loc, _layout.RANKS_DIR):
-        match = _MARKER_RE.match(info.path.rsplit("/", 1)[-1])
-        if match:
-            found.setdefault(match.group(2), set()).add(int(match.group(1)))
-    return found
+    """``{save id: ranks}`` of the markers present (:func:`list_ranks`)."""
+    return list_ranks(step_loc).markers
 
 
 def read_rank_marker(step_loc: StorageLocation, rank: int, nonce: str) -> RankMarker | None:

@@ -289,6 +289,20 @@ def write_bytes(loc: StorageLocation, name: str, data: bytes,
     policy.call(f"write of {loc.uri}/{name}", _write)
 
 
+def touch(loc: StorageLocation, name: str, policy: RetryPolicy = DEFAULT_POLICY) -> None:
+    """Create an empty file or object in one request; retried. Not fsynced: for files whose
+    name is the message and whose loss after a crash costs nothing."""
+    dest = loc.join(name)
+
+    def _touch() -> None:
+        loc.fs.open_output_stream(dest).close()
+
+    if loc.is_local:
+        policy.call(f"creation of {loc.uri}/{name}", lambda: _into_dir(loc, posixpath.dirname(dest), _touch))
+    else:
+        policy.call(f"creation of {loc.uri}/{name}", _touch)
+
+
 def _into_dir(loc: StorageLocation, parent: str, write: Callable[[], T]) -> T:
     """``write`` into the local directory ``parent``, created first, and once more if it
     vanished meanwhile: retention removes a checkpoint directory once it is empty, which
