@@ -15,7 +15,8 @@ Points (where they sit, and which process runs them):
   the CheckpointUploader actor, or the worker's ThreadBackend lane).
 * ``upload.staging_write``: during the node-local DCP write of a shard (uploader side).
 * ``upload.mid_upload``: some files of a shard uploaded, before its rank marker.
-* ``commit.before_committed``: after the last rank marker, before ``COMMITTED``.
+* ``commit.before_committed``: in the elected committer (``_commit``), after the last rank
+  marker, before ``COMMITTED``.
 * ``retention``: between deleting two checkpoint directories.
 """
 

@@ -235,7 +235,7 @@ class CommitProtocol:
         unless that one dies, and then restore finishes the orphan (``finish_orphan``)."""
         if self.world_size == 1:
             return True
-        if intents:
+        if intents - {rank}:  # its own: an earlier run of this job that stood, then failed
             return False
         touch(self.step_loc, _layout.commit_intent(rank, self.save_id))
         standing = list_ranks(self.step_loc).intents.get(self.save_id, set())
