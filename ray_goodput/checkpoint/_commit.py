@@ -227,12 +227,13 @@ class CommitProtocol:
                 return done
 
     def _elect(self, rank: int, intents: set[int]) -> bool:
-        """Whether ``rank``'s job, which listed every marker, commits. Jobs that do write
-        an intent, then list the intents: the lowest rank among them commits, and so
-        does any whose listing showed no lower one. ``intents``, those its first listing
-        showed: with one there, someone is committing already and it writes none. The
-        job of the lowest intent always commits (no lower one exists), so some job does
-        unless that one dies, and then restore finishes the orphan (``finish_orphan``)."""
+        """Whether ``rank``'s job, which listed every marker, is the one to commit.
+        ``intents``: the ranks whose intents its first listing showed; with another's
+        there, someone is committing already and it returns False with no request.
+        Otherwise it writes its own intent and lists again: it commits when no lower
+        rank's intent is there. The job of the lowest intent ever written always commits
+        (its second listing cannot show a lower one), so some job does unless that one
+        dies; then the next restore finishes the save (``finish_orphan``)."""
         if self.world_size == 1:
             return True
         if intents - {rank}:  # its own: an earlier run of this job that stood, then failed
