@@ -289,6 +289,26 @@ def test_unreachable_storage_fails_at_creation_naming_the_uri():
         Checkpointer(uri)
 
 
+def _make_with_storage_of_rank(rank: int, world_size: int, uris: list[str], staging: str) -> tuple[str, str]:
+    try:
+        Checkpointer(uris[rank], staging_dir=f"{staging}/{rank}", uploader="thread")
+    except StorageUnusableError as exc:
+        return type(exc).__name__, str(exc)
+    return "made", ""
+
+
+def test_a_storage_probe_that_fails_on_one_rank_raises_the_same_error_on_every_rank(tmp_path):
+    """Found by a world-2 S3 soak (seed 22, trial 18, flaky storage): one rank's probe
+    failed, that rank raised StorageUnusableError in its constructor and exited, and its
+    peer went on into its first collective and failed with gloo's "connection closed by
+    peer" instead. The probe's outcome is now agreed: every rank raises the failing one's."""
+    port = free_port()  # nothing listens here: rank 1's storage is unreachable
+    uris = [str(tmp_path / "root"), f"s3://bucket/run?endpoint_override=127.0.0.1:{port}&scheme=http"]
+    got = run_world(_make_with_storage_of_rank, 2, uris, str(tmp_path / "s"))
+    assert [kind for kind, _ in got] == ["StorageUnusableError"] * 2, got
+    assert all(f"127.0.0.1:{port}" in message for _, message in got), got  # rank 1's error, on both
+
+
 def test_bad_arguments_name_the_fix(tmp_path):
     with pytest.raises(ConfigError, match="keep_last"):
         Checkpointer(str(tmp_path), keep_last=0)

@@ -117,6 +117,22 @@ def _failed_handoff(exc: BaseException) -> Handoff:
     return Handoff(released=released, durable=durable, key="")
 
 
+def _check_args(*, keep_last: int, upload_concurrency: int, sync_every: int, uploader: object,
+                wait_timeout_s: float) -> None:
+    """ConfigError naming the fix for a bad ``Checkpointer`` argument."""
+    if keep_last < 1:
+        raise ConfigError(f"keep_last must be >= 1 (the newest committed checkpoint is never removed), got {keep_last}")
+    if upload_concurrency < 1:
+        raise ConfigError(f"upload_concurrency must be >= 1, got {upload_concurrency}")
+    if sync_every < 1:
+        raise ConfigError(f"sync_every must be >= 1 (saves between outcome agreements), got {sync_every}")
+    if isinstance(uploader, str) and uploader not in ("auto", "actor", "thread"):
+        raise ConfigError(f"uploader must be 'auto', 'actor' or 'thread', got {uploader!r}")
+    if not 0 < wait_timeout_s < threading.TIMEOUT_MAX / 2:
+        raise ConfigError(f"wait_timeout_s must be > 0 and finite (seconds wait() waits for uploads), "
+                          f"got {wait_timeout_s}")
+
+
 class Checkpointer:
     """Sharded, committed, asynchronous checkpoints for one training worker (rank).
 
@@ -131,32 +147,13 @@ class Checkpointer:
                  uploader: Literal["auto", "actor", "thread"] | UploadBackend = "auto",
                  sync_every: int = 8, every: int | Literal["auto"] | None = None,
                  mtbf_hours: float | None = None, wait_timeout_s: float = 3600.0) -> None:
-        if keep_last < 1:
-            raise ConfigError(f"keep_last must be >= 1 (the newest committed checkpoint is never removed), got {keep_last}")
-        if upload_concurrency < 1:
-            raise ConfigError(f"upload_concurrency must be >= 1, got {upload_concurrency}")
-        if sync_every < 1:
-            raise ConfigError(f"sync_every must be >= 1 (saves between outcome agreements), got {sync_every}")
-        if isinstance(uploader, str) and uploader not in ("auto", "actor", "thread"):
-            raise ConfigError(f"uploader must be 'auto', 'actor' or 'thread', got {uploader!r}")
-        if not 0 < wait_timeout_s < threading.TIMEOUT_MAX / 2:
-            raise ConfigError(f"wait_timeout_s must be > 0 and finite (seconds wait() waits for uploads), "
-                              f"got {wait_timeout_s}")
+        _check_args(keep_last=keep_last, upload_concurrency=upload_concurrency, sync_every=sync_every,
+                    uploader=uploader, wait_timeout_s=wait_timeout_s)
         self._ctx = WorkerContext.detect()
         schedule = SaveSchedule(every, world_size=self.world_size, mtbf_hours=mtbf_hours)
         self.root = self._ctx.storage_root(storage_path)
         self._retry = retry or RetryPolicy()
-        # Rank 0 claims the generation now, beside the probe; the first save or restore
-        # only waits for it.
-        self._early_claim = _generation.EarlyClaim(self.root, self._retry) if self.rank == 0 else None
-        try:
-            self.root.probe()
-        except BaseException:
-            if self._early_claim is not None:
-                self._early_claim.abandon()
-            raise
-        if self._early_claim is not None:
-            self._early_claim.probed()
+        self._early_claim = self._probe_and_claim()
         self._run_key = hashlib.sha1(self.root.uri.encode()).hexdigest()[:16]
         self.staging = (Path(staging_dir) if staging_dir else _env.staging_root()) / self._run_key
         self._dropper = LocalCopyDropper(self.staging)
@@ -188,6 +185,26 @@ class Checkpointer:
             self._uploader = self._make_uploader()
             if hasattr(self._uploader, "start"):
                 self._uploader.start()
+
+    def _probe_and_claim(self) -> _generation.EarlyClaim | None:
+        """Probe the storage root; collective: when it fails on any rank (unreachable,
+        read-only), every rank raises that rank's StorageUnusableError. Rank 0 claims the
+        generation now, beside the probe; the first save only waits for it."""
+        claim = _generation.EarlyClaim(self.root, self._retry) if self.rank == 0 else None
+        error: Exception | None = None
+        try:
+            try:
+                self.root.probe(self._retry)
+            except Exception as exc:  # noqa: BLE001 - agreed: a rank raising alone leaves its peers in a collective
+                error = exc
+            _collective.agree(error)
+        except BaseException:
+            if claim is not None:
+                claim.abandon()
+            raise
+        if claim is not None:
+            claim.probed()
+        return claim
 
     def _make_uploader(self) -> UploadBackend:
         use_actor = self._uploader_choice == "actor" or (

@@ -156,16 +156,26 @@ def _let_go(reader: TieredReader) -> None:
                        exc_info=True)
 
 
-def _load(roles: _state.Roles, state: dict[str, Any], *, root: StorageLocation, manifest: Manifest,
-          staging: Path, rank: int, world_size: int, policy: RetryPolicy,
-          readers: list[TieredReader], guess: LocalGuess | None) -> RestoreInfo:
-    start = time.perf_counter()
-    step_loc = _catalog.step_location(root, manifest.step)
-    local_dir = staging / _layout.step_dir(manifest.step)
-    error: BaseException | None = None
+@dataclass
+class _Opened:
+    """What a rank has before DCP reads: the state dict to load into, the reader of the
+    checkpoint's files, the rank's RNG blob (None when the world size changed), or the
+    error that stopped it (agreed with the other ranks at the load's one agreement)."""
+
+    template: dict[str, Any] | None = None
     reader: TieredReader | None = None
+    rng: Any = None
+    error: BaseException | None = None
+
+
+def _open(roles: _state.Roles, *, step_loc: StorageLocation, local_dir: Path, manifest: Manifest,
+          rank: int, world_size: int, policy: RetryPolicy, readers: list[TieredReader],
+          guess: LocalGuess | None) -> _Opened:
+    """Open the checkpoint for this rank's load: its reader (its own files fetched early),
+    the metadata read and checked against the state, and the RNG blob read and checked."""
+    opened = _Opened()
     try:
-        template = _state.to_state_dict(roles)
+        template = opened.template = _state.to_state_dict(roles)
         local = local_candidates(local_dir, manifest) if local_dir.is_dir() else set()
         local_dir.mkdir(parents=True, exist_ok=True)
         unchanged_world = manifest.world_size == world_size
@@ -176,7 +186,8 @@ def _load(roles: _state.Roles, state: dict[str, Any], *, root: StorageLocation, 
         # metadata is read; older manifests have none, and the metadata tells.
         everything = bool(manifest.state_keys) and \
             manifest.state_keys == keys_digest(flatten_state_dict(template)[0])
-        reader = _reader(step_loc, local_dir, local, manifest, policy, guess, whole=unchanged_world and everything)
+        reader = opened.reader = _reader(step_loc, local_dir, local, manifest, policy, guess,
+                                         whole=unchanged_world and everything)
         readers.append(reader)
         if unchanged_world:  # the RNG blob, and the data file: fetched while the metadata is read
             reader.fs.fetch_early([_layout.extras_file(rank, manifest.nonce)]
@@ -187,9 +198,21 @@ def _load(roles: _state.Roles, state: dict[str, Any], *, root: StorageLocation, 
             reader.fs.fetch_early([data_file(rank, manifest.nonce)])  # fetched while DCP plans
         # Read (and check) this rank's RNG blob before any weight is loaded in place: a
         # damaged one must fail the restore while the live state is still untouched.
-        rng = _read_rng(reader, rank, manifest.nonce) if unchanged_world else None
-    except Exception as exc:  # noqa: BLE001 - agreed below, in the read's agreement
-        error = exc
+        opened.rng = _read_rng(reader, rank, manifest.nonce) if unchanged_world else None
+    except Exception as exc:  # noqa: BLE001 - agreed in the read's agreement (_load)
+        opened.error = exc
+    return opened
+
+
+def _load(roles: _state.Roles, state: dict[str, Any], *, root: StorageLocation, manifest: Manifest,
+          staging: Path, rank: int, world_size: int, policy: RetryPolicy,
+          readers: list[TieredReader], guess: LocalGuess | None) -> RestoreInfo:
+    start = time.perf_counter()
+    step_loc = _catalog.step_location(root, manifest.step)
+    opened = _open(roles, step_loc=step_loc, local_dir=staging / _layout.step_dir(manifest.step),
+                   manifest=manifest, rank=rank, world_size=world_size, policy=policy, readers=readers,
+                   guess=guess)
+    template, reader, rng, error = opened.template, opened.reader, opened.rng, opened.error
     # DCP plans each rank's reads from the metadata alone (no collective: the global load
     # plan of DCP's default planner is the local ones, unchanged). The load's one
     # agreement is in the reader's read_data, once every rank checked its files and before

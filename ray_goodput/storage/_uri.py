@@ -140,15 +140,17 @@ class StorageLocation:
                 f"nothing accepts connections at {endpoint[0]}:{endpoint[1]} "
                 f"({type(exc).__name__}: {exc}; waited up to {timeout_s:.0f} s)") from None
 
-    def probe(self) -> None:
-        """Write, read back and delete a small object under the root.
+    def probe(self, policy: RetryPolicy | None = None) -> None:
+        """Write, read back and delete a small object under the root, each retried by
+        ``policy`` (by default 3 attempts within ~1 s; pass the policy the storage will
+        be used with, so that storage it can use is never refused at start).
 
         Raises StorageUnusableError naming the URI and the cause when storage is unreachable,
         refuses credentials or is read-only. Call it early: at start, not at the first save.
         """
         path = self.join(f".ray_goodput_probe-{uuid.uuid4().hex}")
         payload = b"ray_goodput probe"
-        retry = RetryPolicy(attempts=3, initial_delay=0.2, max_delay=1.0)
+        retry = policy or RetryPolicy(attempts=3, initial_delay=0.2, max_delay=1.0)
         try:
             self._connect_to_endpoint()
             retry.call("probe mkdir", lambda: self.fs.create_dir(self.root, recursive=True))
