@@ -398,6 +398,30 @@ def test_a_save_whose_elected_committer_is_killed_before_committed_is_committed_
     assert read_manifest(loc) is not None and read_manifest(loc).nonce == save_id
 
 
+def test_finishing_an_orphan_never_takes_a_deferral_handed_over_by_a_job_of_the_same_process(tmp_path):
+    """Found in review: a job of this process that deferred to another's intent left
+    ``deferred`` in the save's turn, and a finalize without a marker of its own (finishing
+    an orphan, e.g. the check that a newer generation holds the step) waiting on that
+    turn returned it, committing nothing although its committer may be gone."""
+    from ray_goodput.checkpoint import _commit
+
+    world, save_id = 2, _layout.save_id(1, "abcdef0123")
+    loc = _catalog.step_location(resolve(str(tmp_path / "root")), 7)
+    for rank in range(world):
+        CommitProtocol(loc, 7, world, save_id, 1).declare_durable(
+            rank, _stage_rank(loc, tmp_path, rank, save_id), created=1.0)
+    done: list = []
+    finishing = threading.Thread(target=lambda: done.append(CommitProtocol(loc, 7, world, save_id, 1).finalize()),
+                                 daemon=True)
+    with _commit._taking_turn(loc, save_id) as turn:  # a job of this process, deferring meanwhile
+        finishing.start()
+        wait_for(lambda: turn.users == 2, timeout_s=30, what="the orphan's finalize waiting for the turn")
+        turn.found = _commit.Finalized(_commit.DEFERRED)
+    finishing.join(60)
+    assert done and done[0].state == COMMITTED, done
+    assert read_manifest(loc) is not None and read_manifest(loc).nonce == save_id
+
+
 def test_a_job_waiting_for_another_jobs_commit_of_the_same_save_stops_at_its_bound(tmp_path, monkeypatch):
     from ray_goodput.checkpoint import _commit
 

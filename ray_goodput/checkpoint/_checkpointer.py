@@ -137,8 +137,10 @@ class Checkpointer:
     """Sharded, committed, asynchronous checkpoints for one training worker (rank).
 
     Every rank creates one, with the same arguments, and calls ``save``/``restore``/
-    ``wait``/``close`` at the same points (they contain collectives). Storage is probed
-    here: an unreachable or read-only ``storage_path`` raises StorageError at once.
+    ``wait``/``close`` at the same points: they contain collectives, and so does the
+    constructor once a process group is up (create it after the rank's device is set, as
+    Ray Train does before the training function). Storage is probed here: an unreachable
+    or read-only ``storage_path`` raises StorageUnusableError at once, on every rank.
     """
 
     def __init__(self, storage_path: str | None = None, *, keep_last: int = 3,

@@ -216,8 +216,11 @@ class CommitProtocol:
             if listed.markers.get(self.save_id, set()) != set(range(self.world_size)):
                 return Finalized(PENDING)
             with _taking_turn(self.step_loc, self.save_id) as turn:
-                if turn.found is not None:  # another job of this process finished it meanwhile
-                    return Finalized(turn.found.state, turn.found.manifest)
+                found = turn.found  # what another job of this process found meanwhile
+                if found is not None and (found.state != DEFERRED or own is not None):
+                    # A deferral binds only jobs that would elect: finishing an orphan
+                    # (no marker of its own) commits whatever the others deferred to.
+                    return Finalized(found.state, found.manifest)
                 if own is not None and not self._elect(own.rank, listed.intents.get(self.save_id, set())):
                     turn.found = Finalized(DEFERRED)
                     return turn.found
