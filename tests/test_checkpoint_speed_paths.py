@@ -327,9 +327,12 @@ def _finalize_side_by_side(s3_server, tmp_path, world: int, *, latency_s: float 
     for proxy in proxies:
         proxy.latency_s = latency_s
     done: dict[int, Any] = {}
+    together = threading.Barrier(world)
 
     def job(rank: int) -> None:
-        done[rank] = CommitProtocol(locs[rank], 7, world, save_id, 1).finalize(tmp_path / f"r{rank}", own=owns[rank])
+        protocol = CommitProtocol(locs[rank], 7, world, save_id, 1)
+        together.wait(30)
+        done[rank] = protocol.finalize(tmp_path / f"r{rank}", own=owns[rank])
     jobs = [threading.Thread(target=job, args=(r,), daemon=True) for r in range(world)]
     for j in jobs:
         j.start()
