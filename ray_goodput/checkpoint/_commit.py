@@ -9,9 +9,9 @@ under its own id (every file name carries it) and becomes visible only when
 * :meth:`CommitProtocol.finalize`: once every rank is durable, one of the jobs that see it
   (elected through commit intents) checks that their files are present, merges DCP's
   ``.metadata``, then writes ``COMMITTED``. Idempotent: racing finalizers write identical
-  bytes. A commit of an *older* generation of the same step is
-  replaced (a step saved again after a restart wins); a newer one is never touched (a dead
-  attempt's late uploader must not overwrite it).
+  bytes. A commit of an *older* generation of the same step is replaced (a step saved
+  again after a restart wins); a newer one is never touched (a dead attempt's late
+  uploader must not overwrite it).
 * :meth:`CommitProtocol.check`: is this save the committed one?
 * :func:`finish_orphan`: anyone with storage access finishes a save whose every rank is
   durable but whose finalizer was lost, the newest generation first.
