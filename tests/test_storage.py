@@ -149,6 +149,43 @@ def test_a_write_into_a_directory_removed_right_after_its_creation_re_creates_it
         _into_dir(loc, parent, lambda: open(tmp_path / "no-such-file", "rb"))
 
 
+def test_listing_a_directory_created_while_it_is_listed_never_fails(tmp_path):
+    """A restore lists ``checkpoints/`` while the generation claim may be creating it.
+    pyarrow's local listing looks for the directory only after a failed listing, so one
+    created between the two raised FileNotFoundError (a CI failure of a fresh-start restore).
+    Here a thread creates and removes the directory without pause to hit that window."""
+    import threading
+    import time
+
+    loc = storage.resolve(str(tmp_path / "root"))
+    os.makedirs(loc.root)
+    target = os.path.join(loc.root, "d")
+    stop = threading.Event()
+
+    def flip() -> None:
+        while not stop.is_set():
+            os.mkdir(target)
+            os.rmdir(target)
+
+    flipper = threading.Thread(target=flip, daemon=True)
+    flipper.start()
+    failures: list[BaseException] = []
+    deadline = time.monotonic() + 2.0
+    try:
+        for _ in range(20_000):  # before the fix: about one listing in 30 failed
+            try:
+                assert storage.list_dir(loc, "d") == []
+            except (StorageError, FileNotFoundError) as exc:
+                failures.append(exc)
+            if time.monotonic() > deadline:
+                break
+    finally:
+        stop.set()
+        flipper.join(timeout=10)
+    assert not flipper.is_alive()
+    assert failures == []
+
+
 def test_a_small_write_to_s3_is_one_request_not_a_three_request_multipart_upload(s3_server):
     """pyarrow's S3 output stream starts a multipart upload when opened: every marker,
     manifest and metadata part cost three round trips (POST, PUT, POST) instead of one PUT."""

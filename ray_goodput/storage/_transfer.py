@@ -28,6 +28,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_POLICY = RetryPolicy()
 T = TypeVar("T")
 _DIR_ATTEMPTS = 3  # a directory removed between our mkdir and our write, more than once
+_LIST_RACE_ATTEMPTS = 10  # a directory created between pyarrow's listing and its existence check
 
 
 @dataclass(frozen=True)
@@ -336,7 +337,19 @@ def list_dir(loc: StorageLocation, sub: str = "", *, recursive: bool = False,
     """Entries under ``<loc>/<sub>``; empty when the directory does not exist."""
     selector = pafs.FileSelector(loc.join(sub) if sub else loc.root,
                                  allow_not_found=True, recursive=recursive)
-    return policy.call(f"listing of {loc.uri}/{sub}", lambda: loc.fs.get_file_info(selector))
+
+    def _list() -> list[pafs.FileInfo]:
+        # pyarrow's local listing looks for a directory only after listing it failed: one
+        # created between the two (``checkpoints/`` by a background generation claim)
+        # raises FileNotFoundError. Listing again sees it, or finds it gone (empty).
+        for _ in range(_LIST_RACE_ATTEMPTS - 1):
+            try:
+                return loc.fs.get_file_info(selector)
+            except FileNotFoundError:
+                continue
+        return loc.fs.get_file_info(selector)
+
+    return policy.call(f"listing of {loc.uri}/{sub}", _list)
 
 
 def file_sizes(loc: StorageLocation, policy: RetryPolicy = DEFAULT_POLICY) -> dict[str, int]:
