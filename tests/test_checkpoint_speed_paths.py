@@ -239,12 +239,17 @@ def test_the_committer_reads_markers_parts_and_the_listing_side_by_side_not_in_t
         proxy.close()
 
 
-def _restore_after_two_commits(s3_server, tmp_path, *, decided_step: int | None = None,
-                               ) -> tuple[int, list, list]:
-    """Save steps 1 and 2 through a counting proxy, then restore (into a fresh model, the
-    node-local copy in place) with every request delayed 0.3 s, with the driver's decision
-    of ``decided_step`` when given. Returns the restored step, the restore's listings
-    (spans) and the arrival times of its requests to the restored step's COMMITTED."""
+def _restore_holding(s3_server, tmp_path, *, hold: str, until: str, decided_step: int | None = None,
+                     ) -> tuple[int, bool]:
+    """Save steps 1 and 2 through a proxy, then restore (into a fresh model, the node-local
+    copy in place; with the driver's decision of ``decided_step`` when given) while the
+    proxy holds the request ``hold`` names: ``"listing"`` (a GET of the bucket itself) or
+    ``"commit"`` (the HEAD and GET of the restored step's COMMITTED). Returns the restored
+    step and whether ``until`` (the other of the two) arrived while it was held.
+
+    A request that goes out only once the held one is answered never arrives while it is
+    held: the watcher's bounded wait ends and the answer is ``False``, however slow or fast
+    the machine is (timing the two against a delay failed under CI load)."""
     from ray_goodput.runtime._resume import ResumeDecision, root_key, set_decision
 
     proxy = FlakyProxy(s3_server.endpoint)
@@ -256,19 +261,39 @@ def _restore_after_two_commits(s3_server, tmp_path, *, decided_step: int | None 
                 ckpt.save(step, {"model": model})
                 ckpt.wait()
         bucket = "/" + uri.split("//", 1)[1].split("/", 1)[0]
+        expected = decided_step if decided_step is not None else 2
+        paths = {"listing": bucket,
+                 "commit": f"{bucket}/run/{_layout.CHECKPOINTS_DIR}/{_layout.step_dir(expected)}/{_layout.COMMITTED}"}
         if decided_step is not None:
             set_decision(ResumeDecision(attempt=3, step=decided_step, root_key=root_key(uri)))
+        arrived: list[bool] = []
         try:
-            proxy.latency_s = 0.3  # from here on, each request takes >= 0.3 s
             with Checkpointer(uri, staging_dir=staging, uploader="thread") as ckpt:
                 began = time.monotonic()
-                restored = ckpt.restore({"model": torch.nn.Linear(8, 8)})
+
+                def watch() -> None:
+                    try:
+                        arrived.append(bool(wait_for(
+                            lambda: any(t >= began and path == paths[until] for t, _, path in list(proxy.arrivals)),
+                            timeout_s=15, what=f"the restore's {until} while its {hold} is held")))
+                    except TimeoutError:
+                        arrived.append(False)
+                    finally:
+                        proxy.release()
+
+                proxy.stall(paths[hold], methods=("HEAD", "GET"), exact=True)
+                watcher = threading.Thread(target=watch, daemon=True)
+                watcher.start()
+                try:
+                    restored = ckpt.restore({"model": torch.nn.Linear(8, 8)})
+                finally:
+                    watcher.join(timeout=30)
+                    proxy.release()
         finally:
             set_decision(None)
-        commit = f"{bucket}/run/{_layout.CHECKPOINTS_DIR}/{_layout.step_dir(restored)}/{_layout.COMMITTED}"
-        listings = [span for span in proxy.spans.get(bucket, []) if span[0] >= began]
-        reads = [t for t, _, path in list(proxy.arrivals) if path == commit and t >= began]  # HEAD, GET
-        return restored, listings, reads
+        assert not watcher.is_alive()
+        assert proxy.holding(paths[hold]) >= 1, f"the restore made no {hold} request"
+        return restored, arrived == [True]
     finally:
         proxy.close()
 
@@ -276,9 +301,9 @@ def _restore_after_two_commits(s3_server, tmp_path, *, decided_step: int | None 
 def test_restore_reads_the_commit_of_its_node_local_guess_beside_the_listing(s3_server, tmp_path):
     """Rank 0 listed storage, then read the newest commit: two round trips in sequence
     before any load. The commit of the newest node-local step now goes out with the listing."""
-    restored, listings, reads = _restore_after_two_commits(s3_server, tmp_path)
-    assert restored == 2 and listings and reads, (restored, listings, reads)
-    assert min(reads) < listings[0][1]  # the read began before the listing ended
+    restored, beside = _restore_holding(s3_server, tmp_path, hold="listing", until="commit")
+    assert restored == 2
+    assert beside, "the commit was read only once the listing was answered"
 
 
 def test_two_jobs_of_one_process_that_both_see_every_marker_commit_once(s3_server, tmp_path):
@@ -478,9 +503,9 @@ def test_a_restore_of_the_step_the_driver_chose_reads_its_commit_beside_the_list
     """A restart's usual restore (the driver's Recovery decided the step) read that step's
     COMMITTED (a HEAD, then a GET) and only then listed its directory for the size check:
     three round trips in sequence before any load. The listing now goes out beside the read."""
-    restored, listings, reads = _restore_after_two_commits(s3_server, tmp_path, decided_step=1)
-    assert restored == 1 and listings and len(reads) == 2, (restored, listings, reads)
-    assert listings[0][0] < max(reads)  # the listing began before the GET, not after it
+    restored, beside = _restore_holding(s3_server, tmp_path, hold="commit", until="listing", decided_step=1)
+    assert restored == 1
+    assert beside, "the step directory was listed only once its commit was read"
 
 
 def test_restore_reads_only_the_commit_it_picks_not_every_one_kept(s3_server, tmp_path):

@@ -47,7 +47,7 @@ class FlakyProxy:
         self.held: Counter = Counter()
         self.arrivals: list[tuple[float, str, str]] = []
         self.spans: dict[str, list[tuple[float, float]]] = {}
-        self._stall: tuple[str, tuple[str, ...]] | None = None
+        self._stall: tuple[str, tuple[str, ...], bool] | None = None
         self._release = threading.Event()
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
@@ -58,13 +58,14 @@ class FlakyProxy:
 
     # ---- test controls ------------------------------------------------------------------
 
-    def stall(self, match: str, *, methods: tuple[str, ...] = ("GET",)) -> None:
-        """Hold requests of ``methods`` whose path contains ``match`` until :meth:`release`
+    def stall(self, match: str, *, methods: tuple[str, ...] = ("GET",), exact: bool = False) -> None:
+        """Hold requests of ``methods`` whose path contains ``match`` (is ``match``, when
+        ``exact``: ``/bucket`` alone is a listing of the bucket) until :meth:`release`
         (at most ``HOLD_S``): a GET answer stops after its first quarter (a downloader
         killed mid-file), other requests are held before they are forwarded (an upload
         in flight when its uploader dies)."""
         self._release.clear()
-        self._stall = (match, tuple(m.upper() for m in methods))
+        self._stall = (match, tuple(m.upper() for m in methods), exact)
 
     def release(self) -> None:
         """Finish held requests and stop holding."""
@@ -122,7 +123,9 @@ class FlakyProxy:
 
     def _stalls(self, method: str, path: str) -> bool:
         stall = self._stall
-        return stall is not None and method in stall[1] and stall[0] in path
+        if stall is None or method not in stall[1]:
+            return False
+        return path == stall[0] if stall[2] else stall[0] in path
 
     def _hold(self, method: str, path: str) -> None:
         with self._lock:
