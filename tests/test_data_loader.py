@@ -13,6 +13,7 @@ import torch.distributed.checkpoint as dcp
 from ray_goodput.data import (CacheConfig, DataError, DataLoader, FileDataset,
                               ParquetDataset)
 from ray_goodput.errors import ConfigError, StorageError
+from ray_goodput.testing import wait_for
 
 N = 53  # prime: every (world, batch) below leaves a ragged tail
 
@@ -239,8 +240,10 @@ def test_bad_cache_config_names_the_setting():
 _RANK_WITH_LOADER_WORKERS = """
 import json, sys, time
 import psutil
+import torch.utils.data._utils.worker as torch_worker
 from ray_goodput.data import DataLoader, FileDataset
 from ray_goodput.testing import publish_file
+torch_worker.MP_STATUS_CHECK_INTERVAL = 3600.0  # torch's own 5 s orphan check: only ours can end them
 loader = DataLoader(FileDataset(sys.argv[1], decode=int, seed=0, cache=None), 2, num_workers=2,
                     rank=0, world_size=1, persistent_workers=True)
 it = iter(loader)
@@ -248,6 +251,56 @@ next(it)
 publish_file(sys.argv[2], json.dumps([c.pid for c in psutil.Process().children()]))
 time.sleep(300)
 """
+
+
+def test_a_killed_process_not_yet_reaped_by_its_parent_is_not_alive():
+    """A SIGKILLed rank stays a zombie until its parent (the raylet) reaps it: liveness
+    by ``kill(pid, 0)`` alone took it for alive, and its orphaned loader workers stayed."""
+    import signal
+    import subprocess
+    import sys
+
+    from ray_goodput.runtime import pid_alive
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    try:
+        assert pid_alive(child.pid)
+        child.send_signal(signal.SIGKILL)
+        wait_for(lambda: _is_zombie(child.pid), timeout_s=30, what="the killed child to become a zombie")
+        assert not pid_alive(child.pid)
+    finally:
+        child.kill()
+        child.wait(timeout=30)
+    assert not pid_alive(child.pid)  # reaped
+
+
+def _is_zombie(pid: int) -> bool:
+    import psutil
+
+    return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_a_loader_worker_that_starts_after_its_rank_died_exits_at_once():
+    """A worker whose rank was killed before the worker's init ran found itself orphaned
+    and started no watch: it lived until torch's next 5 s status check."""
+    import os
+    import subprocess
+    import sys
+
+    from ray_goodput.data._loader import _ExitWithRank
+
+    init = _ExitWithRank()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait(timeout=60)
+    init.rank_pid = dead.pid  # a rank that is gone (reaped)
+    pid = os.fork()
+    if pid == 0:  # the worker: exit 0 from the init, or 3 when it returns to run batches
+        try:
+            init(0)
+        finally:
+            os._exit(3)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
 
 
 def test_loader_workers_exit_at_once_when_their_rank_is_killed(files_dir, tmp_path):
@@ -261,7 +314,9 @@ def test_loader_workers_exit_at_once_when_their_rank_is_killed(files_dir, tmp_pa
 
     import psutil
 
-    from ray_goodput.testing import wait_for, wait_for_file
+    from ray_goodput.testing import wait_for_file
+
+    import contextlib
 
     pids_file = tmp_path / "pids.json"
     rank = subprocess.Popen([sys.executable, "-c", _RANK_WITH_LOADER_WORKERS, str(files_dir), str(pids_file)])
@@ -278,6 +333,12 @@ def test_loader_workers_exit_at_once_when_their_rank_is_killed(files_dir, tmp_pa
         except psutil.NoSuchProcess:
             return True
 
-    # Well under torch's 5 s status check, well over the 0.1 s poll of the fix.
-    wait_for(lambda: all(gone(p) for p in workers), timeout_s=2.5,
-             what=f"loader workers {workers} to exit after their rank was SIGKILLed")
+    # torch's own check is off in the rank (an hour): the workers end only by the library's
+    # watch (a 0.1 s poll) or at their init; the bound only stops a test that would hang.
+    try:
+        wait_for(lambda: all(gone(p) for p in workers), timeout_s=60,
+                 what=f"loader workers {workers} to exit after their rank was SIGKILLed")
+    finally:  # none left behind for an hour when the watch failed
+        for pid in workers:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                psutil.Process(pid).kill()

@@ -18,7 +18,7 @@ from ray_goodput.data._cache_client import CacheClient
 from ray_goodput.data._file_readers import CacheReader
 from ray_goodput.errors import ConfigError, DataError
 from ray_goodput.goodput import get_recorder
-from ray_goodput.runtime import WorkerContext
+from ray_goodput.runtime import WorkerContext, pid_alive
 
 logger = logging.getLogger(__name__)
 STATE_KEYS = ("epoch", "consumed", "seed", "fingerprint")
@@ -40,7 +40,9 @@ class _ExitWithRank:
 
     def __call__(self, worker_id: int) -> None:
         if os.getppid() != self.rank_pid:
-            return  # started by a fork server (its parent is not the rank) or already orphaned
+            if not pid_alive(self.rank_pid):  # orphaned before this ran: the rank is gone
+                os._exit(0)
+            return  # started by a fork server: its parent is not the rank
         threading.Thread(target=self._watch, name="rg-loader-exit-with-rank", daemon=True).start()
 
     def _watch(self) -> None:
