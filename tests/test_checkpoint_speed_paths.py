@@ -337,20 +337,24 @@ def test_two_jobs_of_one_process_that_both_see_every_marker_commit_once(s3_serve
     assert sum(d.committed_at is not None for d in done) == 1  # one COMMITTED write
 
 
-def _finalize_side_by_side(s3_server, tmp_path, world: int, *, latency_s: float = 0.2,
-                           ) -> tuple[dict[int, Any], list[FlakyProxy]]:
+def _finalize_side_by_side(s3_server, tmp_path, world: int) -> tuple[dict[int, Any], list[FlakyProxy]]:
     """Every rank of one save durable, then each rank's job finalizes at once, each through
     a proxy of its own (different URIs share no per-process turn: different processes, as
-    with one node per rank), every request delayed ``latency_s`` so that each job lists
-    every marker before any commit lands. Returns each rank's result and the proxies."""
+    with one node per rank). Each proxy holds its job's commit intent until every job has
+    sent one (so every job listed every marker and no intent), then rank 0's lands first
+    and the others after it: the order in which the election is won, made certain instead
+    of timed. Returns each rank's result and the proxies."""
     save_id = _layout.save_id(1, "abcdef0123")
     proxies = [FlakyProxy(s3_server.endpoint) for _ in range(world)]
     uri = s3_server.bucket_uri("elect")
     locs = [_catalog.step_location(resolve(uri.replace(s3_server.endpoint, p.endpoint)), 7) for p in proxies]
     owns = [CommitProtocol(locs[r], 7, world, save_id, 1).declare_durable(
         r, _stage_rank(locs[r], tmp_path, r, save_id), created=1.0) for r in range(world)]
+    direct = resolve(uri)  # not through a proxy
+    direct.fs.get_file_info(direct.root)  # connected before the jobs start
+    intents = "/" + _layout.RANKS_DIR + "/commit-"
     for proxy in proxies:
-        proxy.latency_s = latency_s
+        proxy.stall(intents, methods=("PUT",))
     done: dict[int, Any] = {}
     together = threading.Barrier(world)
 
@@ -361,6 +365,16 @@ def _finalize_side_by_side(s3_server, tmp_path, world: int, *, latency_s: float 
     jobs = [threading.Thread(target=job, args=(r,), daemon=True) for r in range(world)]
     for j in jobs:
         j.start()
+    try:
+        wait_for(lambda: all(p.holding(_layout.commit_intent(r, save_id)) for r, p in enumerate(proxies)),
+                 timeout_s=60, what="every job's commit intent")
+        proxies[0].release()
+        first = direct.join(_layout.CHECKPOINTS_DIR, _layout.step_dir(7), _layout.commit_intent(0, save_id))
+        wait_for(lambda: direct.fs.get_file_info(first).type.name == "File", timeout_s=60,
+                 what="rank 0's commit intent in storage")
+    finally:
+        for p in proxies:
+            p.release()
     for j in jobs:
         j.join(120)
     return done, proxies
@@ -1708,6 +1722,7 @@ def test_a_save_before_the_first_step_is_not_taken_for_it(tmp_path, monkeypatch)
         assert sized == [0] and ckpt._arenas._first_steps  # noqa: SLF001 - tried in restore; now waiting for a step
         ckpt.save(1, state)
         assert sized == [0] and ckpt._arenas._first_steps == [] and not optim.state  # noqa: SLF001
+        ckpt.wait()  # else save 2 may supersede it in the lane, before its upload started
         model(torch.randn(4, 64)).sum().backward()
         optim.step()
         assert sized == [0]

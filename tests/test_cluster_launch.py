@@ -268,7 +268,10 @@ def test_quickstart_runs_on_autoscaled_nodes_with_one_uploader_and_cache_each(fa
     assert run.returncode == 0, f"driver failed:\n{run.stdout}\n{run.stderr[-6000:]}"
     out = json.loads((fake_cluster.work / "driver.json").read_text())
     assert out["error"] == "None"
-    assert out["committed"] == [2, 4] and out["world_sizes"] == [2, 2], out
+    # Step 2 may be superseded by step 4 in a slow node uploader's lane (by design: the
+    # newest save goes next), so step 4 is the one that must be there.
+    assert out["committed"][-1] == 4 and set(out["committed"]) <= {2, 4}, out
+    assert set(out["world_sizes"]) == {2}, out
     head, nodes = out["head"], out["rank_nodes"]
     assert out["before"] == {head: 0.0}, "the cluster must start as a head without CPUs"
     assert len(set(nodes)) == 2 and head not in nodes, nodes  # one autoscaled node per worker

@@ -614,6 +614,8 @@ def test_saves_faster_than_uploads_supersede_the_waiting_one_and_commit_the_newe
             train_steps(state["model"], state["optim"], 1, rank=0)
             ckpt.save(step, state)  # never waits for step 1's upload
             weights[step] = _weight(state)
+            if step == 1:  # running, not waiting (else save 2 supersedes it in the lane)
+                wait_for(lambda: proxy.holding_in("step-000000001/"), timeout_s=30, what="step 1's upload")
         proxy.release()
         ckpt.wait()
         assert ckpt.stats.committed == [1, 3] and ckpt.stats.superseded == [2]
@@ -638,6 +640,8 @@ def test_leaving_the_with_block_on_an_error_does_not_lose_a_snapshot_queued_in_t
         with Checkpointer(uri, staging_dir=str(tmp_path / "s"), uploader="actor") as ckpt:
             proxy.stall("step-000000001/", methods=("PUT",))
             ckpt.save(1, state)
+            # Running, not waiting (else save 2 supersedes it in the uploader's lane).
+            wait_for(lambda: proxy.holding_in("step-000000001/"), timeout_s=30, what="step 1's upload")
             train_steps(state["model"], state["optim"], 1, rank=0)
             ckpt.save(2, state)  # queued in the uploader behind step 1's upload
             expected = _weight(state)

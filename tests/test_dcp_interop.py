@@ -30,6 +30,7 @@ def _checkpointer_saves(rank: int, world: int, local: str, s3: str) -> dict:
         for step in (1, 2):
             train_steps(model, optim, 1, rank, start=step)
             ckpt.save(step, state)
+            ckpt.wait()  # step 1 is exported: step 2 must not supersede it in the lane
     with Checkpointer(s3, staging_dir=f"{local}-stage") as ckpt:
         ckpt.save(2, state)
     return full_state(model, optim)

@@ -42,11 +42,25 @@ def test_a_file_followed_while_it_is_written_is_uploaded_whole_with_its_checksum
     path = tmp_path / "part" / "__0_0.distcp"
     chunks = [bytes([i]) * (1 << 20) for i in range(24)]  # over one part: a multipart upload
     follow = FollowUpload(path, tmp_path / "final", loc, "f.distcp", CRC32C)  # started before the file exists
-    writer = threading.Thread(target=_write_slowly, args=(path, chunks, 0.02))
+    held: list[bool] = []
+
+    def write() -> None:
+        # The last chunks wait until a part was sent: sending must begin before the write
+        # ends (asserting the writer was still alive raced the follower under load).
+        _write_slowly(path, chunks[:20], 0.01)
+        try:
+            held.append(bool(wait_for(lambda: _sent(proxy, "f.distcp"), timeout_s=60,
+                                      what="a part sent while the file is written")))
+        except TimeoutError:
+            held.append(False)
+        with open(path, "ab") as f:
+            for chunk in chunks[20:]:
+                f.write(chunk)
+
+    writer = threading.Thread(target=write)
     writer.start()
-    wait_for(lambda: _sent(proxy, "f.distcp"), timeout_s=60, what="a part sent while the file is written")
-    assert writer.is_alive()  # sending began before the write ended
-    writer.join()
+    writer.join(timeout=120)
+    assert not writer.is_alive() and held == [True]  # sending began before the write ended
     follow.writer_done(ok=True)
     entry = follow.result(path, timeout_s=60, stop_s=10)
     data = b"".join(chunks)

@@ -87,6 +87,11 @@ class FlakyProxy:
         with self._lock:
             return sum(n for (_, p), n in self.held.items() if p.endswith(suffix))
 
+    def holding_in(self, match: str) -> int:
+        """Requests to a path that contains ``match`` that a :meth:`stall` holds or held."""
+        with self._lock:
+            return sum(n for (_, p), n in self.held.items() if match in p)
+
     def sequential_gets(self, path: str) -> int:
         """GETs of ``path`` that began after an earlier GET of it had been answered: a
         second download. (A client's retry of a request that timed out while the first

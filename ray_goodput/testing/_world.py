@@ -25,6 +25,12 @@ _PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "torch.distributed.ch
             "pyarrow", "pyarrow.fs"]
 
 
+#: The store's and the process group's timeout is at least this: a short ``timeout_s`` bounds
+#: the run (the watcher), not the rendezvous, which a loaded machine can take seconds for
+#: (a rank then failed to join instead of being reported still running).
+_MIN_GROUP_TIMEOUT_S = 60.0
+
+
 def _entry(rank: int, payload: bytes, world_size: int, port: int, results: Any,
            environ: dict[str, str], timeout_s: float) -> None:
     # A forked rank inherits the server's environment from when it started: use the
@@ -35,7 +41,7 @@ def _entry(rank: int, payload: bytes, world_size: int, port: int, results: Any,
     os.environ.update(environ)
     os.environ.update(MASTER_ADDR=_HOST, MASTER_PORT=str(port),
                       RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
-    timeout = timedelta(seconds=timeout_s)
+    timeout = timedelta(seconds=max(timeout_s, _MIN_GROUP_TIMEOUT_S))
     try:
         fn, args = pickle.loads(payload)
         store = dist.TCPStore(_HOST, port, is_master=False, timeout=timeout)
@@ -66,13 +72,14 @@ def run_world(fn: Callable[..., Any], world_size: int, *args: Any,
     next collective). With ``allow_deaths`` a rank that was killed after it joined the
     process group (e.g. by a fault injector) yields None instead of an error; one that
     exits before it joined still raises. Raises ``TimeoutError`` naming each rank's state
-    when ranks are still running after ``timeout_s``.
+    when ranks are still running after ``timeout_s``. The rendezvous and the process
+    group's collectives time out after ``timeout_s`` too, but never under 60 s.
     """
     # The rendezvous store lives here, on a port the OS bound for it: no port is picked
     # first and bound later by rank 0 (another process can take it in between, and then
     # rank 0 fails while its peers retry connecting for the whole store timeout).
     store = dist.TCPStore(_HOST, 0, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=timeout_s))
+                          timeout=timedelta(seconds=max(timeout_s, _MIN_GROUP_TIMEOUT_S)))
     try:
         return _run(fn, world_size, args, store.port, timeout_s, allow_deaths)
     finally:
