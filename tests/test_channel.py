@@ -15,6 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from ray_goodput.checkpoint import _channel
 from ray_goodput.checkpoint._backends import Handoff
 from ray_goodput.checkpoint._channel import (ChannelClient, ChannelServer, UploaderExitingError,
                                              UploaderGoneError)
@@ -239,8 +240,10 @@ def test_a_send_cut_midway_ends_the_connection_instead_of_leaving_a_partial_fram
     # later frame on the same connection would be read as the rest of it.
     uploader.gate.clear()
     lost: list = []
-    client = ChannelClient(uploader.server.path, (os.getpid(), None, "t"), 1,
+    # The hello gets 10 s (a loaded machine); the sends get the 1 s bound under test.
+    client = ChannelClient(uploader.server.path, (os.getpid(), None, "t"), 10,
                            on_lost=lambda conn, jobs: lost.append((conn, jobs)))
+    _channel._bound_sends(client._sock, 1)
     running = _handoff("job-1")
     client.submit("job-1", None, running)
     wait_for(lambda: uploader.peers, timeout_s=10, what="the connection")

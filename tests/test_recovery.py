@@ -27,6 +27,7 @@ from ray_goodput.driver._recovery import NodeLedger, Recovery, futile, load_stat
 from ray_goodput.driver._trainer import TorchTrainer
 from ray_goodput.errors import ConfigError, StateMismatchError
 from ray_goodput.runtime import _resume
+from ray_goodput.testing import publish_file, wait_for
 from tests._node_checks import FailsOn
 
 # ---- pure parts ---------------------------------------------------------------------------
@@ -129,7 +130,7 @@ def _record(out: str, **fields) -> dict:
     rec = {"attempt": decision.attempt if decision else 1, "step": decision.step if decision else None,
            "rank": ray.train.get_context().get_world_rank(),
            "node": ray.get_runtime_context().get_node_id(), "t": time.time(), **fields}
-    Path(out, f"rec-{os.getpid()}.json").write_text(json.dumps(rec))
+    publish_file(Path(out, f"rec-{os.getpid()}.json"), json.dumps(rec))  # whole, or not there
     return rec
 
 
@@ -160,7 +161,10 @@ def _dies_on_bad_node_loop(config: dict) -> None:
                 ckpt.save(step, state)
             ckpt.wait()
         if rec["node"] == config["bad"]:
-            if rec["rank"] == 1:
+            if rec["rank"] == 1:  # once rank 0 recorded this attempt (the kill tears it down)
+                wait_for(lambda: any(r["attempt"] == rec["attempt"] and r["rank"] == 0
+                                     for r in _records(Path(config["out"]))),
+                         timeout_s=60, what="rank 0's record of this attempt")
                 kill_self()
             time.sleep(60)  # bounded: the controller tears this rank down once rank 1 is gone
 
@@ -185,9 +189,9 @@ class _Blocker:
         return 1
 
 
-def _unblock_when_isolated(root: Path, node: str, blockers: list, seen: list) -> None:
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
+def _unblock_when_isolated(root: Path, node: str, blockers: list, seen: list,
+                           fitted: threading.Event) -> None:
+    while not fitted.is_set():  # no deadline of its own: attempts on X take longer under load
         state = load_state(str(root))
         if state and node in state["isolated_nodes"]:
             seen.append(state)
@@ -211,13 +215,17 @@ def test_node_whose_workers_always_die_is_isolated_and_every_rank_restores_the_s
                 for n in ("y", "z")]
     ray.get([b.ping.remote() for b in blockers], timeout=60)
     seen: list = []
+    fitted = threading.Event()
     watcher = threading.Thread(target=_unblock_when_isolated, daemon=True,
-                               args=(tmp_path / "runs" / "isolate", cluster["x"], blockers, seen))
+                               args=(tmp_path / "runs" / "isolate", cluster["x"], blockers, seen, fitted))
     watcher.start()
     trainer, out = _fit(tmp_path, "isolate", Recovery(max_failures_per_node=2), 4,
                         loop=_dies_on_bad_node_loop, bad=cluster["x"])
-    trainer.fit()
-    watcher.join(timeout=5)
+    try:
+        trainer.fit()
+    finally:
+        fitted.set()
+        watcher.join(timeout=30)
     assert seen, "node X was never isolated"
     recs = _records(out)
     on_x = sorted({r["attempt"] for r in recs if r["node"] == cluster["x"]})

@@ -202,14 +202,21 @@ def test_a_connection_broken_while_the_uploader_lives_keeps_the_arena_until_the_
 
 
 def test_uploader_killed_mid_upload(ray_cluster, s3_server):
-    uri = s3_server.bucket_uri("killed-uploader")
+    proxy = FlakyProxy(s3_server.endpoint)
+    uri = s3_server.bucket_uri("killed-uploader").replace(s3_server.endpoint, proxy.endpoint)
     node, worker, uploader = _worker_with_a_commit(ray_cluster, uri, 3)
-    ray.get(worker.save.remote(2))
-    wait_for(lambda: ray.get(uploader.stats.remote())["queue"] > 0, timeout_s=30,
-             what="step 2 in the uploader's queue", interval_s=0.01)
-    ray.kill(uploader, no_restart=True)
-    with pytest.raises(CheckpointError):
-        ray.get(worker.wait.remote())
+    # Step 2's upload is held at the proxy: the kill lands mid-upload, not after a commit
+    # that a loaded machine let finish first.
+    proxy.stall(f"/{step_dir(2)}/", methods=("PUT", "POST"))
+    try:
+        ray.get(worker.save.remote(2))
+        wait_for(lambda: proxy.holding_in(f"/{step_dir(2)}/"), timeout_s=60,
+                 what="step 2's upload reaching storage", interval_s=0.01)
+        ray.kill(uploader, no_restart=True)
+        with pytest.raises(CheckpointError):
+            ray.get(worker.wait.remote())
+    finally:
+        proxy.release()
     assert [(i.step, i.committed) for i in list_checkpoints(uri) if i.committed] == [(1, True)]
     ray.get(worker.save.remote(3))  # a new uploader is created and takes it
     assert 3 in ray.get(worker.wait.remote())
@@ -217,6 +224,7 @@ def test_uploader_killed_mid_upload(ray_cluster, s3_server):
     step, _ = ray.get(worker.restore.remote())
     assert step == 3
     ray.get(worker.close.remote())
+    proxy.close()
 
 
 def test_status_then_uploader_exits_when_its_clients_close(ray_cluster, tmp_path, capsys):
