@@ -303,6 +303,23 @@ def test_a_loader_worker_that_starts_after_its_rank_died_exits_at_once():
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
 
 
+def test_a_loader_built_in_a_process_that_is_gone_still_starts_its_workers(files_dir, tmp_path):
+    """The rank is the process that iterates (starts the workers), not the one that built
+    the loader: one built elsewhere and pickled (a driver passing it in the train loop's
+    config) named a process that is not the workers' parent, and once that one was gone
+    its workers would take themselves for orphans and exit at their init."""
+    import subprocess
+    import sys
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait(timeout=60)
+    loader = DataLoader(FileDataset(str(files_dir), decode=int, seed=0, cache=None), 2, num_workers=1,
+                        rank=0, world_size=1)
+    loader.worker_init_fn.rank_pid = dead.pid  # as unpickled from a process that is gone
+    first = next(iter(loader))
+    assert len(_ids(first)) == 2
+
+
 def test_loader_workers_exit_at_once_when_their_rank_is_killed(files_dir, tmp_path):
     """A forked loader worker holds its rank's inherited sockets: Ray saw a SIGKILLed rank
     die only when its workers noticed, at torch's next 5 s status check (found in the LM

@@ -36,7 +36,7 @@ class _ExitWithRank:
     """
 
     def __init__(self) -> None:
-        self.rank_pid = os.getpid()
+        self.rank_pid = os.getpid()  # set again by each ``__iter__``, in the rank that iterates
 
     def __call__(self, worker_id: int) -> None:
         if os.getppid() != self.rank_pid:
@@ -144,6 +144,8 @@ class DataLoader(torch.utils.data.DataLoader):
         s = self._rg_sampler
         start, gb = s.consumed, part.global_batch(s.world, s.batch_size)
         hints = _Hints(self, s.rank_order()) if self._cache is not None else None
+        if isinstance(self.worker_init_fn, _ExitWithRank):  # the rank: the process starting the workers
+            self.worker_init_fn.rank_pid = os.getpid()
         inner = super().__iter__()
         recorder = get_recorder()
         delivered = 0
