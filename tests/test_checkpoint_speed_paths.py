@@ -272,9 +272,12 @@ def _restore_holding(s3_server, tmp_path, *, hold: str, until: str, decided_step
                 began = time.monotonic()
 
                 def watch() -> None:
+                    # Both: the other request came, and the held one is held (a GET is held
+                    # once storage answered it, so it can be held only after the other came).
                     try:
                         arrived.append(bool(wait_for(
-                            lambda: any(t >= began and path == paths[until] for t, _, path in list(proxy.arrivals)),
+                            lambda: proxy.holding(paths[hold]) and any(
+                                t >= began and path == paths[until] for t, _, path in list(proxy.arrivals)),
                             timeout_s=60, what=f"the restore's {until} while its {hold} is held")))
                     except TimeoutError:
                         arrived.append(False)
