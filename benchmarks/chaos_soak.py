@@ -41,11 +41,17 @@ Invariants, checked after every run and at the end of each trial:
 - a run with no injected fault never fails, ranks never disagree (one raises, another does
   not), and every run ends within ``--run-timeout`` (no hang).
 
-    python benchmarks/chaos_soak.py --trials 200 --seed 0 --out results.json
-    python benchmarks/chaos_soak.py --trials 200 --seed 0 --only 17 --keep   # re-run trial 17
+The checks themselves (what storage holds, and each invariant) are library test code, the
+soak's oracle: ``ray_goodput.testing`` (``scan_storage``, ``check_*``, ``judge_run``).
 
-Prints markdown tables (faults by kind, violations by kind, wall time); exits 1 on any
-violation. Trial ``i`` of ``--seed S`` is the same trial whatever ``--trials`` is.
+    python benchmarks/chaos_soak.py --trials 200 --seed 0 --world 1
+    python benchmarks/chaos_soak.py --seed 0 --only 17 --keep     # re-run trial 17, keep its files
+    python benchmarks/chaos_soak.py --seed 0 --trials 30 --draw-only   # the trials, as JSON lines
+
+Prints markdown tables (faults by kind, violations by kind, wall time) and writes the
+results to ``benchmarks/results/chaos_soak_cpu.json`` (``--out``; a re-run of chosen
+trials, ``--only`` or ``--kinds``, writes none unless ``--out`` says where); exits 1 on
+any violation. Trial ``i`` of ``--seed S`` is the same trial whatever ``--trials`` is.
 """
 
 from __future__ import annotations
@@ -55,7 +61,6 @@ import hashlib
 import json
 import os
 import random
-import re
 import shutil
 import signal
 import subprocess
@@ -67,25 +72,57 @@ import traceback
 import uuid
 import zlib
 from collections import Counter, defaultdict
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+import _results
+
+from ray_goodput.testing import (
+    ReferenceRun,
+    StorageScan,
+    check_data,
+    check_kept,
+    check_no_rot,
+    check_restore,
+    judge_run,
+    kept_steps,
+    read_outcome,
+    scan_storage,
+)
+from ray_goodput.testing._soak_oracle import peer_dead, read_jsonl
 
 N_SAMPLES = 16
 GLOBAL_BATCH = 4
 DATA_SEED = 7
-HOOKS = ("save.copying", "save.queued", "upload.staging_write", "upload.mid_upload",
-         "commit.before_committed", "retention")
+HOOKS = (
+    "save.copying",
+    "save.queued",
+    "upload.staging_write",
+    "upload.mid_upload",
+    "commit.before_committed",
+    "retention",
+)
 ANY_RANK_HOOKS = ("commit.before_committed", "retention")  # fire in whichever rank gets there
-KINDS = ("kill_step", "kill_random_time", *(f"hook:{h}" for h in HOOKS), "uploader_kill_ray",
-         "flaky_storage", "damage_truncate", "damage_bitflip", "late_commit", "world_change",
-         "fast_saves")
+KINDS = (
+    "kill_step",
+    "kill_random_time",
+    *(f"hook:{h}" for h in HOOKS),
+    "uploader_kill_ray",
+    "flaky_storage",
+    "damage_truncate",
+    "damage_bitflip",
+    "late_commit",
+    "world_change",
+    "fast_saves",
+)
 MAX_RUNS = 4
 STEP_S = 0.03
 STASH = "chaos-stash"
 
 
 # ---- the training job (runs in each rank) -----------------------------------------------
+
 
 @dataclass(frozen=True)
 class RunSpec:
@@ -97,11 +134,11 @@ class RunSpec:
     attempt: int
     steps: int
     stop_at: int
-    cadence: str                 # "async" | "sync" | "burst"
+    cadence: str  # "async" | "sync" | "burst"
     keep_last: int
     staging: str
     verify: bool
-    backend: str                 # "thread" | "actor"
+    backend: str  # "thread" | "actor"
     ray_address: str | None = None
     fault: dict | None = None
     late: dict | None = None
@@ -153,7 +190,7 @@ def _train_step(model: Any, optim: Any, ids: list[int], world: int) -> None:
     total /= len(local)
     offset = 0
     for p in params:
-        p.grad = total[offset:offset + p.numel()].view_as(p).clone()
+        p.grad = total[offset : offset + p.numel()].view_as(p).clone()
         offset += p.numel()
     optim.step()
 
@@ -195,16 +232,6 @@ def _mark_file(path: Path, text: str) -> None:
     publish_file(path, text)
 
 
-def _peer_dead(pid_file: Path) -> bool:
-    """Whether the peer whose pid ``pid_file`` holds has died (not known while the file
-    is missing, or empty: no reader is told pid 0, which no process has)."""
-    try:
-        text = pid_file.read_text().strip()
-    except FileNotFoundError:
-        return False
-    return bool(text) and _proc_dead(int(text))
-
-
 def _append(path: Path, obj: dict) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
@@ -216,14 +243,6 @@ def _append(path: Path, obj: dict) -> None:
 def _die(spec: RunSpec, rank: int, why: str) -> None:
     _mark(spec, rank, "fault", why)
     os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _proc_dead(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return True
-    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
 
 
 def _watch_peers(spec: RunSpec, rank: int, world: int) -> None:
@@ -243,7 +262,7 @@ def _watch_peers(spec: RunSpec, rank: int, world: int) -> None:
                     _mark(spec, rank, "watchdog", f"peer {peer} raised; this rank did not")
                     os.kill(os.getpid(), signal.SIGKILL)
                 continue
-            if _peer_dead(Path(f"{base}.pid")):
+            if peer_dead(Path(f"{base}.pid")):
                 time.sleep(spec.peer_kill_delay)
                 _mark(spec, rank, "peer_died", f"peer {peer} died")
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -309,6 +328,7 @@ def _late_commit(spec: RunSpec, rank: int, step: int, restored: int | None) -> N
         _finish_orphan(late["uri"], late["step"])
         _mark(spec, rank, "late", str(step))
     import torch.distributed as dist
+
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
 
@@ -323,13 +343,18 @@ def _open(rank: int, world: int, spec: RunSpec) -> tuple[Any, Any, Any, Any]:
 
     if spec.backend == "actor":
         import ray
+
         ray.init(address=spec.ray_address, log_to_driver=False, configure_logging=False)
     model, optim = _model()
     dataset = FileDataset(spec.data_uri, decode=_decode, seed=DATA_SEED, cache=None)
-    loader = DataLoader(dataset, GLOBAL_BATCH // world, num_workers=0, collate_fn=list,
-                        rank=rank, world_size=world)
-    ckpt = Checkpointer(spec.uri, keep_last=spec.keep_last, staging_dir=spec.staging,
-                        verify_checksums=spec.verify, uploader=spec.backend)
+    loader = DataLoader(dataset, GLOBAL_BATCH // world, num_workers=0, collate_fn=list, rank=rank, world_size=world)
+    ckpt = Checkpointer(
+        spec.uri,
+        keep_last=spec.keep_last,
+        staging_dir=spec.staging,
+        verify_checksums=spec.verify,
+        uploader=spec.backend,
+    )
     return model, optim, loader, ckpt
 
 
@@ -342,16 +367,17 @@ def _train(rank: int, world: int, spec: RunSpec, times: dict) -> None:
     _fault(spec, rank, 0, "start", ckpt)
     runs, records = _runs_dir(spec), Path(spec.trial_dir) / "records"
     if rank == 0:
-        _append(runs / f"a{spec.attempt}.restore", {"step": restored,
-                                                     "hash": _state_hash(model, optim, loader)})
+        _append(runs / f"a{spec.attempt}.restore", {"step": restored, "hash": _state_hash(model, optim, loader)})
     batches = _batches(loader)
     for step in range((restored or 0) + 1, spec.stop_at + 1):
         ids = next(batches)
         _train_step(model, optim, ids, world)
         time.sleep(STEP_S)  # the rest of a real step: room for background saves to overlap
         _fault(spec, rank, step, "after_step", ckpt)
-        _append(records / f"a{spec.attempt}-r{rank}.jsonl", {
-            "step": step, "ids": ids, "hash": _state_hash(model, optim, loader) if rank == 0 else None})
+        _append(
+            records / f"a{spec.attempt}-r{rank}.jsonl",
+            {"step": step, "ids": ids, "hash": _state_hash(model, optim, loader) if rank == 0 else None},
+        )
         _late_commit(spec, rank, step, restored)
         _fault(spec, rank, step, "before_save", ckpt)
         if _saves_at(spec, step):
@@ -363,8 +389,7 @@ def _train(rank: int, world: int, spec: RunSpec, times: dict) -> None:
     ckpt.close()
     times["closed"] = time.time()
     if rank == 0:
-        _append(runs / f"a{spec.attempt}.final", {"step": spec.stop_at,
-                                                   "hash": _state_hash(model, optim, loader)})
+        _append(runs / f"a{spec.attempt}.final", {"step": spec.stop_at, "hash": _state_hash(model, optim, loader)})
 
 
 def rank_main(rank: int, world: int, spec: RunSpec) -> str:
@@ -375,6 +400,7 @@ def rank_main(rank: int, world: int, spec: RunSpec) -> str:
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     import torch
+
     torch.set_num_threads(1)
     _mark(spec, rank, "pid", str(os.getpid()))
     threading.Thread(target=_watch_peers, args=(spec, rank, world), daemon=True).start()
@@ -400,13 +426,16 @@ def _classify(exc: BaseException) -> dict:
     actor_error = ()
     if "ray" in sys.modules:
         actor_error = (sys.modules["ray"].exceptions.RayActorError,)
-    return {"error": f"{type(exc).__name__}: {str(exc)[:300]}",
-            "chain": [type(e).__name__ for e in chain],
-            "storage": any(isinstance(e, StorageError) for e in chain),
-            "actor": bool(actor_error) and any(isinstance(e, actor_error) for e in chain)}
+    return {
+        "error": f"{type(exc).__name__}: {str(exc)[:300]}",
+        "chain": [type(e).__name__ for e in chain],
+        "storage": any(isinstance(e, StorageError) for e in chain),
+        "actor": bool(actor_error) and any(isinstance(e, actor_error) for e in chain),
+    }
 
 
 # ---- storage access for the harness (direct, never through the faulty proxy) -----------
+
 
 def _loc(uri: str):
     from ray_goodput.storage import resolve
@@ -415,11 +444,10 @@ def _loc(uri: str):
 
 
 def _stash_path(uri: str, step: int) -> tuple[Any, str, str]:
-    from ray_goodput.checkpoint import _layout
+    from ray_goodput.checkpoint.protocol import _layout
 
     loc = _loc(uri)
-    return loc.fs, loc.join(_layout.CHECKPOINTS_DIR, _layout.step_dir(step)), loc.join(
-        STASH, _layout.step_dir(step))
+    return loc.fs, loc.join(_layout.CHECKPOINTS_DIR, _layout.step_dir(step)), loc.join(STASH, _layout.step_dir(step))
 
 
 def _move_tree(fs: Any, src: str, dst: str) -> None:
@@ -427,7 +455,7 @@ def _move_tree(fs: Any, src: str, dst: str) -> None:
 
     for info in fs.get_file_info(pafs.FileSelector(src, recursive=True, allow_not_found=True)):
         if info.type == pafs.FileType.File:
-            target = dst + info.path[len(src):]
+            target = dst + info.path[len(src) :]
             fs.create_dir(target.rsplit("/", 1)[0], recursive=True)
             fs.copy_file(info.path, target)
             fs.delete_file(info.path)
@@ -440,7 +468,7 @@ def _move_tree(fs: Any, src: str, dst: str) -> None:
 def _hide_as_orphan(uri: str, step: int, drop_metadata: bool) -> None:
     """Turn a committed checkpoint into one whose committer died (every rank durable, no
     COMMITTED), and hide it until :func:`_restore_stash`."""
-    from ray_goodput.checkpoint import _layout
+    from ray_goodput.checkpoint.protocol import _layout
 
     fs, live, stash = _stash_path(uri, step)
     for name in (_layout.COMMITTED, *((_layout.DCP_METADATA,) if drop_metadata else ())):
@@ -458,7 +486,7 @@ def _restore_stash(uri: str, step: int) -> None:
 
 def _finish_orphan(uri: str, step: int) -> None:
     """Commit the orphan as any holder of storage access may (the dead attempt's uploader)."""
-    from ray_goodput.checkpoint import _catalog
+    from ray_goodput.checkpoint.protocol import _catalog
 
     finish = getattr(_catalog, "finish_orphan", None)
     if finish is not None:
@@ -467,116 +495,9 @@ def _finish_orphan(uri: str, step: int) -> None:
         _catalog.newest_valid(uri)
 
 
-def _checksum(data: bytes, algorithm: str) -> int:
-    try:
-        from ray_goodput.storage import checksum
-    except ImportError:  # libraries before CRC32C: every record is CRC32
-        return zlib.crc32(data)
-    return checksum(data, algorithm)
-
-
-def _intact(loc: Any, files: list) -> bool:
-    """Every file present with the size and checksum its record names."""
-    from ray_goodput.storage import read_bytes
-
-    for entry in files:
-        try:
-            data = read_bytes(loc, entry.name)
-        except (FileNotFoundError, OSError):
-            return False
-        if len(data) != entry.size or \
-                _checksum(data, getattr(entry, "algorithm", "crc32")) != entry.crc32:
-            return False
-    return True
-
-
-_MARKER_NAME = re.compile(r"^rank-\d+-.+\.json$")
-
-
-def _completable(loc: Any) -> tuple[int, int] | None:
-    """Generation of the newest save whose every rank declared itself durable with intact
-    files (an orphan that restore may commit), or None."""
-    from ray_goodput.checkpoint import _layout
-    from ray_goodput.storage import FileEntry, list_dir, read_bytes
-
-    saves: dict[tuple[int, str, int], dict[int, list]] = defaultdict(dict)
-    for info in list_dir(loc, _layout.RANKS_DIR):
-        name = info.path.rsplit("/", 1)[-1]
-        if not _MARKER_NAME.match(name):
-            continue  # a marker's temporary file (killed before its rename) declares nothing
-        try:
-            d = json.loads(read_bytes(loc, f"{_layout.RANKS_DIR}/{name}"))
-            key = (int(d.get("generation", 0)), str(d["nonce"]), int(d["world_size"]))
-            algorithm = d.get("checksum")  # named by the record since CRC32C (absent: CRC32)
-            saves[key][int(d["rank"])] = [
-                FileEntry.from_json(f, algorithm) if algorithm else FileEntry.from_json(f)
-                for f in d["files"]]
-        except (ValueError, KeyError, TypeError, OSError):
-            continue
-    done = [g for (g, _, ws), ranks in saves.items()
-            if set(ranks) == set(range(ws)) and all(_intact(loc, f) for f in ranks.values())]
-    return max(done) if done else None
-
-
-@dataclass
-class Scan:
-    """What storage holds: step -> state, where state is ``intact`` (committed, not
-    quarantined, every file matches its manifest), ``quarantined`` (a commit whose files
-    all match, yet marked damaged), ``damaged`` (a commit whose files do not match),
-    ``orphan`` (uncommitted, every rank of one save durable) or ``partial``; and each
-    committed or orphan step's lineage order ``(generation, step)``."""
-
-    steps: dict[int, str] = field(default_factory=dict)
-    order: dict[int, tuple[int, int]] = field(default_factory=dict)
-    marked: set[int] = field(default_factory=set)   # QUARANTINED names its commit
-
-    def having(self, *states: str) -> list[int]:
-        """Steps in these states, oldest first by lineage order."""
-        return sorted((s for s, st in self.steps.items() if st in states),
-                      key=lambda s: self.order.get(s, (-1, s)))
-
-    def newest(self, *states: str) -> int | None:
-        found = self.having(*states)
-        return found[-1] if found else None
-
-
-def scan(uri: str) -> Scan:
-    from ray_goodput.checkpoint import _catalog, _layout, _manifest
-    from ray_goodput.errors import CheckpointCorruptError
-    from ray_goodput.storage import list_dir
-
-    # Libraries before quarantine and generations (aec40b5) still run, to reproduce old finds.
-    quarantined = getattr(_manifest, "is_quarantined", lambda *_: False)
-    read_quarantine = getattr(_manifest, "read_quarantine", lambda _: None)
-    out = Scan()
-    for info in list_dir(_catalog.checkpoints_location(uri)):
-        step = _layout.parse_step(info.path)
-        if step is None:
-            continue
-        loc = _catalog.step_location(uri, step)
-        try:
-            manifest = _manifest.read_manifest(loc)
-        except CheckpointCorruptError:
-            out.steps[step] = "damaged"
-            continue
-        if manifest is not None:
-            good = _intact(loc, list(manifest.files))
-            marked = quarantined(manifest, read_quarantine(loc))
-            out.steps[step] = "damaged" if not good else "quarantined" if marked else "intact"
-            if marked:
-                out.marked.add(step)
-            out.order[step] = (getattr(manifest, "generation", 0), step)
-            continue
-        generation = _completable(loc)
-        out.steps[step] = "partial" if generation is None else "orphan"
-        if generation is not None:
-            out.order[step] = (generation, step)
-    return out
-
-
 def _damage(uri: str, step: int, how: str, rng: random.Random) -> str:
-    from ray_goodput.checkpoint import _catalog
-    from ray_goodput.checkpoint._manifest import read_manifest
+    from ray_goodput.checkpoint.protocol import _catalog
+    from ray_goodput.checkpoint.protocol._manifest import read_manifest
     from ray_goodput.storage import read_bytes, write_bytes
 
     loc = _catalog.step_location(uri, step)
@@ -595,6 +516,7 @@ def _damage(uri: str, step: int, how: str, rng: random.Random) -> str:
 
 # ---- trials -------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class Trial:
     index: int
@@ -608,15 +530,14 @@ class Trial:
     cadence: str
     same_node: bool
     verify: bool
-    fault: dict                  # run 1's
+    fault: dict  # run 1's
     peer_kill_delay: float
     extra: dict
-    resume_fault: dict | None = None   # run 2's
+    resume_fault: dict | None = None  # run 2's
 
     def tags(self) -> list[str]:
         w0, w1 = self.schedule
-        tags = [self.kind, f"keep_last={self.keep_last}", f"cadence={self.cadence}",
-                f"storage={self.storage}"]
+        tags = [self.kind, f"keep_last={self.keep_last}", f"cadence={self.cadence}", f"storage={self.storage}"]
         if w0 != w1:
             tags.append(f"world {w0}->{w1}")
         if self.flaky_rate > 0:
@@ -642,12 +563,14 @@ def draw_trial(seed: int, index: int, args: argparse.Namespace) -> Trial:
     rng = random.Random(trial_seed)
     same, changes = _schedules(args.world)
     schedule = rng.choice(changes) if kind == "world_change" or rng.random() < 0.4 else same
-    storage = "s3" if kind == "flaky_storage" or (
-        args.storage == "s3" and kind != "uploader_kill_ray") or (
-        args.storage == "mixed" and rng.random() < args.s3_share
-        and kind != "uploader_kill_ray") else "local"
-    flaky = rng.uniform(0.05, 0.2) if kind == "flaky_storage" else (
-        rng.uniform(0.0, 0.2) if storage == "s3" else 0.0)
+    storage = (
+        "s3"
+        if kind == "flaky_storage"
+        or (args.storage == "s3" and kind != "uploader_kill_ray")
+        or (args.storage == "mixed" and rng.random() < args.s3_share and kind != "uploader_kill_ray")
+        else "local"
+    )
+    flaky = rng.uniform(0.05, 0.2) if kind == "flaky_storage" else (rng.uniform(0.0, 0.2) if storage == "s3" else 0.0)
     cadence = "burst" if kind == "fast_saves" else rng.choice(["async", "async", "sync", "burst"])
     keep_last = rng.choice([1, 2, 3])
     fault = _draw_fault(kind, rng, args.steps, schedule[0])
@@ -657,18 +580,30 @@ def draw_trial(seed: int, index: int, args: argparse.Namespace) -> Trial:
         # commits and dies; run 2 resumes with keep_last=1, so its first commit deletes
         # at least two directories, with the point armed from run 2's start.
         cadence, keep_last = "async", 3
-        fault = {"type": "kill", "where": "after_wait", "rank": fault["rank"],
-                 "step": rng.randint(args.steps - 2, args.steps - 1)}
-        resume_fault = {"type": "hook", "hook": "retention", "rank": 0, "step": 0,
-                        "keep_last": 1}
-    return Trial(index=index, seed=trial_seed, kind=kind, storage=storage,
-                 flaky_rate=round(flaky, 3),
-                 latency_s=0.02 if storage == "s3" and cadence == "burst" else 0.0,
-                 keep_last=keep_last, schedule=schedule, cadence=cadence,
-                 same_node=rng.random() < 0.5, verify=rng.random() < 0.25, fault=fault,
-                 peer_kill_delay=round(rng.uniform(0.0, 0.3), 3),
-                 extra={"frac": rng.random(), "drop_metadata": rng.random() < 0.5,
-                        "damage_seed": rng.randrange(1 << 30)}, resume_fault=resume_fault)
+        fault = {
+            "type": "kill",
+            "where": "after_wait",
+            "rank": fault["rank"],
+            "step": rng.randint(args.steps - 2, args.steps - 1),
+        }
+        resume_fault = {"type": "hook", "hook": "retention", "rank": 0, "step": 0, "keep_last": 1}
+    return Trial(
+        index=index,
+        seed=trial_seed,
+        kind=kind,
+        storage=storage,
+        flaky_rate=round(flaky, 3),
+        latency_s=0.02 if storage == "s3" and cadence == "burst" else 0.0,
+        keep_last=keep_last,
+        schedule=schedule,
+        cadence=cadence,
+        same_node=rng.random() < 0.5,
+        verify=rng.random() < 0.25,
+        fault=fault,
+        peer_kill_delay=round(rng.uniform(0.0, 0.3), 3),
+        extra={"frac": rng.random(), "drop_metadata": rng.random() < 0.5, "damage_seed": rng.randrange(1 << 30)},
+        resume_fault=resume_fault,
+    )
 
 
 def _draw_fault(kind: str, rng: random.Random, steps: int, world: int) -> dict:
@@ -678,28 +613,26 @@ def _draw_fault(kind: str, rng: random.Random, steps: int, world: int) -> dict:
         return {"type": "hook", "hook": kind[5:], "rank": rank, "step": rng.randint(1, steps - 1)}
     # Timers start early enough (3+ steps of STEP_S left, then close) to always fire.
     if kind in ("kill_random_time", "fast_saves"):
-        return {"type": "timer", "rank": rank, "step": rng.randint(1, steps - 3),
-                "delay": round(rng.uniform(0.0, 0.1), 3)}
+        return {
+            "type": "timer",
+            "rank": rank,
+            "step": rng.randint(1, steps - 3),
+            "delay": round(rng.uniform(0.0, 0.1), 3),
+        }
     if kind == "uploader_kill_ray":
-        return {"type": "ray_kill", "rank": 0, "step": rng.randint(1, steps - 3),
-                "delay": round(rng.uniform(0.0, 0.1), 3)}
+        return {
+            "type": "ray_kill",
+            "rank": 0,
+            "step": rng.randint(1, steps - 3),
+            "delay": round(rng.uniform(0.0, 0.1), 3),
+        }
     if kind in ("damage_truncate", "damage_bitflip", "late_commit"):
         # A committed checkpoint must exist to damage or revive: kill after a wait().
-        return {"type": "kill", "where": "after_wait", "rank": rank,
-                "step": rng.randint(2, steps - 1)}
+        return {"type": "kill", "where": "after_wait", "rank": rank, "step": rng.randint(2, steps - 1)}
     return {"type": "kill", "where": where, "rank": rank, "step": rng.randint(1, steps)}
 
 
 # ---- the soak's shared environment --------------------------------------------------------
-
-@dataclass
-class Reference:
-    """A failure-free run: state hash and samples of every step, the final state."""
-
-    schedule: tuple[int, int]
-    hashes: dict[int, str]
-    ids: dict[int, list[int]]
-    final: str
 
 
 class Soak:
@@ -710,7 +643,7 @@ class Soak:
         self.args = args
         self.work = Path(args.workdir or tempfile.mkdtemp(prefix="chaos-soak-"))
         self.data_uri = str(self._dataset())
-        self.refs: dict[tuple[int, int], Reference] = {}
+        self.refs: dict[tuple[int, int], ReferenceRun] = {}
         self._moto: Any = None
         self.endpoint: str | None = None
 
@@ -727,10 +660,10 @@ class Soak:
 
         if self._moto is None:
             from ray_goodput.testing._s3 import start_moto_server
+
             self._moto, self.endpoint = start_moto_server()
         bucket = f"soak-{uuid.uuid4().hex[:12]}"
-        pafs.S3FileSystem(endpoint_override=self.endpoint, scheme="http",
-                          allow_bucket_creation=True).create_dir(bucket)
+        pafs.S3FileSystem(endpoint_override=self.endpoint, scheme="http", allow_bucket_creation=True).create_dir(bucket)
         return bucket, self.endpoint
 
     def ray_address(self) -> str:
@@ -738,8 +671,7 @@ class Soak:
 
         if not ray.is_initialized():
             # address="local": a Ray of its own, never a cluster someone else started here.
-            ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-                     configure_logging=False)
+            ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
         return ray.get_runtime_context().gcs_address
 
     def close(self, keep: bool = False) -> None:
@@ -759,7 +691,7 @@ class Soak:
         else:
             shutil.rmtree(self.work, ignore_errors=True)
 
-    def reference(self, schedule: tuple[int, int]) -> Reference:
+    def reference(self, schedule: tuple[int, int]) -> ReferenceRun:
         if schedule not in self.refs:
             self.refs[schedule] = _reference(self, schedule)
         return self.refs[schedule]
@@ -770,31 +702,45 @@ def _trial_dirs(root: Path) -> None:
         (root / sub).mkdir(parents=True, exist_ok=True)
 
 
-def _reference(soak: Soak, schedule: tuple[int, int]) -> Reference:
+def _reference(soak: Soak, schedule: tuple[int, int]) -> ReferenceRun:
     """Failure-free: world w0 up to the middle (a clean stop after a save), w1 to the end."""
     root = soak.work / f"ref-{schedule[0]}-{schedule[1]}"
     _trial_dirs(root)
     steps = soak.args.steps
-    legs = [(schedule[0], steps)] if schedule[0] == schedule[1] else [
-        (schedule[0], steps // 2), (schedule[1], steps)]
+    legs = [(schedule[0], steps)] if schedule[0] == schedule[1] else [(schedule[0], steps // 2), (schedule[1], steps)]
     for attempt, (world, stop_at) in enumerate(legs):
-        spec = RunSpec(trial_dir=str(root), uri=str(root / "store"), data_uri=soak.data_uri,
-                       attempt=attempt, steps=steps, stop_at=stop_at, cadence="async",
-                       keep_last=3, staging=str(root / "staging"), verify=True, backend="thread")
+        spec = RunSpec(
+            trial_dir=str(root),
+            uri=str(root / "store"),
+            data_uri=soak.data_uri,
+            attempt=attempt,
+            steps=steps,
+            stop_at=stop_at,
+            cadence="async",
+            keep_last=3,
+            staging=str(root / "staging"),
+            verify=True,
+            backend="thread",
+        )
         problem = _launch(spec, world, soak.args.run_timeout)
         outcome = read_outcome(root, attempt, world)
         if problem or set(outcome.values()) != {"done"}:
-            raise RuntimeError(f"the failure-free reference run {schedule} failed ({problem}, "
-                               f"{outcome}); see {root}/logs")
+            raise RuntimeError(
+                f"the failure-free reference run {schedule} failed ({problem}, {outcome}); see {root}/logs"
+            )
     kept = kept_steps(root, {a: w for a, (w, _) in enumerate(legs)})
-    final = _read_jsonl(root / "runs" / f"a{len(legs) - 1}.final")[-1]["hash"]
-    fresh = _read_jsonl(root / "runs" / "a0.restore")[-1]["hash"]  # step 0: nothing restored
-    return Reference(schedule=schedule, final=final,
-                     hashes={0: fresh, **{s: r["hash"] for s, r in kept.items()}},
-                     ids={s: r["ids"] for s, r in kept.items()})
+    final = read_jsonl(root / "runs" / f"a{len(legs) - 1}.final")[-1]["hash"]
+    fresh = read_jsonl(root / "runs" / "a0.restore")[-1]["hash"]  # step 0: nothing restored
+    return ReferenceRun(
+        schedule=schedule,
+        final=final,
+        hashes={0: fresh, **{s: r["hash"] for s, r in kept.items()}},
+        ids={s: r["ids"] for s, r in kept.items()},
+    )
 
 
 # ---- running and judging one run ----------------------------------------------------------
+
 
 def _launch(spec: RunSpec, world: int, timeout_s: float) -> str | None:
     """Run all ranks; None when every process ended in time, else what went wrong."""
@@ -809,144 +755,13 @@ def _launch(spec: RunSpec, world: int, timeout_s: float) -> str | None:
     return None
 
 
-def read_outcome(root: Path, attempt: int, world: int) -> dict[int, str]:
-    """rank -> done | error | fault (killed by the harness) | peer_died | watchdog |
-    killed (no marker: a library fault point, or a crash)."""
-    out = {}
-    for rank in range(world):
-        base = root / "runs" / f"a{attempt}-r{rank}"
-        out[rank] = next((s for s in ("fault", "done", "error", "peer_died", "watchdog")
-                          if Path(f"{base}.{s}").exists()), "killed")
-    return out
-
-
-def _error_info(root: Path, attempt: int, rank: int) -> dict:
-    text = (root / "runs" / f"a{attempt}-r{rank}.error").read_text()
-    try:
-        return json.loads(text)
-    except ValueError:
-        return {"error": text[-300:], "chain": ["?"], "storage": False, "actor": False}
-
-
-def judge_run(root: Path, attempt: int, outcome: dict[int, str], accepted: tuple[str, ...],
-              armed: bool) -> tuple[str, list[str]]:
-    """(status, violations) of one run from its ranks' outcomes. A rank may die without a
-    marker only when a fault point was ``armed`` in the run. A run may fail (every rank
-    raising the same error) only when an injected fault in ``accepted`` ("storage":
-    failing requests, in the error's cause chain; "any": the run's uploader was killed)
-    caused it."""
-    states = set(outcome.values())
-    if states == {"done"}:
-        return "completed", []
-    if states & {"fault", "killed"}:
-        if not armed and "killed" in states:
-            return "killed", ["unexpected_death: a rank died with no injected fault"]
-        return "killed", []
-    errors = {r: _error_info(root, attempt, r) for r, s in outcome.items() if s == "error"}
-    summary = sorted({e["error"] for e in errors.values()})
-    violations = []
-    if states & {"done", "watchdog"}:
-        violations.append(f"divergent_outcome: ranks {outcome}; errors {summary}")
-    elif len({e["chain"][0] for e in errors.values()}) > 1:
-        violations.append(f"divergent_outcome: ranks raised different errors {summary}")
-    if "any" not in accepted and not all(any(e.get(c) for c in accepted) for e in errors.values()):
-        violations.append(f"run_failed: {summary}")
-    return "failed", violations
-
-
-def check_restore(pre: Scan, record: dict | None, ref: Reference) -> list[str]:
-    """The restored checkpoint is at least the newest intact one (by lineage order), was
-    committed (or completable), and its state is the failure-free state of that step."""
-    if record is None:
-        return []  # the run died before restore returned
-    step, newest = record["step"], pre.newest("intact", "orphan")
-    out = []
-    if step is None:
-        if newest is not None:
-            out.append(f"restore_lost_progress: restored nothing, step {newest} was intact")
-        if record["hash"] != ref.hashes.get(0):
-            out.append("restored_wrong_state: restore returned None yet changed the state "
-                       "(a damaged checkpoint was partly loaded before the fallback)")
-        return out
-    if newest is not None and pre.order.get(step, (-1, step)) < pre.order[newest]:
-        out.append(f"restore_lost_progress: restored step {step} {pre.order.get(step)}, "
-                   f"step {newest} {pre.order[newest]} was intact")
-    if pre.steps.get(step) not in ("intact", "orphan", "damaged", "quarantined"):
-        out.append(f"restored_uncommitted: step {step} was {pre.steps.get(step, 'absent')}")
-    if record["hash"] != ref.hashes.get(step):
-        out.append(f"restored_wrong_state: step {step} ({pre.steps.get(step)}) loaded a state "
-                   "that differs from the failure-free one")
-    return out
-
-
-def check_kept(pre: Scan, post: Scan, keep_last: int, known_bad: set[int] = frozenset()) -> list[str]:
-    """An intact committed checkpoint may go only when keep_last newer (by lineage) ones
-    exist; a step re-saved by a newer generation replaces it and counts as kept.
-
-    Newer ones count when intact, or damaged where the library cannot know it yet
-    (silent damage no reader has met: not quarantined, never skipped by a restore).
-    """
-    after = [s for s in post.having("intact", "damaged") if post.steps[s] == "intact"
-             or (s not in post.marked and s not in known_bad)]
-    out = []
-    for step in pre.having("intact"):
-        if post.steps.get(step) == "intact" and post.order[step] >= pre.order[step]:
-            continue
-        newer = [s for s in after if post.order.get(s, (-1, s)) > pre.order[step]]
-        if len(newer) < keep_last:
-            out.append(f"committed_lost: step {step} {pre.order[step]} is "
-                       f"{post.steps.get(step, 'gone')} with {len(newer)} newer intact "
-                       f"(keep_last={keep_last})")
-    return out
-
-
-def _read_jsonl(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
-
-
-def kept_steps(root: Path, worlds: dict[int, int]) -> dict[int, dict]:
-    """step -> {"ids", "hash", "attempt"} from the last run that recorded that step on every
-    rank (a resumed run redoes what a dead one did after its checkpoint)."""
-    out: dict[int, dict] = {}
-    for attempt, world in sorted(worlds.items()):
-        per_rank = [{r["step"]: r for r in _read_jsonl(root / "records" / f"a{attempt}-r{rank}.jsonl")}
-                    for rank in range(world)]
-        for step in set.intersection(*(set(p) for p in per_rank)):
-            out[step] = {"attempt": attempt, "hash": per_rank[0][step]["hash"],
-                         "ids": [i for p in per_rank for i in p[step]["ids"]]}
-    return out
-
-
-def check_data(kept: dict[int, dict], ref: Reference, steps: int) -> list[str]:
-    """Every step ran, on the failure-free run's samples; each sample once per epoch."""
-    out = []
-    missing = [s for s in range(1, steps + 1) if s not in kept]
-    if missing:
-        out.append(f"step_missing: no run recorded steps {missing} on every rank")
-    wrong = [s for s in sorted(kept) if kept[s]["ids"] != ref.ids.get(s)]
-    if wrong:
-        out.append(f"data_order: steps {wrong} saw other samples than the failure-free run")
-    per_epoch = steps * GLOBAL_BATCH // N_SAMPLES
-    for epoch in range(per_epoch + 1):
-        seen = Counter(i for s, r in kept.items() if (s - 1) * GLOBAL_BATCH // N_SAMPLES == epoch
-                       for i in r["ids"])
-        twice = sorted(i for i, n in seen.items() if n > 1)
-        if twice or (epoch < per_epoch and len(seen) != N_SAMPLES and not missing):
-            out.append(f"sample_not_once: epoch {epoch} repeated {twice}, saw {len(seen)} of {N_SAMPLES}")
-    diverged = [s for s in sorted(kept) if kept[s]["hash"] != ref.hashes.get(s)]
-    if diverged:
-        out.append(f"step_state_differs: state after steps {diverged} differs from the failure-free run")
-    return out
-
-
 # ---- one trial ----------------------------------------------------------------------------
+
 
 @dataclass
 class _TrialStorage:
-    direct: str                  # what the harness reads and damages
-    workers: str                 # what the ranks use (through the faulty proxy on S3)
+    direct: str  # what the harness reads and damages
+    workers: str  # what the ranks use (through the faulty proxy on S3)
     proxy: Any = None
 
 
@@ -961,18 +776,26 @@ def _storage(soak: Soak, trial: Trial, root: Path) -> _TrialStorage:
     return _TrialStorage(uri.format(bucket, endpoint), uri.format(bucket, proxy.endpoint), proxy)
 
 
-def _spec(soak: Soak, trial: Trial, root: Path, store: _TrialStorage, attempt: int,
-          late: dict | None) -> RunSpec:
+def _spec(soak: Soak, trial: Trial, root: Path, store: _TrialStorage, attempt: int, late: dict | None) -> RunSpec:
     ray_trial = trial.fault["type"] == "ray_kill"
     return RunSpec(
-        trial_dir=str(root), uri=store.workers, data_uri=soak.data_uri, attempt=attempt,
-        steps=soak.args.steps, stop_at=soak.args.steps, cadence=trial.cadence,
+        trial_dir=str(root),
+        uri=store.workers,
+        data_uri=soak.data_uri,
+        attempt=attempt,
+        steps=soak.args.steps,
+        stop_at=soak.args.steps,
+        cadence=trial.cadence,
         keep_last=(_fault_of(trial, attempt) or {}).get("keep_last", trial.keep_last),
         staging=str(root / ("staging" if trial.same_node else f"staging-a{attempt}")),
-        verify=trial.verify, backend="actor" if ray_trial else "thread",
+        verify=trial.verify,
+        backend="actor" if ray_trial else "thread",
         ray_address=soak.ray_address() if ray_trial else None,
-        fault=_fault_of(trial, attempt), late=late if attempt == 1 else None,
-        peer_kill_delay=trial.peer_kill_delay, grace_s=soak.args.grace)
+        fault=_fault_of(trial, attempt),
+        late=late if attempt == 1 else None,
+        peer_kill_delay=trial.peer_kill_delay,
+        grace_s=soak.args.grace,
+    )
 
 
 def _fault_of(trial: Trial, attempt: int) -> dict | None:
@@ -999,7 +822,7 @@ def _wait_uploaders_idle(timeout_s: float = 60.0) -> bool:
     return False
 
 
-def _between_runs(trial: Trial, store: _TrialStorage, pre: Scan, info: dict) -> tuple[Scan, dict | None]:
+def _between_runs(trial: Trial, store: _TrialStorage, pre: StorageScan, info: dict) -> tuple[StorageScan, dict | None]:
     """After run 1: damage or hide the newest committed checkpoint (damage / late commit)."""
     if trial.kind not in ("damage_truncate", "damage_bitflip", "late_commit"):
         return pre, None
@@ -1011,21 +834,11 @@ def _between_runs(trial: Trial, store: _TrialStorage, pre: Scan, info: dict) -> 
         _hide_as_orphan(store.direct, newest, trial.extra["drop_metadata"])
         info["applied"] = f"step {newest} hidden as an orphan, committed late in run 2"
         late = {"step": newest, "frac": trial.extra["frac"], "uri": store.direct}
-        return scan(store.direct), late
-    name = _damage(store.direct, newest, trial.kind.split("_")[1],
-                   random.Random(trial.extra["damage_seed"]))
+        return scan_storage(store.direct), late
+    name = _damage(store.direct, newest, trial.kind.split("_")[1], random.Random(trial.extra["damage_seed"]))
     info["applied"] = f"step {newest}: {trial.kind.split('_')[1]} {name}"
     info["damaged_step"] = newest
-    return scan(store.direct), None
-
-
-def check_no_rot(post: Scan, excused: set[int]) -> list[str]:
-    """A committed checkpoint's files match its manifest unless the harness damaged it."""
-    return [f"committed_damaged: step {s} is committed but its files do not match the "
-            "manifest (no damage was injected there)"
-            for s in post.having("damaged") if s not in excused] + [
-        f"false_quarantine: step {s} is quarantined yet every file matches its manifest"
-        for s in post.having("quarantined")]
+    return scan_storage(store.direct), None
 
 
 def _fired(trial: Trial, root: Path, result: dict, store: _TrialStorage) -> bool:
@@ -1040,33 +853,45 @@ def _fired(trial: Trial, root: Path, result: dict, store: _TrialStorage) -> bool
     if kind == "ray_kill":
         return (runs / "a0-r0.uploader_killed").exists()
     if trial.kind.startswith("hook:"):  # a rank died with no marker in the run it was armed in
-        return any("killed" in r["outcome"].values() for i, r in enumerate(result["runs"])
-                   if (_fault_of(trial, i) or {}).get("hook") == trial.kind[5:])
+        return any(
+            "killed" in r["outcome"].values()
+            for i, r in enumerate(result["runs"])
+            if (_fault_of(trial, i) or {}).get("hook") == trial.kind[5:]
+        )
     return any((runs / f"a0-r{r}.fault").exists() for r in range(trial.schedule[0]))
 
 
-def _final_checks(root: Path, trial: Trial, ref: Reference, worlds: dict[int, int],
-                  last: int, store: _TrialStorage, steps: int) -> list[str]:
-    finals = _read_jsonl(root / "runs" / f"a{last}.final")
+def _final_checks(
+    root: Path, trial: Trial, ref: ReferenceRun, worlds: dict[int, int], last: int, store: _TrialStorage, steps: int
+) -> list[str]:
+    finals = read_jsonl(root / "runs" / f"a{last}.final")
     if not finals:
         return [f"not_finished: the schedule did not complete in {len(worlds)} runs"]
     out = []
     if finals[-1]["hash"] != ref.final:
         out.append("final_weights_differ: final state differs from the failure-free run")
-    end = scan(store.direct)
+    end = scan_storage(store.direct)
     if end.steps.get(steps) != "intact":
-        out.append(f"final_not_committed: last saved step {steps} is "
-                   f"{end.steps.get(steps, 'absent')} after close() returned")
-    return out + check_data(kept_steps(root, worlds), ref, steps)
+        out.append(
+            f"final_not_committed: last saved step {steps} is {end.steps.get(steps, 'absent')} after close() returned"
+        )
+    return out + check_data(kept_steps(root, worlds), ref, steps, n_samples=N_SAMPLES, global_batch=GLOBAL_BATCH)
 
 
 def run_trial(soak: Soak, trial: Trial) -> dict:
     t0 = time.monotonic()
     root = soak.work / f"trial-{trial.index:05d}"
     _trial_dirs(root)
-    result: dict[str, Any] = {"index": trial.index, "seed": trial.seed, "kind": trial.kind,
-                              "tags": trial.tags(), "trial": asdict(trial), "runs": [],
-                              "violations": [], "info": {}}
+    result: dict[str, Any] = {
+        "index": trial.index,
+        "seed": trial.seed,
+        "kind": trial.kind,
+        "tags": trial.tags(),
+        "trial": asdict(trial),
+        "runs": [],
+        "violations": [],
+        "info": {},
+    }
     store: _TrialStorage | None = None
     try:
         # The reference run and the S3 server start inside too: raised out of the soak, a
@@ -1089,42 +914,48 @@ def run_trial(soak: Soak, trial: Trial) -> dict:
     return result
 
 
-def _run_attempts(soak: Soak, trial: Trial, root: Path, store: _TrialStorage,
-                  ref: Reference, result: dict) -> None:
-    pre, late, worlds, known_bad = scan(store.direct), None, {}, set()
+def _run_attempts(soak: Soak, trial: Trial, root: Path, store: _TrialStorage, ref: ReferenceRun, result: dict) -> None:
+    pre, late, worlds, known_bad = scan_storage(store.direct), None, {}, set()
     violations = result["violations"]
     for attempt in range(MAX_RUNS):
         world = trial.schedule[0 if attempt == 0 else 1]
         worlds[attempt] = world
         began = time.monotonic()
-        problem = _launch(_spec(soak, trial, root, store, attempt, late), world,
-                          soak.args.run_timeout)
+        problem = _launch(_spec(soak, trial, root, store, attempt, late), world, soak.args.run_timeout)
         run_s = round(time.monotonic() - began, 2)
         if trial.fault["type"] == "ray_kill" and not _wait_uploaders_idle():
             violations.append("hang: the node uploader stayed busy for 60 s after the run")
-        post = scan(store.direct)
+        post = scan_storage(store.direct)
         outcome = read_outcome(root, attempt, world)
         # A killed uploader fails the saves it held; the agreed error names it only in text.
         accepted = (("any",) if attempt == 0 and trial.fault["type"] == "ray_kill" else ()) + (
-            ("storage",) if trial.flaky_rate > 0 else ())
+            ("storage",) if trial.flaky_rate > 0 else ()
+        )
         armed = (_fault_of(trial, attempt) or {}).get("type") == "hook"
         status, found = judge_run(root, attempt, outcome, accepted, armed)
         if problem:
             status, found = "hang", [f"hang: run {attempt + 1}: {problem}"]
-        restored = _read_jsonl(root / "runs" / f"a{attempt}.restore")
+        restored = read_jsonl(root / "runs" / f"a{attempt}.restore")
         found += check_restore(pre, restored[-1] if restored else None, ref)
         if restored:  # what restore skipped as newer than its pick, it found damaged
             pick = pre.order.get(restored[-1]["step"], (-1, -1))
             known_bad |= {s for s in pre.having("damaged") if pre.order.get(s, (-1, s)) > pick}
-        found += check_kept(pre, post, (_fault_of(trial, attempt) or {}).get("keep_last", trial.keep_last),
-                            known_bad)
+        found += check_kept(pre, post, (_fault_of(trial, attempt) or {}).get("keep_last", trial.keep_last), known_bad)
         found += check_no_rot(post, {result["info"].get("damaged_step")})
         violations += [f"run {attempt + 1}: {v}" for v in found]
         done = root / "runs" / f"a{attempt}-r0.done"
-        result["runs"].append({"world": world, "status": status, "outcome": outcome, "wall_s": run_s,
-                               "rank0_times": json.loads(done.read_text()) if done.exists() else None,
-                               "restored": restored[-1]["step"] if restored else None,
-                               "before": pre.steps, "after": post.steps})
+        result["runs"].append(
+            {
+                "world": world,
+                "status": status,
+                "outcome": outcome,
+                "wall_s": run_s,
+                "rank0_times": json.loads(done.read_text()) if done.exists() else None,
+                "restored": restored[-1]["step"] if restored else None,
+                "before": pre.steps,
+                "after": post.steps,
+            }
+        )
         if status == "hang" or (root / "runs" / f"a{attempt}.final").exists():
             break
         pre = post
@@ -1136,6 +967,7 @@ def _run_attempts(soak: Soak, trial: Trial, root: Path, store: _TrialStorage,
 
 
 # ---- report -------------------------------------------------------------------------------
+
 
 def _violation_kind(text: str) -> str:
     body = text.split(": ", 1)[1] if text.startswith("run ") else text
@@ -1158,37 +990,50 @@ def summarize(results: list[dict], wall_s: float, seed: int, ref_problems: list[
     for p in ref_problems:
         by_violation[_violation_kind(p)].append("reference")
     times = [r["wall_s"] for r in results]
-    return {"trials": len(results), "wall_s": round(wall_s, 1),
-            "trial_s_mean": round(sum(times) / max(1, len(times)), 2),
-            "trial_s_max": max(times, default=0.0),
-            "violations": sum(len(v) for v in by_violation.values()),
-            "kinds": {k: dict(v) for k, v in sorted(kinds.items())}, "tags": dict(sorted(tags.items())),
-            "by_violation": {k: sorted(set(v)) for k, v in sorted(by_violation.items())},
-            "load_avg": os.getloadavg()}
+    return {
+        "trials": len(results),
+        "wall_s": round(wall_s, 1),
+        "trial_s_mean": round(sum(times) / max(1, len(times)), 2),
+        "trial_s_max": max(times, default=0.0),
+        "violations": sum(len(v) for v in by_violation.values()),
+        "kinds": {k: dict(v) for k, v in sorted(kinds.items())},
+        "tags": dict(sorted(tags.items())),
+        "by_violation": {k: sorted(set(v)) for k, v in sorted(by_violation.items())},
+        "load_avg": os.getloadavg(),
+    }
 
 
 def markdown(summary: dict) -> str:
     s = summary
-    lines = ["| trials | runs | violations | wall time (s) | per trial mean / max (s) |",
-             "|---:|---:|---:|---:|---:|",
-             f"| {s['trials']} | {sum(k['runs'] for k in s['kinds'].values())} | {s['violations']} "
-             f"| {s['wall_s']} | {s['trial_s_mean']} / {s['trial_s_max']} |", "",
-             "| fault kind | trials | fired | runs | violations |", "|---|---:|---:|---:|---:|"]
-    lines += [f"| {k} | {v['trials']} | {v['fired']} | {v['runs']} | {v['violations']} |"
-              for k, v in s["kinds"].items()]
+    lines = [
+        "| trials | runs | violations | wall time (s) | per trial mean / max (s) |",
+        "|---:|---:|---:|---:|---:|",
+        f"| {s['trials']} | {sum(k['runs'] for k in s['kinds'].values())} | {s['violations']} "
+        f"| {s['wall_s']} | {s['trial_s_mean']} / {s['trial_s_max']} |",
+        "",
+        "| fault kind | trials | fired | runs | violations |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    lines += [
+        f"| {k} | {v['trials']} | {v['fired']} | {v['runs']} | {v['violations']} |" for k, v in s["kinds"].items()
+    ]
     lines += ["", "| also drawn | trials |", "|---|---:|"]
     lines += [f"| {k} | {n} |" for k, n in s["tags"].items()]
     lines += ["", "| violation | count | trials (seed/index) |", "|---|---:|---|"]
-    lines += [f"| {k} | {len(v)} | {', '.join(v[:12])}{' ...' if len(v) > 12 else ''} |"
-              for k, v in s["by_violation"].items()] or ["| none | 0 | |"]
+    lines += [
+        f"| {k} | {len(v)} | {', '.join(v[:12])}{' ...' if len(v) > 12 else ''} |" for k, v in s["by_violation"].items()
+    ] or ["| none | 0 | |"]
     return "\n".join(lines)
 
 
 def _check_references(soak: Soak) -> list[str]:
     """Different world-size schedules must agree bit for bit (or the comparison means nothing)."""
     refs = list(soak.refs.values())
-    return [f"reference_mismatch: schedule {r.schedule} differs from {refs[0].schedule}"
-            for r in refs[1:] if (r.hashes, r.ids, r.final) != (refs[0].hashes, refs[0].ids, refs[0].final)]
+    return [
+        f"reference_mismatch: schedule {r.schedule} differs from {refs[0].schedule}"
+        for r in refs[1:]
+        if (r.hashes, r.ids, r.final) != (refs[0].hashes, refs[0].ids, refs[0].final)
+    ]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -1196,58 +1041,90 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--trials", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--world", type=int, default=2, choices=(1, 2, 4))
-    p.add_argument("--storage", choices=("local", "s3", "mixed"), default="mixed",
-                   help="mixed: S3 for --s3-share of the trials (flaky_storage trials always use S3)")
+    p.add_argument(
+        "--storage",
+        choices=("local", "s3", "mixed"),
+        default="mixed",
+        help="mixed: S3 for --s3-share of the trials (flaky_storage trials always use S3)",
+    )
     p.add_argument("--s3-share", type=float, default=0.2)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--run-timeout", type=float, default=120.0, help="seconds per run (no hang)")
-    p.add_argument("--grace", type=float, default=15.0,
-                   help="seconds a rank gets to raise after a peer raised")
+    p.add_argument("--grace", type=float, default=15.0, help="seconds a rank gets to raise after a peer raised")
     p.add_argument("--only", type=int, nargs="*", help="run only these trial indices")
     p.add_argument("--kinds", nargs="*", choices=KINDS, help="run only trials of these kinds")
-    p.add_argument("--out", help="write JSON results here")
+    p.add_argument(
+        "--out",
+        help=f"write the JSON results here (default {_results.default_path('chaos_soak')}; none for --only or --kinds)",
+    )
     p.add_argument("--workdir", help="default: a fresh temporary directory")
     p.add_argument("--keep", action="store_true", help="keep every trial's directory")
+    p.add_argument("--draw-only", action="store_true", help="print the trials drawn (JSON lines) and run nothing")
     args = p.parse_args(argv)
     if args.steps < 4 or args.steps * GLOBAL_BATCH % N_SAMPLES:
         p.error(f"--steps must be >= 4 and a multiple of {N_SAMPLES // GLOBAL_BATCH}")
+    if args.out is None and not (args.only or args.kinds or args.draw_only):
+        args.out = str(_results.default_path("chaos_soak"))
     return args
+
+
+def _trials(args: argparse.Namespace) -> list[Trial]:
+    """The trials to run: ``--only`` (else ``--trials``), of ``--kinds`` when given."""
+    drawn = (draw_trial(args.seed, index, args) for index in (args.only or range(args.trials)))
+    return [t for t in drawn if not args.kinds or t.kind in args.kinds]
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.draw_only:
+        for trial in _trials(args):
+            print(json.dumps(asdict(trial)))
+        return 0
+    run = _results.start_run("chaos_soak", argv)
     if os.environ.pop("RAY_GOODPUT_FAULT", None):
         print("note: RAY_GOODPUT_FAULT was set; cleared (trials arm their own faults)")
-    for key, value in (("AWS_ACCESS_KEY_ID", "testing"), ("AWS_SECRET_ACCESS_KEY", "testing"),
-                       ("AWS_DEFAULT_REGION", "us-east-1"), ("AWS_EC2_METADATA_DISABLED", "true")):
+    for key, value in (
+        ("AWS_ACCESS_KEY_ID", "testing"),
+        ("AWS_SECRET_ACCESS_KEY", "testing"),
+        ("AWS_DEFAULT_REGION", "us-east-1"),
+        ("AWS_EC2_METADATA_DISABLED", "true"),
+    ):
         os.environ.setdefault(key, value)
     soak, results, t0 = Soak(args), [], time.monotonic()
-    indices = args.only if args.only else range(args.trials)
     try:
-        for index in indices:
-            trial = draw_trial(args.seed, index, args)
-            if args.kinds and trial.kind not in args.kinds:
-                continue
+        for trial in _trials(args):
             result = run_trial(soak, trial)
             results.append(result)
-            print(f"trial {index:4d} {trial.kind:28s} {result['wall_s']:6.1f}s runs="
-                  f"{len(result['runs'])} {'OK' if not result['violations'] else result['violations']}",
-                  flush=True)
-            _write(args, results, t0, [])  # so an interrupted soak leaves what it found
+            print(
+                f"trial {trial.index:4d} {trial.kind:28s} {result['wall_s']:6.1f}s runs="
+                f"{len(result['runs'])} {'OK' if not result['violations'] else result['violations']}",
+                flush=True,
+            )
+            _write(args, run, results, t0, [])  # so an interrupted soak leaves what it found
         ref_problems = _check_references(soak)
     finally:
         soak.close(keep=any(r["violations"] for r in results))
-    summary = _write(args, results, t0, ref_problems)
+    summary = _write(args, run, results, t0, ref_problems)
     print(markdown(summary))
+    if args.out:
+        print(f"\nresults written to {args.out}")
     return 1 if summary["violations"] else 0
 
 
-def _write(args: argparse.Namespace, results: list[dict], t0: float, ref_problems: list[str]) -> dict:
+def _write(args: argparse.Namespace, run: dict, results: list[dict], t0: float, ref_problems: list[str]) -> dict:
     summary = summarize(results, time.monotonic() - t0, args.seed, ref_problems)
     if args.out:
-        Path(args.out).write_text(json.dumps({"args": vars(args), "summary": summary,
-                                              "reference_problems": ref_problems,
-                                              "trials": results}, indent=1, default=str))
+        _results.write(
+            args.out,
+            run,
+            {
+                "args": vars(args),
+                "summary": summary,
+                "markdown": markdown(summary),
+                "reference_problems": ref_problems,
+                "trials": results,
+            },
+        )
     return summary
 
 

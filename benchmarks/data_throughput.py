@@ -2,9 +2,12 @@
 
 Starts its own S3 server (moto, in a subprocess), writes ``--files`` small files (and a
 Parquet set), then measures samples/s per epoch and, with a simulated compute per batch,
-the share of steps that waited for data. Prints a markdown table.
+the share of steps that waited for data. Prints a markdown table and writes the results
+to ``benchmarks/results/data_throughput_cpu.json`` (``--out``).
 
     python benchmarks/data_throughput.py --files 10000 --file-kb 100
+    python benchmarks/data_throughput.py --files 300 --file-kb 4 --stock-samples 100 --compute-batches 20 \
+        --parquet-rows 2000 --out /tmp/data_throughput.json     # smoke
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import _results
 import numpy as np
 import pyarrow as pa
 import pyarrow.fs as pafs
@@ -34,7 +38,6 @@ os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
 os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
 os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
 os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
-
 
 
 def start_moto() -> tuple[subprocess.Popen, str]:
@@ -115,29 +118,30 @@ def run(args) -> list[tuple[str, float, float]]:
     work = Path(tempfile.mkdtemp(prefix="rg-bench-"))
     proc, endpoint = start_moto()
     try:
-        fs = pafs.S3FileSystem(endpoint_override=endpoint, scheme="http",
-                               allow_bucket_creation=True)
+        fs = pafs.S3FileSystem(endpoint_override=endpoint, scheme="http", allow_bucket_creation=True)
         fs.create_dir("bench")
         t = time.time()
         write_files(fs, "bench", work / "local", args.files, args.file_kb * 1024)
         write_parquet(fs, "bench", args.parquet_files, args.parquet_rows)
         print(f"wrote {args.files} files in {time.time() - t:.0f}s", file=sys.stderr)
-        ray.init(address="local", num_cpus=4, include_dashboard=False,
-                 log_to_driver=False)  # first: every loader runs beside the same Ray daemons
+        ray.init(
+            address="local", num_cpus=4, include_dashboard=False, log_to_driver=False
+        )  # first: every loader runs beside the same Ray daemons
         uri = f"s3://bench/files?endpoint_override={endpoint}&scheme=http"
         kw = dict(batch_size=args.batch, num_workers=args.workers)
         paths = sorted(f"bench/files/{p.name}" for p in (work / "local").iterdir())
         stock_n = min(args.stock_samples, len(paths))
-        stock = torch.utils.data.DataLoader(StockS3Dataset(endpoint, paths[:stock_n]),
-                                            shuffle=True, **kw)
-        rows.append(("stock torch DataLoader, S3 every access (%d samples)" % stock_n,
-                     timed_epoch(stock)[0], timed_epoch(stock)[0]))
-        local = torch.utils.data.DataLoader(
-            LocalDataset(sorted((work / "local").iterdir())), shuffle=True, **kw)
-        rows.append(("stock torch DataLoader, local directory (floor)",
-                     timed_epoch(local)[0], timed_epoch(local)[0]))
-        cache = CacheConfig(directory=str(work / "cache"), lookahead=args.lookahead,
-                            fetch_concurrency=args.concurrency)
+        stock = torch.utils.data.DataLoader(StockS3Dataset(endpoint, paths[:stock_n]), shuffle=True, **kw)
+        rows.append(
+            (
+                f"stock torch DataLoader, S3 every access ({stock_n} samples)",
+                timed_epoch(stock)[0],
+                timed_epoch(stock)[0],
+            )
+        )
+        local = torch.utils.data.DataLoader(LocalDataset(sorted((work / "local").iterdir())), shuffle=True, **kw)
+        rows.append(("stock torch DataLoader, local directory (floor)", timed_epoch(local)[0], timed_epoch(local)[0]))
+        cache = CacheConfig(directory=str(work / "cache"), lookahead=args.lookahead, fetch_concurrency=args.concurrency)
         ds = FileDataset(uri, decode=len, cache=cache)
         loader = DataLoader(ds, collate_fn=list, **kw)
         cold, warm = timed_epoch(loader)[0], timed_epoch(loader)[0]
@@ -151,17 +155,23 @@ def run(args) -> list[tuple[str, float, float]]:
         _, waits = timed_epoch(loader2, compute, args.compute_batches)
         _, floor_waits = timed_epoch(local, compute, args.compute_batches)
         warmup = -(-args.lookahead // args.batch)  # steps that fill the first window
-        extra = dict(compute_ms=compute * 1000, per_batch_fetch_ms=per_batch_fetch * 1000,
-                     steps=len(waits), warmup=warmup,
-                     waited=_share(waits[warmup:], 0.001), waited_all=_share(waits, 0.001),
-                     waited10=_share(waits[warmup:], 0.010),
-                     floor_waited=_share(floor_waits[warmup:], 0.001),
-                     floor_waited10=_share(floor_waits[warmup:], 0.010))
+        extra = dict(
+            compute_ms=compute * 1000,
+            per_batch_fetch_ms=per_batch_fetch * 1000,
+            steps=len(waits),
+            warmup=warmup,
+            waited=_share(waits[warmup:], 0.001),
+            waited_all=_share(waits, 0.001),
+            waited10=_share(waits[warmup:], 0.010),
+            floor_waited=_share(floor_waits[warmup:], 0.001),
+            floor_waited10=_share(floor_waits[warmup:], 0.010),
+        )
         pq_uri = f"s3://bench/parquet?endpoint_override={endpoint}&scheme=http"
         pds = ParquetDataset(pq_uri, cache=cache)
         ploader = DataLoader(pds, batch_size=args.parquet_batch, num_workers=args.workers)
-        rows.append(("ray_goodput ParquetDataset rows/s (cold, then warm)",
-                     timed_epoch(ploader)[0], timed_epoch(ploader)[0]))
+        rows.append(
+            ("ray_goodput ParquetDataset rows/s (cold, then warm)", timed_epoch(ploader)[0], timed_epoch(ploader)[0])
+        )
         return rows, extra
     finally:
         if ray.is_initialized():
@@ -177,24 +187,32 @@ def _share(waits: list[float], threshold_s: float) -> float:
 
 def report(rows, extra, args) -> str:
     stock2, floor2 = rows[0][2], rows[1][2]
-    lines = [f"{args.files} files x {args.file_kb} KB, batch {args.batch}, "
-             f"{args.workers} loader workers, local moto S3 server",
-             "", "| loader | epoch 1 samples/s | epoch 2 samples/s | epoch 2 vs stock S3 "
-             "| epoch 2 vs local floor |", "|---|---|---|---|---|"]
+    lines = [
+        f"{args.files} files x {args.file_kb} KB, batch {args.batch}, "
+        f"{args.workers} loader workers, local moto S3 server",
+        "",
+        "| loader | epoch 1 samples/s | epoch 2 samples/s | epoch 2 vs stock S3 | epoch 2 vs local floor |",
+        "|---|---|---|---|---|",
+    ]
     for name, e1, e2 in rows:
-        ratio = ("-" if "Parquet" in name else f"{e2 / stock2:.1f}x")
-        floor = ("-" if "Parquet" in name else f"{e2 / floor2:.2f}x")
+        ratio = "-" if "Parquet" in name else f"{e2 / stock2:.1f}x"
+        floor = "-" if "Parquet" in name else f"{e2 / floor2:.2f}x"
         lines.append(f"| {name} | {e1:,.0f} | {e2:,.0f} | {ratio} | {floor} |")
-    lines += ["", f"Epoch 1, cold cache, {extra['compute_ms']:.0f} ms simulated compute per "
-              f"batch (cold per-batch fetch without compute: {extra['per_batch_fetch_ms']:.0f} "
-              f"ms), steps {extra['warmup']}..{extra['steps']} (after the first prefetch "
-              "window):", "", "| loader | steps waiting > 1 ms | steps waiting > 10 ms |",
-              "|---|---|---|",
-              f"| ray_goodput, S3, cold cache | {extra['waited']:.1%} | {extra['waited10']:.1%} |",
-              f"| stock, local directory (same compute) | {extra['floor_waited']:.1%} | "
-              f"{extra['floor_waited10']:.1%} |",
-              "", f"Counting the first {extra['warmup']} steps too: {extra['waited_all']:.1%} "
-              "of ray_goodput steps waited > 1 ms."]
+    lines += [
+        "",
+        f"Epoch 1, cold cache, {extra['compute_ms']:.0f} ms simulated compute per "
+        f"batch (cold per-batch fetch without compute: {extra['per_batch_fetch_ms']:.0f} "
+        f"ms), steps {extra['warmup']}..{extra['steps']} (after the first prefetch "
+        "window):",
+        "",
+        "| loader | steps waiting > 1 ms | steps waiting > 10 ms |",
+        "|---|---|---|",
+        f"| ray_goodput, S3, cold cache | {extra['waited']:.1%} | {extra['waited10']:.1%} |",
+        f"| stock, local directory (same compute) | {extra['floor_waited']:.1%} | {extra['floor_waited10']:.1%} |",
+        "",
+        f"Counting the first {extra['warmup']} steps too: {extra['waited_all']:.1%} "
+        "of ray_goodput steps waited > 1 ms.",
+    ]
     return "\n".join(lines)
 
 
@@ -206,17 +224,36 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--lookahead", type=int, default=512)
     p.add_argument("--concurrency", type=int, default=16)
-    p.add_argument("--stock-samples", type=int, default=2000,
-                   help="samples the stock S3 loader reads per epoch (it is slow)")
-    p.add_argument("--compute-ms", type=float, default=None,
-                   help="simulated compute per batch; default 1.5x the cold per-batch fetch")
+    p.add_argument(
+        "--stock-samples", type=int, default=2000, help="samples the stock S3 loader reads per epoch (it is slow)"
+    )
+    p.add_argument(
+        "--compute-ms",
+        type=float,
+        default=None,
+        help="simulated compute per batch; default 1.5x the cold per-batch fetch",
+    )
     p.add_argument("--compute-batches", type=int, default=150)
     p.add_argument("--parquet-files", type=int, default=8)
     p.add_argument("--parquet-rows", type=int, default=100_000)
     p.add_argument("--parquet-batch", type=int, default=1024)
+    p.add_argument("--out", default=str(_results.default_path("data_throughput")), help="where the results go")
     args = p.parse_args()
+    meta = _results.start_run("data_throughput")
     rows, extra = run(args)
-    print(report(rows, extra, args))
+    table = report(rows, extra, args)
+    print(table)
+    _results.write(
+        args.out,
+        meta,
+        {
+            "args": vars(args),
+            "markdown": table,
+            "extra": extra,
+            "rows": [{"loader": n, "epoch1": e1, "epoch2": e2} for n, e1, e2 in rows],
+        },
+    )
+    print(f"\nresults written to {args.out}")
 
 
 if __name__ == "__main__":

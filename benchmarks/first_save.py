@@ -12,10 +12,13 @@ trial (the first save is once per process), in one run:
 
 and the copy floor of the same bytes: a fresh ``torch.empty_like(t).copy_(t)``. Each
 trial makes ``--saves`` saves, ``--gap-s`` seconds of idle "steps" before each; the
-thread uploader (no Ray), local storage in a temporary directory. Prints a markdown table.
+thread uploader (no Ray), local storage in a temporary directory. Prints a markdown table
+and the verdict on ``benchmarks/targets.toml``'s ``first_save`` target; writes the results to
+``benchmarks/results/first_save_cpu.json`` (``--out``).
 
     python benchmarks/first_save.py                  # 81 MiB snapshot, 5 trials
     python benchmarks/first_save.py --width 3072 --trials 3
+    python benchmarks/first_save.py --width 256 --trials 1 --saves 2 --out /tmp/first_save.json   # smoke
 """
 
 from __future__ import annotations
@@ -25,6 +28,9 @@ import json
 import statistics
 import subprocess
 import sys
+
+import _results
+import _targets
 
 MODES = ("fresh start", "fresh start, not prepared", "resumed")
 
@@ -72,33 +78,60 @@ print(json.dumps({"blocked": blocked, "floor": floor, "bytes": snapshot}))
 """
 
 
+def _report(runs: dict[str, list[dict]], args: argparse.Namespace) -> str:
+    """The table, and the target's verdict for the starts the library has now."""
+    target = _targets.load("first_save")["first_save_blocked"]
+    mib = runs[MODES[0]][0]["bytes"] / 2**20
+    lines = [
+        f"First save, {mib:.0f} MiB snapshot, {args.trials} trials (median; min-max), "
+        f"{args.saves} saves each, {args.gap_s:g} s before each save",
+        "",
+        "| start | first save (s) | later saves (s) | first / later | first / copy floor |",
+        "|---|---|---|---|---|",
+    ]
+    verdicts = []
+    for mode in MODES:
+        first = [r["blocked"][0] for r in runs[mode]]
+        later = [b for r in runs[mode] for b in r["blocked"][1:]]
+        floor = statistics.median(r["floor"] for r in runs[mode])
+        f, lt = statistics.median(first), statistics.median(later) if later else float("nan")
+        lines.append(
+            f"| {mode} | {f:.4f} ({min(first):.4f}-{max(first):.4f}) | {lt:.4f} | {f / lt:.2f}x | "
+            f"{f / floor:.2f}x (floor {floor:.4f}) |"
+        )
+        if mode != "fresh start, not prepared":  # (the code before the hook: a reference, not a target)
+            verdicts.append(
+                f"- {mode}: first save {f:.4f} s = {f / floor:.2f}× a fresh copy ({floor:.4f} s) "
+                f"→ {target.verdict(f / floor)}"
+            )
+    return "\n".join(lines + [""] + verdicts)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--width", type=int, default=1536, help="3 Linear(width, width): 1536 -> 81 MiB with AdamW")
     p.add_argument("--trials", type=int, default=5)
     p.add_argument("--saves", type=int, default=4)
     p.add_argument("--gap-s", type=float, default=0.3, help="idle seconds between a step and its save")
+    p.add_argument("--out", default=str(_results.default_path("first_save")), help="where the results go")
     args = p.parse_args(argv)
+    meta = _results.start_run("first_save", argv)
     runs: dict[str, list[dict]] = {m: [] for m in MODES}
     for _ in range(args.trials):
         for mode in MODES:  # interleaved: the machine's drift hits every mode alike
-            done = subprocess.run([sys.executable, "-c", _TRIAL, mode, str(args.width), str(args.saves),
-                                   str(args.gap_s)], capture_output=True, text=True, timeout=600)
+            done = subprocess.run(
+                [sys.executable, "-c", _TRIAL, mode, str(args.width), str(args.saves), str(args.gap_s)],
+                capture_output=True,
+                text=True,
+                timeout=600,
+            )
             if done.returncode != 0:
                 raise RuntimeError(f"trial {mode!r} failed:\n{done.stderr[-3000:]}")
             runs[mode].append(json.loads(done.stdout.strip().splitlines()[-1]))
-    mib = runs[MODES[0]][0]["bytes"] / 2**20
-    print(f"\nFirst save, {mib:.0f} MiB snapshot, {args.trials} trials (median; min-max), "
-          f"{args.saves} saves each, {args.gap_s:g} s before each save\n")
-    print("| start | first save (s) | later saves (s) | first / later | first / copy floor |")
-    print("|---|---|---|---|---|")
-    for mode in MODES:
-        first = [r["blocked"][0] for r in runs[mode]]
-        later = [b for r in runs[mode] for b in r["blocked"][1:]]
-        floor = statistics.median(r["floor"] for r in runs[mode])
-        f, lt = statistics.median(first), statistics.median(later)
-        print(f"| {mode} | {f:.4f} ({min(first):.4f}-{max(first):.4f}) | {lt:.4f} | {f / lt:.2f}x | "
-              f"{f / floor:.2f}x (floor {floor:.4f}) |")
+    table = _report(runs, args)
+    print("\n" + table)
+    _results.write(args.out, meta, {"args": vars(args), "trials": runs, "markdown": table})
+    print(f"\nresults written to {args.out}")
     return 0
 
 

@@ -9,8 +9,8 @@ Both feed the same ledger (GoodputCallback), so the numbers are comparable.
 Usage: python benchmarks/goodput_under_failures.py [--steps 60 --every 10 --fail-at 23 41]
 
 Each run's measured costs (step, save blocking, time to durable, restore, restart, startup)
-and its failure times go to benchmarks/results/goodput_under_failures.json, in the costs
-schema of ``ray-goodput simulate --costs``. ``--validate [FILE]`` replays those failure
+and its failure times go to benchmarks/results/goodput_under_failures_cpu.json (``--out``), in
+the costs schema of ``ray-goodput simulate --costs``. ``--validate [FILE]`` replays those failure
 times through the simulation (ray_goodput.plan.replay) with those costs and prints the
 predicted goodput beside the measured one (done after every run too).
 
@@ -18,7 +18,8 @@ predicted goodput beside the measured one (done after every run too).
 --mb-per-rank MiB per rank, worker SIGKILLs at seeded Poisson times (wall seconds from the
 run's first step), and three systems (rank-0 torch.save + report SYNC, Ray Train report
 ASYNC with dcp.save, ray_goodput) each saving at Daly's interval for its own blocking time,
-measured by one calibration save. Results: benchmarks/results/goodput_s3_poisson.json.
+measured by one calibration save; MET / MISSED against ``benchmarks/targets.toml``'s
+``goodput_under_failures`` target. Results: benchmarks/results/goodput_under_failures_s3_poisson_cpu.json.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import _results
+import _targets
 import torch
 
 SAMPLES, BATCH = 256, 4
@@ -92,8 +95,10 @@ def _plain_save(model, optim, loader, step, rank) -> None:
     with tempfile.TemporaryDirectory() as d:
         ckpt = None
         if rank == 0:
-            torch.save({"model": model.module.state_dict(), "optim": optim.state_dict(),
-                        "step": step, "epoch": loader.epoch}, os.path.join(d, "state.pt"))
+            torch.save(
+                {"model": model.module.state_dict(), "optim": optim.state_dict(), "step": step, "epoch": loader.epoch},
+                os.path.join(d, "state.pt"),
+            )
             ckpt = Checkpoint.from_directory(d)
         ray.train.report({"step": step}, checkpoint=ckpt, checkpoint_upload_mode=CheckpointUploadMode.SYNC)
     get_recorder().add_checkpoint_stall(time.perf_counter() - start)
@@ -121,13 +126,15 @@ def _train(cfg, rank, model, optim, loader, step, save) -> None:
     from ray_goodput.testing import FailAt
 
     faults = [FailAt(step=s, rank=1, marker_dir=cfg["markers"]) for s in cfg["fail_at"]]
-    log = open(Path(cfg["markers"]) / f"samples-{os.getpid()}-{rank}.jsonl", "a", buffering=1)
+    log = open(Path(cfg["markers"]) / f"samples-{os.getpid()}-{rank}.jsonl", "a", buffering=1)  # noqa: SIM115 - for the whole run
     while step < cfg["steps"]:
         for ids in loader:
             step += 1
             _step(model, optim, ids, cfg["compute_s"])
-            log.write(json.dumps({"t": time.time(), "step": step, "rank": rank, "epoch": loader.epoch,
-                                  "ids": ids.tolist()}) + "\n")
+            log.write(
+                json.dumps({"t": time.time(), "step": step, "rank": rank, "epoch": loader.epoch, "ids": ids.tolist()})
+                + "\n"
+            )
             record_step(step)
             if step % cfg["every"] == 0:
                 save(step)
@@ -161,14 +168,25 @@ def run(kind: str, root: Path, args) -> dict:
 
     markers = root / f"{kind}-markers"
     markers.mkdir(parents=True)
-    cfg = {"data": str(root / "data"), "markers": str(markers), "steps": args.steps,
-           "every": args.every, "fail_at": args.fail_at, "compute_s": args.compute_s}
+    cfg = {
+        "data": str(root / "data"),
+        "markers": str(markers),
+        "steps": args.steps,
+        "every": args.every,
+        "fail_at": args.fail_at,
+        "compute_s": args.compute_s,
+    }
     trainer = TorchTrainer(
-        plain_loop if kind == "plain" else goodput_loop, train_loop_config=cfg,
+        plain_loop if kind == "plain" else goodput_loop,
+        train_loop_config=cfg,
         scaling_config=ScalingConfig(num_workers=2),
-        run_config=RunConfig(name=kind, storage_path=str(root / "runs"),
-                             failure_config=FailureConfig(max_failures=len(args.fail_at) + 1),
-                             callbacks=[GoodputCallback(tracking_uri=f"sqlite:///{root}/mlflow.db")]))
+        run_config=RunConfig(
+            name=kind,
+            storage_path=str(root / "runs"),
+            failure_config=FailureConfig(max_failures=len(args.fail_at) + 1),
+            callbacks=[GoodputCallback(tracking_uri=f"sqlite:///{root}/mlflow.db")],
+        ),
+    )
     start = time.time()
     trainer.fit()
     wall = time.time() - start
@@ -191,15 +209,17 @@ def _median(values: list[float], default: float = 0.0) -> float:
 def _durable_after_start(attempts: list[list[dict]], every: int, ckpt_root: Path) -> list[float]:
     """ray_goodput: each committed checkpoint's commit time minus its save's start (the
     saved step's own event ends right before ``save`` is called)."""
-    from ray_goodput.checkpoint._catalog import list_checkpoints
+    from ray_goodput.checkpoint.protocol._catalog import list_checkpoints
 
     started = {e["step"]: e["t"] for a in attempts for e in a if e["e"] == "step" and e["step"] % every == 0}
-    return [c.created - started[c.step] for c in list_checkpoints(str(ckpt_root))
-            if c.committed and c.created and c.step in started]
+    return [
+        c.created - started[c.step]
+        for c in list_checkpoints(str(ckpt_root))
+        if c.committed and c.created and c.step in started
+    ]
 
 
-def _measured(kind: str, attempts: list[list[dict]], start: float, every: int, ckpt_root: Path,
-              ledger: dict) -> dict:
+def _measured(kind: str, attempts: list[list[dict]], start: float, every: int, ckpt_root: Path, ledger: dict) -> dict:
     """Costs in the schema of ray_goodput.plan's costs JSON, plus this run's failure schedule."""
     steps = [e for a in attempts for e in a if e["e"] == "step"]
     # Mean compute per kept step, so that the replay's kept work equals the ledger's productive.
@@ -208,13 +228,24 @@ def _measured(kind: str, attempts: list[list[dict]], start: float, every: int, c
     restores = [[e["t"] - e["t0"] for e in a if e["e"] == "restore"] for a in attempts]
     durable = blocking if kind == "plain" else _median(_durable_after_start(attempts, every, ckpt_root), blocking)
     failures = max(1, len(attempts) - 1)
-    system = {"name": kind, "step_s": step_s, "save_blocking_s": blocking, "durable_s": max(durable, blocking),
-              "restore_s": _median([r for rs in restores[1:] for r in rs]),
-              "restart_s": ledger["seconds"]["restart_downtime"] / failures, "interval": every * step_s}
-    return {"system": system, "failures_s": [a[-1]["t"] - start for a in attempts[:-1]],
-            "startup_s": ledger["seconds"]["startup"] + sum(restores[0]) if restores else 0.0,
-            "work_s": ledger["seconds"]["productive"], "wall_s": ledger["total_s"],
-            "goodput": ledger["goodput"], "seconds": ledger["seconds"]}
+    system = {
+        "name": kind,
+        "step_s": step_s,
+        "save_blocking_s": blocking,
+        "durable_s": max(durable, blocking),
+        "restore_s": _median([r for rs in restores[1:] for r in rs]),
+        "restart_s": ledger["seconds"]["restart_downtime"] / failures,
+        "interval": every * step_s,
+    }
+    return {
+        "system": system,
+        "failures_s": [a[-1]["t"] - start for a in attempts[:-1]],
+        "startup_s": ledger["seconds"]["startup"] + sum(restores[0]) if restores else 0.0,
+        "work_s": ledger["seconds"]["productive"],
+        "wall_s": ledger["total_s"],
+        "goodput": ledger["goodput"],
+        "seconds": ledger["seconds"],
+    }
 
 
 # ----------------------------------------------------------------------------- --mode s3-poisson
@@ -222,9 +253,11 @@ def _measured(kind: str, attempts: list[list[dict]], start: float, every: int, c
 # MiB per rank, a seeded Poisson failure schedule, and each system saving at the interval
 # ray_goodput.plan recommends for its own blocking time, measured by a calibration save.
 
-S3_SYSTEMS = {"torch_save_sync": "rank-0 torch.save + report SYNC",
-              "rt_async_dcp": "Ray Train report ASYNC (dcp.save)",
-              "ray_goodput": "ray_goodput Checkpointer"}
+S3_SYSTEMS = {
+    "torch_save_sync": "rank-0 torch.save + report SYNC",
+    "rt_async_dcp": "Ray Train report ASYNC (dcp.save)",
+    "ray_goodput": "ray_goodput Checkpointer",
+}
 CAL_STEP = 5  # steps 2..5 give the step time; the save after step 5 is the calibration save
 
 
@@ -295,8 +328,13 @@ class _TorchSaveSync:
             return 0
         with ckpt.as_directory() as d:  # every rank downloads it: no rank-0 broadcast on CPU
             blob = torch.load(os.path.join(d, "state.pt"), weights_only=False, mmap=True)
-            set_state_dict(self.model, self.optim, model_state_dict=blob["model"], optim_state_dict=blob["optim"],
-                           options=StateDictOptions(full_state_dict=True))
+            set_state_dict(
+                self.model,
+                self.optim,
+                model_state_dict=blob["model"],
+                optim_state_dict=blob["optim"],
+                options=StateDictOptions(full_state_dict=True),
+            )
         dist.barrier()
         return int(blob["step"])
 
@@ -305,16 +343,21 @@ class _TorchSaveSync:
         from ray.train import Checkpoint, CheckpointUploadMode
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-        msd, osd = get_state_dict(self.model, self.optim,
-                                  options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        msd, osd = get_state_dict(
+            self.model, self.optim, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
         with tempfile.TemporaryDirectory(dir=self.stage) as d:
             ckpt = None
             if self.rank == 0:
                 torch.save({"model": msd, "optim": osd, "step": step}, os.path.join(d, "state.pt"))
                 ckpt = Checkpoint.from_directory(d)
             del msd, osd
-            ray.train.report({"step": step}, checkpoint=ckpt, checkpoint_dir_name=f"step-{step:07d}",
-                             checkpoint_upload_mode=CheckpointUploadMode.SYNC)
+            ray.train.report(
+                {"step": step},
+                checkpoint=ckpt,
+                checkpoint_dir_name=f"step-{step:07d}",
+                checkpoint_upload_mode=CheckpointUploadMode.SYNC,
+            )
 
     def close(self) -> dict:
         return {}
@@ -352,9 +395,13 @@ class _RayAsyncDcp(_TorchSaveSync):
         local = self.stage / name
         msd, osd = get_state_dict(self.model, self.optim)
         dcp.save({"model": msd, "optim": osd}, storage_writer=FileSystemWriter(str(local), sync_files=False))
-        ray.train.report({"step": step}, checkpoint=Checkpoint.from_directory(str(local)), checkpoint_dir_name=name,
-                         checkpoint_upload_mode=CheckpointUploadMode.ASYNC,
-                         delete_local_checkpoint_after_upload=True)
+        ray.train.report(
+            {"step": step},
+            checkpoint=Checkpoint.from_directory(str(local)),
+            checkpoint_dir_name=name,
+            checkpoint_upload_mode=CheckpointUploadMode.ASYNC,
+            delete_local_checkpoint_after_upload=True,
+        )
 
 
 class _GoodputSaver:
@@ -417,8 +464,7 @@ def _plan_every(cfg: dict, step_times: list[float], save_s: float) -> dict:
     step_s = _allmax(statistics.median(step_times))
     save_s = _allmax(save_s)
     interval_s = optimal_interval_s(save_s, cfg["mtbf_s"])
-    return {"step_s": step_s, "save_s": save_s, "interval_s": interval_s,
-            "every": max(1, round(interval_s / step_s))}
+    return {"step_s": step_s, "save_s": save_s, "interval_s": interval_s, "every": max(1, round(interval_s / step_s))}
 
 
 def s3_loop(cfg: dict) -> None:
@@ -437,7 +483,7 @@ def s3_loop(cfg: dict) -> None:
         rec.restored(step, t0, time.time())
     plan_file = Path(cfg["markers"]) / "plan.json"
     plan = json.loads(plan_file.read_text()) if plan_file.exists() else None
-    log = open(Path(cfg["markers"]) / f"saves-{os.getpid()}-{rank}.jsonl", "a", buffering=1)
+    log = open(Path(cfg["markers"]) / f"saves-{os.getpid()}-{rank}.jsonl", "a", buffering=1)  # noqa: SIM115 - for the whole run
     times, since = [], 0
     while step < cfg["steps"]:
         t = time.perf_counter()
@@ -469,18 +515,22 @@ def s3_loop(cfg: dict) -> None:
         rec.end()
 
 
-RESULTS = Path(__file__).resolve().parent / "results" / "goodput_under_failures.json"
+RESULTS = _results.default_path("goodput_under_failures")
 
 
-def write_results(results: dict, args, path: Path) -> None:
+def write_results(results: dict, args, path: Path, meta: dict) -> None:
     """Measured costs (ray-goodput simulate --costs schema) and each run's schedule and ledger."""
-    doc = {"source": f"benchmarks/goodput_under_failures.py, {time.strftime('%Y-%m-%d')}, 2 workers, "
-                     f"local-directory storage, every {args.every} steps",
-           "args": {"steps": args.steps, "every": args.every, "fail_at": args.fail_at, "compute_s": args.compute_s},
-           "systems": [r["measured"]["system"] for r in results.values()],
-           "runs": {k: {kk: v for kk, v in r["measured"].items() if kk != "system"} for k, r in results.items()}}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(doc, indent=1) + "\n")
+    _results.write(
+        path,
+        meta,
+        {
+            "source": f"benchmarks/goodput_under_failures.py, {time.strftime('%Y-%m-%d')}, 2 workers, "
+            f"local-directory storage, every {args.every} steps",
+            "args": {"steps": args.steps, "every": args.every, "fail_at": args.fail_at, "compute_s": args.compute_s},
+            "systems": [r["measured"]["system"] for r in results.values()],
+            "runs": {k: {kk: v for kk, v in r["measured"].items() if kk != "system"} for k, r in results.items()},
+        },
+    )
 
 
 def validate(path: Path) -> list[dict]:
@@ -495,23 +545,36 @@ def validate(path: Path) -> list[dict]:
         seen = run["seconds"]
         # The simulation has no data stall and no end-of-run wait ("other"): also compare without them.
         core = run["wall_s"] - seen.get("other", 0.0) - seen.get("data_stall", 0.0)
-        rows.append({"system": system.name, "measured": run["goodput"], "predicted": sim.goodput,
-                     "measured_core": seen["productive"] / core if core > 0 else 0.0,
-                     "wall_s": run["wall_s"], "sim_wall_s": sim.wall_s, "seen": seen, "sim": sim.seconds})
+        rows.append(
+            {
+                "system": system.name,
+                "measured": run["goodput"],
+                "predicted": sim.goodput,
+                "measured_core": seen["productive"] / core if core > 0 else 0.0,
+                "wall_s": run["wall_s"],
+                "sim_wall_s": sim.wall_s,
+                "seen": seen,
+                "sim": sim.seconds,
+            }
+        )
     return rows
 
 
 def print_validation(rows: list[dict]) -> None:
     w = sys.stdout.write
     w("\nvalidation: ray_goodput.plan.replay with the measured costs and failure times\n\n")
-    w("| system | measured goodput | predicted | measured w/o other+data_stall | wall s (measured / sim) "
-      "| lost s | checkpoint stall s | restore s | restart downtime s | other s |\n")
+    w(
+        "| system | measured goodput | predicted | measured w/o other+data_stall | wall s (measured / sim) "
+        "| lost s | checkpoint stall s | restore s | restart downtime s | other s |\n"
+    )
     w("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
     for r in rows:
-        pair = lambda k: f"{r['seen'][k]:.1f} / {r['sim'][k]:.1f}"  # noqa: E731
-        w(f"| {r['system']} | {r['measured']:.1%} | {r['predicted']:.1%} | {r['measured_core']:.1%} | "
-          f"{r['wall_s']:.1f} / {r['sim_wall_s']:.1f} | {pair('lost')} | {pair('checkpoint_stall')} | "
-          f"{pair('restore')} | {pair('restart_downtime')} | {r['seen'].get('other', 0.0):.1f} |\n")
+        pair = lambda k, r=r: f"{r['seen'][k]:.1f} / {r['sim'][k]:.1f}"  # noqa: E731 - a one-line formatter
+        w(
+            f"| {r['system']} | {r['measured']:.1%} | {r['predicted']:.1%} | {r['measured_core']:.1%} | "
+            f"{r['wall_s']:.1f} / {r['sim_wall_s']:.1f} | {pair('lost')} | {pair('checkpoint_stall')} | "
+            f"{pair('restore')} | {pair('restart_downtime')} | {r['seen'].get('other', 0.0):.1f} |\n"
+        )
 
 
 def run_s3(system: str, root: Path, endpoint: str, args, failures: list[float]) -> dict:
@@ -532,19 +595,31 @@ def run_s3(system: str, root: Path, endpoint: str, args, failures: list[float]) 
     fs.create_dir(bucket)
     markers = root / f"{system}-markers"
     markers.mkdir(parents=True)
-    cfg = {"system": system, "markers": str(markers), "stage": str(root / f"{system}-stage"),
-           "steps": args.steps, "compute_s": args.compute_s, "mb_per_rank": args.mb_per_rank,
-           "failures_s": failures, "mtbf_s": args.mtbf_s}
+    cfg = {
+        "system": system,
+        "markers": str(markers),
+        "stage": str(root / f"{system}-stage"),
+        "steps": args.steps,
+        "compute_s": args.compute_s,
+        "mb_per_rank": args.mb_per_rank,
+        "failures_s": failures,
+        "mtbf_s": args.mtbf_s,
+    }
     trainer_cls = ray_goodput.TorchTrainer if system == "ray_goodput" else ray.train.torch.TorchTrainer
-    run_config = RunConfig(name=system, storage_path=f"{bucket}/runs", storage_filesystem=fs,
-                           failure_config=FailureConfig(max_failures=len(failures) + 2),
-                           callbacks=[GoodputCallback(tracking_uri=f"sqlite:///{root}/mlflow.db")])
+    run_config = RunConfig(
+        name=system,
+        storage_path=f"{bucket}/runs",
+        storage_filesystem=fs,
+        failure_config=FailureConfig(max_failures=len(failures) + 2),
+        callbacks=[GoodputCallback(tracking_uri=f"sqlite:///{root}/mlflow.db")],
+    )
     extra = {}
     if system == "ray_goodput":
         # One node: the injected kills must not get it isolated (Recovery's default is 2 failures).
         extra["recovery"] = ray_goodput.Recovery(max_failures_per_node=len(failures) + 3)
-    trainer = trainer_cls(s3_loop, train_loop_config=cfg, scaling_config=ScalingConfig(num_workers=2),
-                          run_config=run_config, **extra)
+    trainer = trainer_cls(
+        s3_loop, train_loop_config=cfg, scaling_config=ScalingConfig(num_workers=2), run_config=run_config, **extra
+    )
     start = time.time()
     trainer.fit()
     wall = time.time() - start
@@ -554,36 +629,48 @@ def run_s3(system: str, root: Path, endpoint: str, args, failures: list[float]) 
     saves = [json.loads(line) for f in markers.glob("saves-*-0.jsonl") for line in f.read_text().splitlines()]
     fired = sorted(float(f.read_text()) for f in markers.glob("poisson-*.fired"))
     origin = float((markers / "first-step.t").read_text())
-    return {"system": system, "wall": wall, "ledger": ledger, "plan": json.loads((markers / "plan.json").read_text()),
-            "saves": sum("step" in r for r in saves), "blocked": [r["blocked"] for r in saves if "step" in r],
-            "failures_fired_s": [round(t - origin, 1) for t in fired]}
+    return {
+        "system": system,
+        "wall": wall,
+        "ledger": ledger,
+        "plan": json.loads((markers / "plan.json").read_text()),
+        "saves": sum("step" in r for r in saves),
+        "blocked": [r["blocked"] for r in saves if "step" in r],
+        "failures_fired_s": [round(t - origin, 1) for t in fired],
+    }
 
 
 def _s3_table(results: list[dict], args, failures: list[float]) -> str:
-    out = [f"{args.steps} steps of ~{args.compute_s:.2f} s compute + an AdamW update, 2 workers, "
-           f"{args.mb_per_rank} MiB of FSDP2 state (weights + AdamW) per rank, moto S3 over HTTP; "
-           f"worker SIGKILLs (rank 1) at {failures} s after each run's first step "
-           f"(Poisson, seed {args.seed}, MTBF {args.mtbf_s:.0f} s)\n",
-           "| system | calibration save s | interval s (steps) | wall s | goodput | goodput w/o startup | productive s "
-           "| lost s | checkpoint stall s | restore s | restart downtime s | startup s | other s | failures | saves "
-           "| superseded |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    out = [
+        f"{args.steps} steps of ~{args.compute_s:.2f} s compute + an AdamW update, 2 workers, "
+        f"{args.mb_per_rank} MiB of FSDP2 state (weights + AdamW) per rank, moto S3 over HTTP; "
+        f"worker SIGKILLs (rank 1) at {failures} s after each run's first step "
+        f"(Poisson, seed {args.seed}, MTBF {args.mtbf_s:.0f} s)\n",
+        "| system | calibration save s | interval s (steps) | wall s | goodput | goodput w/o startup | productive s "
+        "| lost s | checkpoint stall s | restore s | restart downtime s | startup s | other s | failures | saves "
+        "| superseded |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in results:
         g, p, sec = r["ledger"], r["plan"], r["ledger"]["seconds"]
         sup = g["checkpoints_superseded"] if r["system"] == "ray_goodput" else "-"
-        out.append(f"| {S3_SYSTEMS[r['system']]} | {p['save_s']:.2f} | {p['interval_s']:.1f} ({p['every']}) | "
-                   f"{r['wall']:.1f} | {g['goodput']:.1%} | {_no_startup(g):.1%} | {sec['productive']:.1f} | "
-                   f"{sec['lost']:.1f} | {sec['checkpoint_stall']:.1f} | {sec['restore']:.1f} | "
-                   f"{sec['restart_downtime']:.1f} | {sec['startup']:.1f} | {sec.get('other', 0.0):.1f} | "
-                   f"{g['failures']} | {r['saves']} | {sup} |")
+        out.append(
+            f"| {S3_SYSTEMS[r['system']]} | {p['save_s']:.2f} | {p['interval_s']:.1f} ({p['every']}) | "
+            f"{r['wall']:.1f} | {g['goodput']:.1%} | {_no_startup(g):.1%} | {sec['productive']:.1f} | "
+            f"{sec['lost']:.1f} | {sec['checkpoint_stall']:.1f} | {sec['restore']:.1f} | "
+            f"{sec['restart_downtime']:.1f} | {sec['startup']:.1f} | {sec.get('other', 0.0):.1f} | "
+            f"{g['failures']} | {r['saves']} | {sup} |"
+        )
     rg = next((r for r in results if r["system"] == "ray_goodput"), None)
+    target = _targets.load("goodput_under_failures")["s3_poisson_goodput"]
     for name, key in (("goodput", lambda g: g["goodput"]), ("goodput w/o startup", _no_startup)):
-        native = max((r for r in results if r["system"] != "ray_goodput"), key=lambda r: key(r["ledger"]),
-                     default=None)
+        native = max((r for r in results if r["system"] != "ray_goodput"), key=lambda r: key(r["ledger"]), default=None)
         if native and rg:
             ratio = key(rg["ledger"]) / max(key(native["ledger"]), 1e-9)
-            out.append(f"\nray_goodput {name} / best Ray-native ({S3_SYSTEMS[native['system']]}): {ratio:.2f}x "
-                       f"(target >= 1.4x: {'met' if ratio >= 1.4 else 'NOT met'})")
+            out.append(
+                f"\nray_goodput {name} / best Ray-native ({S3_SYSTEMS[native['system']]}): {ratio:.2f}× "
+                f"→ {target.verdict(ratio)}"
+            )
     return "\n".join(out) + "\n"
 
 
@@ -593,16 +680,20 @@ def _no_startup(ledger: dict) -> float:
     return sec["productive"] / max(1e-9, ledger["total_s"] - sec["startup"])
 
 
-S3_RESULTS = Path(__file__).resolve().parent / "results" / "goodput_s3_poisson.json"
+S3_RESULTS = _results.default_path("goodput_under_failures_s3_poisson")
 
 
-def main_s3(args) -> int:
+def main_s3(args, meta: dict) -> int:
     import ray
 
     from ray_goodput.testing._s3 import start_moto_server
 
-    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
-           "AWS_EC2_METADATA_DISABLED": "true"}
+    env = {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_EC2_METADATA_DISABLED": "true",
+    }
     for k, v in env.items():
         os.environ.setdefault(k, v)
     failures = poisson_failures(args.seed, args.mtbf_s, args.horizon_s)
@@ -610,17 +701,29 @@ def main_s3(args) -> int:
     root = Path(tempfile.mkdtemp(prefix="goodput-s3-"))
     results = []
     try:
-        ray.init(address="local", num_cpus=4, log_to_driver=False, include_dashboard=False,
-                 runtime_env={"env_vars": {**env, "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.1"}})
+        ray.init(
+            address="local",
+            num_cpus=4,
+            log_to_driver=False,
+            include_dashboard=False,
+            runtime_env={"env_vars": {**env, "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.1"}},
+        )
         for system in args.systems:
             results.append(run_s3(system, root, endpoint, args, failures))
             sys.stdout.write(f"[{system}] {results[-1]['wall']:.0f} s\n")
             sys.stdout.flush()
-            doc = {"source": f"benchmarks/goodput_under_failures.py --mode s3-poisson, {time.strftime('%Y-%m-%d %H:%M')}",
-                   "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-                   "failures_s": failures, "load_avg": os.getloadavg(), "runs": results}
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps(doc, indent=1) + "\n")
+            _results.write(
+                args.out,
+                meta,
+                {
+                    "source": "benchmarks/goodput_under_failures.py --mode s3-poisson, "
+                    + time.strftime("%Y-%m-%d %H:%M"),
+                    "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+                    "failures_s": failures,
+                    "load_avg": os.getloadavg(),
+                    "runs": results,
+                },
+            )
     finally:
         ray.shutdown()
         moto.terminate()
@@ -638,11 +741,21 @@ def main() -> int:
     parser.add_argument("--fail-at", type=int, nargs="*", default=[23, 41])
     parser.add_argument("--compute-s", type=float, default=0.1)
     parser.add_argument("--out", type=Path, default=RESULTS, help="where the measured costs go")
-    parser.add_argument("--validate", type=Path, nargs="?", const=RESULTS, default=None,
-                        help="only replay a results file through the simulation (no training)")
-    parser.add_argument("--mode", choices=["fixed", "s3-poisson"], default="fixed",
-                        help="fixed: local storage, --every, --fail-at (the default); s3-poisson: moto S3, "
-                             "a Poisson failure schedule, each system at its planned interval")
+    parser.add_argument(
+        "--validate",
+        type=Path,
+        nargs="?",
+        const=RESULTS,
+        default=None,
+        help="only replay a results file through the simulation (no training)",
+    )
+    parser.add_argument(
+        "--mode",
+        choices=["fixed", "s3-poisson"],
+        default="fixed",
+        help="fixed: local storage, --every, --fail-at (the default); s3-poisson: moto S3, "
+        "a Poisson failure schedule, each system at its planned interval",
+    )
     parser.add_argument("--mb-per-rank", type=int, default=256, help="s3-poisson: state per rank, MiB")
     parser.add_argument("--mtbf-s", type=float, default=60.0, help="s3-poisson: the schedule's mean")
     parser.add_argument("--seed", type=int, default=0, help="s3-poisson: the schedule's seed")
@@ -657,35 +770,46 @@ def main() -> int:
             doc = json.loads(args.out.read_text())
             sys.stdout.write(_s3_table(doc["runs"], argparse.Namespace(**doc["args"]), doc["failures_s"]))
             return 0
-        return main_s3(args)
+        return main_s3(args, _results.start_run("goodput_under_failures"))
     if args.validate is not None:
         print_validation(validate(args.validate))
         return 0
+    meta = _results.start_run("goodput_under_failures")
     import ray
 
-    ray.init(address="local", num_cpus=4, log_to_driver=False,
-             runtime_env={"env_vars": {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.1"}})
+    ray.init(
+        address="local",
+        num_cpus=4,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.1"}},
+    )
     root = Path(tempfile.mkdtemp(prefix="goodput-bench-"))
     (root / "data").mkdir()
     for i in range(SAMPLES):
         (root / "data" / f"{i:05d}.txt").write_text(str(i))
     results = {kind: run(kind, root, args) for kind in ("plain", "ray_goodput")}
     w = sys.stdout.write
-    w(f"\n{args.steps} steps, 2 workers, checkpoint every {args.every} steps, worker SIGKILL at "
-      f"steps {args.fail_at}, state {sum(p.numel() for p in _model().parameters()) * 12 / 2**20:.0f} MiB "
-      f"(weights + AdamW) per rank, local-directory storage\n\n")
+    w(
+        f"\n{args.steps} steps, 2 workers, checkpoint every {args.every} steps, worker SIGKILL at "
+        f"steps {args.fail_at}, state {sum(p.numel() for p in _model().parameters()) * 12 / 2**20:.0f} MiB "
+        f"(weights + AdamW) per rank, local-directory storage\n\n"
+    )
     w("| | wall s | goodput | steps lost | samples repeated | checkpoint stall s | restore s | restart downtime s |\n")
     w("|---|---:|---:|---:|---:|---:|---:|---:|\n")
     for kind, r in results.items():
         g = r["ledger"]
-        w(f"| {kind} | {r['wall']:.1f} | {g['goodput']:.1%} | {g['steps_lost']} | {r['repeated']} | "
-          f"{g['seconds']['checkpoint_stall']:.2f} | {g['seconds']['restore']:.2f} | "
-          f"{g['seconds']['restart_downtime']:.1f} |\n")
+        w(
+            f"| {kind} | {r['wall']:.1f} | {g['goodput']:.1%} | {g['steps_lost']} | {r['repeated']} | "
+            f"{g['seconds']['checkpoint_stall']:.2f} | {g['seconds']['restore']:.2f} | "
+            f"{g['seconds']['restart_downtime']:.1f} |\n"
+        )
     p, q = results["plain"], results["ray_goodput"]
-    w(f"\nratios ray_goodput / plain: wall {q['wall'] / p['wall']:.2f}x, goodput "
-      f"{q['ledger']['goodput'] / max(p['ledger']['goodput'], 1e-9):.2f}x, checkpoint stall "
-      f"{q['ledger']['seconds']['checkpoint_stall'] / max(p['ledger']['seconds']['checkpoint_stall'], 1e-9):.2f}x\n")
-    write_results(results, args, args.out)
+    w(
+        f"\nratios ray_goodput / plain: wall {q['wall'] / p['wall']:.2f}x, goodput "
+        f"{q['ledger']['goodput'] / max(p['ledger']['goodput'], 1e-9):.2f}x, checkpoint stall "
+        f"{q['ledger']['seconds']['checkpoint_stall'] / max(p['ledger']['seconds']['checkpoint_stall'], 1e-9):.2f}x\n"
+    )
+    write_results(results, args, args.out, meta)
     w(f"\nmeasured costs and schedules written to {args.out}\n")
     print_validation(validate(args.out))
     return 0

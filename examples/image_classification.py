@@ -41,7 +41,7 @@ def decode(data: bytes) -> tuple[torch.Tensor, int]:
     label = int(img.info.get("comment", b"0") or 0)
     x = torch.from_numpy(np.array(img.convert("RGB"), dtype=np.uint8)).permute(2, 0, 1)
     top, left = (int(v) for v in torch.randint(0, x.shape[1] - CROP + 1, (2,)))
-    x = x[:, top:top + CROP, left:left + CROP]
+    x = x[:, top : top + CROP, left : left + CROP]
     if torch.rand(()) < 0.5:
         x = x.flip(2)
     return (x.float() / 127.5 - 1.0), label
@@ -75,8 +75,11 @@ class StockImages(torch.utils.data.Dataset):
         from ray_goodput.storage import list_dir, resolve
 
         self.loc = resolve(uri)
-        self.paths = sorted(i.path for i in list_dir(self.loc, recursive=True)
-                            if i.type == pafs.FileType.File and i.path.endswith(".jpg"))
+        self.paths = sorted(
+            i.path
+            for i in list_dir(self.loc, recursive=True)
+            if i.type == pafs.FileType.File and i.path.endswith(".jpg")
+        )
 
     def __len__(self) -> int:
         return len(self.paths)
@@ -89,10 +92,16 @@ class StockImages(torch.utils.data.Dataset):
 def make_cnn() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(  # small on purpose: the loaders, not the GPU-less compute, are measured
-        nn.Conv2d(3, 16, 3, stride=2, padding=1), nn.ReLU(),
-        nn.Conv2d(16, 32, 3, stride=2, padding=1), nn.ReLU(),
-        nn.Conv2d(32, 32, 3, stride=2, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
-        nn.Linear(32, CLASSES))
+        nn.Conv2d(3, 16, 3, stride=2, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(16, 32, 3, stride=2, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(32, 32, 3, stride=2, padding=1),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(32, CLASSES),
+    )
 
 
 def train_epochs(loader: Any, epochs: int, fetch_s: Any) -> list[dict[str, Any]]:
@@ -123,8 +132,9 @@ def train_epochs(loader: Any, epochs: int, fetch_s: Any) -> list[dict[str, Any]]
 def run_stock(uri: str, batch: int, workers: int, epochs: int) -> list[dict[str, Any]]:
     ds = StockImages(uri)
     print(f"{len(ds)} JPEGs under {uri.split('?')[0]}", flush=True)
-    loader = torch.utils.data.DataLoader(ds, batch_size=batch, shuffle=True, drop_last=True, num_workers=workers,
-                                         persistent_workers=workers > 0)
+    loader = torch.utils.data.DataLoader(
+        ds, batch_size=batch, shuffle=True, drop_last=True, num_workers=workers, persistent_workers=workers > 0
+    )
     return train_epochs(loader, epochs, lambda _loader, measured: measured)
 
 
@@ -142,9 +152,12 @@ def _print_cache() -> None:
     from ray_goodput.data import cache_status
 
     for c in cache_status():
-        print(f"node cache: {c.get('files')} files, {c.get('bytes_used', 0) / 2**20:.1f} MiB, "
-              f"{c.get('bytes_fetched', 0) / 2**20:.1f} MiB fetched from storage, hits {c.get('hits')}, "
-              f"misses {c.get('misses')}, errors {c.get('errors') or c.get('error') or 0}", flush=True)
+        print(
+            f"node cache: {c.get('files')} files, {c.get('bytes_used', 0) / 2**20:.1f} MiB, "
+            f"{c.get('bytes_fetched', 0) / 2**20:.1f} MiB fetched from storage, hits {c.get('hits')}, "
+            f"misses {c.get('misses')}, errors {c.get('errors') or c.get('error') or 0}",
+            flush=True,
+        )
 
 
 def log_mlflow(out: Path, results: dict[str, list[dict[str, Any]]]) -> str:
@@ -155,8 +168,11 @@ def log_mlflow(out: Path, results: dict[str, list[dict[str, Any]]]) -> str:
     uri = f"sqlite:///{out}/mlflow.db"
     client = mlflow.MlflowClient(tracking_uri=uri)
     exp = client.get_experiment_by_name("image_classification")
-    exp_id = exp.experiment_id if exp else client.create_experiment(
-        "image_classification", artifact_location=(out / "mlartifacts").as_uri())
+    exp_id = (
+        exp.experiment_id
+        if exp
+        else client.create_experiment("image_classification", artifact_location=(out / "mlartifacts").as_uri())
+    )
     run_id = client.create_run(exp_id, run_name=f"loaders-{time.strftime('%Y%m%d-%H%M%S')}").info.run_id
     now = int(time.time() * 1000)
     for name, epochs in results.items():
@@ -164,7 +180,7 @@ def log_mlflow(out: Path, results: dict[str, list[dict[str, Any]]]) -> str:
         metrics = [Metric(f"{name}/fetch_seconds", f, now, i) for i, f in enumerate(fetches)]
         metrics += [Metric(f"{name}/images_per_s", e["images_s"], now, i + 1) for i, e in enumerate(epochs)]
         for i in range(0, len(metrics), 900):  # MLflow takes at most 1000 metrics per batch
-            client.log_batch(run_id, metrics=metrics[i:i + 900])
+            client.log_batch(run_id, metrics=metrics[i : i + 900])
     client.set_terminated(run_id)
     return uri
 
@@ -173,8 +189,10 @@ def table(results: dict[str, list[dict[str, Any]]]) -> str:
     def waited(e: dict[str, Any]) -> str:
         return f"{sum(f > WAIT_S for f in e['fetch']) / max(1, len(e['fetch'])):.0%}"
 
-    rows = ["| loader | epoch 1 | epoch 2 | waited > 10 ms, epoch 1 | waited > 10 ms, epoch 2 |",
-            "|---|---:|---:|---:|---:|"]
+    rows = [
+        "| loader | epoch 1 | epoch 2 | waited > 10 ms, epoch 1 | waited > 10 ms, epoch 2 |",
+        "|---|---:|---:|---:|---:|",
+    ]
     for name, (e1, e2) in results.items():
         rows.append(f"| {name} | {e1['images_s']:,.0f} | {e2['images_s']:,.0f} | {waited(e1)} | {waited(e2)} |")
     return "\n".join(rows)
@@ -191,8 +209,12 @@ def _storage(args: argparse.Namespace) -> tuple[str, Any]:
 
         from ray_goodput.testing._s3 import start_moto_server
 
-        for key, value in (("AWS_ACCESS_KEY_ID", "testing"), ("AWS_SECRET_ACCESS_KEY", "testing"),
-                           ("AWS_DEFAULT_REGION", "us-east-1"), ("AWS_EC2_METADATA_DISABLED", "true")):
+        for key, value in (
+            ("AWS_ACCESS_KEY_ID", "testing"),
+            ("AWS_SECRET_ACCESS_KEY", "testing"),
+            ("AWS_DEFAULT_REGION", "us-east-1"),
+            ("AWS_EC2_METADATA_DISABLED", "true"),
+        ):
             os.environ.setdefault(key, value)
         server, endpoint = start_moto_server()
         pafs.S3FileSystem(endpoint_override=endpoint, scheme="http", allow_bucket_creation=True).create_dir("images")
@@ -237,11 +259,12 @@ def run(args: argparse.Namespace) -> None:
         if server is not None:
             server.terminate()
     tracking = log_mlflow(out, results)
-    print(f"\nbatch {args.batch_size}, {args.workers} loader workers each; "
-          f"images/s per epoch (compute included):\n")
+    print(f"\nbatch {args.batch_size}, {args.workers} loader workers each; images/s per epoch (compute included):\n")
     print(table(results))
-    print(f"\nmean loss, last epoch: stock {results['stock'][-1]['loss']:.3f}, "
-          f"ray_goodput {results['ray_goodput'][-1]['loss']:.3f}; fetch_seconds per step in MLflow: {tracking}")
+    print(
+        f"\nmean loss, last epoch: stock {results['stock'][-1]['loss']:.3f}, "
+        f"ray_goodput {results['ray_goodput'][-1]['loss']:.3f}; fetch_seconds per step in MLflow: {tracking}"
+    )
 
 
 if __name__ == "__main__":

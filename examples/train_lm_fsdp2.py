@@ -40,8 +40,9 @@ class Size:
 
 
 SMOKE = Size(vocab=256, dim=128, layers=2, heads=4, seq=64, batch=8, rows=4000, steps=60, every=10, log_every=10)
-GPU = Size(vocab=8192, dim=1024, layers=8, heads=16, seq=1024, batch=8, rows=100_000, steps=2000, every=200,
-           log_every=50)
+GPU = Size(
+    vocab=8192, dim=1024, layers=8, heads=16, seq=1024, batch=8, rows=100_000, steps=2000, every=200, log_every=50
+)
 
 
 # -- model: a few pre-norm transformer blocks written with torch.nn --
@@ -82,8 +83,11 @@ def shard(model: nn.Module, device: torch.device) -> nn.Module:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-        if device.type == "cuda" else MixedPrecisionPolicy()  # CPU: fp32 throughout
+    mp = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if device.type == "cuda"
+        else MixedPrecisionPolicy()
+    )  # CPU: fp32 throughout
     for block in model.blocks:
         fully_shard(block, mesh=mesh, mp_policy=mp)
     return fully_shard(model, mesh=mesh, mp_policy=mp)
@@ -128,18 +132,24 @@ def train_loop(config: dict[str, Any]) -> None:
     torch.manual_seed(0)
     model = shard(TinyLM(s).to(device), device)
     optim = torch.optim.AdamW(model.parameters(), lr=config["lr"])
-    loader = DataLoader(ParquetDataset(config["data"], columns=["tokens"], seed=0), batch_size=s.batch,
-                        num_workers=config["loader_workers"], collate_fn=collate)
-    state: dict[str, Any] = {"model": model, "optim": optim, "loader": loader,
-                             "history": {"stalls": {}, "resumes": []}}
+    loader = DataLoader(
+        ParquetDataset(config["data"], columns=["tokens"], seed=0),
+        batch_size=s.batch,
+        num_workers=config["loader_workers"],
+        collate_fn=collate,
+    )
+    state: dict[str, Any] = {"model": model, "optim": optim, "loader": loader, "history": {"stalls": {}, "resumes": []}}
     fault = FailAt(step=config["fail_at"], rank=1, marker_dir=config["fault_dir"]) if config["fail_at"] else None
     with Checkpointer(keep_last=2) as ckpt:
         start = ckpt.restore(state) or 0  # model, optimizer, data position, history
         history = state["history"]
         if start:
             history["resumes"].append(start)
-            _say(rank, f"resumed from committed checkpoint step {start} "
-                       f"(data: epoch {loader.epoch}, {loader.state_dict()['consumed']} samples consumed)")
+            _say(
+                rank,
+                f"resumed from committed checkpoint step {start} "
+                f"(data: epoch {loader.epoch}, {loader.state_dict()['consumed']} samples consumed)",
+            )
         step, t0, loss = start, time.perf_counter(), torch.zeros(())
         while step < s.steps:
             loader.set_epoch(loader.epoch)  # keeps a resumed position within the epoch
@@ -195,8 +205,10 @@ def _report(result: Any, storage: str, name: str, wall: float) -> None:
 
     history = json.loads(result.metrics.get("history", "{}"))
     stalls = history.get("stalls", {})
-    print(f"\nfinished in {wall:.1f}s; final loss {history.get('final_loss', math.nan):.3f}; "
-          f"{history.get('steps_per_s', math.nan):.2f} steps/s (last attempt)")
+    print(
+        f"\nfinished in {wall:.1f}s; final loss {history.get('final_loss', math.nan):.3f}; "
+        f"{history.get('steps_per_s', math.nan):.2f} steps/s (last attempt)"
+    )
     print("loss by step: " + ", ".join(f"{k}: {v:.3f}" for k, v in history.get("losses", {}).items()))
     for step in history.get("resumes", []):
         print(f"resumed from committed checkpoint step {step}")
@@ -206,9 +218,11 @@ def _report(result: Any, storage: str, name: str, wall: float) -> None:
     except FileNotFoundError:
         print("goodput summary not written (see the MLflow run)")
         return
-    print(f"goodput {g['goodput']:.1%} of {g['total_s']:.1f}s ({g['failures']} failure(s), "
-          f"{g['steps_lost']} steps lost); checkpoint stall {g['seconds']['checkpoint_stall']:.2f}s, "
-          f"data stall {g['seconds']['data_stall']:.2f}s, restart downtime {g['seconds']['restart_downtime']:.1f}s")
+    print(
+        f"goodput {g['goodput']:.1%} of {g['total_s']:.1f}s ({g['failures']} failure(s), "
+        f"{g['steps_lost']} steps lost); checkpoint stall {g['seconds']['checkpoint_stall']:.2f}s, "
+        f"data stall {g['seconds']['data_stall']:.2f}s, restart downtime {g['seconds']['restart_downtime']:.1f}s"
+    )
 
 
 def main() -> None:
@@ -245,16 +259,30 @@ def run(args: argparse.Namespace) -> None:
     fail_at = args.fail_at if args.fail_at is not None else (35 if args.smoke else 0)
     # Smoke: worker output stays in Ray's log files (the killed worker's gloo traceback is
     # long); the summary below is printed from the final report and the goodput summary.
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, runtime_env={
-        "env_vars": {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2"}}) if args.smoke else ray.init(address=args.address)
+    ray.init(
+        address="local",
+        num_cpus=4,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2"}},
+    ) if args.smoke else ray.init(address=args.address)
     trainer = TorchTrainer(
         train_loop,
-        train_loop_config={"size": asdict(size), "data": data, "lr": 3e-3 if args.smoke else 3e-4,
-                           "fail_at": fail_at, "fault_dir": str(out / name / "_faults"),
-                           "loader_workers": 1 if args.smoke else 4},
+        train_loop_config={
+            "size": asdict(size),
+            "data": data,
+            "lr": 3e-3 if args.smoke else 3e-4,
+            "fail_at": fail_at,
+            "fault_dir": str(out / name / "_faults"),
+            "loader_workers": 1 if args.smoke else 4,
+        },
         scaling_config=ScalingConfig(num_workers=args.workers or (2 if args.smoke else 8), use_gpu=not args.smoke),
-        run_config=RunConfig(name=name, storage_path=storage, failure_config=FailureConfig(max_failures=3),
-                             callbacks=[GoodputCallback(tracking_uri=_tracking(out))]),
+        run_config=RunConfig(
+            name=name,
+            storage_path=storage,
+            failure_config=FailureConfig(max_failures=3),
+            callbacks=[GoodputCallback(tracking_uri=_tracking(out))],
+        ),
     )
     t0 = time.monotonic()
     result = trainer.fit()

@@ -40,17 +40,26 @@ __all__ = sorted(_EXPORTS)
 
 
 #: subpackages reachable as attributes (``ray_goodput.data.DataLoader`` after ``import ray_goodput``)
-_SUBPACKAGES = frozenset({"checkpoint", "cli", "data", "driver", "errors", "goodput", "plan", "runtime",
-                          "storage", "testing"})
+_SUBPACKAGES = frozenset(
+    {"checkpoint", "cli", "data", "driver", "errors", "goodput", "plan", "runtime", "storage", "testing"}
+)
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, _SUBPACKAGES)
 
 
 if TYPE_CHECKING:
-    from ray_goodput.checkpoint import (CheckpointInfo, Checkpointer, Manifest, RestoreInfo,
-                                        list_checkpoints)
+    from ray_goodput.checkpoint import Checkpointer, CheckpointInfo, Manifest, RestoreInfo, list_checkpoints
     from ray_goodput.driver import GoodputCallback, Recovery, TorchTrainer
-    from ray_goodput.errors import (CacheFullError, CheckpointCorruptError, CheckpointError,
-                                    ConfigError, DataError, GoodputError, IncompleteSaveError,
-                                    StateMismatchError, StorageError, StorageUnusableError)
+    from ray_goodput.errors import (
+        CacheFullError,
+        CheckpointCorruptError,
+        CheckpointError,
+        ConfigError,
+        DataError,
+        GoodputError,
+        IncompleteSaveError,
+        StateMismatchError,
+        StorageError,
+        StorageUnusableError,
+    )
     from ray_goodput.goodput import record_end, record_step

@@ -29,8 +29,14 @@ import signal
 from ray_goodput import _env
 from ray_goodput.errors import ConfigError, InjectedFault
 
-POINTS = ("save.copying", "save.queued", "upload.staging_write", "upload.mid_upload",
-          "commit.before_committed", "retention")
+POINTS = (
+    "save.copying",
+    "save.queued",
+    "upload.staging_write",
+    "upload.mid_upload",
+    "commit.before_committed",
+    "retention",
+)
 ACTIONS = ("kill", "raise")
 
 
@@ -46,7 +52,8 @@ def parse(spec: str) -> dict[str, tuple[float, str]]:
         if name not in POINTS or not 0.0 <= prob <= 1.0 or action not in ACTIONS or len(parts) > 3:
             raise ConfigError(
                 f"{_env.FAULT_VAR} entry {entry!r} is not 'name:probability[:action]' with a name "
-                f"in {POINTS}, 0 <= probability <= 1 and action in {ACTIONS}; fix or unset it")
+                f"in {POINTS}, 0 <= probability <= 1 and action in {ACTIONS}; fix or unset it"
+            )
         out[name] = (prob, action)
     return out
 

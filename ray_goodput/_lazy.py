@@ -8,8 +8,11 @@ from collections.abc import Callable
 from typing import Any
 
 
-def lazy_exports(package: str, exports: dict[str, str], subpackages: frozenset[str] = frozenset(),
-                 ) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
+def lazy_exports(
+    package: str,
+    exports: dict[str, str],
+    subpackages: frozenset[str] = frozenset(),
+) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
     """``(__getattr__, __dir__)`` for ``package``: ``exports`` maps a public name to the
     module that defines it (imported, and the name cached, at first access);
     ``subpackages`` are reachable as attributes."""
@@ -36,7 +39,7 @@ class LazyModule:
 
     ``ray = LazyModule("ray")`` in a module that needs Ray only once Ray is in use: a
     process that never touches it (a rank saving through the thread backend, a test
-    forked from a server) does not pay for ``import ray`` (~0.65 s on 2 cores), and a
+    forked from a server) does not pay for ``import ray`` (most of a second of CPU), and a
     process that does sees the real module. Ask :func:`imported` before asking the module
     anything whose answer is "no" when it was never imported (``ray.is_initialized()``).
     """

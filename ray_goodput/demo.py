@@ -1,4 +1,4 @@
-"""The quickstart job: 2 Ray Train workers train a small MLP (about 0.2 s a step here),
+"""The quickstart job: 2 Ray Train workers train a small MLP,
 save committed async checkpoints, lose one worker to a SIGKILL, resume from the last
 committed checkpoint, and print where the job's wall time went.
 
@@ -39,8 +39,9 @@ _IN, _HIDDEN = 64, 1024
 
 def _model() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(_IN, _HIDDEN), nn.GELU(), nn.Linear(_HIDDEN, _HIDDEN), nn.GELU(),
-                         nn.Linear(_HIDDEN, 1))
+    return nn.Sequential(
+        nn.Linear(_IN, _HIDDEN), nn.GELU(), nn.Linear(_HIDDEN, _HIDDEN), nn.GELU(), nn.Linear(_HIDDEN, 1)
+    )
 
 
 def _batch(step: int, rank: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,7 +103,7 @@ def train_loop(config: dict[str, Any]) -> None:
 def _ensure_experiment(tracking_uri: str, root: Path) -> None:
     """Create the MLflow experiment with its artifacts under ``root`` (else MLflow puts
     them in ``./mlruns`` of whichever process creates the experiment)."""
-    import mlflow  # here, not at the top: every training worker imports this module
+    import mlflow  # noqa: PLC0415 - here, not at the top: every training worker imports this module
 
     client = mlflow.MlflowClient(tracking_uri=tracking_uri)
     location = (root / "mlartifacts").as_uri()
@@ -115,7 +116,7 @@ def _ensure_experiment(tracking_uri: str, root: Path) -> None:
 
 def _chart_path(tracking_uri: str, name: str) -> str | None:
     """Local path of the run's goodput chart, when its artifact store is a directory."""
-    import mlflow
+    import mlflow  # noqa: PLC0415 - as above: not in every training worker
 
     client = mlflow.MlflowClient(tracking_uri=tracking_uri)
     exp = client.get_experiment_by_name(EXPERIMENT)
@@ -130,13 +131,17 @@ def _init_ray() -> None:
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
     if not ray.is_initialized():
         # Worker logs stay in Ray's log files; the demo prints its own summary.
-        ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level=logging.WARNING,
-                 log_to_driver=False,
-                 runtime_env={"env_vars": {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2"}})
+        ray.init(
+            address="local",
+            num_cpus=4,
+            include_dashboard=False,
+            logging_level=logging.WARNING,
+            log_to_driver=False,
+            runtime_env={"env_vars": {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2"}},
+        )
 
 
-def run(root: Path, *, steps: int = 120, every: int = 20, fail_at: int = 70,
-        batch_size: int = 1280) -> dict[str, Any]:
+def run(root: Path, *, steps: int = 120, every: int = 20, fail_at: int = 70, batch_size: int = 1280) -> dict[str, Any]:
     """Run the demo job; returns what happened (resume points, lost steps, goodput summary,
     checkpoint stalls, losses, chart path). ``batch_size`` sets the work per step."""
     root = root.resolve()
@@ -148,30 +153,48 @@ def run(root: Path, *, steps: int = 120, every: int = 20, fail_at: int = 70,
     _init_ray()
     trainer = TorchTrainer(
         train_loop,
-        train_loop_config={"steps": steps, "every": every, "fail_at": fail_at, "batch_size": batch_size,
-                           "marker_dir": str(marker_dir)},
+        train_loop_config={
+            "steps": steps,
+            "every": every,
+            "fail_at": fail_at,
+            "batch_size": batch_size,
+            "marker_dir": str(marker_dir),
+        },
         scaling_config=ScalingConfig(num_workers=2, use_gpu=False),
-        run_config=RunConfig(name=name, storage_path=str(root),
-                             failure_config=FailureConfig(max_failures=2),
-                             callbacks=[GoodputCallback(tracking_uri=tracking_uri, experiment_name=EXPERIMENT)]),
+        run_config=RunConfig(
+            name=name,
+            storage_path=str(root),
+            failure_config=FailureConfig(max_failures=2),
+            callbacks=[GoodputCallback(tracking_uri=tracking_uri, experiment_name=EXPERIMENT)],
+        ),
     )
     started = time.monotonic()
     result = trainer.fit()
     wall = time.monotonic() - started
     notes = json.loads((marker_dir / "progress.json").read_text())
     goodput_file = root / name / "goodput" / "summary.json"
-    return {"run_dir": str(root / name), "wall_s": wall, "name": name, "tracking_uri": tracking_uri,
-            "goodput": json.loads(goodput_file.read_text()) if goodput_file.exists() else None,
-            "resumes": notes.get("resumes", []), "last_step": notes.get("last_step"),
-            "stalls": notes.get("stalls", {}), "first_loss": notes.get("first_loss"),
-            "last_loss": notes.get("last_loss"), "chart": _chart_path(tracking_uri, name),
-            "checkpoint": result.checkpoint.path if result.checkpoint else None,
-            "metrics": result.metrics}
+    return {
+        "run_dir": str(root / name),
+        "wall_s": wall,
+        "name": name,
+        "tracking_uri": tracking_uri,
+        "goodput": json.loads(goodput_file.read_text()) if goodput_file.exists() else None,
+        "resumes": notes.get("resumes", []),
+        "last_step": notes.get("last_step"),
+        "stalls": notes.get("stalls", {}),
+        "first_loss": notes.get("first_loss"),
+        "last_loss": notes.get("last_loss"),
+        "chart": _chart_path(tracking_uri, name),
+        "checkpoint": result.checkpoint.path if result.checkpoint else None,
+        "metrics": result.metrics,
+    }
 
 
 def _print_goodput(w: Any, g: dict[str, Any]) -> None:
-    w(f"\ngoodput {g['goodput']:.1%} of {g['total_s']:.1f}s wall time "
-      f"({g['attempts']} attempts, {g['failures']} failure(s), {g['steps_lost']} steps lost and redone)\n")
+    w(
+        f"\ngoodput {g['goodput']:.1%} of {g['total_s']:.1f}s wall time "
+        f"({g['attempts']} attempts, {g['failures']} failure(s), {g['steps_lost']} steps lost and redone)\n"
+    )
     w(f"| {'bucket':<17} | {'seconds':>7} | {'share':>6} |\n|{'-' * 19}|{'-' * 8}:|{'-' * 7}:|\n")
     for bucket, seconds in g["seconds"].items():
         w(f"| {bucket:<17} | {seconds:7.1f} | {seconds / g['total_s']:6.1%} |\n")
@@ -180,8 +203,10 @@ def _print_goodput(w: Any, g: dict[str, Any]) -> None:
 def _print(out: dict[str, Any], fail_at: int) -> None:
     w = sys.stdout.write
     w(f"run directory: {out['run_dir']}\n")
-    w(f"trained {out['last_step']} steps with 2 workers in {out['wall_s']:.1f}s "
-      f"(loss {out['first_loss']:.4f} -> {out['last_loss']:.4f})\n")
+    w(
+        f"trained {out['last_step']} steps with 2 workers in {out['wall_s']:.1f}s "
+        f"(loss {out['first_loss']:.4f} -> {out['last_loss']:.4f})\n"
+    )
     w(f"worker rank 1 killed at step {fail_at} (SIGKILL)\n")
     for r in out["resumes"]:
         w(f"resumed from committed checkpoint step {r['from_step']}; steps lost: {r['lost']}\n")
@@ -205,7 +230,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--fail-at", type=int, default=70, help="kill worker rank 1 at this step, once")
     parser.add_argument("--batch-size", type=int, default=1280, help="samples per worker per step (work per step)")
     args = parser.parse_args(list(argv) if argv is not None else None)
-    out = run(Path(args.root), steps=args.steps, every=args.every, fail_at=args.fail_at,
-              batch_size=args.batch_size)
+    out = run(Path(args.root), steps=args.steps, every=args.every, fail_at=args.fail_at, batch_size=args.batch_size)
     _print(out, args.fail_at)
     return 0

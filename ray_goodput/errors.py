@@ -60,8 +60,7 @@ class CacheFullError(StorageError):
 
 
 #: Errors that a restart of the run cannot fix: the message says what to change.
-NOT_RETRYABLE: tuple[type[GoodputError], ...] = (ConfigError, StateMismatchError, DataError,
-                                                 StorageUnusableError)
+NOT_RETRYABLE: tuple[type[GoodputError], ...] = (ConfigError, StateMismatchError, DataError, StorageUnusableError)
 
 
 def causes(exc: BaseException) -> list[BaseException]:

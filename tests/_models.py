@@ -45,9 +45,12 @@ def full_state(model: nn.Module, optim: torch.optim.Optimizer) -> dict:
     msd, osd = get_state_dict(model, optim, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if dist.is_initialized() and dist.get_rank() != 0:
         return None
-    return {"model": {k: v.clone() for k, v in msd.items()},
-            "optim": {k: {n: (t.clone() if torch.is_tensor(t) else t) for n, t in s.items()}
-                      for k, s in osd["state"].items()}}
+    return {
+        "model": {k: v.clone() for k, v in msd.items()},
+        "optim": {
+            k: {n: (t.clone() if torch.is_tensor(t) else t) for n, t in s.items()} for k, s in osd["state"].items()
+        },
+    }
 
 
 def assert_same(a: dict, b: dict) -> None:

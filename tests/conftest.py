@@ -74,8 +74,7 @@ class S3Server:
         import pyarrow.fs as pafs
 
         bucket = f"b-{uuid.uuid4().hex[:12]}"
-        fs = pafs.S3FileSystem(endpoint_override=self.endpoint, scheme="http",
-                               allow_bucket_creation=True)
+        fs = pafs.S3FileSystem(endpoint_override=self.endpoint, scheme="http", allow_bucket_creation=True)
         fs.create_dir(bucket)
         path = f"{bucket}/{prefix}".rstrip("/")
         return f"s3://{path}?endpoint_override={self.endpoint}&scheme=http"
@@ -94,14 +93,21 @@ def s3_server():
 
 # ---- one shared Ray per kind --------------------------------------------------------------
 
+
 def _shared_ray():
-    global _shared
+    global _shared  # noqa: PLW0603 - one Ray instance per test session, made on first use
     if _shared is None:
         from ray_goodput.testing._ray import SharedRay
 
-        _shared = SharedRay(runtime_env={"env_vars": {
-            "PYTHONPATH": ROOT, "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.1",
-            "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}})
+        _shared = SharedRay(
+            runtime_env={
+                "env_vars": {
+                    "PYTHONPATH": ROOT,
+                    "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.1",
+                    "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
+                }
+            }
+        )
     return _shared
 
 
@@ -157,8 +163,9 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 def _start_early(item: pytest.Item) -> tuple[subprocess.Popen, Path]:
     marker = item.get_closest_marker("early")
     if len(marker.args) != 1 or not callable(marker.args[0]):
-        raise pytest.UsageError(f"{item.nodeid}: use @pytest.mark.early.with_args(start), "
-                                "start(directory) -> subprocess.Popen")
+        raise pytest.UsageError(
+            f"{item.nodeid}: use @pytest.mark.early.with_args(start), start(directory) -> subprocess.Popen"
+        )
     directory = Path(tempfile.mkdtemp(prefix="ray_goodput-early-"))
     _early[item.nodeid] = (marker.args[0](directory), directory)
     return _early[item.nodeid]
@@ -212,7 +219,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 def _end_node_services() -> None:
     """End the per-node uploader and cache actors (detached: they would outlive the
     module and show up in the next module's status and lookups)."""
-    from ray_goodput.checkpoint._uploader import KIND as UPLOADER
+    from ray_goodput.checkpoint.uploader._actor import KIND as UPLOADER
     from ray_goodput.data._cache_actor import KIND as CACHE
     from ray_goodput.runtime import _services
 

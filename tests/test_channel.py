@@ -1,6 +1,6 @@
-"""The worker-to-uploader socket (``checkpoint/_channel.py``) between real processes and
+"""The worker-to-uploader socket (``checkpoint/uploader/_channel.py``) between real processes and
 threads, with stand-in handlers for the uploader's side (its real use is in
-test_uploader_faults and test_checkpoint_speed_paths); and, as pure logic, how the uploader
+test_uploader_faults and test_uploader); and, as pure logic, how the uploader
 answers for the jobs of a broken connection."""
 
 from __future__ import annotations
@@ -15,10 +15,14 @@ from types import SimpleNamespace
 
 import pytest
 
-from ray_goodput.checkpoint import _channel
-from ray_goodput.checkpoint._backends import Handoff
-from ray_goodput.checkpoint._channel import (ChannelClient, ChannelServer, UploaderExitingError,
-                                             UploaderGoneError)
+from ray_goodput.checkpoint.save._handoff import Handoff
+from ray_goodput.checkpoint.uploader import _channel
+from ray_goodput.checkpoint.uploader._channel import (
+    ChannelClient,
+    ChannelServer,
+    UploaderExitingError,
+    UploaderGoneError,
+)
 from ray_goodput.errors import CheckpointError
 from ray_goodput.testing import wait_for
 
@@ -58,8 +62,9 @@ def _handoff(key: str) -> Handoff:
 
 def _client_telling(uploader: _Uploader, lost: list) -> ChannelClient:
     """A client whose broken connection appends (conn, jobs) to ``lost``."""
-    return ChannelClient(uploader.server.path, (os.getpid(), None, "t"), 10,
-                         on_lost=lambda conn, jobs: lost.append((conn, jobs)))
+    return ChannelClient(
+        uploader.server.path, (os.getpid(), None, "t"), 10, on_lost=lambda conn, jobs: lost.append((conn, jobs))
+    )
 
 
 @pytest.fixture
@@ -182,8 +187,8 @@ _SUBMIT_AND_DIE = """
 import os, signal, sys
 from concurrent.futures import Future
 from types import SimpleNamespace
-from ray_goodput.checkpoint._backends import Handoff
-from ray_goodput.checkpoint._channel import ChannelClient
+from ray_goodput.checkpoint.save._handoff import Handoff
+from ray_goodput.checkpoint.uploader._channel import ChannelClient
 client = ChannelClient(sys.argv[1], (os.getpid(), None, "t"), 10)
 for key in ("first", "second"):
     client.submit(key, None, Handoff(released=Future(), durable=Future(), key=key))
@@ -193,7 +198,7 @@ os.kill(os.getpid(), signal.SIGKILL)
 
 _FORK_THEN_DIE = """
 import os, signal, sys, time
-from ray_goodput.checkpoint._channel import ChannelClient
+from ray_goodput.checkpoint.uploader._channel import ChannelClient
 client = ChannelClient(sys.argv[1], (os.getpid(), None, "t"), 10)
 child = os.fork()
 if child == 0:  # a DataLoader worker: lives on a while after its parent is killed
@@ -208,13 +213,17 @@ os.kill(os.getpid(), signal.SIGKILL)
 def test_a_killed_workers_connection_ends_while_its_forked_children_live(uploader):
     # A forked child holding a copy of the socket kept the connection open: the uploader
     # counted a dead worker as a live client until its DataLoader children exited.
-    proc = subprocess.run([sys.executable, "-c", _FORK_THEN_DIE, uploader.server.path],
-                          timeout=120, capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", _FORK_THEN_DIE, uploader.server.path], timeout=120, capture_output=True, text=True
+    )
     assert proc.returncode == -9, proc.stderr
     child = int(proc.stdout.split()[0])
     try:
-        wait_for(lambda: uploader.closed == [False], timeout_s=10,
-                 what="the killed worker's connection closing while its child lives")
+        wait_for(
+            lambda: uploader.closed == [False],
+            timeout_s=10,
+            what="the killed worker's connection closing while its child lives",
+        )
         assert os.path.exists(f"/proc/{child}")
     finally:
         os.kill(child, 9)
@@ -225,8 +234,9 @@ def test_a_job_written_before_its_worker_was_killed_is_still_read(uploader):
     # first job when the worker is SIGKILLed, so the second frame is read only after its
     # writer is dead (the kernel keeps it in the socket's queue), and then the close.
     uploader.gate.clear()
-    child = subprocess.run([sys.executable, "-c", _SUBMIT_AND_DIE, uploader.server.path],
-                           timeout=120, capture_output=True, text=True)
+    child = subprocess.run(
+        [sys.executable, "-c", _SUBMIT_AND_DIE, uploader.server.path], timeout=120, capture_output=True, text=True
+    )
     assert child.returncode == -9, child.stderr
     assert uploader.requests == [] and uploader.closed == []
     uploader.gate.set()
@@ -241,8 +251,9 @@ def test_a_send_cut_midway_ends_the_connection_instead_of_leaving_a_partial_fram
     uploader.gate.clear()
     lost: list = []
     # The hello gets 10 s (a loaded machine); the sends get the 1 s bound under test.
-    client = ChannelClient(uploader.server.path, (os.getpid(), None, "t"), 10,
-                           on_lost=lambda conn, jobs: lost.append((conn, jobs)))
+    client = ChannelClient(
+        uploader.server.path, (os.getpid(), None, "t"), 10, on_lost=lambda conn, jobs: lost.append((conn, jobs))
+    )
     _channel._bound_sends(client._sock, 1)
     running = _handoff("job-1")
     client.submit("job-1", None, running)
@@ -271,7 +282,7 @@ def test_a_connection_that_breaks_while_a_job_is_pickled_leaves_that_job_to_its_
     class _BreaksTheConnection:
         def __reduce__(self):
             uploader.peers[0].sock.shutdown(socket.SHUT_RDWR)
-            client._reader.join(10)  # noqa: SLF001 - the reader saw the end and failed what it had
+            client._reader.join(10)  # the reader saw the end and failed what it had
             return (str, ("job",))
 
     with pytest.raises(UploaderGoneError):
@@ -294,7 +305,7 @@ def test_a_request_nobody_answers_raises_timeout_naming_it(uploader):
 
 def _bare_uploader():
     """A CheckpointUploader without its actor, socket or watchdog (nor its os.nice)."""
-    from ray_goodput.checkpoint._uploader import CheckpointUploader
+    from ray_goodput.checkpoint.uploader._actor import CheckpointUploader
 
     up = CheckpointUploader.__new__(CheckpointUploader)
     up.node_id, up._lock = "node", threading.Lock()
@@ -303,17 +314,18 @@ def _bare_uploader():
 
 
 def _ended_ticket(key: str, owner_pid: int, origin: str, result=None):
-    from ray_goodput.checkpoint._lane import Ticket
+    from ray_goodput.checkpoint.uploader._rank_queue import Ticket
 
-    ticket = Ticket(SimpleNamespace(key=key, slots=(), step=1, rank=0, nonce="n", owner_pid=owner_pid))
+    ticket = Ticket(SimpleNamespace(key=key, slots=(), step=1, rank=0, save_id="n", owner_pid=owner_pid))
     ticket.origin = origin
     ticket.finish(result, None)
     return ticket
 
 
 def _dead_pid() -> int:
-    proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                          capture_output=True, text=True, timeout=60, check=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, timeout=60, check=True
+    )
     return int(proc.stdout)
 
 
@@ -345,7 +357,7 @@ def test_an_ended_job_keeps_the_uploader_up_only_while_its_worker_lives_to_colle
     up = _bare_uploader()
     dead = _dead_pid()
     up._jobs["mine"] = _ended_ticket("mine", os.getpid(), origin="c1")  # its worker will ask
-    up._jobs["theirs"] = _ended_ticket("theirs", dead, origin="c2")     # nobody will
+    up._jobs["theirs"] = _ended_ticket("theirs", dead, origin="c2")  # nobody will
     up._clients = {(dead, "t")}
     assert up._live_clients() == 1
     assert list(up._jobs) == ["mine"] and up._clients == set()
@@ -357,7 +369,7 @@ def test_a_broken_connections_jobs_fail_when_the_actor_cannot_even_be_asked_and_
     # Ray itself going away makes .remote() raise: the jobs must end (their saves fail
     # on every rank through wait()) rather than wait for an answer that never comes, and
     # their arenas stay held, since the uploader may still be writing from them.
-    from ray_goodput.checkpoint._actor_backend import ActorBackend
+    from ray_goodput.checkpoint.uploader._client import ActorBackend
 
     class _Gone:
         def remote(self, *args):

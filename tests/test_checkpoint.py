@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from ray_goodput import Checkpointer, list_checkpoints
-from ray_goodput.checkpoint import _catalog, _layout
+from ray_goodput.checkpoint.protocol import _catalog, _layout
+from ray_goodput.checkpoint.save._state_dict import restore_cuda_rng
+from ray_goodput.checkpoint.uploader._shard_job import write_local
+from ray_goodput.checkpoint.uploader._thread_backend import ThreadBackend
 from ray_goodput.errors import CheckpointError, ConfigError, StateMismatchError, StorageUnusableError
-from ray_goodput.checkpoint._backends import ThreadBackend
-from ray_goodput.checkpoint._job import write_local
 from ray_goodput.storage import RetryPolicy, list_dir, resolve
 from ray_goodput.testing import free_port, kill_self, run_world, wait_for
 from tests._models import assert_same, full_state, make_model, train_steps, wrap
@@ -68,11 +69,17 @@ def test_round_trip_bit_for_bit_with_rng_and_extras(root, tmp_path):
     assert_same(full_state(state["model"], state["optim"]), full_state(fresh["model"], fresh["optim"]))
 
 
+def test_restore_cuda_rng_on_a_machine_without_devices_restores_none():
+    # CPU CI: the per-device loop runs and sets nothing (device_count() == 0).
+    assert restore_cuda_rng([torch.zeros(16, dtype=torch.uint8)] * 2) == 0
+
+
 def test_a_save_before_the_first_optimizer_step_changes_neither_training_nor_the_restored_run(tmp_path):
     """Saving an AdamW that had not stepped gave it state (step 1, zero moments): DCP's
     optimizer state dict initializes one to have something to save. The run that saved at
     step 0 then used step 2's bias correction at its first step, and so did a run restored
     from that save: both drifted from a run that never saved."""
+
     def adamw() -> dict:
         model = make_model(0)
         return {"model": model, "optim": torch.optim.AdamW(model.parameters(), lr=1e-2)}
@@ -84,16 +91,16 @@ def test_a_save_before_the_first_optimizer_step_changes_neither_training_nor_the
         ckpt.save(0, saved)
         assert len(saved["optim"].state) == 0
         train_steps(saved["model"], saved["optim"], 2, rank=0)
-    assert_same(full_state(never_saved["model"], never_saved["optim"]),
-                full_state(saved["model"], saved["optim"]))
+    assert_same(full_state(never_saved["model"], never_saved["optim"]), full_state(saved["model"], saved["optim"]))
     restored = adamw()
     train_steps(restored["model"], restored["optim"], 1, rank=0)  # stepped, then restored
     with Checkpointer(str(tmp_path / "root"), staging_dir=str(tmp_path / "b"), uploader="thread") as ckpt:
         assert ckpt.restore(restored) == 0
     assert len(restored["optim"].state) == 0
     train_steps(restored["model"], restored["optim"], 2, rank=0)
-    assert_same(full_state(never_saved["model"], never_saved["optim"]),
-                full_state(restored["model"], restored["optim"]))
+    assert_same(
+        full_state(never_saved["model"], never_saved["optim"]), full_state(restored["model"], restored["optim"])
+    )
 
 
 def _save_unstepped_sharded(rank: int, world: int, root: str, stage: str) -> int:
@@ -325,6 +332,11 @@ def test_bad_arguments_name_the_fix(tmp_path):
             ckpt.save(5, _state(0))
 
 
+def test_sync_every_is_validated(tmp_path):
+    with pytest.raises(Exception, match="sync_every"):
+        Checkpointer(str(tmp_path), sync_every=0, uploader="thread")
+
+
 def test_state_mismatch_is_not_retryable(tmp_path):
     root = str(tmp_path / "r")
     with Checkpointer(root, staging_dir=str(tmp_path / "s")) as ckpt:
@@ -336,6 +348,7 @@ def test_state_mismatch_is_not_retryable(tmp_path):
 
 
 # ---- a crash between shards (real process killed) ---------------------------------------
+
 
 class _DieBeforeUpload(ThreadBackend):
     """Upload backend of a rank that is SIGKILLed after its shard is written locally."""
@@ -364,8 +377,9 @@ def _crash_between_shards(rank: int, world: int, root: str, stage: str) -> None:
     ckpt.save(20, state)
     if rank == 0:  # its shard lands; it must never commit without rank 1's
         step_loc = _catalog.step_location(resolve(root), 20)
-        wait_for(lambda: list_dir(step_loc, _layout.RANKS_DIR), timeout_s=120,
-                 what="rank 0's durable marker of step 20")
+        wait_for(
+            lambda: list_dir(step_loc, _layout.RANKS_DIR), timeout_s=120, what="rank 0's durable marker of step 20"
+        )
         kill_self()  # the rest of the job is gone too
     raise AssertionError(f"rank {rank} outlived its injected crash")
 
@@ -384,8 +398,7 @@ def test_crash_between_shards_is_never_restored_and_is_collected(tmp_path):
     run_world(_crash_between_shards, 2, root, stage, allow_deaths=True)
     infos = {i.step: i.committed for i in list_checkpoints(root)}
     assert infos == {10: True, 20: False}
-    names = {i.path.rsplit("/", 1)[-1] for i in list_dir(_catalog.step_location(resolve(root), 20),
-                                                         recursive=True)}
+    names = {i.path.rsplit("/", 1)[-1] for i in list_dir(_catalog.step_location(resolve(root), 20), recursive=True)}
     assert any(n.startswith("__0_") for n in names) and not any(n.startswith("__1_") for n in names)
     assert run_world(_restore_then_save, 2, root, stage) == [10, 10]
     assert {i.step: i.committed for i in list_checkpoints(root)} == {10: True, 30: True}
@@ -394,19 +407,23 @@ def test_crash_between_shards_is_never_restored_and_is_collected(tmp_path):
 def test_a_step_saved_again_after_a_restart_never_mixes_with_the_old_save(tmp_path):
     """An earlier attempt left step 2 half-written (one rank durable); the new attempt
     saves step 2 again: the stale rank's files must not be combined with the new ones."""
-    from ray_goodput.checkpoint._manifest import RankMarker, write_rank_marker
+    from ray_goodput.checkpoint.protocol._manifest import RankMarker, write_rank_marker
     from ray_goodput.storage import FileEntry
 
     root = str(tmp_path / "root")
     step_loc = _catalog.step_location(resolve(root), 2)
-    write_rank_marker(step_loc, RankMarker(step=2, rank=0, world_size=1, created=1.0, nonce="stale",
-                                           files=(FileEntry("__0_stale.distcp", 3, 0),)))
+    write_rank_marker(
+        step_loc,
+        RankMarker(
+            step=2, rank=0, world_size=1, created=1.0, save_id="stale", files=(FileEntry("__0_stale.distcp", 3, 0),)
+        ),
+    )
     state = _state(0)
     with Checkpointer(root, staging_dir=str(tmp_path / "s")) as ckpt:
         ckpt.save(2, state)
         ckpt.wait()
     manifest = _catalog.read_manifest(step_loc)
-    assert manifest.nonce != "stale" and not any("stale" in f.name for f in manifest.files)
+    assert manifest.save_id != "stale" and not any("stale" in f.name for f in manifest.files)
     fresh = _state(9)
     with Checkpointer(root, staging_dir=str(tmp_path / "other")) as ckpt:
         assert ckpt.restore(fresh) == 2

@@ -52,8 +52,7 @@ def saved(tmp_path_factory):
     two = {"ddp": str(base / "ddp-w2"), "fsdp": str(base / "fsdp-w2")}
     state_one = _save(0, 1, one, "plain")
     state_two = run_world(_save_both_modes, 2, two)[0]
-    return {1: ({"ddp": one, "fsdp": one}, {"ddp": state_one, "fsdp": state_one}),
-            2: (two, state_two)}
+    return {1: ({"ddp": one, "fsdp": one}, {"ddp": state_one, "fsdp": state_one}), 2: (two, state_two)}
 
 
 def _check(case: str, result: tuple, saved_state: dict, saved_on: int) -> None:

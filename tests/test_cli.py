@@ -14,8 +14,7 @@ from ray_goodput.cli import main
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ray_goodput.cli", *args],
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, "-m", "ray_goodput.cli", *args], capture_output=True, text=True, timeout=120)
 
 
 def _run(capsys, *args: str) -> tuple[int, str, str]:
@@ -38,8 +37,7 @@ def test_ls_and_verify(tmp_path, capsys):
     assert code == 0, err
     lines = out.splitlines()
     assert "STEP" in lines[0]
-    assert [ln.split()[:2] for ln in lines[1:]] == [["5", "committed"], ["10", "committed"],
-                                                    ["15", "uncommitted"]]
+    assert [ln.split()[:2] for ln in lines[1:]] == [["5", "committed"], ["10", "committed"], ["15", "uncommitted"]]
     code, out, _ = _run(capsys, "verify", root)
     assert code == 0 and "step 10: ok" in out, out
     (shard,) = (tmp_path / "root/checkpoints/step-000000010").glob("__0_*.distcp")

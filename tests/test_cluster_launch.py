@@ -51,6 +51,7 @@ NUM_FILES, FEATURES, BATCH, EPOCHS = 8, 4, 2, 2
 
 # ---- the driver (run as a subprocess: python tests/test_cluster_launch.py ...) -------------
 
+
 def _decode(raw: bytes) -> Any:
     import torch
 
@@ -67,8 +68,9 @@ def _snapshot(out: Path, step: int) -> None:
     nodes: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(nodes, node)
     if dist.get_rank() == 0:
-        names = sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                       if a["namespace"] == NAMESPACE)
+        names = sorted(
+            a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == NAMESPACE
+        )
         out.write_text(json.dumps({"rank_nodes": nodes, "actors": names, "steps": step}))
     dist.barrier()  # the other ranks keep their clients open until the listing is done
 
@@ -82,8 +84,7 @@ def _train(config: dict[str, Any]) -> None:
     from ray_goodput.data import CacheConfig, DataLoader, FileDataset
 
     torch.set_num_threads(1)
-    dataset = FileDataset(config["data"], decode=_decode, seed=0,
-                          cache=CacheConfig(capacity_bytes=1 << 26))
+    dataset = FileDataset(config["data"], decode=_decode, seed=0, cache=CacheConfig(capacity_bytes=1 << 26))
     loader = DataLoader(dataset, batch_size=BATCH, num_workers=0)
     model = prepare_model(nn.Linear(FEATURES, 1))
     optim = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -114,7 +115,7 @@ def _drive(address: str, data: str, work: Path, uri: str) -> None:
     from ray.train import FailureConfig, RunConfig, ScalingConfig
 
     import ray_goodput
-    from ray_goodput.checkpoint._ray_report import POINTER_FILE
+    from ray_goodput.checkpoint.save._ray_report import POINTER_FILE
     from ray_goodput.data import cache_status
     from ray_goodput.runtime import _services
 
@@ -124,10 +125,15 @@ def _drive(address: str, data: str, work: Path, uri: str) -> None:
     print(f"head {head} ({before.get(head, 0):g} CPUs); nodes before fit: {len(before)}", flush=True)
     started = time.monotonic()
     trainer = ray_goodput.TorchTrainer(
-        _train, train_loop_config={"data": data, "out": str(work / "in_loop.json"), "uri": uri},
+        _train,
+        train_loop_config={"data": data, "out": str(work / "in_loop.json"), "uri": uri},
         scaling_config=ScalingConfig(num_workers=2, use_gpu=False, resources_per_worker={"CPU": 1}),
-        run_config=RunConfig(name="fake", storage_path=str(work / "runs"),
-                             failure_config=FailureConfig(max_failures=0, controller_failure_limit=1)))
+        run_config=RunConfig(
+            name="fake",
+            storage_path=str(work / "runs"),
+            failure_config=FailureConfig(max_failures=0, controller_failure_limit=1),
+        ),
+    )
     result = trainer.fit()
     fit_s = time.monotonic() - started
     seen = json.loads((work / "in_loop.json").read_text())
@@ -144,14 +150,28 @@ def _drive(address: str, data: str, work: Path, uri: str) -> None:
     for rank, node in enumerate(seen["rank_nodes"]):
         print(f"rank {rank} ran on node {node} ({after.get(node, 0):g} CPU)", flush=True)
     print(f"actors in namespace {NAMESPACE}: {' '.join(seen['actors'])}", flush=True)
-    print(f"fit {fit_s:.1f}s, {seen['steps']} steps, committed checkpoints {steps}, "
-          f"error {result.error!r}", flush=True)
-    (work / "driver.json").write_text(json.dumps({
-        "head": head, "before": before, "after": after, "fit_s": fit_s, "error": repr(result.error),
-        "committed": steps, "world_sizes": [w for _, w in committed], "caches": caches, "pointer": pointer, "uploaders_left": uploaders_left, **seen}))
+    print(f"fit {fit_s:.1f}s, {seen['steps']} steps, committed checkpoints {steps}, error {result.error!r}", flush=True)
+    (work / "driver.json").write_text(
+        json.dumps(
+            {
+                "head": head,
+                "before": before,
+                "after": after,
+                "fit_s": fit_s,
+                "error": repr(result.error),
+                "committed": steps,
+                "world_sizes": [w for _, w in committed],
+                "caches": caches,
+                "pointer": pointer,
+                "uploaders_left": uploaders_left,
+                **seen,
+            }
+        )
+    )
 
 
 # ---- the cluster -----------------------------------------------------------------------
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -187,6 +207,7 @@ def _end_tagged(tag: str) -> list[int]:
         time.sleep(0.2)
     return _tagged_pids(tag)
 
+
 class FakeCluster:
     """A head started by ``ray start`` with the fake_multinode autoscaler, in ``work``."""
 
@@ -203,35 +224,60 @@ class FakeCluster:
         (work / "cluster.yaml").write_text(yaml.safe_dump(config))
         token = work / "auth_token"  # token auth on, with this cluster's own token
         token.write_text(secrets.token_hex(32))
-        self.env = {**os.environ, "RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": "1",
-                    TAG_VAR: self.tag, "RAY_USAGE_STATS_ENABLED": "0",
-                    "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token),
-                    # the controller waits for the autoscaler (slow on a loaded machine)
-                    "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "150",
-                    "RAY_GOODPUT_STAGING_DIR": str(work / "staging"),
-                    "RAY_GOODPUT_CACHE_DIR": str(work / "cache")}
+        self.env = {
+            **os.environ,
+            "RAY_FAKE_CLUSTER": "1",
+            "AUTOSCALER_UPDATE_INTERVAL_S": "1",
+            TAG_VAR: self.tag,
+            "RAY_USAGE_STATS_ENABLED": "0",
+            "RAY_AUTH_MODE": "token",
+            "RAY_AUTH_TOKEN_PATH": str(token),
+            # the controller waits for the autoscaler (slow on a loaded machine)
+            "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "150",
+            "RAY_GOODPUT_STAGING_DIR": str(work / "staging"),
+            "RAY_GOODPUT_CACHE_DIR": str(work / "cache"),
+        }
         self.command = [
-            "ray", "start", "--head", f"--port={port}", "--num-cpus=0",
-            f"--autoscaling-config={work / 'cluster.yaml'}", f"--temp-dir={work / 'ray'}",
-            "--include-dashboard=false", f"--ray-client-server-port={_free_port()}",
-            f"--dashboard-agent-listen-port={_free_port()}", "--object-store-memory=100000000"]
+            "ray",
+            "start",
+            "--head",
+            f"--port={port}",
+            "--num-cpus=0",
+            f"--autoscaling-config={work / 'cluster.yaml'}",
+            f"--temp-dir={work / 'ray'}",
+            "--include-dashboard=false",
+            f"--ray-client-server-port={_free_port()}",
+            f"--dashboard-agent-listen-port={_free_port()}",
+            "--object-store-memory=100000000",
+        ]
 
     def start(self) -> str:
-        done = subprocess.run(self.command, env=self.env, capture_output=True, text=True,
-                              timeout=START_TIMEOUT_S)
+        done = subprocess.run(self.command, env=self.env, capture_output=True, text=True, timeout=START_TIMEOUT_S)
         assert done.returncode == 0, f"ray start failed:\n{done.stdout}\n{done.stderr}"
         print("RAY_FAKE_CLUSTER=1", " ".join(self.command))
         return done.stdout
 
     def drive(self, data: Path, uri: str) -> subprocess.CompletedProcess:
-        command = [sys.executable, __file__, "--address", self.address, "--data", str(data),
-                   "--work", str(self.work), "--uri", uri]
+        command = [
+            sys.executable,
+            __file__,
+            "--address",
+            self.address,
+            "--data",
+            str(data),
+            "--work",
+            str(self.work),
+            "--uri",
+            uri,
+        ]
         try:
-            return subprocess.run(command, env=self.env, cwd=REPO, capture_output=True, text=True,
-                                  timeout=DRIVER_TIMEOUT_S)
+            return subprocess.run(
+                command, env=self.env, cwd=REPO, capture_output=True, text=True, timeout=DRIVER_TIMEOUT_S
+            )
         except subprocess.TimeoutExpired as exc:
-            raise AssertionError(f"the driver did not finish within {DRIVER_TIMEOUT_S}s; "
-                                 f"output:\n{exc.stdout}\n{exc.stderr}") from exc
+            raise AssertionError(
+                f"the driver did not finish within {DRIVER_TIMEOUT_S}s; output:\n{exc.stdout}\n{exc.stderr}"
+            ) from exc
 
     def stop(self) -> list[int]:
         return _end_tagged(self.tag)

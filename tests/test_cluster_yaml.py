@@ -76,13 +76,16 @@ def _run_node(tmp_path: Path, kind: str, lsblk_out: str) -> tuple[list[dict], Pa
         source = Path(os.path.expanduser(local)) if local.startswith("~") else REPO / local
         if source.exists():
             target.symlink_to(source.resolve())
-    commands = (config["initialization_commands"] + config["setup_commands"]
-                + config[f"{kind}_setup_commands"] + config[f"{kind}_start_ray_commands"])
+    commands = (
+        config["initialization_commands"]
+        + config["setup_commands"]
+        + config[f"{kind}_setup_commands"]
+        + config[f"{kind}_start_ray_commands"]
+    )
     env = {"PATH": f"{bindir}:/usr/bin:/bin", "HOME": str(home), "RAY_HEAD_IP": "10.0.0.1"}
     errors = []
     for command in commands:
-        done = subprocess.run(["bash", "-c", command], env=env, cwd=home, capture_output=True,
-                              text=True, timeout=60)
+        done = subprocess.run(["bash", "-c", command], env=env, cwd=home, capture_output=True, text=True, timeout=60)
         assert done.returncode == 0, f"{command!r} failed: {done.stderr}"
         errors.append(done.stderr)
     return [json.loads(line) for line in log.read_text().splitlines()], home, errors
@@ -92,19 +95,33 @@ def _ray_starts(calls: list[dict]) -> list[dict]:
     return [c for c in calls if c["cmd"] == "ray" and c["args"][:1] == ["start"]]
 
 
-NVME = "nvme0n1 Amazon Elastic Block Store\nnvme1n1 Amazon EC2 NVMe Instance Storage\nnvme2n1 Amazon EC2 NVMe Instance Storage\n"
+NVME = (
+    "nvme0n1 Amazon Elastic Block Store\n"
+    "nvme1n1 Amazon EC2 NVMe Instance Storage\n"
+    "nvme2n1 Amazon EC2 NVMe Instance Storage\n"
+)
 
 
 @pytest.mark.parametrize("kind", ["head", "worker"])
 def test_staging_and_cache_variables_reach_ray_start_on_the_nvme_raid(tmp_path, kind):
     calls, _, _ = _run_node(tmp_path, kind, NVME)
     (start,) = _ray_starts(calls)
-    assert start["env"] == {"RAY_GOODPUT_STAGING_DIR": "/mnt/nvme/ray_goodput/staging",
-                            "RAY_GOODPUT_CACHE_DIR": "/mnt/nvme/ray_goodput/cache",
-                            "RAY_AUTH_MODE": "token"}
+    assert start["env"] == {
+        "RAY_GOODPUT_STAGING_DIR": "/mnt/nvme/ray_goodput/staging",
+        "RAY_GOODPUT_CACHE_DIR": "/mnt/nvme/ray_goodput/cache",
+        "RAY_AUTH_MODE": "token",
+    }
     sudo = [c["args"] for c in calls if c["cmd"] == "sudo"]
-    assert ["mdadm", "--create", "/dev/md0", "--level=0", "--force", "--raid-devices=2",
-            "/dev/nvme1n1", "/dev/nvme2n1"] in sudo  # instance store only, not the EBS root
+    assert [
+        "mdadm",
+        "--create",
+        "/dev/md0",
+        "--level=0",
+        "--force",
+        "--raid-devices=2",
+        "/dev/nvme1n1",
+        "/dev/nvme2n1",
+    ] in sudo  # instance store only, not the EBS root
     assert ["mount", "-o", "noatime", "/dev/md0", "/mnt/nvme"] in sudo
     installs = [i for i, a in enumerate(sudo) if a[:1] == ["apt-get"]]
     assert sudo[installs[0]][1] == "update", "apt-get update must come before any install"

@@ -12,11 +12,12 @@ import pytest
 import torch
 
 from ray_goodput import Checkpointer, list_checkpoints
-from ray_goodput.checkpoint import _catalog, _generation, _layout, _retention, _uploader
-from ray_goodput.checkpoint._backends import ThreadBackend
-from ray_goodput.checkpoint._manifest import read_manifest
-from ray_goodput.checkpoint._commit import CommitProtocol
-from ray_goodput.checkpoint._parts import part_file
+from ray_goodput.checkpoint.protocol import _catalog, _layout, _lineage, _retention
+from ray_goodput.checkpoint.protocol._commit import CommitProtocol
+from ray_goodput.checkpoint.protocol._dcp_parts import part_file
+from ray_goodput.checkpoint.protocol._manifest import read_manifest
+from ray_goodput.checkpoint.uploader import _actor
+from ray_goodput.checkpoint.uploader._thread_backend import ThreadBackend
 from ray_goodput.errors import IncompleteSaveError, StorageError
 from ray_goodput.runtime import _services
 from ray_goodput.runtime._resume import ResumeDecision, root_key, set_decision
@@ -62,13 +63,15 @@ def _committed(root: str) -> list[int]:
 
 # ---- hole 1: lineage order, quarantine, re-saved steps ----------------------------------
 
+
 def test_keep_last_1_after_falling_back_from_a_damaged_checkpoint_does_not_delete_new_commits(tmp_path):
     root = str(tmp_path / "root")
     _save(root, str(tmp_path / "a"), [10, 20], keep_last=1)
     _flip(root, 20)
     state = _state(7)
-    with Checkpointer(root, staging_dir=str(tmp_path / "b"), keep_last=1, uploader="thread",
-                      verify_checksums=True) as ckpt:
+    with Checkpointer(
+        root, staging_dir=str(tmp_path / "b"), keep_last=1, uploader="thread", verify_checksums=True
+    ) as ckpt:
         assert ckpt.restore(state) is None  # 10 went by keep_last=1; 20 is damaged
         ckpt.save(11, state)
         ckpt.wait()  # raised "step 11 did not commit" when retention deleted it at once
@@ -97,6 +100,7 @@ def test_a_restore_that_falls_back_to_nothing_leaves_a_fresh_optimizer_unstepped
     damaged; building the state dict to load into had initialized the fresh AdamW's state
     (step 1, zero moments), so after restore returned None the run's first step used the
     bias correction of step 2 and every weight differed from a fresh start."""
+
     def adamw(seed: int) -> dict:
         model = make_model(seed)
         return {"model": model, "optim": torch.optim.AdamW(model.parameters(), lr=0.1)}
@@ -144,8 +148,7 @@ def test_damaged_checkpoint_is_quarantined_listed_as_damaged_and_removed_by_rete
     root = str(tmp_path / "root")
     _save(root, str(tmp_path / "a"), [10, 20])
     _flip(root, 20)
-    with Checkpointer(root, staging_dir=str(tmp_path / "b"), uploader="thread",
-                      verify_checksums=True) as ckpt:
+    with Checkpointer(root, staging_dir=str(tmp_path / "b"), uploader="thread", verify_checksums=True) as ckpt:
         assert ckpt.restore(_state(1)) == 10
     info = {i.step: i for i in list_checkpoints(root)}
     assert not info[20].committed and info[20].damaged and info[20].state == "damaged"
@@ -166,18 +169,16 @@ def test_a_step_saved_again_after_a_restart_commits_the_new_save_not_the_damaged
     _flip(root, 20)
     old = read_manifest(_catalog.step_location(resolve(root), 20))
     state = _state(5)
-    with Checkpointer(root, staging_dir=str(tmp_path / "b"), uploader="thread",
-                      verify_checksums=True) as ckpt:
+    with Checkpointer(root, staging_dir=str(tmp_path / "b"), uploader="thread", verify_checksums=True) as ckpt:
         assert ckpt.restore(state) == 10
         train_steps(state["model"], state["optim"], 3, rank=0)
         ckpt.save(20, state)
         ckpt.wait()
         assert ckpt.stats.committed == [20]
     new = read_manifest(_catalog.step_location(resolve(root), 20))
-    assert new.nonce != old.nonce and new.generation > old.generation
+    assert new.save_id != old.save_id and new.generation > old.generation
     fresh = _state(9)
-    with Checkpointer(root, staging_dir=str(tmp_path / "c"), uploader="thread",
-                      verify_checksums=True) as ckpt:
+    with Checkpointer(root, staging_dir=str(tmp_path / "c"), uploader="thread", verify_checksums=True) as ckpt:
         assert ckpt.restore(fresh) == 20
     assert torch.equal(_weight(fresh), _weight(state))
 
@@ -213,7 +214,7 @@ def test_the_step_the_driver_chose_survives_the_dead_attempts_late_commits_and_t
     with Checkpointer(root, staging_dir=str(tmp_path / "a"), keep_last=2, uploader="thread") as dead:
         dead.save(10, state)
         dead.wait()
-        _retention.pin_resume(resolve(root), attempt=2, step=10)  # the Recovery's decision for attempt 2
+        _lineage.pin_resume(resolve(root), attempt=2, step=10)  # the Recovery's decision for attempt 2
         for step in (20, 30):  # the dead attempt's uploader commits late, and prunes to keep_last
             dead.save(step, state)
             dead.wait()
@@ -251,8 +252,8 @@ def test_an_orphan_whose_metadata_part_went_after_the_presence_check_is_skipped_
     loc = _catalog.step_location(resolve(root), 20)
     manifest = read_manifest(loc)
     loc.fs.delete_file(loc.join(_layout.COMMITTED))
-    protocol = CommitProtocol(loc, 20, 1, manifest.nonce, manifest.generation)
-    loc.fs.delete_file(loc.join(part_file(0, manifest.nonce)))
+    protocol = CommitProtocol(loc, 20, 1, manifest.save_id, manifest.generation)
+    loc.fs.delete_file(loc.join(part_file(0, manifest.save_id)))
     with ThreadPoolExecutor(1) as pool:  # the commit reads the parts beside the presence check
         parts = {0: pool.submit(protocol._read_part, 0, None)}
         with pytest.raises(IncompleteSaveError):
@@ -339,8 +340,7 @@ def test_retention_after_a_commit_never_deletes_what_another_rank_uploaded_since
 
 
 def _files(loc) -> list[str]:
-    return sorted(i.path[len(loc.root) + 1:] for i in list_dir(loc, recursive=True)
-                  if i.type == pafs.FileType.File)
+    return sorted(i.path[len(loc.root) + 1 :] for i in list_dir(loc, recursive=True) if i.type == pafs.FileType.File)
 
 
 def test_a_dead_attempts_retention_from_a_stale_listing_deletes_only_what_it_listed(tmp_path):
@@ -410,7 +410,7 @@ def test_a_dead_attempts_retention_stops_once_a_newer_generation_is_claimed(tmp_
     _save(root, str(tmp_path / "a"), [10, 20, 30], keep_last=5)
     dead = _catalog.scan(resolve(root))[0].manifest.generation
     listed = _catalog.scan(resolve(root))
-    _generation.claim(resolve(root), None)  # the new attempt starts
+    _lineage.claim(resolve(root), None)  # the new attempt starts
     assert _retention._prune(resolve(root), listed, 1, dead) == []
     assert _committed(root) == [10, 20, 30]
 
@@ -428,8 +428,8 @@ def test_the_driver_pin_holds_on_a_storage_root_an_earlier_run_used(tmp_path):
         dead.wait()
         dead.save(20, state)
         dead.wait()
-        pin = _generation.next_generation(resolve(root), 2)  # what the Recovery pins for attempt 2
-        _retention.pin_resume(resolve(root), attempt=pin, step=20)
+        pin = _lineage.next_generation(resolve(root), 2)  # what the Recovery pins for attempt 2
+        _lineage.pin_resume(resolve(root), attempt=pin, step=20)
         dead.save(30, state)  # the dead attempt's uploader commits late, keep_last=1
         dead.wait()
     assert _committed(root) == [20, 30]
@@ -442,8 +442,7 @@ def test_restore_loads_exactly_the_step_the_driver_chose_never_a_newer_one(tmp_p
     try:
         set_decision(ResumeDecision(attempt=7, step=20, root_key=root_key(root)))
         state = _state(4)
-        with Checkpointer(root, staging_dir=str(tmp_path / "b"), uploader="thread",
-                          verify_checksums=True) as ckpt:
+        with Checkpointer(root, staging_dir=str(tmp_path / "b"), uploader="thread", verify_checksums=True) as ckpt:
             assert ckpt.restore(state) == 10  # 20 damaged: the previous one, never 30
             ckpt.save(11, state)  # the generation is agreed at the first save
             assert ckpt.generation >= 7
@@ -456,6 +455,7 @@ def test_restore_loads_exactly_the_step_the_driver_chose_never_a_newer_one(tmp_p
 
 
 # ---- hole 2: saves faster than uploads ---------------------------------------------------
+
 
 def test_three_saves_then_wait_with_keep_last_2_do_not_fail_when_retention_removed_the_first(tmp_path):
     root = str(tmp_path / "root")
@@ -478,8 +478,7 @@ def slow_s3(s3_server):
     proxy.close()
 
 
-def test_an_orphan_that_restore_commits_is_restored_not_quarantined_by_a_listing_older_than_its_commit(
-        tmp_path):
+def test_an_orphan_that_restore_commits_is_restored_not_quarantined_by_a_listing_older_than_its_commit(tmp_path):
     """Restore checked sizes against the listing that found the orphan, taken before it
     wrote the orphan's .metadata and COMMITTED: a good checkpoint was quarantined."""
     from pathlib import Path
@@ -501,7 +500,8 @@ def test_an_orphan_that_restore_commits_is_restored_not_quarantined_by_a_listing
 
 
 def test_restore_never_waits_for_the_generation_claim_and_the_pin_names_the_claimed_generation(
-        s3_server, slow_s3, tmp_path):
+    s3_server, slow_s3, tmp_path
+):
     """A Checkpointer made just before restore waited for its claim's two requests and only
     then listed storage; later rank 0 chose while the claim was in flight but still waited
     for it before the load (0-30 ms of a 60 ms restore from the node-local copy on the S3
@@ -526,7 +526,7 @@ def test_restore_never_waits_for_the_generation_claim_and_the_pin_names_the_clai
             wait_for(lambda: proxy.holding(_layout.GENERATION), timeout_s=30, what="the claim's write, held")
             assert ckpt.restore(state) == 10
             assert torch.equal(_weight(state), saved[10])
-            assert ckpt.generation is None and _retention.claimed_generation(direct) == 1
+            assert ckpt.generation is None and _lineage.claimed_generation(direct) == 1
             assert not proxy.count(_layout.RESUME, ("PUT",))  # the pin waits for the claim
             proxy.release()
             ckpt.save(11, state)
@@ -538,7 +538,8 @@ def test_restore_never_waits_for_the_generation_claim_and_the_pin_names_the_clai
 
 
 def test_a_checkpoint_pruned_between_restores_choice_and_its_load_is_chosen_again_not_raised(
-        s3_server, slow_s3, tmp_path):
+    s3_server, slow_s3, tmp_path
+):
     """A dead attempt's late retention pass can delete the directory restore just chose
     (it read the claimed generation before this attempt's claim landed). The load then
     found its files gone and restore raised on every rank, failing the attempt; now rank 0
@@ -551,12 +552,12 @@ def test_a_checkpoint_pruned_between_restores_choice_and_its_load_is_chosen_agai
     commit_20 = f"{_layout.step_dir(20)}/{_layout.COMMITTED}"
     proxy.stall(commit_20)  # rank 0's read of step 20's manifest, while choosing, held half-way
     got: list = []
-    restoring = threading.Thread(target=lambda: got.append(
-        run_world(_restore_fresh, 2, uri, str(tmp_path / "fresh"), timeout_s=120)))
+    restoring = threading.Thread(
+        target=lambda: got.append(run_world(_restore_fresh, 2, uri, str(tmp_path / "fresh"), timeout_s=120))
+    )
     restoring.start()
     # Held once the server answered it: the choice reads the commit as it was.
-    wait_for(lambda: proxy.holding(commit_20), timeout_s=60,
-             what="rank 0 reading step 20's manifest")
+    wait_for(lambda: proxy.holding(commit_20), timeout_s=60, what="rank 0 reading step 20's manifest")
     step_20 = _catalog.step_location(direct, 20)
     step_20.fs.delete_file(step_20.join(_layout.COMMITTED))  # pruned: the commit first
     step_20.fs.delete_dir(step_20.root)
@@ -567,7 +568,8 @@ def test_a_checkpoint_pruned_between_restores_choice_and_its_load_is_chosen_agai
 
 
 def test_a_pick_that_left_storage_with_nothing_left_to_fall_back_to_raises_instead_of_starting_fresh(
-        s3_server, slow_s3, tmp_path):
+    s3_server, slow_s3, tmp_path
+):
     """Choosing again after the pick left storage kept the fall-back bounds; finding
     nothing within them returned None, and the attempt trained from scratch although
     a newer commit (the one whose retention pruned the pick) may exist."""
@@ -630,8 +632,10 @@ def test_saves_faster_than_uploads_supersede_the_waiting_one_and_commit_the_newe
 
 # ---- hole 3: a queued job's snapshot must not vanish -------------------------------------
 
+
 def test_leaving_the_with_block_on_an_error_does_not_lose_a_snapshot_queued_in_the_uploader(
-        ray_local, slow_s3, tmp_path):
+    ray_local, slow_s3, tmp_path
+):
     """The node uploader (an actor) outlives the worker's ``with`` block, which unlinks the
     arenas on the way out; the queued job must still write the snapshot it accepted."""
     proxy, uri = slow_s3
@@ -647,13 +651,19 @@ def test_leaving_the_with_block_on_an_error_does_not_lose_a_snapshot_queued_in_t
             expected = _weight(state)
             raise RuntimeError("training blew up")  # unlinks the arenas
     proxy.release()
-    wait_for(lambda: _committed(uri) == [1, 2], timeout_s=90,
-             what="steps 1 and 2 committed by the node uploader after the worker left")
+    wait_for(
+        lambda: _committed(uri) == [1, 2],
+        timeout_s=90,
+        what="steps 1 and 2 committed by the node uploader after the worker left",
+    )
     # Their outcomes had nobody to go to: the worker said it left for good, so the uploader
     # keeps nothing for it and exits (it kept them for as long as this process lived).
     node = _services.current_node_id()
-    wait_for(lambda: node not in _services.find(_uploader.KIND), timeout_s=60,
-             what="the node uploader exiting after its only worker left for good")
+    wait_for(
+        lambda: node not in _services.find(_actor.KIND),
+        timeout_s=60,
+        what="the node uploader exiting after its only worker left for good",
+    )
     fresh = _state(9)
     with Checkpointer(uri, staging_dir=str(tmp_path / "o"), uploader="thread") as ckpt:
         assert ckpt.restore(fresh) == 2
@@ -661,6 +671,7 @@ def test_leaving_the_with_block_on_an_error_does_not_lose_a_snapshot_queued_in_t
 
 
 # ---- hole 4: collective calls agree ------------------------------------------------------
+
 
 def _save_two(rank: int, world: int, root: str, stage: str) -> None:
     model = wrap(make_model(0), "ddp")
@@ -750,6 +761,7 @@ def test_wait_raises_the_same_error_on_every_rank_when_one_ranks_save_failed(tmp
 
 
 # ---- hole 5: fsync before the markers ----------------------------------------------------
+
 
 def test_files_and_directories_are_fsynced_before_the_rank_marker_and_committed(tmp_path, monkeypatch):
     synced: list[str] = []

@@ -13,10 +13,10 @@ import pytest
 import ray
 
 from ray_goodput.data import CacheConfig, CacheFullError, DataLoader, FileDataset, cache_status
-from ray_goodput.data._cache_files import CacheLayout
-from ray_goodput.data._cache_client import CacheClient
-from ray_goodput.runtime import _services
 from ray_goodput.data._cache_actor import KIND, get_cache
+from ray_goodput.data._cache_client import CacheClient
+from ray_goodput.data._cache_files import CacheLayout
+from ray_goodput.runtime import _services
 from ray_goodput.testing import FlakyProxy, wait_for
 
 ROOT = str(Path(__file__).resolve().parents[1])
@@ -35,7 +35,7 @@ def fresh_cache():
 def _upload(s3_server, prefix: str, blobs: dict[str, bytes]) -> tuple[str, str]:
     """Writes blobs straight to S3; returns (bucket, prefix)."""
     uri = s3_server.bucket_uri(prefix)
-    bucket = uri[len("s3://"):].split("/")[0]
+    bucket = uri[len("s3://") :].split("/")[0]
     fs = pafs.S3FileSystem(endpoint_override=s3_server.endpoint, scheme="http")
     for name, data in blobs.items():
         with fs.open_output_stream(f"{bucket}/{prefix}/{name}") as out:
@@ -57,7 +57,8 @@ def _data_files(cache_dir: Path) -> list[Path]:
 
 def _describe_diff(got: list[bytes], want: list[bytes], proxy: FlakyProxy) -> str:
     def name(b: bytes) -> str:
-        return f"{b[:8]!r}..x{len(b)} set={sorted(set(b[i:i + 8] for i in range(0, len(b), 8)))[:3]}"
+        return f"{b[:8]!r}..x{len(b)} set={sorted(set(b[i : i + 8] for i in range(0, len(b), 8)))[:3]}"
+
     missing = [name(b) for b in want if b not in got]
     extra = [name(b) for b in got if b not in want or got.count(b) > 1]
     return f"missing {missing}, extra {extra}, GETs>1 {[p for p, n in proxy.gets().items() if n > 1]}"
@@ -69,8 +70,7 @@ def _read_everything(uri: str, cache_dir: str, workers: int, ready_dir: str, rea
     loader = DataLoader(ds, 2, num_workers=workers, rank=0, world_size=1, collate_fn=list)
     ready = Path(ready_dir)
     (ready / f"{os.getpid()}").touch()  # all readers start together: a file barrier
-    wait_for(lambda: len(list(ready.iterdir())) >= readers, timeout_s=60,
-             what=f"{readers} readers ready in {ready}")
+    wait_for(lambda: len(list(ready.iterdir())) >= readers, timeout_s=60, what=f"{readers} readers ready in {ready}")
     return sorted(x for batch in loader for x in batch)
 
 
@@ -83,8 +83,7 @@ def test_single_flight_across_processes_and_loader_workers(s3_server, tmp_path):
         uri = _via(proxy, bucket, prefix)
         ready = tmp_path / "ready"
         ready.mkdir()
-        refs = [_read_everything.remote(uri, str(tmp_path / "cache"), w, str(ready), 4)
-                for w in (2, 2, 0, 3)]
+        refs = [_read_everything.remote(uri, str(tmp_path / "cache"), w, str(ready), 4) for w in (2, 2, 0, 3)]
         results = ray.get(refs, timeout=120)
         for got in results:
             want = sorted(blobs.values())
@@ -105,10 +104,9 @@ def test_lru_eviction_under_small_capacity(s3_server, tmp_path):
     blobs = _blobs(30, 1000)
     bucket, prefix = _upload(s3_server, "ev", blobs)
     cfg = CacheConfig(directory=str(tmp_path), capacity_bytes=5500, lookahead=2)
-    ds = FileDataset(f"s3://{bucket}/{prefix}?endpoint_override={s3_server.endpoint}"
-                     "&scheme=http", cache=cfg)
+    ds = FileDataset(f"s3://{bucket}/{prefix}?endpoint_override={s3_server.endpoint}&scheme=http", cache=cfg)
     loader = DataLoader(ds, 1, num_workers=0, collate_fn=list)
-    for epoch in range(2):
+    for _epoch in range(2):
         assert sorted(x for b in loader for x in b) == sorted(blobs.values())
     stats = ray.get(get_cache(cfg).stats.remote())
     assert stats["bytes_used"] <= 5500 and stats["files"] <= 5
@@ -122,9 +120,10 @@ def test_lru_eviction_under_small_capacity(s3_server, tmp_path):
 
 def test_file_larger_than_capacity_is_a_clear_error(s3_server, tmp_path):
     bucket, prefix = _upload(s3_server, "big", {"big.bin": b"x" * 1000})
-    ds = FileDataset(f"s3://{bucket}/{prefix}?endpoint_override={s3_server.endpoint}"
-                     "&scheme=http", cache=CacheConfig(directory=str(tmp_path),
-                                                      capacity_bytes=500))
+    ds = FileDataset(
+        f"s3://{bucket}/{prefix}?endpoint_override={s3_server.endpoint}&scheme=http",
+        cache=CacheConfig(directory=str(tmp_path), capacity_bytes=500),
+    )
     DataLoader(ds, 1, num_workers=0)  # connects the node cache
     with pytest.raises(CacheFullError, match=r"big.bin.*capacity_bytes"):
         ds[0]
@@ -143,8 +142,9 @@ def test_killed_mid_download_leaves_no_corrupt_file_and_is_recreated(s3_server, 
         fid = service.register(ds.files)
         service.prefetch(fid, [0])
         final = CacheLayout(tmp_path).data_path(CacheLayout.key(ds.files.ident, ds.files.paths[0]))
-        wait_for(lambda: list(final.parent.glob(".*.part-*")), timeout_s=30,
-                 what="the download to start (a .part file)")
+        wait_for(
+            lambda: list(final.parent.glob(".*.part-*")), timeout_s=30, what="the download to start (a .part file)"
+        )
         old = _services.find(KIND)
         ray.kill(next(iter(old.values())), no_restart=True)
         wait_for(lambda: not _services.find(KIND), timeout_s=30, what="the killed cache actor to be gone")
@@ -159,8 +159,7 @@ def test_killed_mid_download_leaves_no_corrupt_file_and_is_recreated(s3_server, 
         assert final.read_bytes() == blob
         assert not list(final.parent.glob(".*.part-*"))  # the dead writer's temp is gone
         new = _services.find(KIND)
-        assert list(new) == list(old) and new[list(new)[0]]._actor_id != \
-            old[list(old)[0]]._actor_id
+        assert list(new) == list(old) and new[list(new)[0]]._actor_id != old[list(old)[0]]._actor_id
         assert ds[0] == blob
     finally:
         proxy.close()
@@ -170,8 +169,7 @@ def test_cache_recreated_by_another_rank_gets_file_lists_again(s3_server, tmp_pa
     blobs = _blobs(4, 100)
     bucket, prefix = _upload(s3_server, "rr", blobs)
     cfg = CacheConfig(directory=str(tmp_path))
-    ds = FileDataset(f"s3://{bucket}/{prefix}?endpoint_override={s3_server.endpoint}"
-                     "&scheme=http", cache=cfg)
+    ds = FileDataset(f"s3://{bucket}/{prefix}?endpoint_override={s3_server.endpoint}&scheme=http", cache=cfg)
     service = CacheClient(cfg)
     fid = service.register(ds.files)
     _services.shutdown(KIND, drain_timeout_s=10)
@@ -191,8 +189,10 @@ def test_cache_recreated_by_another_rank_gets_file_lists_again(s3_server, tmp_pa
 def test_status_reports_each_node_and_hit_rate(s3_server, tmp_path):
     blobs = _blobs(8, 100)
     bucket, prefix = _upload(s3_server, "st", blobs)
-    ds = FileDataset(f"s3://{bucket}/{prefix}?endpoint_override={s3_server.endpoint}"
-                     "&scheme=http", cache=CacheConfig(directory=str(tmp_path), lookahead=0))
+    ds = FileDataset(
+        f"s3://{bucket}/{prefix}?endpoint_override={s3_server.endpoint}&scheme=http",
+        cache=CacheConfig(directory=str(tmp_path), lookahead=0),
+    )
     loader = DataLoader(ds, 2, num_workers=0)
     for _ in range(3):
         list(loader)
@@ -210,18 +210,26 @@ def _creator_job(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
     prints its directory and job id, and exits once the returned file is created."""
     address = ray.get_runtime_context().gcs_address  # this test's cluster, not any other
     go = tmp_path / "go"
-    script = (f"import ray\nfrom ray_goodput.data import CacheConfig\n"
-              f"from ray_goodput.data._cache_actor import get_cache\n"
-              f"from ray_goodput.testing import wait_for_file\n"
-              f"ray.init(address={address!r}, namespace='x')\n"
-              f"h = get_cache(CacheConfig(directory={str(tmp_path / 'c')!r}, job_check_interval_s=0.5))\n"
-              f"print(ray.get(h.describe.remote())['directory'])\n"
-              f"print('job', ray.get_runtime_context().get_job_id(), flush=True)\n"
-              f"wait_for_file({str(go)!r}, timeout_s=60)\n")
-    creator = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
-                               cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
-    wait_for(lambda: _services.find(KIND) or creator.poll() is not None, timeout_s=120,
-             what="the creator job's node cache")
+    script = (
+        f"import ray\nfrom ray_goodput.data import CacheConfig\n"
+        f"from ray_goodput.data._cache_actor import get_cache\n"
+        f"from ray_goodput.testing import wait_for_file\n"
+        f"ray.init(address={address!r}, namespace='x')\n"
+        f"h = get_cache(CacheConfig(directory={str(tmp_path / 'c')!r}, job_check_interval_s=0.5))\n"
+        f"print(ray.get(h.describe.remote())['directory'])\n"
+        f"print('job', ray.get_runtime_context().get_job_id(), flush=True)\n"
+        f"wait_for_file({str(go)!r}, timeout_s=60)\n"
+    )
+    creator = subprocess.Popen(
+        [sys.executable, "-c", script],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": ROOT},
+    )
+    wait_for(
+        lambda: _services.find(KIND) or creator.poll() is not None, timeout_s=120, what="the creator job's node cache"
+    )
     return creator, go
 
 
@@ -233,8 +241,7 @@ def test_cache_exits_when_its_job_is_gone(tmp_path):
         assert str(tmp_path / "c") in creator.communicate(timeout=60)[0]
     finally:
         creator.kill()
-    wait_for(lambda: not _services.find(KIND), timeout_s=40, what="the orphaned cache to exit",
-             interval_s=0.2)
+    wait_for(lambda: not _services.find(KIND), timeout_s=40, what="the orphaned cache to exit", interval_s=0.2)
 
 
 def test_cache_in_use_by_a_live_job_outlives_the_job_that_created_it(s3_server, tmp_path):
@@ -254,7 +261,9 @@ def test_cache_in_use_by_a_live_job_outlives_the_job_that_created_it(s3_server, 
     assert before and set(_services.find(KIND)) == before, "the cache exited while this job still used it"
     blobs = _blobs(4, 10)
     bucket, prefix = _upload(s3_server, "live", blobs)
-    files = FileDataset(f"s3://{bucket}/{prefix}?endpoint_override={s3_server.endpoint}&scheme=http",
-                        cache=CacheConfig(directory=str(tmp_path / "c"))).files
+    files = FileDataset(
+        f"s3://{bucket}/{prefix}?endpoint_override={s3_server.endpoint}&scheme=http",
+        cache=CacheConfig(directory=str(tmp_path / "c")),
+    ).files
     assert client.register(files)
     client.close()

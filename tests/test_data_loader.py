@@ -10,8 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch.distributed.checkpoint as dcp
 
-from ray_goodput.data import (CacheConfig, DataError, DataLoader, FileDataset,
-                              ParquetDataset)
+from ray_goodput.data import CacheConfig, DataError, DataLoader, FileDataset, ParquetDataset
 from ray_goodput.errors import ConfigError, StorageError
 from ray_goodput.testing import wait_for
 
@@ -31,16 +30,18 @@ def parquet_dir(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("pq")
     start = 0
     for f, rows in enumerate([17, 5, 31]):
-        table = pa.table({"id": list(range(start, start + rows)),
-                          "x": [float(i) * 0.5 for i in range(start, start + rows)]})
+        table = pa.table(
+            {"id": list(range(start, start + rows)), "x": [float(i) * 0.5 for i in range(start, start + rows)]}
+        )
         pq.write_table(table, d / f"part-{f}.parquet", row_group_size=6)
         start += rows
     return d
 
 
 def _files(files_dir, tmp_path, **kw) -> FileDataset:
-    return FileDataset(str(files_dir), decode=lambda b: int(b), seed=7,
-                       cache=CacheConfig(directory=str(tmp_path / "cache")), **kw)
+    return FileDataset(
+        str(files_dir), decode=lambda b: int(b), seed=7, cache=CacheConfig(directory=str(tmp_path / "cache")), **kw
+    )
 
 
 def _ids(batch) -> list[int]:
@@ -64,12 +65,12 @@ def _lockstep(loaders, steps=None) -> list[list[int]]:
 
 
 def _make(ds, world, batch, workers):
-    return [DataLoader(ds, batch, num_workers=workers, rank=r, world_size=world)
-            for r in range(world)]
+    return [DataLoader(ds, batch, num_workers=workers, rank=r, world_size=world) for r in range(world)]
 
 
-@pytest.mark.parametrize("w1,w2,batch,workers,k", [
-    (2, 3, 4, 0, 2), (2, 1, 4, 2, 3), (3, 2, 2, 2, 4), (1, 4, 3, 0, 1), (4, 4, 1, 2, 5)])
+@pytest.mark.parametrize(
+    "w1,w2,batch,workers,k", [(2, 3, 4, 0, 2), (2, 1, 4, 2, 3), (3, 2, 2, 2, 4), (1, 4, 3, 0, 1), (4, 4, 1, 2, 5)]
+)
 def test_resume_any_world_covers_epoch_once(files_dir, tmp_path, w1, w2, batch, workers, k):
     ds = _files(files_dir, tmp_path)
     first = _make(ds, w1, batch, workers)
@@ -121,15 +122,13 @@ def test_fetch_seconds_and_len(files_dir, tmp_path):
 
 def test_parquet_rows_resume_and_columns(parquet_dir, tmp_path):
     total = 17 + 5 + 31
-    ds = ParquetDataset(str(parquet_dir), seed=1,
-                        cache=CacheConfig(directory=str(tmp_path / "c")))
+    ds = ParquetDataset(str(parquet_dir), seed=1, cache=CacheConfig(directory=str(tmp_path / "c")))
     assert len(ds) == total
     assert ds[20] == {"id": 20, "x": 10.0}
     before = _lockstep(_make(ds, 2, 3, 2), steps=3)
     resumed = _make(ds, 3, 3, 0)
     for dl in resumed:
-        dl.load_state_dict({"epoch": 0, "consumed": 18, "seed": 1,
-                            "fingerprint": ds.fingerprint})
+        dl.load_state_dict({"epoch": 0, "consumed": 18, "seed": 1, "fingerprint": ds.fingerprint})
     after = _lockstep(resumed)
     union = [i for r in before + after for i in r]
     assert len(union) == len(set(union)) == 18 + (total - 18) // 9 * 9
@@ -157,8 +156,9 @@ def test_clear_errors_name_the_input(files_dir, tmp_path):
         FileDataset(str(empty))
     with pytest.raises(DataError, match="empty list"):
         FileDataset([])
-    missing = FileDataset([str(files_dir / "s000.txt"), str(files_dir / "nope.txt")],
-                          cache=CacheConfig(directory=str(tmp_path / "c")))
+    missing = FileDataset(
+        [str(files_dir / "s000.txt"), str(files_dir / "nope.txt")], cache=CacheConfig(directory=str(tmp_path / "c"))
+    )
     with pytest.raises(StorageError, match="nope.txt"):
         missing[1]
     bad = FileDataset(str(files_dir), decode=lambda b: 1 / 0, cache=None)
@@ -230,9 +230,12 @@ def test_forked_worker_does_not_inherit_a_held_fetch_lock(tmp_path):
 
 
 def test_bad_cache_config_names_the_setting():
-    for kwargs, name in (({"capacity_bytes": 0}, "capacity_bytes"), ({"lookahead": -1}, "lookahead"),
-                         ({"fetch_concurrency": 0}, "fetch_concurrency"),
-                         ({"job_check_interval_s": 0}, "job_check_interval_s")):
+    for kwargs, name in (
+        ({"capacity_bytes": 0}, "capacity_bytes"),
+        ({"lookahead": -1}, "lookahead"),
+        ({"fetch_concurrency": 0}, "fetch_concurrency"),
+        ({"job_check_interval_s": 0}, "job_check_interval_s"),
+    ):
         with pytest.raises(ConfigError, match=f"CacheConfig.{name} must"):
             CacheConfig(**kwargs)
 
@@ -313,8 +316,9 @@ def test_a_loader_built_in_a_process_that_is_gone_still_starts_its_workers(files
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait(timeout=60)
-    loader = DataLoader(FileDataset(str(files_dir), decode=int, seed=0, cache=None), 2, num_workers=1,
-                        rank=0, world_size=1)
+    loader = DataLoader(
+        FileDataset(str(files_dir), decode=int, seed=0, cache=None), 2, num_workers=1, rank=0, world_size=1
+    )
     loader.worker_init_fn.rank_pid = dead.pid  # as unpickled from a process that is gone
     first = next(iter(loader))
     assert len(_ids(first)) == 2
@@ -324,6 +328,7 @@ def test_loader_workers_exit_at_once_when_their_rank_is_killed(files_dir, tmp_pa
     """A forked loader worker holds its rank's inherited sockets: Ray saw a SIGKILLed rank
     die only when its workers noticed, at torch's next 5 s status check (found in the LM
     example: 5.1 s from the kill to the retry with one loader worker, 0.17 s with none)."""
+    import contextlib
     import json
     import signal
     import subprocess
@@ -332,8 +337,6 @@ def test_loader_workers_exit_at_once_when_their_rank_is_killed(files_dir, tmp_pa
     import psutil
 
     from ray_goodput.testing import wait_for_file
-
-    import contextlib
 
     pids_file = tmp_path / "pids.json"
     rank = subprocess.Popen([sys.executable, "-c", _RANK_WITH_LOADER_WORKERS, str(files_dir), str(pids_file)])
@@ -353,8 +356,11 @@ def test_loader_workers_exit_at_once_when_their_rank_is_killed(files_dir, tmp_pa
     # torch's own check is off in the rank (an hour): the workers end only by the library's
     # watch (a 0.1 s poll) or at their init; the bound only stops a test that would hang.
     try:
-        wait_for(lambda: all(gone(p) for p in workers), timeout_s=60,
-                 what=f"loader workers {workers} to exit after their rank was SIGKILLed")
+        wait_for(
+            lambda: all(gone(p) for p in workers),
+            timeout_s=60,
+            what=f"loader workers {workers} to exit after their rank was SIGKILLed",
+        )
     finally:  # none left behind for an hour when the watch failed
         for pid in workers:
             with contextlib.suppress(psutil.NoSuchProcess):

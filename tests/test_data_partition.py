@@ -18,8 +18,7 @@ BATCHES = [1, 2, 3, 4, 8]
 
 def _step_samples(n: int, consumed: int, world: int, batch: int) -> list[list[list[int]]]:
     """[rank][step] -> permutation positions of that rank's batch."""
-    return [[list(range(a, b)) for a, b in part.rank_spans(n, consumed, r, world, batch)]
-            for r in range(world)]
+    return [[list(range(a, b)) for a, b in part.rank_spans(n, consumed, r, world, batch)] for r in range(world)]
 
 
 def _run(n: int, consumed: int, world: int, batch: int, steps: int | None = None) -> list[int]:
@@ -65,7 +64,8 @@ def test_resume_at_any_world_size_covers_the_epoch_once():
 
 def test_two_restarts_with_batch_size_change():
     for n, (w1, w2, w3), (b1, b2) in itertools.product(
-            [50, 97, 128], itertools.product([1, 2, 3], repeat=3), [(2, 2), (4, 3), (1, 8)]):
+        [50, 97, 128], itertools.product([1, 2, 3], repeat=3), [(2, 2), (4, 3), (1, 8)]
+    ):
         c1 = part.consumed_after(0, 3, w1, b1) if part.steps_left(n, 0, w1, b1) >= 3 else 0
         seen = _run(n, 0, w1, b1, steps=c1 // (w1 * b1))
         k2 = part.steps_left(n, c1, w2, b2) // 2
@@ -77,8 +77,7 @@ def test_two_restarts_with_batch_size_change():
 
 def test_loader_workers_take_disjoint_round_robin_stripes():
     for batches, workers in itertools.product(range(0, 20), range(0, 6)):
-        owned = [[i for i in range(batches) if part.worker_of_batch(i, workers) == w]
-                 for w in range(max(workers, 1))]
+        owned = [[i for i in range(batches) if part.worker_of_batch(i, workers) == w] for w in range(max(workers, 1))]
         flat = sorted(i for o in owned for i in o)
         assert flat == list(range(batches))
 

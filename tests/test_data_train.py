@@ -26,7 +26,7 @@ pytestmark = pytest.mark.usefixtures("ray_local")
 @pytest.fixture(scope="module")
 def dataset_uri(s3_server):
     uri = s3_server.bucket_uri("ids")
-    bucket = uri[len("s3://"):].split("/")[0]
+    bucket = uri[len("s3://") :].split("/")[0]
     fs = pafs.S3FileSystem(endpoint_override=s3_server.endpoint, scheme="http")
     for i in range(N):
         with fs.open_output_stream(f"{bucket}/ids/{i:04d}.txt") as out:
@@ -36,8 +36,7 @@ def dataset_uri(s3_server):
 
 def train_fn(rank: int, world: int, config: dict) -> None:
     ray.init(address=config["address"], log_to_driver=False, configure_logging=False)
-    ds = FileDataset(config["uri"], decode=int, seed=11,
-                     cache=CacheConfig(directory=config["cache"]))
+    ds = FileDataset(config["uri"], decode=int, seed=11, cache=CacheConfig(directory=config["cache"]))
     loader = DataLoader(ds, BATCH, num_workers=config["workers"], collate_fn=list)
     out = Path(config["out"])
     if config["resume"]:
@@ -53,14 +52,21 @@ def train_fn(rank: int, world: int, config: dict) -> None:
 
 
 def _fit(tmp_path: Path, world: int, **config) -> None:
-    run_world(train_fn, world, {"out": str(tmp_path), "cache": str(tmp_path / "cache"),
-                                "address": ray.get_runtime_context().gcs_address, **config},
-              timeout_s=180)
+    run_world(
+        train_fn,
+        world,
+        {
+            "out": str(tmp_path),
+            "cache": str(tmp_path / "cache"),
+            "address": ray.get_runtime_context().gcs_address,
+            **config,
+        },
+        timeout_s=180,
+    )
 
 
 def _seen(tmp_path: Path, tag: str, world: int) -> list[int]:
-    return [i for r in range(world)
-            for i in json.loads((tmp_path / f"{tag}-{r}.json").read_text())]
+    return [i for r in range(world) for i in json.loads((tmp_path / f"{tag}-{r}.json").read_text())]
 
 
 def test_resume_mid_epoch_on_more_and_fewer_workers(tmp_path, dataset_uri):

@@ -4,7 +4,6 @@ async save); export to a single torch.save file (function and CLI handler)."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -12,8 +11,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from ray_goodput import Checkpointer, ConfigError, list_checkpoints
-from ray_goodput.checkpoint._dcp_storage import PyArrowStorageReader, PyArrowStorageWriter
-from ray_goodput.checkpoint._export import export_torch_save
+from ray_goodput.checkpoint.protocol._dcp_storage import PyArrowStorageReader, PyArrowStorageWriter
+from ray_goodput.checkpoint.restore._export import export_torch_save
 from ray_goodput.cli import main as cli_main
 from ray_goodput.storage import resolve
 from ray_goodput.testing import run_world
@@ -48,8 +47,11 @@ def _plugin_round_trip(rank: int, world: int, sync_uri: str, async_uri: str, our
     # thread while training's run on the default group, and two threads sharing one gloo
     # group can interleave their collectives differently on each rank (this hung).
     async_group = dist.new_group(backend="gloo")
-    future = dcp.async_save({"model": get_model_state_dict(model)}, storage_writer=PyArrowStorageWriter(async_uri),
-                            process_group=async_group)
+    future = dcp.async_save(
+        {"model": get_model_state_dict(model)},
+        storage_writer=PyArrowStorageWriter(async_uri),
+        process_group=async_group,
+    )
     train_steps(model, optim, 1, rank, start=2)  # mutating after async_save returned must not leak in
     future.result(timeout=120)
     loaded = {}

@@ -1,4 +1,4 @@
-"""Restore reads whole tensors straight into the live state (``checkpoint/_direct_read.py``),
+"""Restore reads whole tensors straight into the live state (``checkpoint/restore/_direct_read.py``),
 and leaves everything else to DCP's own read, with the same result."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from ray_goodput import Checkpointer
-from ray_goodput.checkpoint import _direct_read
+from ray_goodput.checkpoint.restore import _direct_read
 
 
 class _Mixed(nn.Module):
@@ -84,35 +84,48 @@ def _record(t: torch.Tensor) -> bytes:
     return buf.getvalue()
 
 
-@pytest.mark.parametrize("tensor", [torch.arange(12, dtype=torch.float64).reshape(3, 4),
-                                    torch.randn(4, 2).to(torch.bfloat16), torch.tensor(7),
-                                    torch.empty(0, 3)], ids=["f64", "bf16", "0-dim", "empty"])
+@pytest.mark.parametrize(
+    "tensor",
+    [
+        torch.arange(12, dtype=torch.float64).reshape(3, 4),
+        torch.randn(4, 2).to(torch.bfloat16),
+        torch.tensor(7),
+        torch.empty(0, 3),
+    ],
+    ids=["f64", "bf16", "0-dim", "empty"],
+)
 def test_a_whole_contiguous_record_is_located_byte_for_byte(tensor):
     pad = b"x" * 100  # records sit at offsets inside a DCP data file
     data = pad + _record(tensor) + pad
-    record = _direct_read.parse_record(lambda at, n: data[at:at + n], len(pad), len(data) - 2 * len(pad))
+    record = _direct_read.parse_record(lambda at, n: data[at : at + n], len(pad), len(data) - 2 * len(pad))
     assert (record.dtype, record.size, record.nbytes) == (tensor.dtype, tuple(tensor.shape), tensor.nbytes)
     target = torch.empty_like(tensor)
     _direct_read.fill_from_buffer(target, data, record.data_offset, record.nbytes)
     assert torch.equal(target, tensor)
 
 
-@pytest.mark.parametrize("tensor", [torch.arange(12.).reshape(3, 4).t(), torch.arange(12.).reshape(3, 4)[:, 1:],
-                                    torch.arange(12.)[4:]], ids=["transposed", "column-slice", "offset"])
+@pytest.mark.parametrize(
+    "tensor",
+    [torch.arange(12.0).reshape(3, 4).t(), torch.arange(12.0).reshape(3, 4)[:, 1:], torch.arange(12.0)[4:]],
+    ids=["transposed", "column-slice", "offset"],
+)
 def test_a_record_that_is_not_a_whole_contiguous_storage_is_left_to_dcp(tensor):
     data = _record(tensor)
     with pytest.raises(_direct_read.Unparsable):
-        _direct_read.parse_record(lambda at, n: data[at:at + n], 0, len(data))
+        _direct_read.parse_record(lambda at, n: data[at : at + n], 0, len(data))
 
 
-@pytest.mark.parametrize("make", [lambda: torch.tensor([1 + 2j, 3 + 4j]).conj(),
-                                  lambda: torch._neg_view(torch.arange(4.0))], ids=["conj", "neg"])
+@pytest.mark.parametrize(
+    "make",
+    [lambda: torch.tensor([1 + 2j, 3 + 4j]).conj(), lambda: torch._neg_view(torch.arange(4.0))],
+    ids=["conj", "neg"],
+)
 def test_a_record_whose_bytes_need_a_conj_or_neg_bit_to_read_right_is_left_to_dcp(make):
     """torch.save stores such a tensor as its raw storage plus the bit in the rebuild's
     metadata: copying the raw bytes would write the wrong values."""
     data = _record(make())
     with pytest.raises(_direct_read.Unparsable):
-        _direct_read.parse_record(lambda at, n: data[at:at + n], 0, len(data))
+        _direct_read.parse_record(lambda at, n: data[at : at + n], 0, len(data))
 
 
 def test_restore_into_a_view_inside_a_larger_tensor_writes_only_the_view(tmp_path):
@@ -142,7 +155,7 @@ def test_restore_into_a_view_inside_a_larger_tensor_writes_only_the_view(tmp_pat
 def test_a_record_that_is_not_a_zip_is_left_to_dcp():
     data = b"\0" * 64
     with pytest.raises(_direct_read.Unparsable):
-        _direct_read.parse_record(lambda at, n: data[at:at + n], 0, len(data))
+        _direct_read.parse_record(lambda at, n: data[at : at + n], 0, len(data))
 
 
 # ---- another rank's data file: streamed past its checksum, only the needed ranges kept ----
@@ -179,7 +192,7 @@ def _save_fsdp(world: int, root: str, staging: str) -> tuple[dict, Any]:
 
     import torch.distributed as dist
 
-    from ray_goodput.checkpoint import _layout
+    from ray_goodput.checkpoint.protocol import _layout
 
     saved = _fsdp_state(world, 0)
     with Checkpointer(root, staging_dir=f"{staging}/saved", uploader="thread") as ckpt:
@@ -191,8 +204,7 @@ def _save_fsdp(world: int, root: str, staging: str) -> tuple[dict, Any]:
 def _equal_full(state: dict, expected: dict) -> bool:
     got = _full(state)
     same = all(torch.equal(got["model"][k], v) for k, v in expected["model"].items())
-    return same and all(torch.equal(got["optim"][k][s], v)
-                        for k, d in expected["optim"].items() for s, v in d.items())
+    return same and all(torch.equal(got["optim"][k][s], v) for k, d in expected["optim"].items() for s, v in d.items())
 
 
 def _restore_from_parts(rank: int, world: int, root: str, staging: str, damage: str | None) -> dict:
@@ -200,8 +212,8 @@ def _restore_from_parts(rank: int, world: int, root: str, staging: str, damage: 
 
     import torch.distributed as dist
 
-    from ray_goodput.checkpoint import _tiered_fetch
-    from ray_goodput.checkpoint._tiered_reader import wait_for_node_local_copies
+    from ray_goodput.checkpoint.restore import _storage_fetch
+    from ray_goodput.checkpoint.restore._reader import wait_for_node_local_copies
 
     expected, step_dir = _save_fsdp(world, root, staging)
     mine = next(p.name for p in step_dir.iterdir() if p.name.startswith(f"__{rank}_"))
@@ -212,15 +224,19 @@ def _restore_from_parts(rank: int, world: int, root: str, staging: str, damage: 
         data[len(data) // 2] ^= 0xFF
         path.write_bytes(bytes(data))
     dist.barrier()
-    _tiered_fetch.SPARSE_MIN_BYTES = 0  # this test's files are small; the rule is the same
+    _storage_fetch.SPARSE_MIN_BYTES = 0  # this test's files are small; the rule is the same
     fresh = _fsdp_state(world, 1)
     cold = Path(staging) / f"cold-{rank}"
     with Checkpointer(root, staging_dir=str(cold), uploader="thread") as ckpt:
         restored = ckpt.restore(fresh)
     assert wait_for_node_local_copies(30)
     kept = {p.name for p in cold.rglob("*.distcp")}
-    return {"restored": restored, "same": _equal_full(fresh, expected), "kept_mine": mine in kept,
-            "kept_other": other in kept}
+    return {
+        "restored": restored,
+        "same": _equal_full(fresh, expected),
+        "kept_mine": mine in kept,
+        "kept_other": other in kept,
+    }
 
 
 def test_another_ranks_file_is_checked_whole_but_only_its_needed_ranges_are_kept(tmp_path):
@@ -246,16 +262,17 @@ def test_a_damaged_byte_outside_the_needed_ranges_still_rejects_the_checkpoint(t
 
 
 def test_a_file_without_block_checksums_streams_past_its_check_keeping_only_the_needed_ranges(
-        tmp_path, s3_server, monkeypatch):
+    tmp_path, s3_server, monkeypatch
+):
     """A manifest written before block checksums: another rank's file on object storage
     is streamed past its whole-file checksum and only the needed ranges are kept; damage
     outside them still rejects it."""
-    from ray_goodput.checkpoint import _tiered_fetch
-    from ray_goodput.checkpoint._tiered_reader import _TieredFs
+    from ray_goodput.checkpoint.restore import _storage_fetch
+    from ray_goodput.checkpoint.restore._reader import _TieredFs
     from ray_goodput.errors import CheckpointCorruptError
     from ray_goodput.storage import CRC32C, FileEntry, RetryPolicy, checksum, resolve, write_bytes
 
-    monkeypatch.setattr(_tiered_fetch, "SPARSE_MIN_BYTES", 0)  # small files; the rule is the same
+    monkeypatch.setattr(_storage_fetch, "SPARSE_MIN_BYTES", 0)  # small files; the rule is the same
     store = resolve(s3_server.bucket_uri("sparse"))
     data = os.urandom(10 * 4096)
     entry = FileEntry("f.distcp", len(data), checksum(data, CRC32C), CRC32C)  # no blocks
@@ -263,16 +280,17 @@ def test_a_file_without_block_checksums_streams_past_its_check_keeping_only_the_
     fs = _TieredFs(store, tmp_path / "local", set(), {"f.distcp": entry}, RetryPolicy())
     fs.prepare("f.distcp", [(4096 + 10, 100)])
     assert fs.sparse["f.distcp"].kept_bytes == 100 and "f.distcp" not in fs.held and fs.remote_bytes == len(data)
-    assert bytes(fs.sparse["f.distcp"].read_at(4096 + 10, 100)) == data[4096 + 10:4096 + 110]
+    assert bytes(fs.sparse["f.distcp"].read_at(4096 + 10, 100)) == data[4096 + 10 : 4096 + 110]
     fs.release()
     write_bytes(store, "f.distcp", data[:9000] + bytes([data[9000] ^ 1]) + data[9001:])  # not in the range
     with pytest.raises(CheckpointCorruptError, match="manifest says"):
         _TieredFs(store, tmp_path / "local2", set(), {"f.distcp": entry}, RetryPolicy()).prepare(
-            "f.distcp", [(4096 + 10, 100)])
+            "f.distcp", [(4096 + 10, 100)]
+        )
 
 
 def _restore_reading_blocks(rank: int, world: int, root: str, staging: str) -> dict:
-    from ray_goodput.checkpoint import _layout
+    from ray_goodput.checkpoint.protocol import _layout
     from ray_goodput.storage import _checksum
 
     _checksum.BLOCK_BYTES = 16 << 10  # this test's files are small; the rule is the same
@@ -284,8 +302,14 @@ def _restore_reading_blocks(rank: int, world: int, root: str, staging: str) -> d
     with Checkpointer(root, staging_dir=f"{staging}/cold-{rank}", uploader="thread") as ckpt:
         restored = ckpt.restore(fresh)
         read = ckpt.last_restore.remote_bytes
-    return {"restored": restored, "same": _equal_full(fresh, expected), "read": read, "mine": sizes[mine],
-            "other": sizes[other], "metadata": sizes[_layout.DCP_METADATA]}
+    return {
+        "restored": restored,
+        "same": _equal_full(fresh, expected),
+        "read": read,
+        "mine": sizes[mine],
+        "other": sizes[other],
+        "metadata": sizes[_layout.DCP_METADATA],
+    }
 
 
 def test_another_ranks_file_is_read_only_in_the_blocks_that_hold_what_this_rank_needs(tmp_path):
@@ -335,7 +359,7 @@ def _kept(fs, name: str):
 
 
 def test_a_damaged_block_fails_the_read_of_a_range_in_it_and_other_blocks_still_read(tmp_path, store):
-    from ray_goodput.checkpoint._tiered_reader import _TieredFs
+    from ray_goodput.checkpoint.restore._reader import _TieredFs
     from ray_goodput.errors import CheckpointCorruptError
     from ray_goodput.storage import RetryPolicy
 
@@ -351,7 +375,7 @@ def test_a_damaged_block_fails_the_read_of_a_range_in_it_and_other_blocks_still_
     good.prepare("f.distcp", [(4096 + 10, 100), (8 * 4096, 4096)])  # blocks 1 and 8
     assert good.remote_bytes == 2 * 4096
     assert ("f.distcp" in good.mapped) is store.is_local
-    assert bytes(_kept(good, "f.distcp").read_at(4096 + 10, 100)) == bytes(data[4096 + 10:4096 + 110])
+    assert bytes(_kept(good, "f.distcp").read_at(4096 + 10, 100)) == bytes(data[4096 + 10 : 4096 + 110])
     with pytest.raises(CheckpointCorruptError, match="block 5"):
         fs().prepare("f.distcp", [(5 * 4096 + 100, 10)])
     good.release()
@@ -361,7 +385,7 @@ def test_another_ranks_node_local_file_is_checked_only_in_the_needed_blocks(tmp_
     """The node-local copy of another rank's file is checked only in the blocks this rank
     reads (a rank on an 8-GPU node used to checksum all 8 files); a needed block that is
     damaged there comes from storage instead."""
-    from ray_goodput.checkpoint._tiered_reader import _TieredFs
+    from ray_goodput.checkpoint.restore._reader import _TieredFs
     from ray_goodput.storage import RetryPolicy, resolve
 
     store, local = tmp_path / "store", tmp_path / "local"
@@ -374,8 +398,7 @@ def test_another_ranks_node_local_file_is_checked_only_in_the_needed_blocks(tmp_
     (local / "f.distcp").write_bytes(data)
 
     def fs() -> _TieredFs:
-        return _TieredFs(resolve(str(store)), local, {"f.distcp"}, {"f.distcp": entry}, RetryPolicy(),
-                         verified=False)
+        return _TieredFs(resolve(str(store)), local, {"f.distcp"}, {"f.distcp": entry}, RetryPolicy(), verified=False)
 
     fine = fs()
     fine.prepare("f.distcp", [(4096 + 10, 100)])
@@ -383,8 +406,10 @@ def test_another_ranks_node_local_file_is_checked_only_in_the_needed_blocks(tmp_
     damaged = fs()
     damaged.prepare("f.distcp", [(5 * 4096 + 100, 10)])
     assert (damaged.local_reads, damaged.remote_reads, damaged.remote_bytes) == (0, 1, 4096)
-    assert bytes(_kept(damaged, "f.distcp").read_at(5 * 4096 + 100, 10)) == \
-        (store / "f.distcp").read_bytes()[5 * 4096 + 100:5 * 4096 + 110]
+    assert (
+        bytes(_kept(damaged, "f.distcp").read_at(5 * 4096 + 100, 10))
+        == (store / "f.distcp").read_bytes()[5 * 4096 + 100 : 5 * 4096 + 110]
+    )
     fine.release()
     damaged.release()
 
@@ -393,12 +418,12 @@ def test_a_file_cut_short_inside_a_needed_block_is_a_damaged_checkpoint_not_a_re
     """Found in review: a ranged read past the end of a truncated file raised pyarrow's
     ArrowIndexError (or, on S3, a retried IOError), which restore took for a failure of
     its own instead of a damaged checkpoint to fall back from."""
-    from ray_goodput.checkpoint._tiered_reader import _TieredFs
+    from ray_goodput.checkpoint.restore._reader import _TieredFs
     from ray_goodput.errors import CheckpointCorruptError
     from ray_goodput.storage import RetryPolicy
 
     data = os.urandom(10 * 4096)
-    entry = _put_with_entry(store, tmp_path, data, 4096, data[:8 * 4096 + 100])  # cut inside block 8
+    entry = _put_with_entry(store, tmp_path, data, 4096, data[: 8 * 4096 + 100])  # cut inside block 8
     for ranges in ([(8 * 4096, 200)], [(9 * 4096 + 1, 10)]):  # into block 8; wholly past the end
         fs = _TieredFs(store, tmp_path / "local", set(), {"f.distcp": entry}, RetryPolicy(attempts=1))
         with pytest.raises(CheckpointCorruptError, match="bytes"):
@@ -409,13 +434,12 @@ def test_block_reads_count_against_the_hold_budget_and_give_it_back(tmp_path, s3
     """Found in review: the blocks kept for DCP were not charged to ``hold_bytes``, so a
     reshard of large shards could hold far more than the budget in memory. (Object
     storage: a file of local storage is mapped, and holds no memory of the budget.)"""
-    from ray_goodput.checkpoint._tiered_reader import _TieredFs
+    from ray_goodput.checkpoint.restore._reader import _TieredFs
     from ray_goodput.storage import RetryPolicy, resolve
 
     store = resolve(s3_server.bucket_uri("budget-blocks"))
     entry = _put_with_entry(store, tmp_path, os.urandom(10 * 4096), 4096)
-    fs = _TieredFs(store, tmp_path / "local", set(), {"f.distcp": entry}, RetryPolicy(),
-                   hold_bytes=3 * 4096)
+    fs = _TieredFs(store, tmp_path / "local", set(), {"f.distcp": entry}, RetryPolicy(), hold_bytes=3 * 4096)
     fs.prepare("f.distcp", [(0, 10), (2 * 4096, 10)])  # blocks 0 and 2: within the budget
     assert fs.hold_left == 4096 and "f.distcp" in fs.sparse
     fs.release()

@@ -25,8 +25,12 @@ def _start(script: str, out: Path, *extra: str) -> subprocess.Popen:
     for the other example would stall this one once full)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.parent / "stdout", "w") as stdout, open(out.parent / "stderr", "w") as stderr:
-        return subprocess.Popen([sys.executable, str(EXAMPLES / script), "--smoke", "--out", str(out), *extra],
-                                stdout=stdout, stderr=stderr, cwd=out.parent)
+        return subprocess.Popen(
+            [sys.executable, str(EXAMPLES / script), "--smoke", "--out", str(out), *extra],
+            stdout=stdout,
+            stderr=stderr,
+            cwd=out.parent,
+        )
 
 
 def _start_lm(directory: Path) -> subprocess.Popen:

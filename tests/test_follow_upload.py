@@ -1,4 +1,4 @@
-"""Uploading a shard's data file to object storage while DCP writes it (``checkpoint/_follow.py``):
+"""Uploading a shard's data file to object storage while DCP writes it (``checkpoint/uploader/_follow_upload.py``):
 real S3 (moto over HTTP), real writer threads, real DCP writes."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from ray_goodput import Checkpointer
-from ray_goodput.checkpoint import _catalog
-from ray_goodput.checkpoint._follow import FollowUpload
-from ray_goodput.checkpoint._manifest import read_manifest
+from ray_goodput.checkpoint.protocol import _catalog
+from ray_goodput.checkpoint.protocol._manifest import read_manifest
+from ray_goodput.checkpoint.uploader._follow_upload import FollowUpload
 from ray_goodput.storage import CRC32C, checksum, file_crc32, resolve
 from ray_goodput.testing import FlakyProxy, wait_for
 
@@ -49,8 +49,13 @@ def test_a_file_followed_while_it_is_written_is_uploaded_whole_with_its_checksum
         # ends (asserting the writer was still alive raced the follower under load).
         _write_slowly(path, chunks[:20], 0.01)
         try:
-            held.append(bool(wait_for(lambda: _sent(proxy, "f.distcp"), timeout_s=60,
-                                      what="a part sent while the file is written")))
+            held.append(
+                bool(
+                    wait_for(
+                        lambda: _sent(proxy, "f.distcp"), timeout_s=60, what="a part sent while the file is written"
+                    )
+                )
+            )
         except TimeoutError:
             held.append(False)
         with open(path, "ab") as f:
@@ -105,7 +110,7 @@ def test_a_follower_that_followed_another_file_than_the_one_written_is_not_used(
 def test_on_object_storage_each_data_file_is_uploaded_while_dcp_writes_it(s3_server, tmp_path, caplog):
     root = s3_server.bucket_uri("follow-save")
     model = torch.nn.Linear(600, 600)
-    with caplog.at_level(logging.DEBUG, logger="ray_goodput.checkpoint._job"):
+    with caplog.at_level(logging.DEBUG, logger="ray_goodput.checkpoint.uploader._shard_job"):
         with Checkpointer(root, staging_dir=str(tmp_path / "s"), uploader="thread") as ckpt:
             ckpt.save(1, {"model": model})
             ckpt.wait()

@@ -34,7 +34,7 @@ def test_no_failure():
 
 
 def test_failure_splits_kept_lost_and_downtime():
-    first = _attempt(100.0, 0, 15)                 # reached step 15, died
+    first = _attempt(100.0, 0, 15)  # reached step 15, died
     second = _attempt(first[-1]["t"] + 6.0, 10, 10, end=True)  # resumed from 10
     ledger = compute([second, first], job_start=100.0)  # order does not matter
     assert ledger.attempts == 2 and ledger.failures == 1
@@ -48,11 +48,16 @@ def test_failure_splits_kept_lost_and_downtime():
 
 
 def test_coarse_events_are_split_at_the_resume_point():
-    first = [{"e": "start", "t": 0.0},
-             {"e": "step", "step": 10, "n": 10, "t0": 1.0, "t": 11.0, "fetch": 0.0, "ckpt": 0.5},
-             {"e": "step", "step": 20, "n": 10, "t0": 11.0, "t": 21.0, "fetch": 0.0, "ckpt": 0.0}]
-    second = [{"e": "start", "t": 25.0}, {"e": "restore", "step": 14, "t0": 26.0, "t": 27.0},
-              {"e": "step", "step": 20, "n": 6, "t0": 27.0, "t": 33.0, "fetch": 0.0, "ckpt": 0.0}]
+    first = [
+        {"e": "start", "t": 0.0},
+        {"e": "step", "step": 10, "n": 10, "t0": 1.0, "t": 11.0, "fetch": 0.0, "ckpt": 0.5},
+        {"e": "step", "step": 20, "n": 10, "t0": 11.0, "t": 21.0, "fetch": 0.0, "ckpt": 0.0},
+    ]
+    second = [
+        {"e": "start", "t": 25.0},
+        {"e": "restore", "step": 14, "t0": 26.0, "t": 27.0},
+        {"e": "step", "step": 20, "n": 6, "t0": 27.0, "t": 33.0, "fetch": 0.0, "ckpt": 0.0},
+    ]
     ledger = compute([first, second])
     assert ledger.seconds["lost"] == pytest.approx(6.0)  # steps 15..20 of the first attempt
     assert ledger.seconds["productive"] == pytest.approx(9.5 + 4.0 + 6.0)

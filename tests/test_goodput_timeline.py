@@ -22,8 +22,7 @@ def test_timeline_spans_agree_with_the_ledger_bucket_by_bucket():
     per_bucket: dict[str, float] = {}
     for s in spans(attempts, job_start=95.0):
         per_bucket[s.bucket] = per_bucket.get(s.bucket, 0.0) + s.end - s.start
-    for bucket in ("productive", "lost", "checkpoint_stall", "data_stall", "restore",
-                   "startup", "restart_downtime"):
+    for bucket in ("productive", "lost", "checkpoint_stall", "data_stall", "restore", "startup", "restart_downtime"):
         assert per_bucket.get(bucket, 0.0) == pytest.approx(ledger.seconds[bucket]), bucket
     assert {s.row for s in spans(attempts)} == {0, 1}
 
@@ -47,8 +46,7 @@ def test_fetch_stats_are_nearest_rank_percentiles_of_the_interval():
     events = [{"e": "step", "t": float(i), "fetch": i / 100} for i in range(1, 101)]
     events.append({"e": "restore", "t": 50.5})
     stats = fetch_stats(events, since=0.0)
-    assert stats == {"data/fetch_seconds_p50": 0.51, "data/fetch_seconds_p95": 0.96,
-                     "data/fetch_seconds_max": 1.0}
+    assert stats == {"data/fetch_seconds_p50": 0.51, "data/fetch_seconds_p95": 0.96, "data/fetch_seconds_max": 1.0}
     assert fetch_stats(events, since=90.0)["data/fetch_seconds_p50"] == 0.96
     assert fetch_stats(events, since=100.0) == {}
 

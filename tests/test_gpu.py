@@ -3,7 +3,7 @@ save/restore round trip of a model and optimizer that live on the GPU; and the d
 node health check, ``Recovery(health_check="gpu")``, on a real GPU.
 
 They need a CUDA device, which CI's machines do not have: there they are reported as
-skipped (``-ra``), and the README's GPU section says where and when they last ran.
+skipped (``-ra``), and docs/limitations.md says where and when they last ran.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from ray_goodput import Checkpointer
-from ray_goodput.checkpoint._arena import Arena, open_slots
-from ray_goodput.checkpoint._state import restore_cuda_rng
+from ray_goodput.checkpoint.save._arena import Arena, open_slots
+from ray_goodput.checkpoint.save._state_dict import restore_cuda_rng
 from ray_goodput.driver import _gpu_check
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -33,9 +33,11 @@ def shm_dir():
 
 
 def _snapshot_and_check(arena: Arena) -> None:
-    tensors = {"w": torch.randn(1024, 1024, device="cuda"),
-               "h": torch.randn(333, device="cuda").to(torch.bfloat16),
-               "i": torch.arange(17, device="cuda")}
+    tensors = {
+        "w": torch.randn(1024, 1024, device="cuda"),
+        "h": torch.randn(333, device="cuda").to(torch.bfloat16),
+        "i": torch.arange(17, device="cuda"),
+    }
     slots = arena.snapshot(tensors)
     got = open_slots(arena.path, slots)
     for name, t in tensors.items():
@@ -112,8 +114,12 @@ def test_a_gpu_model_and_optimizer_round_trip_with_the_cuda_rng(tmp_path):
     with Checkpointer(root, staging_dir=str(tmp_path / "s2"), uploader="thread") as ckpt:
         assert ckpt.restore(fresh) == 3
     assert all(p.device.type == "cuda" for p in fresh["model"].parameters())
-    assert all(v.device.type == "cuda" for s in fresh["optim"].state.values()
-               for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+    assert all(
+        v.device.type == "cuda"
+        for s in fresh["optim"].state.values()
+        for v in s.values()
+        if isinstance(v, torch.Tensor) and v.dim() > 0
+    )
     assert torch.equal(torch.rand(5, device="cuda"), expected_rand)
     _step(fresh)  # draws its batch from the restored generator, as the saved run's step did
     for name, value in fresh["model"].state_dict().items():
@@ -127,18 +133,19 @@ def test_the_first_saves_arena_is_pinned_in_the_background_before_the_first_save
         state = _cuda_state(0)
         if stepped_before_restore:
             _step(state)
-        with Checkpointer(str(tmp_path / f"r{stepped_before_restore}"), staging_dir=str(tmp_path / "s"),
-                          uploader="thread") as ckpt:
+        with Checkpointer(
+            str(tmp_path / f"r{stepped_before_restore}"), staging_dir=str(tmp_path / "s"), uploader="thread"
+        ) as ckpt:
             ckpt.restore(state)
             if not stepped_before_restore:
                 _step(state)
-            ckpt._arenas.wait_prepared()  # noqa: SLF001 - the background work is done
-            arena = ckpt._arenas.arenas[0]  # noqa: SLF001
+            ckpt._arenas.wait_prepared()  # the background work is done
+            arena = ckpt._arenas.arenas[0]
             assert arena.path.is_relative_to("/dev/shm") and arena.pinned
             size = arena.size
             ckpt.save(1, state)
             # Sized exactly: a grown arena would be unpinned and pinned again in the save.
-            assert ckpt._arenas.arenas[0] is arena and arena.pinned and arena.size == size  # noqa: SLF001
+            assert ckpt._arenas.arenas[0] is arena and arena.pinned and arena.size == size
             ckpt.wait()
             assert ckpt.stats.committed == [1]
 

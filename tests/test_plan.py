@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from ray_goodput.cli._plan import register
 from ray_goodput.errors import ConfigError
 from ray_goodput.plan import (
     AutoInterval,
@@ -21,7 +22,6 @@ from ray_goodput.plan import (
     optimal_interval_s,
     young_interval_s,
 )
-from ray_goodput.cli._plan import register
 
 PLAN_DIR = Path(__file__).resolve().parents[1] / "ray_goodput" / "plan"
 
@@ -39,6 +39,7 @@ def _run(capsys, *argv: str) -> str:
 
 
 # ---- formulas ------------------------------------------------------------------------
+
 
 def test_failure_probability_reproduces_19_and_57_percent_over_30_days():
     # 256 * 0.01 * 720/8760 = 0.2104 -> 1 - exp(-0.2104) = 0.1897
@@ -107,36 +108,59 @@ def test_expected_lost_work_is_about_half_an_interval_plus_the_durability_lag():
     assert lagged - sync == pytest.approx(1000 * 100 / 1001, rel=1e-3)
 
 
-@pytest.mark.parametrize("call, name", [
-    (lambda: failure_probability(0, 10), "gpus"),
-    (lambda: failure_probability(8, -1), "hours"),
-    (lambda: mtbf_hours(8, afr=0), "afr"),
-    (lambda: optimal_interval_s(0, 100), "save_s"),
-    (lambda: optimal_interval_s(1, float("nan")), "mtbf_s"),
-    (lambda: optimal_interval_s(1, 100, restart_s=-1), "restart_s"),
-    (lambda: expected_goodput(0, 1, 10, 100, 0, 0), "step_s"),
-    (lambda: expected_goodput(1, 5, 10, 100, 0, 0, durable_s=2), "durable_s"),
-])
+@pytest.mark.parametrize(
+    "call, name",
+    [
+        (lambda: failure_probability(0, 10), "gpus"),
+        (lambda: failure_probability(8, -1), "hours"),
+        (lambda: mtbf_hours(8, afr=0), "afr"),
+        (lambda: optimal_interval_s(0, 100), "save_s"),
+        (lambda: optimal_interval_s(1, float("nan")), "mtbf_s"),
+        (lambda: optimal_interval_s(1, 100, restart_s=-1), "restart_s"),
+        (lambda: expected_goodput(0, 1, 10, 100, 0, 0), "step_s"),
+        (lambda: expected_goodput(1, 5, 10, 100, 0, 0, durable_s=2), "durable_s"),
+    ],
+)
 def test_bad_input_raises_config_error_naming_the_argument(call, name):
     with pytest.raises(ConfigError, match=name):
         call()
 
 
 def test_plan_modules_import_neither_ray_nor_torch():
-    allowed = {"__future__", "argparse", "json", "logging", "math", "random", "statistics", "sys",
-               "collections", "dataclasses", "pathlib", "typing", "ray_goodput"}
+    allowed = {
+        "__future__",
+        "argparse",
+        "json",
+        "logging",
+        "math",
+        "random",
+        "statistics",
+        "sys",
+        "collections",
+        "dataclasses",
+        "pathlib",
+        "typing",
+        "ray_goodput",
+    }
     for path in PLAN_DIR.glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
             for name in names:
                 top = name.split(".")[0]
                 assert top in allowed | {"matplotlib"}, f"{path.name} imports {name}"
-                assert name.startswith(("ray_goodput.plan", "ray_goodput.errors")) or top != "ray_goodput", \
+                assert name.startswith(("ray_goodput.plan", "ray_goodput.errors")) or top != "ray_goodput", (
                     f"{path.name} imports {name}"
+                )
 
 
 # ---- AutoInterval ----------------------------------------------------------------------
+
 
 def test_auto_interval_uses_warmup_until_a_save_is_measured():
     auto = AutoInterval(world_size=1024, warmup_steps=10)
@@ -199,10 +223,26 @@ def test_auto_interval_rejects_bad_settings():
 
 # ---- ray-goodput plan ------------------------------------------------------------------
 
+
 def test_plan_prints_failure_odds_mtbf_interval_and_goodput(capsys):
-    out = _run(capsys, "plan", "--gpus", "1024", "--days", "30", "--save-seconds", "0.29",
-               "--durable-seconds", "18.88", "--restart-seconds", "12", "--restore-seconds", "14",
-               "--compare-save-seconds", "17.94")
+    out = _run(
+        capsys,
+        "plan",
+        "--gpus",
+        "1024",
+        "--days",
+        "30",
+        "--save-seconds",
+        "0.29",
+        "--durable-seconds",
+        "18.88",
+        "--restart-seconds",
+        "12",
+        "--restore-seconds",
+        "14",
+        "--compare-save-seconds",
+        "17.94",
+    )
     assert "failure probability over the run    56.9%" in out
     assert "job MTBF                            855.47 h" in out
     interval_line = next(ln for ln in out.splitlines() if ln.startswith("optimal interval"))
@@ -213,8 +253,23 @@ def test_plan_prints_failure_odds_mtbf_interval_and_goodput(capsys):
 
 
 def test_plan_json_has_the_numbers_and_the_comparison(capsys):
-    out = _run(capsys, "plan", "--gpus", "608", "--hours", "24", "--mtbf-hours", "1.9",
-               "--save-seconds", "60", "--restart-seconds", "600", "--compare-save-seconds", "5", "--json")
+    out = _run(
+        capsys,
+        "plan",
+        "--gpus",
+        "608",
+        "--hours",
+        "24",
+        "--mtbf-hours",
+        "1.9",
+        "--save-seconds",
+        "60",
+        "--restart-seconds",
+        "600",
+        "--compare-save-seconds",
+        "5",
+        "--json",
+    )
     doc = json.loads(out)
     assert doc["mtbf_hours"] == pytest.approx(1.9)
     assert doc["failure_probability"] == pytest.approx(1 - math.exp(-24 / 1.9))
@@ -224,14 +279,17 @@ def test_plan_json_has_the_numbers_and_the_comparison(capsys):
     assert doc["compare"]["expected_goodput"] > doc["expected_goodput"]
 
 
-@pytest.mark.parametrize("flags, flag", [
-    (["--save-seconds", "0"], "--save-seconds"),
-    (["--save-seconds", "5", "--gpus", "0"], "--gpus"),
-    (["--save-seconds", "5", "--restart-seconds", "-1"], "--restart-seconds"),
-    (["--save-seconds", "5", "--afr", "0"], "--afr"),
-    (["--save-seconds", "5", "--durable-seconds", "1"], "--durable-seconds"),
-    (["--save-seconds", "5", "--compare-save-seconds", "-3"], "--compare-save-seconds"),
-])
+@pytest.mark.parametrize(
+    "flags, flag",
+    [
+        (["--save-seconds", "0"], "--save-seconds"),
+        (["--save-seconds", "5", "--gpus", "0"], "--gpus"),
+        (["--save-seconds", "5", "--restart-seconds", "-1"], "--restart-seconds"),
+        (["--save-seconds", "5", "--afr", "0"], "--afr"),
+        (["--save-seconds", "5", "--durable-seconds", "1"], "--durable-seconds"),
+        (["--save-seconds", "5", "--compare-save-seconds", "-3"], "--compare-save-seconds"),
+    ],
+)
 def test_plan_bad_flag_raises_config_error_naming_it(flags, flag):
     base = {"--gpus": "8", "--days": "1", "--restart-seconds": "10"}
     for name, value in zip(flags[::2], flags[1::2]):
@@ -243,5 +301,4 @@ def test_plan_bad_flag_raises_config_error_naming_it(flags, flag):
 
 def test_plan_needs_days_or_hours_not_both():
     with pytest.raises(SystemExit):
-        _cli("plan", "--gpus", "8", "--days", "1", "--hours", "3", "--save-seconds", "1",
-             "--restart-seconds", "1")
+        _cli("plan", "--gpus", "8", "--days", "1", "--hours", "3", "--save-seconds", "1", "--restart-seconds", "1")

@@ -117,8 +117,9 @@ def cluster():
     x = c.add_node(num_cpus=2)
     y = c.add_node(num_cpus=1)
     z = c.add_node(num_cpus=1)
-    ray.init(address=c.address, log_to_driver=False,
-             runtime_env={"env_vars": {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.1"}})
+    ray.init(
+        address=c.address, log_to_driver=False, runtime_env={"env_vars": {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.1"}}
+    )
     c.wait_for_nodes()
     yield {"x": x.node_id, "y": y.node_id, "z": z.node_id}
     ray.shutdown()
@@ -127,16 +128,20 @@ def cluster():
 
 def _record(out: str, **fields) -> dict:
     decision = _resume.resume_decision()
-    rec = {"attempt": decision.attempt if decision else 1, "step": decision.step if decision else None,
-           "rank": ray.train.get_context().get_world_rank(),
-           "node": ray.get_runtime_context().get_node_id(), "t": time.time(), **fields}
+    rec = {
+        "attempt": decision.attempt if decision else 1,
+        "step": decision.step if decision else None,
+        "rank": ray.train.get_context().get_world_rank(),
+        "node": ray.get_runtime_context().get_node_id(),
+        "t": time.time(),
+        **fields,
+    }
     publish_file(Path(out, f"rec-{os.getpid()}.json"), json.dumps(rec))  # whole, or not there
     return rec
 
 
 def _records(out: Path) -> list[dict]:
-    return sorted((json.loads(p.read_text()) for p in out.glob("rec-*.json")),
-                  key=lambda r: (r["attempt"], r["rank"]))
+    return sorted((json.loads(p.read_text()) for p in out.glob("rec-*.json")), key=lambda r: (r["attempt"], r["rank"]))
 
 
 def _loop(config: dict) -> None:
@@ -162,9 +167,13 @@ def _dies_on_bad_node_loop(config: dict) -> None:
             ckpt.wait()
         if rec["node"] == config["bad"]:
             if rec["rank"] == 1:  # once rank 0 recorded this attempt (the kill tears it down)
-                wait_for(lambda: any(r["attempt"] == rec["attempt"] and r["rank"] == 0
-                                     for r in _records(Path(config["out"]))),
-                         timeout_s=60, what="rank 0's record of this attempt")
+                wait_for(
+                    lambda: any(
+                        r["attempt"] == rec["attempt"] and r["rank"] == 0 for r in _records(Path(config["out"]))
+                    ),
+                    timeout_s=60,
+                    what="rank 0's record of this attempt",
+                )
                 kill_self()
             time.sleep(60)  # bounded: the controller tears this rank down once rank 1 is gone
 
@@ -173,11 +182,16 @@ def _fit(tmp_path: Path, name: str, recovery: Recovery | None, max_failures: int
     out = tmp_path / name
     out.mkdir()
     trainer = TorchTrainer(
-        loop, train_loop_config={"out": str(out), **config}, recovery=recovery,
+        loop,
+        train_loop_config={"out": str(out), **config},
+        recovery=recovery,
         scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1}),
-        run_config=RunConfig(name=name, storage_path=str(tmp_path / "runs"),
-                             failure_config=FailureConfig(max_failures=max_failures,
-                                                          controller_failure_limit=3)))
+        run_config=RunConfig(
+            name=name,
+            storage_path=str(tmp_path / "runs"),
+            failure_config=FailureConfig(max_failures=max_failures, controller_failure_limit=3),
+        ),
+    )
     return trainer, out
 
 
@@ -189,8 +203,7 @@ class _Blocker:
         return 1
 
 
-def _unblock_when_isolated(root: Path, node: str, blockers: list, seen: list,
-                           fitted: threading.Event) -> None:
+def _unblock_when_isolated(root: Path, node: str, blockers: list, seen: list, fitted: threading.Event) -> None:
     while not fitted.is_set():  # no deadline of its own: attempts on X take longer under load
         state = load_state(str(root))
         if state and node in state["isolated_nodes"]:
@@ -203,24 +216,29 @@ def _unblock_when_isolated(root: Path, node: str, blockers: list, seen: list,
 
 @pytest.mark.cluster
 @pytest.mark.slow
-def test_node_whose_workers_always_die_is_isolated_and_every_rank_restores_the_step_the_driver_chose(
-        cluster, tmp_path):
+def test_node_whose_workers_always_die_is_isolated_and_every_rank_restores_the_step_the_driver_chose(cluster, tmp_path):
     """Two behaviours, one run (each restart costs ~10 s here): X, where a worker is
     SIGKILLed in every attempt, is isolated after two and the run completes on Y and Z; and
     after each SIGKILL every rank restores the step the driver chose (3, committed by
     attempt 1), on X and then on other nodes."""
     # Y and Z are busy until X is isolated: Ray's placement has no choice but X until then,
     # whatever the timing of resource release between attempts.
-    blockers = [_Blocker.options(scheduling_strategy=NodeAffinitySchedulingStrategy(cluster[n], soft=False)).remote()
-                for n in ("y", "z")]
+    blockers = [
+        _Blocker.options(scheduling_strategy=NodeAffinitySchedulingStrategy(cluster[n], soft=False)).remote()
+        for n in ("y", "z")
+    ]
     ray.get([b.ping.remote() for b in blockers], timeout=60)
     seen: list = []
     fitted = threading.Event()
-    watcher = threading.Thread(target=_unblock_when_isolated, daemon=True,
-                               args=(tmp_path / "runs" / "isolate", cluster["x"], blockers, seen, fitted))
+    watcher = threading.Thread(
+        target=_unblock_when_isolated,
+        daemon=True,
+        args=(tmp_path / "runs" / "isolate", cluster["x"], blockers, seen, fitted),
+    )
     watcher.start()
-    trainer, out = _fit(tmp_path, "isolate", Recovery(max_failures_per_node=2), 4,
-                        loop=_dies_on_bad_node_loop, bad=cluster["x"])
+    trainer, out = _fit(
+        tmp_path, "isolate", Recovery(max_failures_per_node=2), 4, loop=_dies_on_bad_node_loop, bad=cluster["x"]
+    )
     try:
         trainer.fit()
     finally:

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ray_goodput import list_checkpoints
-from ray_goodput.checkpoint._layout import step_dir
+from ray_goodput.checkpoint.protocol._layout import step_dir
 from ray_goodput.testing import FailAt, FlakyProxy, publish_file, run_world, wait_for, wait_for_file
 
 SAMPLES, BATCH, EVERY, STEPS, NODE_LOSS_STEP = 48, 4, 4, 30, 20
@@ -52,8 +52,9 @@ def _loop(config: dict) -> None:
     if world > 1:  # as ray.train.torch.prepare_model does on CPU
         model = torch.nn.parallel.DistributedDataParallel(model)
     optim = torch.optim.Adam(model.parameters(), lr=0.01)
-    loader = DataLoader(FileDataset(config["data"], decode=_decode, seed=3, cache=None),
-                        batch_size=BATCH, num_workers=0)
+    loader = DataLoader(
+        FileDataset(config["data"], decode=_decode, seed=3, cache=None), batch_size=BATCH, num_workers=0
+    )
     out = Path(config["out"])
     state = {"model": model, "optim": optim, "loader": loader}
     with Checkpointer(config["uri"], keep_last=20) as ckpt:
@@ -65,10 +66,12 @@ def _loop(config: dict) -> None:
         tag = tag[0]
         if rank == 0:  # restore commits a save whose every rank was durable on the way
             after = max((i.step for i in list_checkpoints(config["uri"]) if i.committed), default=None)
-            (out / f"attempt-{tag}.json").write_text(json.dumps(
-                {"world": world, "restored": restored, "newest_committed": newest,
-                 "newest_after_restore": after}))
-        records = open(out / f"records-{tag}-rank{rank}.jsonl", "a", buffering=1)
+            (out / f"attempt-{tag}.json").write_text(
+                json.dumps(
+                    {"world": world, "restored": restored, "newest_committed": newest, "newest_after_restore": after}
+                )
+            )
+        records = open(out / f"records-{tag}-rank{rank}.jsonl", "a", buffering=1)  # noqa: SIM115 - open for the whole run, closed by the process exit
         faults = [FailAt(**f) for f in config["faults"]]
         while step < config["steps"]:
             for ids in loader:
@@ -78,8 +81,9 @@ def _loop(config: dict) -> None:
                 optim.zero_grad()
                 loss.backward()
                 optim.step()
-                records.write(json.dumps({"step": step, "rank": rank, "epoch": loader.epoch,
-                                          "ids": ids.tolist()}) + "\n")
+                records.write(
+                    json.dumps({"step": step, "rank": rank, "epoch": loader.epoch, "ids": ids.tolist()}) + "\n"
+                )
                 record_step(step)
                 if step % EVERY == 0:
                     ckpt.save(step, state)
@@ -91,8 +95,7 @@ def _loop(config: dict) -> None:
                     publish_file(out / "trigger", ray.get_runtime_context().get_node_id())
                     # Ends only if the test could not pull the node: the run then goes on
                     # to its end instead of outliving the failed test in the background.
-                    wait_for_file(out / "not-pulled", timeout_s=PULL_TIMEOUT_S,
-                                  what="the test to pull this node")
+                    wait_for_file(out / "not-pulled", timeout_s=PULL_TIMEOUT_S, what="the test to pull this node")
                 if step == config["steps"]:
                     break
     if rank == 0:
@@ -107,19 +110,26 @@ def _fit(config, workers, name, storage, on_trigger=None):
     from ray_goodput import GoodputCallback
 
     trainer = TorchTrainer(
-        _loop, train_loop_config=config,
+        _loop,
+        train_loop_config=config,
         scaling_config=ScalingConfig(num_workers=workers, resources_per_worker={"CPU": 1, "slot": 1}),
-        run_config=RunConfig(name=name, storage_path=storage,
-                             failure_config=FailureConfig(max_failures=5),
-                             callbacks=[GoodputCallback(tracking_uri=f"sqlite:///{storage}/mlflow.db")]),
+        run_config=RunConfig(
+            name=name,
+            storage_path=storage,
+            failure_config=FailureConfig(max_failures=5),
+            callbacks=[GoodputCallback(tracking_uri=f"sqlite:///{storage}/mlflow.db")],
+        ),
     )
     if on_trigger is None:
         return trainer.fit()
     box: dict = {}
     thread = threading.Thread(target=lambda: box.update(result=trainer.fit()), daemon=True)
     thread.start()
-    trigger = wait_for_file(Path(config["out"]) / "trigger", timeout_s=PULL_TIMEOUT_S,
-                            what=f"rank 1 to reach step {NODE_LOSS_STEP} (or the run died: {box})")
+    trigger = wait_for_file(
+        Path(config["out"]) / "trigger",
+        timeout_s=PULL_TIMEOUT_S,
+        what=f"rank 1 to reach step {NODE_LOSS_STEP} (or the run died: {box})",
+    )
     try:
         on_trigger(trigger.read_text())
     except BaseException:
@@ -139,7 +149,7 @@ def _kept_records(out: Path) -> dict[int, dict]:
         attempts[path.name.rsplit("-", 1)[0]].append(path)
     kept: dict[int, dict] = {}
     for tag in sorted(attempts, key=lambda t: float(t.split("-")[1])):  # a later attempt that
-        attempt: dict[int, dict] = {}                                     # redid a step wins
+        attempt: dict[int, dict] = {}  # redid a step wins
         for path in attempts[tag]:
             for line in path.read_text().splitlines():
                 r = json.loads(line)
@@ -166,8 +176,11 @@ def _refresh_trains_view_without(node_id: str) -> None:
     for the dead node's worker too and waits out the worker-group start timeout, once or
     twice (30 s of this test's 70 s). The coordinator refreshes on demand when asked for
     a recomputed reservation; the restart then takes the one node left."""
-    wait_for(lambda: not any(n["NodeID"] == node_id and n["Alive"] for n in ray.nodes()),
-             timeout_s=60, what=f"Ray to mark removed node {node_id} dead")
+    wait_for(
+        lambda: not any(n["NodeID"] == node_id and n["Alive"] for n in ray.nodes()),
+        timeout_s=60,
+        what=f"Ray to mark removed node {node_id} dead",
+    )
     coordinator = ray.get_actor("AutoscalingCoordinator", namespace="AutoscalingCoordinator")
     ray.get(coordinator.get_reserved_resources.remote("ray_goodput-tests", recompute=True), timeout=60)
 
@@ -180,8 +193,7 @@ def _run_with_failures(ray_cluster, s3_server, data: Path, out: Path, storage: s
     uri = s3_server.bucket_uri("faulty").replace(s3_server.endpoint, proxy.endpoint)
     # (A SIGKILL between saves is the LM example's fault; one restart fewer here.)
     faults = [dict(step=12, rank=0, marker_dir=str(out))]
-    config = {"data": str(data), "out": str(out), "uri": uri, "steps": STEPS,
-              "faults": faults, "node_loss": True}
+    config = {"data": str(data), "out": str(out), "uri": uri, "steps": STEPS, "faults": faults, "node_loss": True}
 
     def pull(node_id: str) -> None:
         try:
@@ -211,8 +223,7 @@ def test_interrupted_run_equals_uninterrupted_run(tmp_path, s3_server, ray_clust
     uri = _run_with_failures(ray_cluster, s3_server, data, faulty, str(tmp_path / "ray"))
     attempts = _attempts(faulty)
     assert [a["world"] for a in attempts] == [2, 2, 1], attempts
-    assert attempts[0] == {"world": 2, "restored": None, "newest_committed": None,
-                           "newest_after_restore": None}
+    assert attempts[0] == {"world": 2, "restored": None, "newest_committed": None, "newest_after_restore": None}
     for a in attempts:  # every resume took the newest committed checkpoint there was
         assert a["restored"] == a["newest_after_restore"], attempts
         assert (a["newest_committed"] or 0) <= (a["restored"] or 0), attempts

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ray_goodput import Checkpointer
-from ray_goodput.checkpoint._schedule import SaveSchedule
+from ray_goodput.checkpoint.save._schedule import SaveSchedule
 from ray_goodput.errors import ConfigError
 from ray_goodput.goodput import compute
 from ray_goodput.testing import run_world
@@ -22,9 +22,15 @@ def test_fixed_schedule_counts_from_the_last_save_or_restore():
     assert s.proposal() is None and not s.adopt(7) and s.interval_steps() == 5
 
 
-@pytest.mark.parametrize("every,mtbf,match", [
-    (0, None, "every must be"), ("often", None, "every must be"), (True, None, "every must be"),
-    (10, 2.0, "mtbf_hours only applies")])
+@pytest.mark.parametrize(
+    "every,mtbf,match",
+    [
+        (0, None, "every must be"),
+        ("often", None, "every must be"),
+        (True, None, "every must be"),
+        (10, 2.0, "mtbf_hours only applies"),
+    ],
+)
 def test_bad_schedule_arguments_name_the_fix(every, mtbf, match):
     with pytest.raises(ConfigError, match=match):
         SaveSchedule(every, world_size=1, mtbf_hours=mtbf)
@@ -51,8 +57,7 @@ def _auto_loop(rank: int, world: int, root: str, stage: str) -> tuple[list[int],
     model = make_model(0)
     state = {"model": model, "optim": torch.optim.SGD(model.parameters(), lr=0.1)}
     saved = []
-    with Checkpointer(root, staging_dir=f"{stage}-{rank}", uploader="thread", every="auto",
-                      mtbf_hours=0.001) as ckpt:
+    with Checkpointer(root, staging_dir=f"{stage}-{rank}", uploader="thread", every="auto", mtbf_hours=0.001) as ckpt:
         for step in range(1, 61):
             time.sleep(0.01 * (1 + rank))  # the ranks measure different step times
             if ckpt.maybe_save(step, state):
@@ -69,9 +74,13 @@ def test_auto_interval_saves_the_same_steps_on_every_rank_and_settles_after_warm
 
 
 def test_the_interval_in_force_reaches_the_ledger():
-    events = [{"e": "start", "t": 0.0}, {"e": "ckpt_interval", "steps": 10, "t": 1.0},
-              {"e": "step", "step": 1, "n": 1, "t0": 1.0, "t": 2.0},
-              {"e": "ckpt_interval", "steps": 17, "t": 3.0}, {"e": "end", "t": 4.0}]
+    events = [
+        {"e": "start", "t": 0.0},
+        {"e": "ckpt_interval", "steps": 10, "t": 1.0},
+        {"e": "step", "step": 1, "n": 1, "t0": 1.0, "t": 2.0},
+        {"e": "ckpt_interval", "steps": 17, "t": 3.0},
+        {"e": "end", "t": 4.0},
+    ]
     ledger = compute([events])
     assert ledger.checkpoint_interval_steps == 17
     assert ledger.as_metrics()["goodput/checkpoint_interval_steps"] == 17

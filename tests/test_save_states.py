@@ -13,17 +13,17 @@ from concurrent.futures import Future
 import pytest
 import torch
 
-from ray_goodput import Checkpointer
-from ray_goodput import _faults
-from ray_goodput.checkpoint._backends import Handoff
-from ray_goodput.checkpoint._job import ShardJob, ShardResult
-from ray_goodput.checkpoint._save_state import IllegalTransitionError, SaveRecord, SaveState, agree
+from ray_goodput import Checkpointer, _faults
+from ray_goodput.checkpoint.save._handoff import Handoff
+from ray_goodput.checkpoint.save._save_state import IllegalTransitionError, SaveRecord, SaveState, agree
+from ray_goodput.checkpoint.uploader._shard_job import ShardJob, ShardResult
 from ray_goodput.errors import CheckpointError, ConfigError, InjectedFault
 
 S = SaveState
 
 
 # ---- the machine -----------------------------------------------------------------------
+
 
 def test_a_save_walks_snapshotted_staged_uploaded_committed():
     record = SaveRecord(1, "g000001-abcdef0123")
@@ -33,12 +33,15 @@ def test_a_save_walks_snapshotted_staged_uploaded_committed():
     assert record.state.terminal
 
 
-@pytest.mark.parametrize("path", [
-    [S.COMMITTED],                      # cannot commit before it is uploaded
-    [S.STAGED, S.SUPERSEDED],           # a staged save is past waiting: it cannot be dropped
-    [S.STAGED, S.UPLOADED, S.COMMITTED, S.FAILED],  # terminal states stay put
-    [S.SUPERSEDED, S.STAGED],
-])
+@pytest.mark.parametrize(
+    "path",
+    [
+        [S.COMMITTED],  # cannot commit before it is uploaded
+        [S.STAGED, S.SUPERSEDED],  # a staged save is past waiting: it cannot be dropped
+        [S.STAGED, S.UPLOADED, S.COMMITTED, S.FAILED],  # terminal states stay put
+        [S.SUPERSEDED, S.STAGED],
+    ],
+)
 def test_illegal_transitions_raise(path):
     record = SaveRecord(1, "x")
     with pytest.raises(IllegalTransitionError):
@@ -65,19 +68,23 @@ def test_reach_takes_the_implied_path():
     assert record.history == [S.SNAPSHOTTED, S.SUPERSEDED]
 
 
-@pytest.mark.parametrize("states,outcome", [
-    ([S.UPLOADED, S.COMMITTED], S.COMMITTED),
-    ([S.SUPERSEDED, S.UPLOADED], S.SUPERSEDED),     # can never commit; not a failure
-    ([S.FAILED, S.SUPERSEDED], S.FAILED),
-    ([S.UPLOADED, S.UPLOADED], None),               # the caller decides (did not commit)
-    ([S.UPLOADED], None),
-])
+@pytest.mark.parametrize(
+    "states,outcome",
+    [
+        ([S.UPLOADED, S.COMMITTED], S.COMMITTED),
+        ([S.SUPERSEDED, S.UPLOADED], S.SUPERSEDED),  # can never commit; not a failure
+        ([S.FAILED, S.SUPERSEDED], S.FAILED),
+        ([S.UPLOADED, S.UPLOADED], None),  # the caller decides (did not commit)
+        ([S.UPLOADED], None),
+    ],
+)
 def test_every_rank_agrees_on_the_outcome(states, outcome):
     assert agree(states) is outcome
     assert agree(list(reversed(states))) is outcome
 
 
 # ---- the Checkpointer against a fake backend -------------------------------------------
+
 
 class FakeBackend:
     """Accepts jobs; the test decides when each is released, ends, or is superseded.
@@ -106,8 +113,9 @@ class FakeBackend:
         if error is not None:
             handoff.durable.set_exception(error)
         else:
-            handoff.durable.set_result(ShardResult(step=step, rank=0, num_bytes=1, write_seconds=0.0,
-                                                   upload_seconds=0.0, state=state))
+            handoff.durable.set_result(
+                ShardResult(step=step, rank=0, num_bytes=1, write_seconds=0.0, upload_seconds=0.0, state=state)
+            )
 
     def cancel(self, key: str) -> bool:
         if key not in self.waiting:
@@ -137,8 +145,8 @@ def test_a_third_save_supersedes_the_waiting_one_instead_of_waiting_for_an_uploa
     ckpt, backend = fake
     ckpt.save(1, _state())
     backend.start(1, release=False)  # step 1 is being written: its arena is busy
-    ckpt.save(2, _state())           # waits in the second arena
-    ckpt.save(3, _state())           # both busy: 2 is superseded, 3 takes its arena
+    ckpt.save(2, _state())  # waits in the second arena
+    ckpt.save(3, _state())  # both busy: 2 is superseded, 3 takes its arena
     assert backend.handoffs[2].durable.result().state is S.SUPERSEDED
     assert backend.jobs[3].arena_path == backend.jobs[2].arena_path != backend.jobs[1].arena_path
     backend.end(1)
@@ -181,9 +189,12 @@ def test_a_submit_that_raises_is_a_failed_save_not_a_crash_of_save(fake, monkeyp
 
 # ---- fault hooks -------------------------------------------------------------------------
 
+
 def test_fault_spec_errors_name_the_fix():
     assert _faults.parse("retention:0.5, save.copying:1:raise") == {
-        "retention": (0.5, "kill"), "save.copying": (1.0, "raise")}
+        "retention": (0.5, "kill"),
+        "save.copying": (1.0, "raise"),
+    }
     for bad in ("nosuch:1", "retention", "retention:2", "retention:1:explode"):
         with pytest.raises(ConfigError, match="RAY_GOODPUT_FAULT"):
             _faults.parse(bad)

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from ray_goodput.cli._plan import register
 from ray_goodput.errors import ConfigError
 from ray_goodput.plan import DEFAULT_SYSTEMS, System, expected_buckets, replay, simulate
-from ray_goodput.cli._plan import register
 from ray_goodput.plan._simulate import BUCKETS, poisson_schedule, system_to_json
 
 TOY = dict(step_s=1.0, save_blocking_s=2.0, durable_s=5.0, restore_s=3.0, restart_s=10.0, interval=10.0)
@@ -30,8 +30,9 @@ def test_replay_of_a_failure_during_a_save_loses_the_interval_before_it():
     # failure at 23 restores progress 10; restart 23-33, restore 33-36, then 20 s more of
     # compute and one save: the job ends at 58 s with 30 s kept.
     out = replay(System(name="toy", **TOY), [23.0], work_s=30.0)
-    assert out.seconds == pytest.approx({"productive": 30, "lost": 10, "checkpoint_stall": 5,
-                                         "restore": 3, "restart_downtime": 10, "startup": 0})
+    assert out.seconds == pytest.approx(
+        {"productive": 30, "lost": 10, "checkpoint_stall": 5, "restore": 3, "restart_downtime": 10, "startup": 0}
+    )
     assert out.failures == 1 and out.wall_s == pytest.approx(58)
     assert out.goodput == pytest.approx(30 / 58)
 
@@ -63,7 +64,7 @@ def test_simulation_is_deterministic_for_a_seed():
     a = simulate(list(DEFAULT_SYSTEMS), gpus=16384, days=30, seed=7, runs=3)
     b = simulate(list(DEFAULT_SYSTEMS), gpus=16384, days=30, seed=7, runs=3)
     c = simulate(list(DEFAULT_SYSTEMS), gpus=16384, days=30, seed=8, runs=3)
-    key = lambda res: [(o.failures, round(o.seconds["lost"], 6)) for outs in res.values() for o in outs]  # noqa: E731
+    key = lambda res: [(o.failures, round(o.seconds["lost"], 6)) for outs in res.values() for o in outs]  # noqa: E731 - a one-line sort key
     assert key(a) == key(b)
     assert key(a) != key(c)
     first = [o.failures for o in a[DEFAULT_SYSTEMS[0].name]]
@@ -72,8 +73,7 @@ def test_simulation_is_deterministic_for_a_seed():
 
 def test_simulated_buckets_match_the_closed_form_over_a_long_run():
     mtbf = 3600.0
-    system = System(name="x", step_s=1.0, save_blocking_s=30, durable_s=200, restore_s=60,
-                    restart_s=300, interval=600)
+    system = System(name="x", step_s=1.0, save_blocking_s=30, durable_s=200, restore_s=60, restart_s=300, interval=600)
     out = replay(system, poisson_schedule(1 / mtbf, 5000 * mtbf, random.Random(3)), wall_s=5000 * mtbf)
     assert out.failures > 4500
     want = expected_buckets(1.0, 30, 600, mtbf, 300, 60, durable_s=200)
@@ -84,8 +84,9 @@ def test_simulated_buckets_match_the_closed_form_over_a_long_run():
 def test_buckets_are_the_goodput_ledger_buckets():
     # Read the ledger's names from its source: importing it would import Ray (seconds).
     source = (Path(__file__).resolve().parents[1] / "ray_goodput/goodput/_ledger.py").read_text()
-    (node,) = [n for n in ast.parse(source).body if isinstance(n, ast.Assign)
-               and getattr(n.targets[0], "id", "") == "BUCKETS"]
+    (node,) = [
+        n for n in ast.parse(source).body if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "BUCKETS"
+    ]
     assert set(BUCKETS) <= set(ast.literal_eval(node.value))
 
 
@@ -119,10 +120,32 @@ def test_simulate_command_prints_a_table_and_writes_a_png(capsys, tmp_path):
 
 def test_simulate_json_reads_costs_from_a_file(capsys, tmp_path):
     costs = tmp_path / "costs.json"
-    costs.write_text(json.dumps({"source": "unit test", "systems": [
-        {"name": "slow", "step_s": 1, "save_blocking_s": 60, "durable_s": 60, "restore_s": 30, "restart_s": 60},
-        {"name": "fast", "step_s": 1, "save_blocking_s": 1, "durable_s": 60, "restore_s": 30, "restart_s": 60,
-         "interval": "auto"}]}))
+    costs.write_text(
+        json.dumps(
+            {
+                "source": "unit test",
+                "systems": [
+                    {
+                        "name": "slow",
+                        "step_s": 1,
+                        "save_blocking_s": 60,
+                        "durable_s": 60,
+                        "restore_s": 30,
+                        "restart_s": 60,
+                    },
+                    {
+                        "name": "fast",
+                        "step_s": 1,
+                        "save_blocking_s": 1,
+                        "durable_s": 60,
+                        "restore_s": 30,
+                        "restart_s": 60,
+                        "interval": "auto",
+                    },
+                ],
+            }
+        )
+    )
     args = _cli("simulate", "--costs", str(costs), "--gpus", "4096", "--afr", "0.5", "--runs", "3", "--json")
     assert args.fn(args) == 0
     doc = json.loads(capsys.readouterr().out)
@@ -132,11 +155,14 @@ def test_simulate_json_reads_costs_from_a_file(capsys, tmp_path):
     assert abs(by_name["slow"]["goodput"] - by_name["slow"]["expected_goodput"]) < 0.02
 
 
-@pytest.mark.parametrize("flags, flag", [
-    (["--gpus", "a,b"], "--gpus"),
-    (["--afr", "-1"], "--afr"),
-    (["--costs", "/nonexistent/costs.json"], "--costs"),
-])
+@pytest.mark.parametrize(
+    "flags, flag",
+    [
+        (["--gpus", "a,b"], "--gpus"),
+        (["--afr", "-1"], "--afr"),
+        (["--costs", "/nonexistent/costs.json"], "--costs"),
+    ],
+)
 def test_simulate_bad_flag_raises_config_error_naming_it(flags, flag):
     args = _cli("simulate", *flags)
     with pytest.raises(ConfigError, match=flag):
@@ -153,8 +179,7 @@ def test_costs_json_without_a_field_names_it(tmp_path):
 
 def test_replay_job_end_on_a_save_boundary_adds_no_extra_save_from_rounding():
     # 0.1 + 0.2 + ... misses 0.9 by a rounding error; the job must still end after 3 intervals, 2 saves.
-    system = System(name="x", step_s=0.1, save_blocking_s=0.05, durable_s=0.05, restore_s=0, restart_s=0,
-                    interval=0.3)
+    system = System(name="x", step_s=0.1, save_blocking_s=0.05, durable_s=0.05, restore_s=0, restart_s=0, interval=0.3)
     for work, saves in ((0.3, 0), (0.9, 2), (2.1, 6), (0.7, 2)):
         out = replay(system, [], work_s=work)
         assert out.seconds["checkpoint_stall"] == pytest.approx(0.05 * saves), work

@@ -96,9 +96,15 @@ def test_retry_policy_retries_transient_only():
     assert policy.call("op", flaky) == "ok" and len(calls) == 3
 
 
-@pytest.mark.parametrize("permanent", [
-    FileNotFoundError(2, "no such key"), PermissionError(13, "denied"),
-    OSError(errno.ENOSPC, "No space left on device"), OSError(errno.EROFS, "read-only")])
+@pytest.mark.parametrize(
+    "permanent",
+    [
+        FileNotFoundError(2, "no such key"),
+        PermissionError(13, "denied"),
+        OSError(errno.ENOSPC, "No space left on device"),
+        OSError(errno.EROFS, "read-only"),
+    ],
+)
 def test_permanent_errors_are_classified_by_type_and_not_retried(permanent):
     calls = []
 
@@ -146,7 +152,7 @@ def test_a_write_into_a_directory_removed_right_after_its_creation_re_creates_it
 
     assert _into_dir(loc, parent, write) == 4 and removed
     with pytest.raises(FileNotFoundError):  # a missing source still fails
-        _into_dir(loc, parent, lambda: open(tmp_path / "no-such-file", "rb"))
+        _into_dir(loc, parent, lambda: open(tmp_path / "no-such-file", "rb"))  # noqa: SIM115 - the open must fail: nothing to close
 
 
 def test_listing_a_directory_created_while_it_is_listed_never_fails(tmp_path):
@@ -197,8 +203,7 @@ def test_a_small_write_to_s3_is_one_request_not_a_three_request_multipart_upload
         loc = storage.resolve(uri)
         proxy.requests.clear()
         storage.write_bytes(loc, "marker.json", b'{"rank": 0}')
-        assert {m for m, _ in proxy.requests} == {"PUT"} and sum(proxy.requests.values()) == 1, \
-            dict(proxy.requests)
+        assert {m for m, _ in proxy.requests} == {"PUT"} and sum(proxy.requests.values()) == 1, dict(proxy.requests)
         assert storage.read_bytes(loc, "marker.json") == b'{"rank": 0}'
     finally:
         proxy.close()
@@ -242,14 +247,16 @@ def test_block_checksums_check_each_block_and_combine_into_the_whole_files(algor
 
     data = os.urandom(3 * 1000 + 517)
     blocks: list[int] = []
-    size, crc = storage.copy_stream(io.BytesIO(data), algorithm=algorithm, chunk_bytes=700,
-                                    blocks=blocks, block_bytes=1000)  # chunks cross block edges
+    size, crc = storage.copy_stream(
+        io.BytesIO(data), algorithm=algorithm, chunk_bytes=700, blocks=blocks, block_bytes=1000
+    )  # chunks cross block edges
     assert (size, crc) == (len(data), storage.checksum(data, algorithm))
-    assert blocks == [storage.checksum(data[i:i + 1000], algorithm) for i in range(0, len(data), 1000)]
+    assert blocks == [storage.checksum(data[i : i + 1000], algorithm) for i in range(0, len(data), 1000)]
     for cut in (0, 1, 999, 1000, len(data)):
         head, tail = data[:cut], data[cut:]
-        assert storage.combine_checksums(storage.checksum(head, algorithm), storage.checksum(tail, algorithm),
-                                         len(tail), algorithm) == storage.checksum(data, algorithm)
+        assert storage.combine_checksums(
+            storage.checksum(head, algorithm), storage.checksum(tail, algorithm), len(tail), algorithm
+        ) == storage.checksum(data, algorithm)
     path = tmp_path / "f"
     path.write_bytes(data)
     again: list[int] = []
@@ -299,10 +306,10 @@ def test_a_file_checksummed_as_written_matches_reading_it_back_block_by_block(tm
             out.write(memoryview(data)[start:end])  # torch.save writes memoryviews
         assert out.tell() == len(data)
     blocks: list[int] = []
-    assert storage.file_crc32(path, storage.CRC32C, blocks=blocks, block_bytes=4096) \
-        == (len(data), out.result().crc32)
-    assert out.result() == storage.Written(size=len(data), crc32=out.result().crc32, algorithm=storage.CRC32C,
-                                           block_bytes=4096, blocks=tuple(blocks))
+    assert storage.file_crc32(path, storage.CRC32C, blocks=blocks, block_bytes=4096) == (len(data), out.result().crc32)
+    assert out.result() == storage.Written(
+        size=len(data), crc32=out.result().crc32, algorithm=storage.CRC32C, block_bytes=4096, blocks=tuple(blocks)
+    )
     assert path.read_bytes() == data
 
 
@@ -318,17 +325,24 @@ def test_a_linked_upload_takes_known_checksums_only_for_the_file_they_describe(t
     src, root = tmp_path / "staged", tmp_path / "root"
     src.write_bytes(b"payload")
     loc = storage.resolve(str(root))
-    right = storage.Written(size=7, crc32=storage.checksum(b"payload", storage.CRC32C), algorithm=storage.CRC32C,
-                            block_bytes=storage.upload_block_bytes(), blocks=(storage.checksum(b"payload"),))
+    right = storage.Written(
+        size=7,
+        crc32=storage.checksum(b"payload", storage.CRC32C),
+        algorithm=storage.CRC32C,
+        block_bytes=storage.upload_block_bytes(),
+        blocks=(storage.checksum(b"payload"),),
+    )
     entry = storage.upload_file(src, loc, "a", algorithm=storage.CRC32C, link=True, known=right)
     assert (entry.size, entry.crc32, entry.blocks) == (7, right.crc32, right.blocks)
-    wrong_size = storage.Written(size=8, crc32=1, algorithm=storage.CRC32C,
-                                 block_bytes=storage.upload_block_bytes(), blocks=(1,))
+    wrong_size = storage.Written(
+        size=8, crc32=1, algorithm=storage.CRC32C, block_bytes=storage.upload_block_bytes(), blocks=(1,)
+    )
     entry = storage.upload_file(src, loc, "b", algorithm=storage.CRC32C, link=True, known=wrong_size)
     assert entry.crc32 == right.crc32  # read back: the known sums describe another file
     # The writer chose its block size from a size hint: its sums are taken with that size.
-    other_blocks = storage.Written(size=7, crc32=right.crc32, algorithm=storage.CRC32C, block_bytes=4096,
-                                   blocks=right.blocks)
+    other_blocks = storage.Written(
+        size=7, crc32=right.crc32, algorithm=storage.CRC32C, block_bytes=4096, blocks=right.blocks
+    )
     entry = storage.upload_file(src, loc, "c", algorithm=storage.CRC32C, link=True, known=other_blocks)
     assert (entry.block_bytes, entry.blocks) == (4096, right.blocks)
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ray_goodput import Checkpointer, CheckpointError, list_checkpoints, storage
-from ray_goodput.checkpoint import _catalog
+from ray_goodput.checkpoint.protocol import _catalog
 from ray_goodput.cli import main
 from ray_goodput.storage import RetryPolicy
 from ray_goodput.testing import FlakyProxy
@@ -62,10 +62,10 @@ def test_full_staging_disk_fails_that_save_loudly_and_training_goes_on(tiny_disk
     ckpt.save(1, small)
     ckpt.wait()
     with caplog.at_level(logging.ERROR):
-        ckpt.save(2, big)          # returns: the failure happens in the background
+        ckpt.save(2, big)  # returns: the failure happens in the background
         with pytest.raises(CheckpointError, match="No space left|Errno 28"):
-            ckpt.wait()            # (waited for before the next save, which would
-    ckpt.save(3, small)            # supersede it); training goes on and checkpoints again
+            ckpt.wait()  # (waited for before the next save, which would
+    ckpt.save(3, small)  # supersede it); training goes on and checkpoints again
     ckpt.wait()
     assert ckpt.stats.failed_saves == 1 and "step 2" in ckpt.stats.last_error
     assert "checkpoint of step 2 failed" in caplog.text
@@ -75,8 +75,9 @@ def test_full_staging_disk_fails_that_save_loudly_and_training_goes_on(tiny_disk
 
 
 def test_a_staging_write_that_fails_while_its_upload_follows_it_leaves_no_object_in_storage(
-        tiny_disk, tmp_path, s3_server):
-    """On object storage the data file is uploaded while DCP writes it (``_follow``): a
+    tiny_disk, tmp_path, s3_server
+):
+    """On object storage the data file is uploaded while DCP writes it (``_follow_upload``): a
     write that fails midway (the staging disk filled up) must fail that save alone and
     take back what was sent, not leave a partial object under the file's name."""
     root = s3_server.bucket_uri("tiny-follow")
@@ -92,7 +93,6 @@ def test_a_staging_write_that_fails_while_its_upload_follows_it_leaves_no_object
     ckpt.wait()
     ckpt.close()
     step2 = _catalog.step_location(storage.resolve(root), 2)
-    left = [i.path for i in step2.fs.get_file_info(pafs.FileSelector(step2.root, allow_not_found=True,
-                                                                      recursive=True))]
+    left = [i.path for i in step2.fs.get_file_info(pafs.FileSelector(step2.root, allow_not_found=True, recursive=True))]
     assert not [p for p in left if p.endswith(".distcp")], left
     assert [i.step for i in list_checkpoints(root) if i.committed] == [1, 3]

@@ -4,8 +4,8 @@ start, and the markers that select tiers."""
 from __future__ import annotations
 
 import subprocess
-import threading
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -39,9 +39,25 @@ def test_the_ray_marker_selects_the_tests_that_use_a_shared_ray():
     """``-m "not ray"`` must leave out the users of ``ray_local`` and ``ray_cluster``: the
     markers are added to them at collection, before ``-m`` selects (added after, they
     selected nothing and the whole suite ran)."""
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "--co", "-p", "no:cacheprovider", "-m", "not ray",
-                           "tests/test_train_integration.py", "tests/test_goodput_timeline.py"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "--co",
+            "-p",
+            "no:cacheprovider",
+            "-m",
+            "not ray",
+            "tests/test_train_integration.py",
+            "tests/test_goodput_timeline.py",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     selected = {line.split("::")[1] for line in done.stdout.splitlines() if "::" in line}
     assert "test_quickstart_resumes_from_last_committed" not in selected  # uses ray_local

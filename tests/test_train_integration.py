@@ -45,7 +45,10 @@ def test_quickstart_resumes_from_last_committed(ray_local, tmp_path, capsys):
     assert mrun.info.status == "FINISHED"
     assert mrun.data.metrics["goodput/steps_lost"] == g["steps_lost"]
     assert {a.path for a in client.list_artifacts(mrun.info.run_id)} >= {
-        "goodput_breakdown.png", "goodput_timeline.png", "goodput_summary.json"}
+        "goodput_breakdown.png",
+        "goodput_timeline.png",
+        "goodput_summary.json",
+    }
     assert "failure_1" in mrun.data.tags
     # The data wait per step travels as a series next to goodput (from the step events).
     waits = client.get_metric_history(mrun.info.run_id, "data/fetch_seconds_p95")

@@ -16,12 +16,11 @@ import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ray_goodput import Checkpointer, CheckpointError, list_checkpoints
-from ray_goodput.runtime import _services
-from ray_goodput.checkpoint._uploader import KIND
-from ray_goodput.checkpoint._layout import step_dir
+from ray_goodput.checkpoint.protocol._layout import step_dir
+from ray_goodput.checkpoint.uploader._actor import KIND
 from ray_goodput.cli import main as cli_main
+from ray_goodput.runtime import _services
 from ray_goodput.testing import FlakyProxy, wait_for
-
 
 pytestmark = pytest.mark.cluster
 
@@ -57,10 +56,10 @@ class Worker:
         return self.ckpt.stats.committed
 
     def released(self, step: int) -> bool:
-        return self.ckpt._pending[step].handoff.released.done()  # noqa: SLF001 - its arena may be reused
+        return self.ckpt._pending[step].handoff.released.done()  # its arena may be reused
 
     def key(self, step: int) -> str:
-        return self.ckpt._pending[step].handoff.key  # noqa: SLF001 - the job's name in the uploader
+        return self.ckpt._pending[step].handoff.key  # the job's name in the uploader
 
     def restore(self) -> tuple[int | None, list]:
         step = self.ckpt.restore(self.state)
@@ -90,8 +89,12 @@ def _worker_with_a_commit(ray_cluster, uri: str, seed: int, step: int = 1):
 
 
 def _wait_committed(uri: str, step: int, timeout: float = 120) -> None:
-    wait_for(lambda: any(i.step == step and i.committed for i in list_checkpoints(uri)),
-             timeout_s=timeout, what=f"step {step} committed in {uri}", interval_s=0.2)
+    wait_for(
+        lambda: any(i.step == step and i.committed for i in list_checkpoints(uri)),
+        timeout_s=timeout,
+        what=f"step {step} committed in {uri}",
+        interval_s=0.2,
+    )
 
 
 class _Placed:
@@ -107,6 +110,7 @@ def test_the_trainer_creates_each_workers_uploader_on_the_workers_node_in_their_
     # before the workers initialize; the uploaders must go where the workers are, with
     # the environment a worker-created one would have inherited.
     from ray.util.state import list_actors
+
     from ray_goodput.driver._node_services import NodeServices
 
     nodes = list(ray_cluster.worker_ids)
@@ -119,13 +123,16 @@ def test_the_trainer_creates_each_workers_uploader_on_the_workers_node_in_their_
         return {a.name: a.node_id for a in alive if a.name.startswith(f"{KIND}:")}
 
     want = {_services.actor_name(KIND, n): n for n in nodes}
-    wait_for(lambda: all(placed().get(name) == n for name, n in want.items()), timeout_s=60,
-             what="an uploader alive on each worker's node", interval_s=0.2)
+    wait_for(
+        lambda: all(placed().get(name) == n for name, n in want.items()),
+        timeout_s=60,
+        what="an uploader alive on each worker's node",
+        interval_s=0.2,
+    )
     assert ray_cluster.worker_ids[0] != ray.get_runtime_context().get_node_id()  # not the caller's node
     for n in nodes:
         handle = _services.find(KIND)[n]
-        got = ray.get(handle.__ray_call__.remote(lambda _self: os.environ.get("RG_TEST_UPLOADER_MARK")),
-                      timeout=30)
+        got = ray.get(handle.__ray_call__.remote(lambda _self: os.environ.get("RG_TEST_UPLOADER_MARK")), timeout=30)
         assert got == mark
 
 
@@ -135,7 +142,7 @@ def _hold_jobs(uploader, until: str) -> None:
     held = threading.Event()
 
     def hold() -> None:
-        with uploader._lock:  # noqa: SLF001 - what accepting a job waits on
+        with uploader._lock:  # what accepting a job waits on
             held.set()
             wait_for(lambda: os.path.exists(until), timeout_s=120, what=until, interval_s=0.02)
 
@@ -173,12 +180,13 @@ def test_worker_killed_right_after_save_still_commits(ray_cluster, s3_server, tm
 def _cut_connections(uploader) -> None:
     """Run in the uploader (``__ray_call__``): break every worker's connection from its end,
     as a send stuck past its bound does."""
-    for peer in list(uploader._peers):  # noqa: SLF001
+    for peer in list(uploader._peers):
         peer.sock.shutdown(socket.SHUT_RDWR)
 
 
 def test_a_connection_broken_while_the_uploader_lives_keeps_the_arena_until_the_job_lets_go(
-        ray_cluster, s3_server, tmp_path):
+    ray_cluster, s3_server, tmp_path
+):
     # Before, a broken connection freed the arenas of the jobs sent on it, and the next save
     # could overwrite an arena the uploader was still writing a checkpoint from; and it
     # failed a save the uploader went on to commit (found in review). Now the worker asks
@@ -192,8 +200,12 @@ def test_a_connection_broken_while_the_uploader_lives_keeps_the_arena_until_the_
     time.sleep(1.0)
     assert not ray.get(worker.released.remote(2), timeout=60)  # the uploader holds it still
     opened.touch()
-    wait_for(lambda: ray.get(worker.released.remote(2), timeout=60), timeout_s=60,
-             what="step 2's arena released by the uploader", interval_s=0.1)
+    wait_for(
+        lambda: ray.get(worker.released.remote(2), timeout=60),
+        timeout_s=60,
+        what="step 2's arena released by the uploader",
+        interval_s=0.1,
+    )
     assert ray.get(worker.wait.remote(), timeout=120) == [1, 2]  # committed, and every rank hears it
     _wait_committed(uri, 2)
     ray.get(worker.save.remote(3))  # a new connection takes it
@@ -210,8 +222,12 @@ def test_uploader_killed_mid_upload(ray_cluster, s3_server):
     proxy.stall(f"/{step_dir(2)}/", methods=("PUT", "POST"))
     try:
         ray.get(worker.save.remote(2))
-        wait_for(lambda: proxy.holding_in(f"/{step_dir(2)}/"), timeout_s=60,
-                 what="step 2's upload reaching storage", interval_s=0.01)
+        wait_for(
+            lambda: proxy.holding_in(f"/{step_dir(2)}/"),
+            timeout_s=60,
+            what="step 2's upload reaching storage",
+            interval_s=0.01,
+        )
         ray.kill(uploader, no_restart=True)
         with pytest.raises(CheckpointError):
             ray.get(worker.wait.remote())
@@ -247,8 +263,12 @@ def test_status_then_uploader_exits_when_its_clients_close(ray_cluster, tmp_path
     line = next(ln for ln in stdout.splitlines() if node[:12] in ln)
     assert "queue 0" in line and f"uploaded {uploaded / 1e6:.1f} MB" in line and "last error: -" in line, stdout
     ray.get(worker.close.remote())
-    wait_for(lambda: node not in _services.find(KIND), timeout_s=30,
-             what=f"the uploader on {node} to exit after its last client closed", interval_s=0.2)
+    wait_for(
+        lambda: node not in _services.find(KIND),
+        timeout_s=30,
+        what=f"the uploader on {node} to exit after its last client closed",
+        interval_s=0.2,
+    )
 
 
 def test_the_uploaders_wait_for_a_result_ends_at_its_bound(ray_cluster, s3_server):

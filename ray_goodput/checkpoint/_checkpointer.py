@@ -16,7 +16,6 @@ import functools
 import hashlib
 import logging
 import os
-import pickle
 import threading
 import time
 from concurrent.futures import Future
@@ -25,25 +24,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import torch
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.tensor import DTensor
 
 from ray_goodput import _env
-from ray_goodput.checkpoint import (_catalog, _collective, _generation, _layout, _retention, _shard_plan,
-                                    _state)
-from ray_goodput.checkpoint._arena_pair import ArenaPair
-from ray_goodput.checkpoint._backends import Handoff, ThreadBackend, UploadBackend
-from ray_goodput.checkpoint._job import ShardJob
-from ray_goodput.checkpoint._local_copies import LocalCopyDropper
-from ray_goodput.checkpoint._metrics import SaveMetrics
-from ray_goodput.checkpoint._ray_report import report_checkpoint, report_closed
-from ray_goodput.checkpoint._local_guess import LocalGuess
-from ray_goodput.checkpoint._restore import RestoreInfo, choose, failed_load_verdict, load_checkpoint
-from ray_goodput.checkpoint._save_state import SaveRecord, SaveState, agree
-from ray_goodput.checkpoint._schedule import SaveSchedule
-from ray_goodput.checkpoint._actor_backend import ActorBackend
+from ray_goodput.checkpoint.protocol import _catalog, _collective, _layout, _lineage
+from ray_goodput.checkpoint.restore._load import RestoreInfo, choose, failed_load_verdict, load_checkpoint
+from ray_goodput.checkpoint.restore._local_precheck import LocalGuess
+from ray_goodput.checkpoint.save import _state_dict
+from ray_goodput.checkpoint.save._arena_pair import ArenaPair
+from ray_goodput.checkpoint.save._handoff import Handoff, UploadBackend
+from ray_goodput.checkpoint.save._local_copies import LocalCopyDropper
+from ray_goodput.checkpoint.save._ray_report import report_checkpoint, report_closed
+from ray_goodput.checkpoint.save._save_state import SaveRecord, SaveState, agree
+from ray_goodput.checkpoint.save._schedule import SaveSchedule
+from ray_goodput.checkpoint.save._snapshot import Snapshotter
+from ray_goodput.checkpoint.uploader._client import ActorBackend
+from ray_goodput.checkpoint.uploader._metrics import SaveMetrics
+from ray_goodput.checkpoint.uploader._shard_job import ShardJob
+from ray_goodput.checkpoint.uploader._thread_backend import ThreadBackend
 from ray_goodput.errors import CheckpointError, ConfigError, StateMismatchError
 from ray_goodput.goodput import get_recorder
 from ray_goodput.runtime import WorkerContext, ray_initialized
@@ -82,10 +80,6 @@ class SaveStats:
     last_error: str | None = None
 
 
-def _local(value: Any) -> torch.Tensor:
-    return value.to_local() if isinstance(value, DTensor) else value
-
-
 def _state_of(pending: _Pending, block: bool, timeout_s: float) -> tuple[str | None, str | None]:
     """(SaveState value or None while running, error text) of this rank's part."""
     durable = pending.handoff.durable
@@ -96,7 +90,8 @@ def _state_of(pending: _Pending, block: bool, timeout_s: float) -> tuple[str | N
     except FutureTimeout:
         return SaveState.FAILED.value, (
             f"step {pending.step} was not durable after {timeout_s:.0f}s "
-            "(Checkpointer(wait_timeout_s=...)); see `ray-goodput status` for its uploader")
+            "(Checkpointer(wait_timeout_s=...)); see `ray-goodput status` for its uploader"
+        )
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - agreed across ranks
         return SaveState.FAILED.value, f"{type(exc).__name__}: {exc}"
 
@@ -117,8 +112,9 @@ def _failed_handoff(exc: BaseException) -> Handoff:
     return Handoff(released=released, durable=durable, key="")
 
 
-def _check_args(*, keep_last: int, upload_concurrency: int, sync_every: int, uploader: object,
-                wait_timeout_s: float) -> None:
+def _check_args(
+    *, keep_last: int, upload_concurrency: int, sync_every: int, uploader: object, wait_timeout_s: float
+) -> None:
     """ConfigError naming the fix for a bad ``Checkpointer`` argument."""
     if keep_last < 1:
         raise ConfigError(f"keep_last must be >= 1 (the newest committed checkpoint is never removed), got {keep_last}")
@@ -129,8 +125,9 @@ def _check_args(*, keep_last: int, upload_concurrency: int, sync_every: int, upl
     if isinstance(uploader, str) and uploader not in ("auto", "actor", "thread"):
         raise ConfigError(f"uploader must be 'auto', 'actor' or 'thread', got {uploader!r}")
     if not 0 < wait_timeout_s < threading.TIMEOUT_MAX / 2:
-        raise ConfigError(f"wait_timeout_s must be > 0 and finite (seconds wait() waits for uploads), "
-                          f"got {wait_timeout_s}")
+        raise ConfigError(
+            f"wait_timeout_s must be > 0 and finite (seconds wait() waits for uploads), got {wait_timeout_s}"
+        )
 
 
 class Checkpointer:
@@ -143,14 +140,28 @@ class Checkpointer:
     or read-only ``storage_path`` raises StorageUnusableError at once, on every rank.
     """
 
-    def __init__(self, storage_path: str | None = None, *, keep_last: int = 3,
-                 staging_dir: str | None = None, upload_concurrency: int = 8,
-                 verify_checksums: bool = False, retry: RetryPolicy | None = None,
-                 uploader: Literal["auto", "actor", "thread"] | UploadBackend = "auto",
-                 sync_every: int = 8, every: int | Literal["auto"] | None = None,
-                 mtbf_hours: float | None = None, wait_timeout_s: float = 3600.0) -> None:
-        _check_args(keep_last=keep_last, upload_concurrency=upload_concurrency, sync_every=sync_every,
-                    uploader=uploader, wait_timeout_s=wait_timeout_s)
+    def __init__(
+        self,
+        storage_path: str | None = None,
+        *,
+        keep_last: int = 3,
+        staging_dir: str | None = None,
+        upload_concurrency: int = 8,
+        verify_checksums: bool = False,
+        retry: RetryPolicy | None = None,
+        uploader: Literal["auto", "actor", "thread"] | UploadBackend = "auto",
+        sync_every: int = 8,
+        every: int | Literal["auto"] | None = None,
+        mtbf_hours: float | None = None,
+        wait_timeout_s: float = 3600.0,
+    ) -> None:
+        _check_args(
+            keep_last=keep_last,
+            upload_concurrency=upload_concurrency,
+            sync_every=sync_every,
+            uploader=uploader,
+            wait_timeout_s=wait_timeout_s,
+        )
         self._ctx = WorkerContext.detect()
         schedule = SaveSchedule(every, world_size=self.world_size, mtbf_hours=mtbf_hours)
         self.root = self._ctx.storage_root(storage_path)
@@ -171,7 +182,7 @@ class Checkpointer:
         self._token = ""
         self._uploader: UploadBackend | None = None if isinstance(uploader, str) else uploader
         self._arenas = ArenaPair(self.staging, self._run_key, self.rank, self.world_size)
-        self._owner_cache: tuple[int, dict[str, int]] | None = None
+        self._snapshots = Snapshotter(self._arenas, self.rank)
         self._pending: dict[int, _Pending] = {}
         self._last_step: int | None = None
         self._reported: int | None = None
@@ -188,11 +199,11 @@ class Checkpointer:
             if hasattr(self._uploader, "start"):
                 self._uploader.start()
 
-    def _probe_and_claim(self) -> _generation.EarlyClaim | None:
+    def _probe_and_claim(self) -> _lineage.EarlyClaim | None:
         """Probe the storage root; collective: when it fails on any rank (unreachable,
         read-only), every rank raises that rank's StorageUnusableError. Rank 0 claims the
         generation now, beside the probe; the first save only waits for it."""
-        claim = _generation.EarlyClaim(self.root, self._retry) if self.rank == 0 else None
+        claim = _lineage.EarlyClaim(self.root, self._retry) if self.rank == 0 else None
         error: Exception | None = None
         try:
             try:
@@ -209,8 +220,7 @@ class Checkpointer:
         return claim
 
     def _make_uploader(self) -> UploadBackend:
-        use_actor = self._uploader_choice == "actor" or (
-            self._uploader_choice == "auto" and ray_initialized())
+        use_actor = self._uploader_choice == "actor" or (self._uploader_choice == "auto" and ray_initialized())
         if use_actor:
             # The actor's wait for the result ends too: a hand-off can queue behind other
             # saves before wait() starts its clock, hence twice the bound wait() gives.
@@ -242,7 +252,7 @@ class Checkpointer:
         """Rank 0: the claim started at construction, once (a failed one is made again at
         the next call, not raised for ever)."""
         early, self._early_claim = self._early_claim, None
-        return early.result() if early is not None else _generation.claim_attempt(self.root, self._retry)
+        return early.result() if early is not None else _lineage.claim_attempt(self.root, self._retry)
 
     # ---- save -----------------------------------------------------------------------
 
@@ -264,8 +274,9 @@ class Checkpointer:
         if self._last_step is not None and step <= self._last_step:
             raise ConfigError(f"step {step} is not after the last saved step {self._last_step}")
         start = time.perf_counter()  # the loop is blocked for the whole call
-        if self.stats.saves and (self.stats.saves % self.sync_every == 0
-                                 or self._schedule.wants_sync(self.stats.saves)):
+        if self.stats.saves and (
+            self.stats.saves % self.sync_every == 0 or self._schedule.wants_sync(self.stats.saves)
+        ):
             self._resolve(block=False)  # a count: every rank syncs at the same save
         self._arenas.stop_watching_steps()  # the save's made-up steps are not the optimizers' first
         generation = self._ensure_generation()
@@ -273,7 +284,7 @@ class Checkpointer:
         # its steps only grow.
         save_id = _layout.save_id(generation, f"{self._token}{step:x}")
         try:
-            handoff = self._hand_off(step, _state.classify(state), save_id, generation)
+            handoff = self._hand_off(step, _state_dict.classify(state), save_id, generation)
         except ConfigError:
             raise  # bad input (the same on every rank), not a failed save
         except (Exception, CheckpointException) as exc:  # noqa: BLE001 - agreed at the next sync
@@ -287,11 +298,15 @@ class Checkpointer:
         self._schedule.observe_save(block)
         self._recorder.add_checkpoint_stall(block)
         self._recorder.step(step, explicit=False)
-        self._pending[step] = _Pending(step=step, metrics=dict(metrics or {}), handoff=handoff,
-                                       block_seconds=block, record=SaveRecord(step, save_id))
+        self._pending[step] = _Pending(
+            step=step,
+            metrics=dict(metrics or {}),
+            handoff=handoff,
+            block_seconds=block,
+            record=SaveRecord(step, save_id),
+        )
 
-    def maybe_save(self, step: int, state: dict[str, Any], *,
-                   metrics: dict[str, Any] | None = None) -> bool:
+    def maybe_save(self, step: int, state: dict[str, Any], *, metrics: dict[str, Any] | None = None) -> bool:
         """Call once per step: saves when the schedule (``every=N`` or ``every="auto"``) says
         ``step`` is due, and returns whether it saved. With ``"auto"`` the interval is Daly's
         optimum from the measured step and save-blocking times and the MTBF (``mtbf_hours``,
@@ -305,42 +320,35 @@ class Checkpointer:
         self._tick = time.perf_counter()
         return due
 
-    def _hand_off(self, step: int, roles: _state.Roles, save_id: str, generation: int) -> Handoff:
-        with _state.saving(roles) as (sd, unstepped):
-            flat, mappings = flatten_state_dict(sd)
-            leaves = {fqn: _shard_plan.describe(value) for fqn, value in flat.items()}
-            keys = _shard_plan.local_keys(leaves, self._owners(leaves), self.rank)
-            tensors = {k: _local(flat[k]) for k in keys if leaves[k].kind != _shard_plan.OBJECT}
-            objects = {k: pickle.dumps(flat[k]) for k in keys if leaves[k].kind == _shard_plan.OBJECT}
-            index, arena = self._arenas.take(sum(t.numel() * t.element_size() for t in tensors.values()),
-                                             cancel=self._cancel, step_of=self._pending_step_of)
-            slots = arena.snapshot(tensors)
-        job = ShardJob(root=self.root, step=step, rank=self.rank, world_size=self.world_size,
-                       arena_path=str(arena.path), slots=tuple(slots), objects=objects,
-                       leaves={k: leaves[k] for k in keys}, mappings=mappings,
-                       rng=_state.rng_state_bytes(),
-                       local_dir=str(self.staging / _layout.step_dir(step)),
-                       keep_last=self.keep_last, owner_pid=os.getpid(), nonce=save_id,
-                       num_bytes=sum(s.nbytes for s in slots), generation=generation,
-                       concurrency=self.upload_concurrency, retry=self._retry, unstepped=unstepped,
-                       stepped=tuple(sorted(set(roles.optimizers) - set(unstepped))))
+    def _hand_off(self, step: int, roles: _state_dict.Roles, save_id: str, generation: int) -> Handoff:
+        snap = self._snapshots.take(roles, cancel=self._cancel, step_of=self._pending_step_of)
+        job = ShardJob(
+            root=self.root,
+            step=step,
+            rank=self.rank,
+            world_size=self.world_size,
+            arena_path=snap.arena_path,
+            slots=snap.slots,
+            objects=snap.objects,
+            leaves=snap.leaves,
+            mappings=snap.mappings,
+            rng=snap.rng,
+            local_dir=str(self.staging / _layout.step_dir(step)),
+            keep_last=self.keep_last,
+            owner_pid=os.getpid(),
+            save_id=save_id,
+            num_bytes=snap.num_bytes,
+            generation=generation,
+            concurrency=self.upload_concurrency,
+            retry=self._retry,
+            unstepped=snap.unstepped,
+            stepped=snap.stepped,
+        )
         if self._uploader is None:
             self._uploader = self._make_uploader()
         handoff = self._uploader.submit(job)
-        self._arenas.hold(index, handoff)
+        self._arenas.hold(snap.index, handoff)
         return handoff
-
-    def _owners(self, leaves: dict[str, _shard_plan.Leaf]) -> dict[str, int]:
-        """Owner of each replicated leaf: reused while this rank's structure is unchanged,
-        exchanged across ranks when it changes (on every rank at the same save, like DCP's
-        own rule that ranks save alike; a rank re-planning alone meets the others' next
-        sync and every rank raises instead of hanging)."""
-        sig = _shard_plan.signature(leaves)
-        if self._owner_cache is not None and self._owner_cache[0] == sig:
-            return self._owner_cache[1]
-        owners = _shard_plan.assign_owners(_collective.gather_tagged("owner plan", leaves))
-        self._owner_cache = (sig, owners)
-        return owners
 
     def _cancel(self, key: str) -> bool:
         return self._uploader is not None and self._uploader.cancel(key)
@@ -352,8 +360,9 @@ class Checkpointer:
         self._errors.append((f"step {step}: {text}", exc))
         self.stats.failed_saves += 1
         self.stats.last_error = f"step {step}: {text}"
-        logger.error("checkpoint of step %d failed; the previous committed checkpoint stays the "
-                     "recovery point: %s", step, text)
+        logger.error(
+            "checkpoint of step %d failed; the previous committed checkpoint stays the recovery point: %s", step, text
+        )
         if self._metrics is not None:
             self._metrics.failed()
 
@@ -363,8 +372,7 @@ class Checkpointer:
         """Collective: agree with every rank on the outcome of each pending save; report the
         committed ones to Ray Train in order, count superseded ones, record failures."""
         deadline = time.monotonic() + self.wait_timeout_s
-        mine = {s: _state_of(p, block, max(0.0, deadline - time.monotonic()))
-                for s, p in self._pending.items()}
+        mine = {s: _state_of(p, block, max(0.0, deadline - time.monotonic())) for s, p in self._pending.items()}
         gathered = _collective.gather_tagged("save outcomes", (mine, self._schedule.proposal()))
         views = [v for v, _ in gathered]
         if self._schedule.adopt(gathered[0][1]):  # rank 0's proposal, adopted on every rank
@@ -458,7 +466,8 @@ class Checkpointer:
                     raise CheckpointError(
                         "the checkpoint chosen to restore left storage while it was loaded, and none is "
                         "left to fall back to within this attempt's bounds; restart the attempt (a new "
-                        "restore chooses among the commits made since)")
+                        "restore chooses among the commits made since)"
+                    )
                 if manifest is None:
                     self._recorder.restored(None, t0, time.time())
                     return None
@@ -467,8 +476,10 @@ class Checkpointer:
                 except StateMismatchError:
                     raise  # the state passed in does not fit: no other checkpoint would
                 except Exception as exc:  # every rank alike: agreed in _load_agreed
-                    verdict = _collective.on_rank0(functools.partial(failed_load_verdict, self.root, manifest, exc),
-                                                   "checking the checkpoint whose load failed")
+                    verdict = _collective.on_rank0(
+                        functools.partial(failed_load_verdict, self.root, manifest, exc),
+                        "checking the checkpoint whose load failed",
+                    )
                     if verdict == "damaged":  # quarantined by rank 0: every rank falls back
                         logger.warning("checkpoint step %d is damaged (%s); falling back", manifest.step, exc)
                         before = manifest.order
@@ -476,8 +487,9 @@ class Checkpointer:
                     gone += 1
                     if verdict == "failed" or gone > _CHOICES_AFTER_GONE:
                         raise  # the load's own error; "gone" again and again: say so, do not loop
-                    logger.warning("checkpoint step %d left storage while it was loaded (%s); choosing "
-                                   "again", manifest.step, exc)
+                    logger.warning(
+                        "checkpoint step %d left storage while it was loaded (%s); choosing again", manifest.step, exc
+                    )
                     continue
                 if decision is None and self.rank == 0:  # a Recovery pins its own choice
                     self._pin_resume(manifest.step)
@@ -497,7 +509,8 @@ class Checkpointer:
         0's guess of the pick (the newest step of its node-local copy)."""
         return _collective.on_rank0(
             lambda: choose(self.root, step=step, before=before, checksums=self.verify_checksums, hint=hint),
-            "choosing the checkpoint to restore")
+            "choosing the checkpoint to restore",
+        )
 
     def _pin_resume(self, step: int) -> None:
         """Rank 0: record the resume step for retention (see ``pin_resume``) in the
@@ -512,16 +525,25 @@ class Checkpointer:
             if attempt is None:  # the claim failed already; the first save claims again
                 logger.warning("step %d is not pinned for retention: this attempt has no generation yet", step)
                 return
-            _retention.pin_resume(self.root, attempt=attempt, step=step)
-        self._pinning = threading.Thread(target=_best_effort, name="rg-resume-pin", daemon=True,
-                                         args=("pinning the resume step", pin))
+            _lineage.pin_resume(self.root, attempt=attempt, step=step)
+
+        self._pinning = threading.Thread(
+            target=_best_effort, name="rg-resume-pin", daemon=True, args=("pinning the resume step", pin)
+        )
         self._pinning.start()
 
     def _load_agreed(self, state: dict[str, Any], manifest: Any, guess: LocalGuess) -> None:
         # Collective: every rank loads it or raises the same error (agreed in load_checkpoint).
         self.last_restore = load_checkpoint(
-            state, root=self.root, manifest=manifest, staging=self.staging,
-            rank=self.rank, world_size=self.world_size, policy=self._retry, guess=guess)
+            state,
+            root=self.root,
+            manifest=manifest,
+            staging=self.staging,
+            rank=self.rank,
+            world_size=self.world_size,
+            policy=self._retry,
+            guess=guess,
+        )
 
     # ---- lifecycle ------------------------------------------------------------------------
 

@@ -20,6 +20,7 @@ from ray_goodput.errors import GoodputError
 
 def _lazy(module: str, function: str) -> Any:
     """A handler that imports ``ray_goodput.cli.<module>`` only when it runs."""
+
     def run(args: argparse.Namespace) -> int:
         return getattr(importlib.import_module(f"ray_goodput.{module}"), function)(args)
 
@@ -70,4 +71,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     except GoodputError as exc:
         sys.stderr.write(f"ray-goodput: {exc}\n")
         return 2
-

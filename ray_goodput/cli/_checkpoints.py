@@ -9,9 +9,7 @@ import time
 
 import torch
 
-from ray_goodput.checkpoint import _catalog
-from ray_goodput.checkpoint._export import export_torch_save
-from ray_goodput.checkpoint._manifest import quarantine, read_manifest
+from ray_goodput.checkpoint import export_torch_save, list_checkpoints, quarantine, read_manifest, step_location, verify
 from ray_goodput.errors import CheckpointCorruptError
 from ray_goodput.storage import resolve
 
@@ -39,7 +37,7 @@ def _age(created: float | None) -> str:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    infos = _catalog.list_checkpoints(args.uri)
+    infos = list_checkpoints(args.uri)
     if not infos:
         _out(f"no checkpoints under {args.uri}")
         return 0
@@ -52,7 +50,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    infos = [i for i in _catalog.list_checkpoints(args.uri) if i.committed or i.damaged]
+    infos = [i for i in list_checkpoints(args.uri) if i.committed or i.damaged]
     if args.step is not None:
         infos = [i for i in infos if i.step == args.step]
         if not infos:
@@ -60,14 +58,14 @@ def cmd_verify(args: argparse.Namespace) -> int:
             return 2
     damaged = 0
     for info in infos:
-        loc = _catalog.step_location(resolve(args.uri), info.step)
+        loc = step_location(resolve(args.uri), info.step)
         try:
             manifest = read_manifest(loc)
         except CheckpointCorruptError as exc:
             manifest = None
             problems = [str(exc)]
         else:
-            problems = _catalog.verify(loc, manifest, checksums=True) if manifest else ["COMMITTED vanished"]
+            problems = verify(loc, manifest, checksums=True) if manifest else ["COMMITTED vanished"]
         if problems and info.committed:
             quarantine(loc, manifest, "; ".join(problems[:5]))
         status = "ok" if not problems else "DAMAGED (quarantined)"

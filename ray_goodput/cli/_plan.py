@@ -23,36 +23,44 @@ def _out(line: str = "") -> None:
 
 def _run_hours(args: argparse.Namespace) -> float:
     if args.hours is not None:
-        return f._positive("--hours", args.hours)
-    return f._positive("--days", args.days) * 24.0
+        return f.positive("--hours", args.hours)
+    return f.positive("--days", args.days) * 24.0
 
 
 def _plan_column(args: argparse.Namespace, save_s: float, durable_s: float | None, mtbf_s: float) -> dict[str, Any]:
     interval = f.optimal_interval_s(save_s, mtbf_s, args.restart_seconds)
     costs = (args.step_seconds, save_s, interval, mtbf_s, args.restart_seconds, args.restore_seconds)
     buckets = f.expected_buckets(*costs, durable_s=durable_s)
-    return {"save_s": save_s, "durable_s": save_s if durable_s is None else durable_s,
-            "optimal_interval_s": interval, "young_interval_s": f.young_interval_s(save_s, mtbf_s),
-            "interval_steps": f.interval_steps(interval, args.step_seconds),
-            "expected_lost_s": f.expected_lost_s(*costs[:4], durable_s=durable_s),
-            "expected_goodput": buckets["productive"], "buckets": buckets}
+    return {
+        "save_s": save_s,
+        "durable_s": save_s if durable_s is None else durable_s,
+        "optimal_interval_s": interval,
+        "young_interval_s": f.young_interval_s(save_s, mtbf_s),
+        "interval_steps": f.interval_steps(interval, args.step_seconds),
+        "expected_lost_s": f.expected_lost_s(*costs[:4], durable_s=durable_s),
+        "expected_goodput": buckets["productive"],
+        "buckets": buckets,
+    }
 
 
 def _check_plan_flags(args: argparse.Namespace) -> None:
     if isinstance(args.gpus, bool) or not isinstance(args.gpus, int) or args.gpus < 1:
         raise ConfigError(f"--gpus must be an int >= 1, got {args.gpus!r}")
-    f._positive("--save-seconds", args.save_seconds)
-    f._positive("--restart-seconds", args.restart_seconds, zero_ok=True)
-    f._positive("--restore-seconds", args.restore_seconds, zero_ok=True)
-    f._positive("--step-seconds", args.step_seconds)
-    for flag, save, durable in (("--durable-seconds", args.save_seconds, args.durable_seconds),
-                                ("--compare-durable-seconds", args.compare_save_seconds,
-                                 args.compare_durable_seconds)):
-        if durable is not None and (save is None or f._positive(flag, durable) < save):
-            raise ConfigError(f"{flag} ({durable}) needs its save seconds and must be >= them: a save "
-                              "is durable after it stops blocking")
+    f.positive("--save-seconds", args.save_seconds)
+    f.positive("--restart-seconds", args.restart_seconds, zero_ok=True)
+    f.positive("--restore-seconds", args.restore_seconds, zero_ok=True)
+    f.positive("--step-seconds", args.step_seconds)
+    for flag, save, durable in (
+        ("--durable-seconds", args.save_seconds, args.durable_seconds),
+        ("--compare-durable-seconds", args.compare_save_seconds, args.compare_durable_seconds),
+    ):
+        if durable is not None and (save is None or f.positive(flag, durable) < save):
+            raise ConfigError(
+                f"{flag} ({durable}) needs its save seconds and must be >= them: a save "
+                "is durable after it stops blocking"
+            )
     if args.compare_save_seconds is not None:
-        f._positive("--compare-save-seconds", args.compare_save_seconds)
+        f.positive("--compare-save-seconds", args.compare_save_seconds)
 
 
 def plan_report(args: argparse.Namespace) -> dict[str, Any]:
@@ -60,34 +68,47 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
     _check_plan_flags(args)
     hours = _run_hours(args)
     if args.mtbf_hours is not None:
-        afr = f.afr_from_mtbf(args.gpus, f._positive("--mtbf-hours", args.mtbf_hours))
+        afr = f.afr_from_mtbf(args.gpus, f.positive("--mtbf-hours", args.mtbf_hours))
     else:
-        afr = f._positive("--afr", args.afr)
+        afr = f.positive("--afr", args.afr)
     mtbf_h = f.mtbf_hours(args.gpus, afr)
-    report = {"gpus": args.gpus, "hours": hours, "afr": afr, "mtbf_hours": mtbf_h,
-              "failure_probability": f.failure_probability(args.gpus, hours, afr),
-              "expected_failures": hours / mtbf_h,
-              **_plan_column(args, args.save_seconds, args.durable_seconds, mtbf_h * 3600.0), "compare": None}
+    report = {
+        "gpus": args.gpus,
+        "hours": hours,
+        "afr": afr,
+        "mtbf_hours": mtbf_h,
+        "failure_probability": f.failure_probability(args.gpus, hours, afr),
+        "expected_failures": hours / mtbf_h,
+        **_plan_column(args, args.save_seconds, args.durable_seconds, mtbf_h * 3600.0),
+        "compare": None,
+    }
     if args.compare_save_seconds is not None:
-        report["compare"] = _plan_column(args, args.compare_save_seconds, args.compare_durable_seconds,
-                                         mtbf_h * 3600.0)
+        report["compare"] = _plan_column(args, args.compare_save_seconds, args.compare_durable_seconds, mtbf_h * 3600.0)
     return report
 
 
 def _plan_text(r: dict[str, Any]) -> None:
     cols = [r] + ([r["compare"]] if r["compare"] else [])
     _out(f"{r['gpus']} GPUs for {r['hours']:g} h at an AFR of {r['afr']:.2%} per GPU-year")
-    _out(f"{'failure probability over the run':<36}{r['failure_probability']:.1%} "
-         f"({r['expected_failures']:.2f} failures expected)")
+    _out(
+        f"{'failure probability over the run':<36}{r['failure_probability']:.1%} "
+        f"({r['expected_failures']:.2f} failures expected)"
+    )
     _out(f"{'job MTBF':<36}{r['mtbf_hours']:.2f} h")
-    rows = [("", lambda c: f"save {c['save_s']:g} s" + (f", durable {c['durable_s']:g} s"
-                                                        if c["durable_s"] != c["save_s"] else "")),
-            ("optimal interval (Daly)", lambda c: f"{c['optimal_interval_s']:.0f} s"),
-            ("  Young sqrt(2*save*MTBF)", lambda c: f"{c['young_interval_s']:.0f} s"),
-            ("  in steps", lambda c: f"{c['interval_steps']}"),
-            ("expected lost work per failure", lambda c: f"{c['expected_lost_s']:.0f} s"),
-            ("checkpoint stall share", lambda c: f"{c['buckets']['checkpoint_stall']:.2%}"),
-            ("expected goodput", lambda c: f"{c['expected_goodput']:.2%}")]
+    rows = [
+        (
+            "",
+            lambda c: (
+                f"save {c['save_s']:g} s" + (f", durable {c['durable_s']:g} s" if c["durable_s"] != c["save_s"] else "")
+            ),
+        ),
+        ("optimal interval (Daly)", lambda c: f"{c['optimal_interval_s']:.0f} s"),
+        ("  Young sqrt(2*save*MTBF)", lambda c: f"{c['young_interval_s']:.0f} s"),
+        ("  in steps", lambda c: f"{c['interval_steps']}"),
+        ("expected lost work per failure", lambda c: f"{c['expected_lost_s']:.0f} s"),
+        ("checkpoint stall share", lambda c: f"{c['buckets']['checkpoint_stall']:.2%}"),
+        ("expected goodput", lambda c: f"{c['expected_goodput']:.2%}"),
+    ]
     for label, cell in rows:
         _out(f"{label:<36}" + "".join(f"{cell(c):<32}" for c in cols).rstrip())
 
@@ -124,34 +145,48 @@ def _load_systems(path: str | None) -> tuple[list[sim.System], str]:
 def simulate_rows(args: argparse.Namespace) -> tuple[list[dict[str, Any]], str]:
     """One row per (size, system): mean bucket shares over the runs and the analytic goodput."""
     systems, source = _load_systems(args.costs)
-    afr, days = f._positive("--afr", args.afr), f._positive("--days", args.days)
+    afr, days = f.positive("--afr", args.afr), f.positive("--days", args.days)
     rows = []
     for gpus in _gpu_list(args.gpus):
         mtbf_s = f.mtbf_hours(gpus, afr) * 3600.0
         results = sim.simulate(systems, gpus=gpus, days=days, afr=afr, seed=args.seed, runs=args.runs)
         for s in systems:
             outs = results[s.name]
-            expected = f.expected_goodput(s.step_s, s.save_blocking_s, outs[0].interval_s, mtbf_s,
-                                          s.restart_s, s.restore_s, durable_s=s.durable_s)
-            rows.append({"gpus": gpus, "system": s.name, "mtbf_hours": mtbf_s / 3600.0,
-                         "interval_s": outs[0].interval_s, "expected_goodput": expected,
-                         "failures_per_run": sum(o.failures for o in outs) / len(outs),
-                         **sim.mean_buckets(outs)})
+            expected = f.expected_goodput(
+                s.step_s, s.save_blocking_s, outs[0].interval_s, mtbf_s, s.restart_s, s.restore_s, durable_s=s.durable_s
+            )
+            rows.append(
+                {
+                    "gpus": gpus,
+                    "system": s.name,
+                    "mtbf_hours": mtbf_s / 3600.0,
+                    "interval_s": outs[0].interval_s,
+                    "expected_goodput": expected,
+                    "failures_per_run": sum(o.failures for o in outs) / len(outs),
+                    **sim.mean_buckets(outs),
+                }
+            )
     return rows, source
 
 
 def _simulate_table(rows: list[dict[str, Any]], args: argparse.Namespace, source: str) -> None:
-    _out(f"{args.days:g} days, AFR {args.afr:.2%} per GPU-year, seed {args.seed}, {args.runs} runs per "
-         f"size (same failures for every system); costs: {source}")
+    _out(
+        f"{args.days:g} days, AFR {args.afr:.2%} per GPU-year, seed {args.seed}, {args.runs} runs per "
+        f"size (same failures for every system); costs: {source}"
+    )
     _out()
-    _out("| GPUs | MTBF h | system | interval s | failures/run | goodput | expected | lost | "
-         "checkpoint_stall | restore | restart_downtime |")
+    _out(
+        "| GPUs | MTBF h | system | interval s | failures/run | goodput | expected | lost | "
+        "checkpoint_stall | restore | restart_downtime |"
+    )
     _out("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        _out(f"| {r['gpus']} | {r['mtbf_hours']:.1f} | {r['system']} | {r['interval_s']:.0f} | "
-             f"{r['failures_per_run']:.1f} | {r['goodput']:.2%} | {r['expected_goodput']:.2%} | "
-             f"{r['lost']:.2%} | {r['checkpoint_stall']:.2%} | {r['restore']:.2%} | "
-             f"{r['restart_downtime']:.2%} |")
+        _out(
+            f"| {r['gpus']} | {r['mtbf_hours']:.1f} | {r['system']} | {r['interval_s']:.0f} | "
+            f"{r['failures_per_run']:.1f} | {r['goodput']:.2%} | {r['expected_goodput']:.2%} | "
+            f"{r['lost']:.2%} | {r['checkpoint_stall']:.2%} | {r['restore']:.2%} | "
+            f"{r['restart_downtime']:.2%} |"
+        )
 
 
 def write_png(rows: list[dict[str, Any]], path: str) -> None:
@@ -160,7 +195,7 @@ def write_png(rows: list[dict[str, Any]], path: str) -> None:
         import matplotlib  # noqa: PLC0415 - optional, only for --png
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt  # noqa: PLC0415
+        import matplotlib.pyplot as plt  # noqa: PLC0415 - after the backend is chosen
     except ImportError:
         raise ConfigError("--png needs matplotlib: pip install matplotlib") from None
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -182,8 +217,19 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if args.png:
         write_png(rows, args.png)
     if args.json:
-        _out(json.dumps({"source": source, "days": args.days, "afr": args.afr, "seed": args.seed,
-                         "runs": args.runs, "rows": rows}, sort_keys=True))
+        _out(
+            json.dumps(
+                {
+                    "source": source,
+                    "days": args.days,
+                    "afr": args.afr,
+                    "seed": args.seed,
+                    "runs": args.runs,
+                    "rows": rows,
+                },
+                sort_keys=True,
+            )
+        )
     else:
         _simulate_table(rows, args, source)
         if args.png:

@@ -17,16 +17,25 @@ def _out(line: str = "") -> None:
 def cmd_report(args: argparse.Namespace) -> int:
     client = mlflow.MlflowClient(tracking_uri=args.tracking_uri)
     exp = client.get_experiment_by_name(args.experiment)
-    runs = client.search_runs([exp.experiment_id], filter_string=f"tags.mlflow.runName = '{args.run}'",
-                              order_by=["attributes.start_time DESC"]) if exp else []
+    runs = (
+        client.search_runs(
+            [exp.experiment_id],
+            filter_string=f"tags.mlflow.runName = '{args.run}'",
+            order_by=["attributes.start_time DESC"],
+        )
+        if exp
+        else []
+    )
     if not runs:
         _out(f"no MLflow run named {args.run!r} in experiment {args.experiment!r} at {args.tracking_uri}")
         return 2
     m = runs[0].data.metrics
     total = m.get("goodput/total_s", 0.0) or 1.0
-    _out(f"run {args.run} ({runs[0].info.status}): goodput {m.get('goodput/goodput', 0):.1%} "
-         f"of {m.get('goodput/total_s', 0):.1f}s, {m.get('goodput/failures', 0):.0f} failure(s), "
-         f"{m.get('goodput/steps_lost', 0):.0f} steps lost")
+    _out(
+        f"run {args.run} ({runs[0].info.status}): goodput {m.get('goodput/goodput', 0):.1%} "
+        f"of {m.get('goodput/total_s', 0):.1f}s, {m.get('goodput/failures', 0):.0f} failure(s), "
+        f"{m.get('goodput/steps_lost', 0):.0f} steps lost"
+    )
     _out(f"{'BUCKET':<18}{'SECONDS':>10}{'SHARE':>9}")
     for bucket in BUCKETS:
         value = m.get(f"goodput/{bucket}_s", 0.0)

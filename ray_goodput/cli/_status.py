@@ -8,7 +8,7 @@ import sys
 
 import ray
 
-from ray_goodput.checkpoint._uploader import uploader_status
+from ray_goodput.checkpoint import uploader_status
 from ray_goodput.data import cache_status
 from ray_goodput.driver import load_state
 
@@ -30,9 +30,11 @@ def status_lines(address: str = "auto") -> list[str]:
         if "error" in s:
             lines.append(f"  node {s['node_id'][:12]}  ERROR {s['error']}")
             continue
-        lines.append(f"  node {s['node_id'][:12]}  queue {s['queue']}  pending {_mb(s['bytes_pending'])}"
-                     f"  uploaded {_mb(s['bytes_uploaded'])}  {s['throughput_mb_s']:.1f} MB/s"
-                     f"  failed {s['jobs_failed']}  last error: {s['last_error'] or '-'}")
+        lines.append(
+            f"  node {s['node_id'][:12]}  queue {s['queue']}  pending {_mb(s['bytes_pending'])}"
+            f"  uploaded {_mb(s['bytes_uploaded'])}  {s['throughput_mb_s']:.1f} MB/s"
+            f"  failed {s['jobs_failed']}  last error: {s['last_error'] or '-'}"
+        )
     lines.append("caches:")
     caches = cache_status()
     lines += ["  (none running)"] if not caches else []
@@ -40,8 +42,10 @@ def status_lines(address: str = "auto") -> list[str]:
         if c.get("error"):
             lines.append(f"  node {c['node_id'][:12]}  ERROR {c['error']}")
             continue
-        lines.append(f"  node {c['node_id'][:12]}  used {_mb(c['bytes_used'])} / {_mb(c['capacity_bytes'])}"
-                     f"  files {c['files']}  hit rate {c['hit_rate']:.0%}  evictions {c['evictions']}")
+        lines.append(
+            f"  node {c['node_id'][:12]}  used {_mb(c['bytes_used'])} / {_mb(c['capacity_bytes'])}"
+            f"  files {c['files']}  hit rate {c['hit_rate']:.0%}  evictions {c['evictions']}"
+        )
     return lines
 
 
@@ -50,8 +54,10 @@ def recovery_lines(run: str) -> list[str]:
     state = load_state(run)
     if state is None:
         return [f"recovery: no record under {run}"]
-    lines = [f"recovery: isolated nodes {', '.join(n[:12] for n in state['isolated_nodes']) or '-'}"
-             + (f"; stopped: {state['stopped']}" if state.get("stopped") else "")]
+    lines = [
+        f"recovery: isolated nodes {', '.join(n[:12] for n in state['isolated_nodes']) or '-'}"
+        + (f"; stopped: {state['stopped']}" if state.get("stopped") else "")
+    ]
     for a in state["attempts"]:
         excluded = ", ".join(n[:12] for n in a.get("excluded_nodes", [])) or "-"
         lines.append(f"  attempt {a['attempt']}  resume step {a.get('resume_step')}  excluded {excluded}")

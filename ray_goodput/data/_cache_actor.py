@@ -26,8 +26,20 @@ logger = logging.getLogger(__name__)
 ray = LazyModule("ray")  # a loader without Ray (its cache in-process) never imports it
 KIND = "cache"
 MAINTAIN_INTERVAL_S = 1.0
-_STATUS_FIELDS = ("node_id", "directory", "bytes_used", "capacity_bytes", "files", "hit_rate",
-                  "hits", "misses", "evictions", "bytes_fetched", "inflight", "errors")
+_STATUS_FIELDS = (
+    "node_id",
+    "directory",
+    "bytes_used",
+    "capacity_bytes",
+    "files",
+    "hit_rate",
+    "hits",
+    "misses",
+    "evictions",
+    "bytes_fetched",
+    "inflight",
+    "errors",
+)
 
 
 class NodeCache:

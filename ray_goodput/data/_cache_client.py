@@ -11,8 +11,8 @@ from pathlib import Path
 
 from ray_goodput._lazy import LazyModule
 from ray_goodput.data._cache_actor import get_cache
-from ray_goodput.data._cache_keeper import CacheKeeper
 from ray_goodput.data._cache_files import CacheLayout
+from ray_goodput.data._cache_keeper import CacheKeeper
 from ray_goodput.data._config import CacheConfig
 from ray_goodput.data._sources import FileSet
 from ray_goodput.runtime import ray_initialized
@@ -37,8 +37,12 @@ class CacheClient:
         self.capacity_bytes = int(info["capacity_bytes"])
         wanted = config.directory and Path(config.directory).absolute() != self.layout.root
         if wanted or (config.capacity_bytes and config.capacity_bytes != self.capacity_bytes):
-            logger.warning("node cache already runs at %s with %d bytes; ignoring the "
-                           "requested %s", self.layout.root, self.capacity_bytes, config)
+            logger.warning(
+                "node cache already runs at %s with %d bytes; ignoring the requested %s",
+                self.layout.root,
+                self.capacity_bytes,
+                config,
+            )
 
     def _connect(self) -> dict:
         if ray_initialized():
@@ -47,8 +51,7 @@ class CacheClient:
             except ray.exceptions.RayActorError:  # it was exiting (its last job just ended)
                 return self._attach()
         self._local = CacheKeeper(self.config)
-        threading.Thread(target=self._maintain_local, daemon=True,
-                         name="rg-cache-local").start()
+        threading.Thread(target=self._maintain_local, daemon=True, name="rg-cache-local").start()
         return self._local.describe()
 
     def _attach(self) -> dict:
@@ -92,8 +95,9 @@ class CacheClient:
     def _check_pending(self) -> None:
         """Report failed announcements once; reconnect when the actor died (it is
         recreated on this node, and the readers never depended on it)."""
-        ready, self._pending = ray.wait(self._pending, num_returns=len(self._pending),
-                                        timeout=0) if self._pending else ([], [])
+        ready, self._pending = (
+            ray.wait(self._pending, num_returns=len(self._pending), timeout=0) if self._pending else ([], [])
+        )
         for ref in ready:
             try:
                 queued = ray.get(ref)

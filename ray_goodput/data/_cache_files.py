@@ -92,7 +92,7 @@ _fds_lock = threading.Lock()
 
 
 def _after_fork_in_child() -> None:
-    global _fds_lock
+    global _fds_lock  # noqa: PLW0603 - a forked child needs a lock no thread of the parent holds
     _fds_lock = threading.Lock()
     for fd in list(_held_fds):
         try:
@@ -102,9 +102,9 @@ def _after_fork_in_child() -> None:
     _held_fds.clear()
 
 
-os.register_at_fork(before=lambda: _fds_lock.acquire(),
-                    after_in_parent=lambda: _fds_lock.release(),
-                    after_in_child=_after_fork_in_child)
+os.register_at_fork(
+    before=lambda: _fds_lock.acquire(), after_in_parent=lambda: _fds_lock.release(), after_in_child=_after_fork_in_child
+)
 
 
 @contextmanager
@@ -122,37 +122,48 @@ def _flock(path: Path):
             os.close(fd)
 
 
-def _copy_in(fs: pafs.FileSystem, src: str, dest: Path, max_bytes: int,
-             expected: int) -> int:
+def _copy_in(fs: pafs.FileSystem, src: str, dest: Path, max_bytes: int, expected: int) -> int:
     tmp = dest.with_name(f".{dest.name}.part-{os.getpid()}-{next(_tmp_counter)}")
 
     def check(size: int) -> None:
         if size > max_bytes:
             raise CacheFullError(
                 f"{src} is larger than the cache capacity ({max_bytes} bytes); raise "
-                "CacheConfig.capacity_bytes or pass cache=None to read it uncached")
+                "CacheConfig.capacity_bytes or pass cache=None to read it uncached"
+            )
 
     try:
         with fs.open_input_stream(src) as inp, open(tmp, "wb") as out:
             size, _ = copy_stream(inp, out, check=check)
         if expected >= 0 and size != expected:  # a truncated read must not become a hit
-            raise OSError(f"read {size} bytes of {src} but it was listed with {expected}; "
-                          "the object changed or the connection broke")
+            raise OSError(
+                f"read {size} bytes of {src} but it was listed with {expected}; "
+                "the object changed or the connection broke"
+            )
         os.replace(tmp, dest)  # the final name appears only with complete content
     except OSError as exc:
         if exc.errno == errno.ENOSPC:
-            raise CacheFullError(f"disk of the cache {dest.parent.parent.parent} is full while "
-                                 f"fetching {src}; lower CacheConfig.capacity_bytes or free "
-                                 "space") from exc
+            raise CacheFullError(
+                f"disk of the cache {dest.parent.parent.parent} is full while "
+                f"fetching {src}; lower CacheConfig.capacity_bytes or free "
+                "space"
+            ) from exc
         raise
     finally:
         tmp.unlink(missing_ok=True)
     return size
 
 
-def fetch(layout: CacheLayout, key: str, fs: pafs.FileSystem, src: str, *,
-          max_bytes: int, policy: RetryPolicy,
-          expected: int = -1) -> tuple[int, float] | None:
+def fetch(
+    layout: CacheLayout,
+    key: str,
+    fs: pafs.FileSystem,
+    src: str,
+    *,
+    max_bytes: int,
+    policy: RetryPolicy,
+    expected: int = -1,
+) -> tuple[int, float] | None:
     """Bring ``src`` into the cache once (single flight). Blocking.
 
     Returns (bytes, seconds) when this call downloaded it, None when it was already
@@ -163,14 +174,15 @@ def fetch(layout: CacheLayout, key: str, fs: pafs.FileSystem, src: str, *,
     if dest.exists():
         return None
     if expected > max_bytes:  # known from the listing: fail before downloading
-        raise CacheFullError(f"{src} ({expected} bytes) is larger than the cache capacity "
-                             f"({max_bytes} bytes); raise CacheConfig.capacity_bytes or pass "
-                             "cache=None to read it uncached")
+        raise CacheFullError(
+            f"{src} ({expected} bytes) is larger than the cache capacity "
+            f"({max_bytes} bytes); raise CacheConfig.capacity_bytes or pass "
+            "cache=None to read it uncached"
+        )
     with _flock(layout.lock_path(key)):
         if dest.exists():  # another process fetched it while we waited for the lock
             return None
         dest.parent.mkdir(parents=True, exist_ok=True)
         start = time.monotonic()
-        size = policy.call(f"download of {src}",
-                           lambda: _copy_in(fs, src, dest, max_bytes, expected))
+        size = policy.call(f"download of {src}", lambda: _copy_in(fs, src, dest, max_bytes, expected))
         return size, time.monotonic() - start

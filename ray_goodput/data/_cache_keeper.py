@@ -40,8 +40,7 @@ class CacheKeeper:
         self.config = config
         self.layout = CacheLayout.of(config)
         self.layout.create()
-        self.capacity = config.capacity_bytes or int(
-            0.8 * shutil.disk_usage(self.layout.root).free)
+        self.capacity = config.capacity_bytes or int(0.8 * shutil.disk_usage(self.layout.root).free)
         self._policy = RetryPolicy()
         self._lock = threading.Lock()
         self._lru: OrderedDict[str, int] = OrderedDict()
@@ -52,12 +51,12 @@ class CacheKeeper:
         self._journal = JournalReader(self.layout.journal_dir)
         self._pool = ThreadPoolExecutor(config.fetch_concurrency, thread_name_prefix="rg-cache")
         self._latencies: deque[float] = deque(maxlen=10_000)
-        self.counts = dict(hits=0, misses=0, evictions=0, bytes_fetched=0, fetches=0,
-                           prefetched=0, fetch_seconds=0.0)
+        self.counts = dict(hits=0, misses=0, evictions=0, bytes_fetched=0, fetches=0, prefetched=0, fetch_seconds=0.0)
         self.errors: list[str] = []
         self._scan()
-        logger.info("node cache at %s: %d files, %d/%d bytes", self.layout.root,
-                    len(self._lru), self._bytes, self.capacity)
+        logger.info(
+            "node cache at %s: %d files, %d/%d bytes", self.layout.root, len(self._lru), self._bytes, self.capacity
+        )
 
     def _scan(self, index: bool = True) -> None:
         """Delete temps of dead writers (a killed fetch); with ``index``, also index the
@@ -84,8 +83,7 @@ class CacheKeeper:
         self._lru.move_to_end(key)
 
     def describe(self) -> dict:
-        return {"directory": str(self.layout.root), "capacity_bytes": self.capacity,
-                "node_id": self.node_id}
+        return {"directory": str(self.layout.root), "capacity_bytes": self.capacity, "node_id": self.node_id}
 
     def register(self, files: FileSet) -> int:
         fid = files.fingerprint()
@@ -137,8 +135,15 @@ class CacheKeeper:
         if files.sizes[i] > 0:
             with self._lock:
                 self._make_room(files.sizes[i], keep=key)
-        got = fetch(self.layout, key, files.fs, files.paths[i], max_bytes=self.capacity,
-                    policy=self._policy, expected=files.sizes[i])
+        got = fetch(
+            self.layout,
+            key,
+            files.fs,
+            files.paths[i],
+            max_bytes=self.capacity,
+            policy=self._policy,
+            expected=files.sizes[i],
+        )
         with self._lock:
             if got is not None:
                 self._record_fetch(got[0], got[1])
@@ -200,10 +205,16 @@ class CacheKeeper:
         with self._lock:
             c = dict(self.counts)
             looked = c["hits"] + c["misses"]
-            return {**self.describe(), **c, "bytes_used": self._bytes, "files": len(self._lru),
-                    "hit_rate": c["hits"] / looked if looked else 0.0,
-                    "inflight": len(self._inflight), "errors": list(self.errors),
-                    "time": time.time()}
+            return {
+                **self.describe(),
+                **c,
+                "bytes_used": self._bytes,
+                "files": len(self._lru),
+                "hit_rate": c["hits"] / looked if looked else 0.0,
+                "inflight": len(self._inflight),
+                "errors": list(self.errors),
+                "time": time.time(),
+            }
 
     def close(self, timeout_s: float) -> None:
         """Stop prefetching; wait up to ``timeout_s`` for downloads in flight."""

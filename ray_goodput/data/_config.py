@@ -29,13 +29,10 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         if self.capacity_bytes is not None and self.capacity_bytes < 1:
-            raise ConfigError(f"CacheConfig.capacity_bytes must be >= 1 or None, "
-                              f"got {self.capacity_bytes}")
+            raise ConfigError(f"CacheConfig.capacity_bytes must be >= 1 or None, got {self.capacity_bytes}")
         if self.lookahead < 0:
             raise ConfigError(f"CacheConfig.lookahead must be >= 0, got {self.lookahead}")
         if self.fetch_concurrency < 1:
-            raise ConfigError(f"CacheConfig.fetch_concurrency must be >= 1, "
-                              f"got {self.fetch_concurrency}")
+            raise ConfigError(f"CacheConfig.fetch_concurrency must be >= 1, got {self.fetch_concurrency}")
         if not self.job_check_interval_s > 0:
-            raise ConfigError(f"CacheConfig.job_check_interval_s must be > 0 seconds, "
-                              f"got {self.job_check_interval_s}")
+            raise ConfigError(f"CacheConfig.job_check_interval_s must be > 0 seconds, got {self.job_check_interval_s}")

@@ -29,13 +29,14 @@ class CachedDataset(torch.utils.data.Dataset):
     cache (the :class:`ray_goodput.data.DataLoader` connects it and prefetches).
     """
 
-    def __init__(self, files: FileSet, *, seed: int, shuffle: bool,
-                 cache: CacheConfig | None, retry: RetryPolicy | None) -> None:
+    def __init__(
+        self, files: FileSet, *, seed: int, shuffle: bool, cache: CacheConfig | None, retry: RetryPolicy | None
+    ) -> None:
         self.files = files
         self.seed = int(seed)
         self.shuffle = bool(shuffle)
         self.cache = cache
-        self._retry = retry or RetryPolicy()
+        self.retry = retry or RetryPolicy()
         self._reader: CacheReader | DirectReader | None = None
 
     @functools.cached_property
@@ -58,9 +59,11 @@ class CachedDataset(torch.utils.data.Dataset):
     @property
     def reader(self) -> CacheReader | DirectReader:
         if self._reader is None:  # used without our DataLoader: cache without prefetch
-            self._reader = (DirectReader(self._retry) if self.cache is None else
-                            CacheReader(CacheLayout.of(self.cache), self.cache.capacity_bytes
-                                        or 2**62, self._retry))
+            self._reader = (
+                DirectReader(self.retry)
+                if self.cache is None
+                else CacheReader(CacheLayout.of(self.cache), self.cache.capacity_bytes or 2**62, self.retry)
+            )
         return self._reader
 
 
@@ -73,13 +76,18 @@ class FileDataset(CachedDataset):
     decoded raises (StorageError / DataError) naming the file when it is accessed.
     """
 
-    def __init__(self, source: str | Sequence[str],
-                 decode: Callable[[bytes], Any] | None = None, *, seed: int = 0,
-                 shuffle: bool = True, suffixes: Sequence[str] = (),
-                 cache: CacheConfig | None = _DEFAULT_CACHE,
-                 retry: RetryPolicy | None = None) -> None:
-        super().__init__(resolve_source(source, tuple(suffixes)), seed=seed, shuffle=shuffle,
-                         cache=cache, retry=retry)
+    def __init__(
+        self,
+        source: str | Sequence[str],
+        decode: Callable[[bytes], Any] | None = None,
+        *,
+        seed: int = 0,
+        shuffle: bool = True,
+        suffixes: Sequence[str] = (),
+        cache: CacheConfig | None = _DEFAULT_CACHE,
+        retry: RetryPolicy | None = None,
+    ) -> None:
+        super().__init__(resolve_source(source, tuple(suffixes)), seed=seed, shuffle=shuffle, cache=cache, retry=retry)
         self.decode = decode
 
     def __len__(self) -> int:
@@ -92,6 +100,8 @@ class FileDataset(CachedDataset):
         try:
             return self.decode(data)
         except Exception as exc:
-            raise DataError(f"decode of {self.files.uri(index)} failed: "
-                            f"{type(exc).__name__}: {exc}; fix the file or the decode "
-                            "function") from exc
+            raise DataError(
+                f"decode of {self.files.uri(index)} failed: "
+                f"{type(exc).__name__}: {exc}; fix the file or the decode "
+                "function"
+            ) from exc

@@ -21,8 +21,7 @@ _EVICTION_RACE_RETRIES = 5
 class CacheReader:
     """Reads files of a FileSet through the cache directory ``layout``. Picklable."""
 
-    def __init__(self, layout: CacheLayout, capacity_bytes: int,
-                 policy: RetryPolicy | None = None) -> None:
+    def __init__(self, layout: CacheLayout, capacity_bytes: int, policy: RetryPolicy | None = None) -> None:
         self.layout = layout
         self.capacity_bytes = capacity_bytes
         self.policy = policy or RetryPolicy()
@@ -42,18 +41,25 @@ class CacheReader:
         path = self.layout.data_file(key)
         for attempt in range(_EVICTION_RACE_RETRIES):
             try:
-                f = open(path, "rb")
+                f = open(path, "rb")  # noqa: SIM115 - returned open: the caller closes it
             except FileNotFoundError:
-                got = fetch(self.layout, key, files.fs, files.paths[i],
-                            max_bytes=self.capacity_bytes, policy=self.policy,
-                            expected=files.sizes[i])
+                got = fetch(
+                    self.layout,
+                    key,
+                    files.fs,
+                    files.paths[i],
+                    max_bytes=self.capacity_bytes,
+                    policy=self.policy,
+                    expected=files.sizes[i],
+                )
                 self.journal.miss(None if got is None else (key, got[0], got[1]))
                 continue
             if attempt == 0:
                 self.journal.hit()
             return f
-        raise FileNotFoundError(f"{files.uri(i)} kept being evicted from the cache at "
-                                f"{self.layout.root}; raise CacheConfig.capacity_bytes")
+        raise FileNotFoundError(
+            f"{files.uri(i)} kept being evicted from the cache at {self.layout.root}; raise CacheConfig.capacity_bytes"
+        )
 
 
 class DirectReader:
@@ -71,5 +77,4 @@ class DirectReader:
 
     def open(self, files: FileSet, i: int):
         """A pyarrow input file of file ``i`` on storage (random access)."""
-        return self.policy.call(f"open of {files.uri(i)}",
-                                lambda: files.fs.open_input_file(files.paths[i]))
+        return self.policy.call(f"open of {files.uri(i)}", lambda: files.fs.open_input_file(files.paths[i]))

@@ -13,8 +13,8 @@ import numpy as np
 import torch.utils.data
 
 from ray_goodput.data import _partition as part
-from ray_goodput.data._datasets import CachedDataset
 from ray_goodput.data._cache_client import CacheClient
+from ray_goodput.data._datasets import CachedDataset
 from ray_goodput.data._file_readers import CacheReader
 from ray_goodput.errors import ConfigError, DataError
 from ray_goodput.goodput import get_recorder
@@ -60,8 +60,7 @@ class _EpochBatchSampler(torch.utils.data.Sampler):
         self.consumed = 0
 
     def spans(self) -> list[tuple[int, int]]:
-        return part.rank_spans(len(self.dataset), self.consumed, self.rank, self.world,
-                               self.batch_size)
+        return part.rank_spans(len(self.dataset), self.consumed, self.rank, self.world, self.batch_size)
 
     def rank_order(self) -> np.ndarray:
         """This rank's samples for the rest of the epoch, in order. Shape: (steps * B,)."""
@@ -90,36 +89,58 @@ class DataLoader(torch.utils.data.DataLoader):
     last ``next()`` waited for its batch; ``total_fetch_seconds`` sums them.
     """
 
-    def __init__(self, dataset: CachedDataset, batch_size: int, *, num_workers: int = 2,
-                 rank: int | None = None, world_size: int | None = None,
-                 collate_fn: Callable[[list], Any] | None = None, pin_memory: bool = False,
-                 prefetch_factor: int | None = None, persistent_workers: bool = False,
-                 multiprocessing_context: Any = None, timeout: float = 0.0) -> None:
+    def __init__(
+        self,
+        dataset: CachedDataset,
+        batch_size: int,
+        *,
+        num_workers: int = 2,
+        rank: int | None = None,
+        world_size: int | None = None,
+        collate_fn: Callable[[list], Any] | None = None,
+        pin_memory: bool = False,
+        prefetch_factor: int | None = None,
+        persistent_workers: bool = False,
+        multiprocessing_context: Any = None,
+        timeout: float = 0.0,
+    ) -> None:
         if not isinstance(dataset, CachedDataset):
-            raise ConfigError("ray_goodput.data.DataLoader needs a FileDataset or "
-                              f"ParquetDataset, got {type(dataset).__name__}")
+            raise ConfigError(
+                f"ray_goodput.data.DataLoader needs a FileDataset or ParquetDataset, got {type(dataset).__name__}"
+            )
         ctx = WorkerContext.detect(rank, world_size)
         rank, world = ctx.rank, ctx.world_size
         part.check_world(rank, world, batch_size)
         if len(dataset) < part.global_batch(world, batch_size):
-            raise DataError(f"the dataset has {len(dataset)} samples, fewer than one step of "
-                            f"world_size*batch_size = {world}*{batch_size}; lower batch_size")
+            raise DataError(
+                f"the dataset has {len(dataset)} samples, fewer than one step of "
+                f"world_size*batch_size = {world}*{batch_size}; lower batch_size"
+            )
         self._cache = CacheClient(dataset.cache) if dataset.cache is not None else None
+        self._cache_reader: CacheReader | None = None
         if self._cache is not None:
-            dataset.use_reader(CacheReader(self._cache.layout, self._cache.capacity_bytes,
-                                           dataset._retry))
+            self._cache_reader = CacheReader(self._cache.layout, self._cache.capacity_bytes, dataset.retry)
+            dataset.use_reader(self._cache_reader)
             self._fileset_id = self._cache.register(dataset.files)
         self._rg_sampler = _EpochBatchSampler(dataset, batch_size, rank, world)
-        self._window = (dataset.cache.lookahead if dataset.cache else 0) + batch_size * max(
-            1, num_workers) * (prefetch_factor or 2)
+        self._window = (dataset.cache.lookahead if dataset.cache else 0) + batch_size * max(1, num_workers) * (
+            prefetch_factor or 2
+        )
         self.last_fetch_seconds = 0.0
         self.total_fetch_seconds = 0.0
         self.steps = 0
-        super().__init__(dataset, batch_sampler=self._rg_sampler, num_workers=num_workers,
-                         collate_fn=collate_fn, pin_memory=pin_memory, timeout=timeout,
-                         prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
-                         multiprocessing_context=multiprocessing_context,
-                         worker_init_fn=_ExitWithRank() if num_workers else None)
+        super().__init__(
+            dataset,
+            batch_sampler=self._rg_sampler,
+            num_workers=num_workers,
+            collate_fn=collate_fn,
+            pin_memory=pin_memory,
+            timeout=timeout,
+            prefetch_factor=prefetch_factor,
+            persistent_workers=persistent_workers,
+            multiprocessing_context=multiprocessing_context,
+            worker_init_fn=_ExitWithRank() if num_workers else None,
+        )
 
     @property
     def epoch(self) -> int:
@@ -143,7 +164,18 @@ class DataLoader(torch.utils.data.DataLoader):
     def __iter__(self) -> Iterator[Any]:
         s = self._rg_sampler
         start, gb = s.consumed, part.global_batch(s.world, s.batch_size)
-        hints = _Hints(self, s.rank_order()) if self._cache is not None else None
+        hints = (
+            _Hints(
+                self._cache,
+                self._fileset_id,
+                self.dataset,
+                s.rank_order(),
+                window=self._window,
+                batch_size=self._rg_sampler.batch_size,
+            )
+            if self._cache is not None
+            else None
+        )
         if isinstance(self.worker_init_fn, _ExitWithRank):  # the rank: the process starting the workers
             self.worker_init_fn.rank_pid = os.getpid()
         inner = super().__iter__()
@@ -165,14 +197,13 @@ class DataLoader(torch.utils.data.DataLoader):
             s.consumed = start + delivered * gb  # == part.consumed_after(start, delivered, ...)
             yield batch
         s.epoch, s.consumed = s.epoch + 1, 0
-        if isinstance(self.dataset._reader, CacheReader):
-            self.dataset._reader.journal.flush()  # hits of this process, for stats
+        if self._cache_reader is not None:
+            self._cache_reader.journal.flush()  # hits of this process, for stats
 
     def state_dict(self) -> dict[str, int]:
         """``{epoch, consumed, seed, fingerprint}``; take it at a step boundary."""
         s = self._rg_sampler
-        return {"epoch": s.epoch, "consumed": s.consumed, "seed": s.dataset.seed,
-                "fingerprint": s.dataset.fingerprint}
+        return {"epoch": s.epoch, "consumed": s.consumed, "seed": s.dataset.seed, "fingerprint": s.dataset.fingerprint}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Resume at ``state`` (from any world size). Raises DataError when it was saved
@@ -182,12 +213,16 @@ class DataLoader(torch.utils.data.DataLoader):
             raise DataError(f"loader state lacks {missing}; pass what state_dict() returned")
         s = self._rg_sampler
         if int(state["fingerprint"]) != s.dataset.fingerprint:
-            raise DataError(f"loader state was saved for another dataset (fingerprint "
-                            f"{int(state['fingerprint'])} != {s.dataset.fingerprint}); point "
-                            "the dataset at the same files, or do not load this state")
+            raise DataError(
+                f"loader state was saved for another dataset (fingerprint "
+                f"{int(state['fingerprint'])} != {s.dataset.fingerprint}); point "
+                "the dataset at the same files, or do not load this state"
+            )
         if int(state["seed"]) != s.dataset.seed:
-            raise DataError(f"loader state was saved with seed={int(state['seed'])} but the "
-                            f"dataset has seed={s.dataset.seed}; use the same seed")
+            raise DataError(
+                f"loader state was saved with seed={int(state['seed'])} but the "
+                f"dataset has seed={s.dataset.seed}; use the same seed"
+            )
         part.check_resume(len(s.dataset), int(state["consumed"]))
         s.epoch, s.consumed = int(state["epoch"]), int(state["consumed"])
 
@@ -200,13 +235,16 @@ class DataLoader(torch.utils.data.DataLoader):
 class _Hints:
     """Announces this rank's next files to the node cache, a window ahead of the loop."""
 
-    def __init__(self, loader: DataLoader, order: np.ndarray) -> None:
-        self._loader, self._order, self._sent = loader, order, 0
-        self._chunk = max(loader._rg_sampler.batch_size, loader._window // 4)
+    def __init__(
+        self, cache: CacheClient, fileset_id: int, dataset: Any, order: np.ndarray, *, window: int, batch_size: int
+    ) -> None:
+        self._cache, self._fileset_id, self._dataset = cache, fileset_id, dataset
+        self._order, self._sent, self._window = order, 0, window
+        self._chunk = max(batch_size, window // 4)
 
     def advance(self, position: int) -> None:
-        upto = min(len(self._order), position + self._loader._window)
+        upto = min(len(self._order), position + self._window)
         if upto - self._sent >= self._chunk or (upto == len(self._order) > self._sent):
-            files = self._loader.dataset.file_indices(self._order[self._sent:upto])
-            self._loader._cache.prefetch(self._loader._fileset_id, files)
+            files = self._dataset.file_indices(self._order[self._sent : upto])
+            self._cache.prefetch(self._fileset_id, files)
             self._sent = upto

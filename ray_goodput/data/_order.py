@@ -17,8 +17,7 @@ def permutation(num_samples: int, seed: int, epoch: int, shuffle: bool) -> np.nd
     return _rng(seed, epoch).permutation(num_samples).astype(np.int64)
 
 
-def block_permutation(block_sizes: list[int], seed: int, epoch: int,
-                      shuffle: bool) -> np.ndarray:
+def block_permutation(block_sizes: list[int], seed: int, epoch: int, shuffle: bool) -> np.ndarray:
     """Permutation that keeps samples of a block (a Parquet row group) together.
 
     Blocks are shuffled, then samples inside each block. Still a permutation of

@@ -26,17 +26,21 @@ _DECODED_GROUPS = 4  # row groups kept decoded per process; batches of a rank sh
 
 def _row_groups(files: FileSet, policy: RetryPolicy) -> list[list[int]]:
     """Rows of each row group of each file, read from the footers (parallel)."""
+
     def one(i: int) -> list[int]:
         def _meta() -> list[int]:
             with files.fs.open_input_file(files.paths[i]) as f:
                 md = pq.ParquetFile(f).metadata
                 return [md.row_group(g).num_rows for g in range(md.num_row_groups)]
+
         try:
             return policy.call(f"read of the Parquet footer of {files.uri(i)}", _meta)
         except StorageError as exc:
             if isinstance(exc.__cause__, pa.ArrowInvalid):  # readable, but not Parquet
-                raise DataError(f"{files.uri(i)} is not a readable Parquet file: "
-                                f"{exc.__cause__}; remove it or filter with suffixes=") from exc
+                raise DataError(
+                    f"{files.uri(i)} is not a readable Parquet file: "
+                    f"{exc.__cause__}; remove it or filter with suffixes="
+                ) from exc
             raise
 
     with ThreadPoolExecutor(16, thread_name_prefix="rg-parquet") as pool:
@@ -51,14 +55,20 @@ class ParquetDataset(CachedDataset):
     an empty source or a file that is not Parquet, naming the file.
     """
 
-    def __init__(self, source: str | Sequence[str], columns: Sequence[str] | None = None, *,
-                 seed: int = 0, shuffle: bool = True, suffixes: Sequence[str] = (".parquet",),
-                 cache: CacheConfig | None = _DEFAULT_CACHE,
-                 retry: RetryPolicy | None = None) -> None:
-        super().__init__(resolve_source(source, tuple(suffixes)), seed=seed, shuffle=shuffle,
-                         cache=cache, retry=retry)
+    def __init__(
+        self,
+        source: str | Sequence[str],
+        columns: Sequence[str] | None = None,
+        *,
+        seed: int = 0,
+        shuffle: bool = True,
+        suffixes: Sequence[str] = (".parquet",),
+        cache: CacheConfig | None = _DEFAULT_CACHE,
+        retry: RetryPolicy | None = None,
+    ) -> None:
+        super().__init__(resolve_source(source, tuple(suffixes)), seed=seed, shuffle=shuffle, cache=cache, retry=retry)
         self.columns = list(columns) if columns is not None else None
-        groups = _row_groups(self.files, self._retry)
+        groups = _row_groups(self.files, self.retry)
         # One entry per row group (block): its file, index in the file, rows.
         self._blocks = [(f, g, n) for f, sizes in enumerate(groups) for g, n in enumerate(sizes)]
         self._block_rows = [n for _, _, n in self._blocks]
@@ -115,8 +125,9 @@ class ParquetDataset(CachedDataset):
         except (StorageError, DataError):
             raise
         except Exception as exc:
-            raise DataError(f"reading row group {g} of {self.files.uri(f)} failed: "
-                            f"{type(exc).__name__}: {exc}") from exc
+            raise DataError(
+                f"reading row group {g} of {self.files.uri(f)} failed: {type(exc).__name__}: {exc}"
+            ) from exc
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_decoded": OrderedDict()}

@@ -29,8 +29,10 @@ def check_world(rank: int, world_size: int, batch_size: int) -> None:
     if world_size < 1:
         raise ConfigError(f"world_size must be >= 1, got {world_size}")
     if not 0 <= rank < world_size:
-        raise ConfigError(f"rank {rank} is outside the world of size {world_size}; pass a "
-                          "rank in [0, world_size) or let the loader read the Ray Train context")
+        raise ConfigError(
+            f"rank {rank} is outside the world of size {world_size}; pass a "
+            "rank in [0, world_size) or let the loader read the Ray Train context"
+        )
     if batch_size < 1:
         raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
 
@@ -53,8 +55,7 @@ def epoch_end(num_samples: int, consumed: int, world_size: int, batch_size: int)
     return consumed + steps_left(num_samples, consumed, world_size, batch_size) * gb
 
 
-def batch_span(consumed: int, step: int, rank: int, world_size: int,
-               batch_size: int) -> tuple[int, int]:
+def batch_span(consumed: int, step: int, rank: int, world_size: int, batch_size: int) -> tuple[int, int]:
     """[start, stop) in the permutation of ``rank``'s batch at ``step`` steps after ``consumed``.
 
     Shape: stop - start == batch_size.
@@ -63,8 +64,7 @@ def batch_span(consumed: int, step: int, rank: int, world_size: int,
     return start, start + batch_size
 
 
-def rank_spans(num_samples: int, consumed: int, rank: int, world_size: int,
-               batch_size: int) -> list[tuple[int, int]]:
+def rank_spans(num_samples: int, consumed: int, rank: int, world_size: int, batch_size: int) -> list[tuple[int, int]]:
     """Every batch span of ``rank`` for the rest of the epoch; len == steps_left(...)."""
     n = steps_left(num_samples, consumed, world_size, batch_size)
     return [batch_span(consumed, s, rank, world_size, batch_size) for s in range(n)]
@@ -78,8 +78,10 @@ def consumed_after(consumed: int, steps: int, world_size: int, batch_size: int) 
 def check_resume(num_samples: int, consumed: int) -> None:
     """Raise ConfigError when a saved position cannot belong to this epoch."""
     if not 0 <= consumed <= num_samples:
-        raise ConfigError(f"loader state has consumed={consumed} but the dataset has "
-                          f"{num_samples} samples; the state belongs to another dataset")
+        raise ConfigError(
+            f"loader state has consumed={consumed} but the dataset has "
+            f"{num_samples} samples; the state belongs to another dataset"
+        )
 
 
 def worker_of_batch(batch_index: int, num_workers: int) -> int:

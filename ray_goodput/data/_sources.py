@@ -57,14 +57,19 @@ def _list_directory(uri: str, suffixes: tuple[str, ...]) -> FileSet:
         infos = storage.list_dir(loc, recursive=True)
     except StorageError as exc:
         raise StorageError(f"cannot list dataset source {uri!r}: {exc}") from exc
-    files = sorted((i.path, i.size) for i in infos
-                   if i.type == pafs.FileType.File and _wanted(i.path, suffixes))
+    files = sorted((i.path, i.size) for i in infos if i.type == pafs.FileType.File and _wanted(i.path, suffixes))
     if not files:
-        raise DataError(f"dataset source {uri!r} holds no files"
-                        + (f" ending in {suffixes}" if suffixes else "")
-                        + "; check the URI (and its ?endpoint_override for a custom S3)")
-    return FileSet(ident=_ident(uri), fs=loc.fs, paths=tuple(p for p, _ in files),
-                   sizes=tuple(int(s) if s is not None else -1 for _, s in files))
+        raise DataError(
+            f"dataset source {uri!r} holds no files"
+            + (f" ending in {suffixes}" if suffixes else "")
+            + "; check the URI (and its ?endpoint_override for a custom S3)"
+        )
+    return FileSet(
+        ident=_ident(uri),
+        fs=loc.fs,
+        paths=tuple(p for p, _ in files),
+        sizes=tuple(int(s) if s is not None else -1 for _, s in files),
+    )
 
 
 def _wanted(path: str, suffixes: tuple[str, ...]) -> bool:
@@ -85,10 +90,8 @@ def _list_files(uris: Sequence[str]) -> FileSet:
     for u in uris:
         # Only the path differs between files of one filesystem: resolve it without
         # building one filesystem per file (that costs ~ms each for S3).
-        paths.append(storage.resolve(u).root if "://" not in u or u.startswith("file://")
-                     else _remote_path(u))
-    return FileSet(ident=_ident(uris[0]), fs=first.fs, paths=tuple(paths),
-                   sizes=tuple(-1 for _ in paths))
+        paths.append(storage.resolve(u).root if "://" not in u or u.startswith("file://") else _remote_path(u))
+    return FileSet(ident=_ident(uris[0]), fs=first.fs, paths=tuple(paths), sizes=tuple(-1 for _ in paths))
 
 
 def _remote_path(uri: str) -> str:

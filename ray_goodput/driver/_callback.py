@@ -35,8 +35,9 @@ class GoodputCallback(UserCallback):
     ``_p95``, ``_max`` per logging interval) go to MLflow, live values to Ray metrics.
     """
 
-    def __init__(self, *, tracking_uri: str | None = None, experiment_name: str = "ray_goodput",
-                 log_every_s: float = 5.0) -> None:
+    def __init__(
+        self, *, tracking_uri: str | None = None, experiment_name: str = "ray_goodput", log_every_s: float = 5.0
+    ) -> None:
         self.tracking_uri = tracking_uri or f"sqlite:///{os.path.abspath('mlflow.db')}"
         self.experiment_name = experiment_name
         self.log_every_s = log_every_s
@@ -108,8 +109,11 @@ class GoodputCallback(UserCallback):
         root = self._root(run_context)
         recovery = _recovery_state(root)
         isolated = recovery.get("isolated_nodes", [])
-        notes = {i: "excluded " + ", ".join(n[:8] for n in a["excluded_nodes"])
-                 for i, a in enumerate(recovery.get("attempts", [])) if a.get("excluded_nodes")}
+        notes = {
+            i: "excluded " + ", ".join(n[:8] for n in a["excluded_nodes"])
+            for i, a in enumerate(recovery.get("attempts", []))
+            if a.get("excluded_nodes")
+        }
         result = {**summary(ledger), "isolated_nodes": isolated, "stopped": recovery.get("stopped")}
         done = threading.Event()
         if isolated:
@@ -117,12 +121,12 @@ class GoodputCallback(UserCallback):
         self._worker().put(("finish", (ledger, step, result, self._state["attempts"], notes), done))
         write_bytes(root, "goodput/summary.json", json.dumps(result, indent=1).encode())
         done.wait(timeout=120)
-        logger.info("goodput of the job:\n%s%s", table(ledger),
-                    f"\nisolated nodes: {', '.join(isolated)}" if isolated else "")
+        logger.info(
+            "goodput of the job:\n%s%s", table(ledger), f"\nisolated nodes: {', '.join(isolated)}" if isolated else ""
+        )
 
     # -- Ray Train hooks --
-    def after_report(self, run_context: Any, metrics: list[dict[str, Any]],
-                     checkpoint: Checkpoint | None) -> None:
+    def after_report(self, run_context: Any, metrics: list[dict[str, Any]], checkpoint: Checkpoint | None) -> None:
         try:
             ledger = self.refresh(run_context)
             final = ledger.finished and not self._state.get("finished")
@@ -136,13 +140,13 @@ class GoodputCallback(UserCallback):
         texts = [f"rank {rank}: {type(exc).__name__}: {exc}" for rank, exc in worker_exceptions.items()]
         self._failures.append("; ".join(texts))  # one worker-group failure, however many ranks
         self._worker().put(("log_failure", (len(self._failures), self._failures[-1]), None))
-        futile = [text for exc, text in zip(worker_exceptions.values(), texts)
-                  if not_retryable(exc) is not None]
+        futile = [text for exc, text in zip(worker_exceptions.values(), texts) if not_retryable(exc) is not None]
         if futile and not self._state.get("finished"):
             # A Recovery ends the run here; without one, every retry fails the same way.
             # Either way this is the job's last useful ledger: publish it as final.
-            logger.error("NOT RETRYABLE (a restart will fail the same way; fix the cause and "
-                         "start a new run): %s", futile[0])
+            logger.error(
+                "NOT RETRYABLE (a restart will fail the same way; fix the cause and start a new run): %s", futile[0]
+            )
             self._worker().put(("tag", ("ray_goodput.stopped_by", futile[0]), None))
             try:
                 self._publish(run_context, self.refresh(run_context), final=True)

@@ -12,7 +12,7 @@ the whole node needs.
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -26,7 +26,7 @@ def _run_check(check: HealthCheck) -> str | None:
     """Run ``check`` here; None when healthy, else the reason."""
     try:
         verdict = check()
-    except Exception as exc:  # any failure of a check is a verdict, not a crash
+    except Exception as exc:  # noqa: BLE001 - any failure of a check is a verdict, not a crash
         return f"{type(exc).__name__}: {exc}"
     return "the check returned False" if verdict is False else None
 
@@ -52,7 +52,7 @@ def check_nodes(check: HealthCheck, node_ids: list[str], timeout_s: float) -> di
     for ref in done:
         try:
             reason = ray.get(ref)
-        except Exception as exc:  # the task's process died: the node cannot run work
+        except Exception as exc:  # noqa: BLE001 - the task's process died: the node cannot run work
             reason = f"the check's process failed: {type(exc).__name__}: {exc}"
         if reason is not None:
             unhealthy[refs[ref]] = reason

@@ -16,7 +16,7 @@ from typing import Any
 import ray.exceptions
 from ray.train.v2._internal.execution.callback import WorkerGroupCallback
 
-from ray_goodput.checkpoint._uploader import start_node_uploader
+from ray_goodput.checkpoint import start_node_uploader
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +41,10 @@ class NodeServices(WorkerGroupCallback):
                 start_node_uploader(node_id, self.runtime_env)
             except (ray.exceptions.RayError, ValueError, TypeError) as exc:  # e.g. a bad runtime env
                 # Not fatal: each Checkpointer creates its node's uploader if none is there.
-                logger.warning("could not pre-start the uploader of node %s (its workers' Checkpointer "
-                               "will): %s: %s", node_id, type(exc).__name__, exc)
+                logger.warning(
+                    "could not pre-start the uploader of node %s (its workers' Checkpointer will): %s: %s",
+                    node_id,
+                    type(exc).__name__,
+                    exc,
+                )
         return {}

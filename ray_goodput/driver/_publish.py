@@ -22,23 +22,25 @@ def _artifacts_beside(tracking_uri: str) -> str | None:
     prefix = "sqlite:///"
     if not tracking_uri.startswith(prefix):
         return None
-    return (Path(tracking_uri[len(prefix):]).parent / "mlartifacts").as_uri()
+    return (Path(tracking_uri[len(prefix) :]).parent / "mlartifacts").as_uri()
 
 
 class MlflowSink:
     """One MLflow run per job; it stays open across worker-group restarts."""
 
     def __init__(self, tracking_uri: str, experiment: str, run_name: str) -> None:
-        # ~1 s to import: loaded by the controller that publishes, not by every worker
+        # Slow to import: loaded by the controller that publishes, not by every worker
         # process that imports this package to unpickle a training function.
-        from mlflow import MlflowClient  # noqa: PLC0415
+        from mlflow import MlflowClient  # noqa: PLC0415 - see above
 
         self._client = MlflowClient(tracking_uri=tracking_uri)
         exp = self._client.get_experiment_by_name(experiment)
-        exp_id = exp.experiment_id if exp else self._client.create_experiment(
-            experiment, artifact_location=_artifacts_beside(tracking_uri))
-        self.run_id = self._client.create_run(exp_id, run_name=run_name,
-                                              tags={"ray_goodput": "goodput"}).info.run_id
+        exp_id = (
+            exp.experiment_id
+            if exp
+            else self._client.create_experiment(experiment, artifact_location=_artifacts_beside(tracking_uri))
+        )
+        self.run_id = self._client.create_run(exp_id, run_name=run_name, tags={"ray_goodput": "goodput"}).info.run_id
 
     def log(self, values: dict[str, float], step: int) -> None:
         for key, value in values.items():
@@ -50,8 +52,14 @@ class MlflowSink:
     def tag(self, key: str, value: str) -> None:
         self._client.set_tag(self.run_id, key, value[:4000])
 
-    def finish(self, ledger: Ledger, step: int, summary: dict[str, Any],
-               attempts: list[list[dict[str, Any]]], notes: dict[int, str]) -> None:
+    def finish(
+        self,
+        ledger: Ledger,
+        step: int,
+        summary: dict[str, Any],
+        attempts: list[list[dict[str, Any]]],
+        notes: dict[int, str],
+    ) -> None:
         """Last metrics, the bar chart, the timeline and the summary; the run ends FINISHED."""
         self.log(ledger.as_metrics(), step)
         with tempfile.TemporaryDirectory() as tmp:

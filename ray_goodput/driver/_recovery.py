@@ -23,16 +23,15 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any, Callable, Literal
+from collections.abc import Callable
+from typing import Any, Literal
 
 import ray
 from ray.train.v2._internal.exceptions import WorkerHealthCheckFailedError
 from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
 from ray.train.v2.api.exceptions import ControllerError, WorkerGroupError
 
-from ray_goodput.checkpoint._catalog import newest_valid
-from ray_goodput.checkpoint._generation import next_generation
-from ray_goodput.checkpoint._retention import pin_resume
+from ray_goodput.checkpoint import newest_valid, next_generation, pin_resume
 from ray_goodput.driver import _gpu_check, _health
 from ray_goodput.errors import ConfigError, not_retryable
 from ray_goodput.runtime import run_root
@@ -111,9 +110,14 @@ class Recovery(ControllerCallback, WorkerGroupCallback):
     ``storage_path``: where the Checkpointer writes, when not the Ray Train run directory.
     """
 
-    def __init__(self, *, health_check: Callable[[], object] | Literal["gpu"] | None = None,
-                 max_failures_per_node: int = 2, health_check_timeout_s: float = 120.0,
-                 storage_path: str | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        health_check: Callable[[], object] | Literal["gpu"] | None = None,
+        max_failures_per_node: int = 2,
+        health_check_timeout_s: float = 120.0,
+        storage_path: str | None = None,
+    ) -> None:
         if health_check == "gpu":
             health_check = _gpu_check.gpu_check
         if health_check is not None and not callable(health_check):
@@ -144,19 +148,23 @@ class Recovery(ControllerCallback, WorkerGroupCallback):
     def after_controller_start(self, train_run_context: Any) -> None:
         _log_where_ray_train_logs()
         run_config = train_run_context.run_config
-        self._root = (resolve(self.storage_path) if self.storage_path
-                      else run_root(run_config.storage_context))
+        self._root = resolve(self.storage_path) if self.storage_path else run_root(run_config.storage_context)
 
-    def on_controller_start_worker_group(self, *, scaling_config: Any,
-                                         num_workers: int) -> dict[str, str] | None:
+    def on_controller_start_worker_group(self, *, scaling_config: Any, num_workers: int) -> dict[str, str] | None:
         self.attempt += 1
         self._counted = set()
         decision = self._choose_resume() if self.attempt > 1 else None
         unhealthy = self._check_health(scaling_config)
         excluded = sorted(set(self.ledger.isolated) | set(unhealthy))
         self._warn_if_short(scaling_config, num_workers, excluded)
-        self.attempts.append({"attempt": self.attempt, "resume_step": decision.step if decision else None,
-                              "excluded_nodes": excluded, "unhealthy": unhealthy})
+        self.attempts.append(
+            {
+                "attempt": self.attempt,
+                "resume_step": decision.step if decision else None,
+                "excluded_nodes": excluded,
+                "unhealthy": unhealthy,
+            }
+        )
         self._pending_decision = decision
         self._save()
         return self._selector(scaling_config, excluded)
@@ -165,16 +173,21 @@ class Recovery(ControllerCallback, WorkerGroupCallback):
         if self._stop is None or getattr(failure_decision, "value", None) != "RETRY":
             return
         error, self._stop = self._stop, None
-        logger.error("attempt %d failed with %s, which a retry cannot fix: stopping the run now "
-                     "instead of retrying (FailureConfig.max_failures is not used). %s",
-                     self.attempt, type(error).__name__, error)
+        logger.error(
+            "attempt %d failed with %s, which a retry cannot fix: stopping the run now "
+            "instead of retrying (FailureConfig.max_failures is not used). %s",
+            self.attempt,
+            type(error).__name__,
+            error,
+        )
         self._save()
         raise error
 
     def after_controller_finish(self, result: Any) -> None:
         if self.ledger.isolated:
-            logger.warning("run ended after %d attempt(s); isolated nodes: %s",
-                           self.attempt, ", ".join(self.ledger.isolated))
+            logger.warning(
+                "run ended after %d attempt(s); isolated nodes: %s", self.attempt, ", ".join(self.ledger.isolated)
+            )
         self._save()
 
     # -- worker group hooks --
@@ -193,8 +206,11 @@ class Recovery(ControllerCallback, WorkerGroupCallback):
             hit = futile(exc)
             if hit is not None and self._stop is None:
                 self._stop = hit
-                self.stopped = {"attempt": str(self.attempt), "rank": str(rank),
-                                "error": f"{type(hit).__name__}: {hit}"}
+                self.stopped = {
+                    "attempt": str(self.attempt),
+                    "rank": str(rank),
+                    "error": f"{type(hit).__name__}: {hit}",
+                }
 
     # -- helpers --
     def _count_failure(self, rank: int, exc: BaseException) -> None:
@@ -203,9 +219,15 @@ class Recovery(ControllerCallback, WorkerGroupCallback):
             return
         self._counted.add(node)  # one failure per node per attempt, however many ranks
         if self.ledger.record(node):
-            logger.warning("node %s isolated after %d failures (last: rank %d, %s: %s); no worker "
-                           "of this run will be placed there again", node, self.ledger.failures[node],
-                           rank, type(exc).__name__, str(exc).splitlines()[0][:200] if str(exc) else "")
+            logger.warning(
+                "node %s isolated after %d failures (last: rank %d, %s: %s); no worker "
+                "of this run will be placed there again",
+                node,
+                self.ledger.failures[node],
+                rank,
+                type(exc).__name__,
+                str(exc).splitlines()[0][:200] if str(exc) else "",
+            )
             self._save()
 
     def _choose_resume(self) -> ResumeDecision | None:
@@ -213,13 +235,18 @@ class Recovery(ControllerCallback, WorkerGroupCallback):
         try:
             found = newest_valid(self._root)
         except OSError as exc:  # StorageError is an OSError: the workers will look themselves
-            logger.warning("attempt %d: could not list checkpoints under %s (%s); each worker "
-                           "restore will look on its own", self.attempt, self._root.uri, exc)
+            logger.warning(
+                "attempt %d: could not list checkpoints under %s (%s); each worker restore will look on its own",
+                self.attempt,
+                self._root.uri,
+                exc,
+            )
             return None
         step = found[1].step if found else None
         if step is None:
-            logger.info("attempt %d resumes from scratch: no committed checkpoint under %s",
-                        self.attempt, self._root.uri)
+            logger.info(
+                "attempt %d resumes from scratch: no committed checkpoint under %s", self.attempt, self._root.uri
+            )
         else:
             logger.info("attempt %d resumes from step %d", self.attempt, step)
             try:  # before any worker starts: a dead attempt's late retention must keep it
@@ -227,49 +254,75 @@ class Recovery(ControllerCallback, WorkerGroupCallback):
                 # before, generations run ahead of this run's attempt count.
                 pin_resume(self._root, attempt=next_generation(self._root, self.attempt), step=step)
             except OSError as exc:
-                logger.warning("attempt %d: could not pin step %d against retention: %s",
-                               self.attempt, step, exc)
+                logger.warning("attempt %d: could not pin step %d against retention: %s", self.attempt, step, exc)
         return ResumeDecision(attempt=self.attempt, step=step, root_key=root_key(self._root))
 
     def _check_health(self, scaling_config: Any) -> dict[str, str]:
         if self.health_check is None:
             return {}
         per_worker = worker_resources(scaling_config)
-        nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] not in self.ledger.isolated
-                 and workers_that_fit(n["Resources"], per_worker) > 0]
+        nodes = [
+            n["NodeID"]
+            for n in ray.nodes()
+            if n["Alive"]
+            and n["NodeID"] not in self.ledger.isolated
+            and workers_that_fit(n["Resources"], per_worker) > 0
+        ]
         unhealthy = _health.check_nodes(self.health_check, nodes, self.health_check_timeout_s)
         for node, reason in sorted(unhealthy.items()):
-            logger.warning("attempt %d: node %s failed its health check (%s); no worker goes "
-                           "there this attempt", self.attempt, node, reason)
+            logger.warning(
+                "attempt %d: node %s failed its health check (%s); no worker goes there this attempt",
+                self.attempt,
+                node,
+                reason,
+            )
             if self.ledger.record(node):
-                logger.warning("node %s isolated after %d failures; no worker of this run will be "
-                               "placed there again", node, self.ledger.failures[node])
+                logger.warning(
+                    "node %s isolated after %d failures; no worker of this run will be placed there again",
+                    node,
+                    self.ledger.failures[node],
+                )
         return unhealthy
 
     def _warn_if_short(self, scaling_config: Any, num_workers: int, excluded: list[str]) -> None:
         if not excluded:
             return
         per_worker = worker_resources(scaling_config)
-        room = sum(workers_that_fit(n["Resources"], per_worker) for n in ray.nodes()
-                   if n["Alive"] and n["NodeID"] not in excluded)
+        room = sum(
+            workers_that_fit(n["Resources"], per_worker)
+            for n in ray.nodes()
+            if n["Alive"] and n["NodeID"] not in excluded
+        )
         if room < num_workers:
-            logger.warning("attempt %d: without the excluded nodes (%s) the cluster has room for %d "
-                           "of %d workers; waiting for capacity as Ray does (autoscaler or new nodes)",
-                           self.attempt, ", ".join(excluded), room, num_workers)
+            logger.warning(
+                "attempt %d: without the excluded nodes (%s) the cluster has room for %d "
+                "of %d workers; waiting for capacity as Ray does (autoscaler or new nodes)",
+                self.attempt,
+                ", ".join(excluded),
+                room,
+                num_workers,
+            )
 
     def _selector(self, scaling_config: Any, excluded: list[str]) -> dict[str, str] | None:
         if not excluded:
             return None
         user = scaling_config.label_selector
         if isinstance(user, list) or NODE_ID_LABEL in (user or {}):
-            logger.warning("ScalingConfig.label_selector is per worker or names %s already; "
-                           "Recovery cannot add its node exclusions to it", NODE_ID_LABEL)
+            logger.warning(
+                "ScalingConfig.label_selector is per worker or names %s already; "
+                "Recovery cannot add its node exclusions to it",
+                NODE_ID_LABEL,
+            )
             return None
         return {**(user or {}), NODE_ID_LABEL: f"!in({','.join(excluded)})"}
 
     def state(self) -> dict[str, Any]:
-        return {"attempts": self.attempts, "node_failures": dict(self.ledger.failures),
-                "isolated_nodes": list(self.ledger.isolated), "stopped": self.stopped}
+        return {
+            "attempts": self.attempts,
+            "node_failures": dict(self.ledger.failures),
+            "isolated_nodes": list(self.ledger.isolated),
+            "stopped": self.stopped,
+        }
 
     def _save(self) -> None:
         if self._root is None:

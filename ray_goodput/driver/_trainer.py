@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import ray.train
 import ray.train.torch
@@ -35,10 +36,15 @@ class TorchTrainer(ray.train.torch.TorchTrainer):
     ``self.recovery`` holds what the controller's copy recorded (``isolated_nodes``...).
     """
 
-    def __init__(self, train_loop_per_worker: Callable[..., Any], *,
-                 callbacks: Sequence[RayTrainCallback] | None = None,
-                 recovery: Recovery | None = _DEFAULT_RECOVERY,
-                 run_config: ray.train.RunConfig | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        train_loop_per_worker: Callable[..., Any],
+        *,
+        callbacks: Sequence[RayTrainCallback] | None = None,
+        recovery: Recovery | None = _DEFAULT_RECOVERY,
+        run_config: ray.train.RunConfig | None = None,
+        **kwargs: Any,
+    ) -> None:
         run_config = run_config or ray.train.RunConfig()
         merged = list(run_config.callbacks or []) + list(callbacks or [])
         self.recovery = _pick_recovery(merged, recovery)
@@ -47,8 +53,7 @@ class TorchTrainer(ray.train.torch.TorchTrainer):
         if not any(isinstance(c, NodeServices) for c in merged):
             # Node uploaders up before the first save, in the workers' runtime env.
             merged.append(NodeServices(run_config.worker_runtime_env))
-        super().__init__(train_loop_per_worker,
-                         run_config=dataclasses.replace(run_config, callbacks=merged), **kwargs)
+        super().__init__(train_loop_per_worker, run_config=dataclasses.replace(run_config, callbacks=merged), **kwargs)
 
     def fit(self) -> ray.train.Result:
         """Ray's ``fit``; afterwards ``self.recovery`` shows what happened, even on failure."""
@@ -60,8 +65,11 @@ class TorchTrainer(ray.train.torch.TorchTrainer):
     def _refresh_recovery(self) -> None:
         if self.recovery is None:
             return
-        root = (resolve(self.recovery.storage_path) if self.recovery.storage_path
-                else run_root(self.run_config.storage_context))
+        root = (
+            resolve(self.recovery.storage_path)
+            if self.recovery.storage_path
+            else run_root(self.run_config.storage_context)
+        )
         try:
             state = load_state(root)
         except OSError as exc:
@@ -84,9 +92,7 @@ def _pick_recovery(callbacks: list[Any], recovery: Any) -> Recovery | None:
     if recovery is not None and not isinstance(recovery, Recovery):
         raise ConfigError(f"recovery must be a ray_goodput.Recovery or None, got {recovery!r}")
     if present and recovery is None:
-        raise ConfigError("recovery=None turns recovery off, but a Recovery is in the callbacks; "
-                          "remove one of the two")
+        raise ConfigError("recovery=None turns recovery off, but a Recovery is in the callbacks; remove one of the two")
     if present and recovery is not present[0]:
-        raise ConfigError("a Recovery is in the callbacks and another was passed as recovery=; "
-                          "pass it once")
+        raise ConfigError("a Recovery is in the callbacks and another was passed as recovery=; pass it once")
     return recovery

@@ -8,5 +8,19 @@ from ray_goodput.goodput._recorder import get_recorder, record_end, record_step
 from ray_goodput.goodput._report import chart_png, summary, table
 from ray_goodput.goodput._timeline import timeline_png
 
-__all__ = ["BUCKETS", "EventLog", "EventReader", "Ledger", "chart_png", "compute", "fetch_stats", "get_recorder",
-           "read_events", "record_end", "record_step", "summary", "table", "timeline_png"]
+__all__ = [
+    "BUCKETS",
+    "EventLog",
+    "EventReader",
+    "Ledger",
+    "chart_png",
+    "compute",
+    "fetch_stats",
+    "get_recorder",
+    "read_events",
+    "record_end",
+    "record_step",
+    "summary",
+    "table",
+    "timeline_png",
+]

@@ -37,7 +37,7 @@ class EventLog:
         if root.is_local:
             directory = root.join(EVENTS_DIR)
             os.makedirs(directory, exist_ok=True)
-            self._file = open(os.path.join(directory, f"{self.attempt}.jsonl"), "a", buffering=1)  # noqa: SIM115
+            self._file = open(os.path.join(directory, f"{self.attempt}.jsonl"), "a", buffering=1)  # noqa: SIM115 - open for the log's life, closed by close()
         else:
             threading.Thread(target=self._flush_loop, name="rg-goodput-events", daemon=True).start()
         self.emit("start", rank=rank, world=world_size, pid=os.getpid())
@@ -58,8 +58,9 @@ class EventLog:
             chunk, self._chunk = self._chunk, self._chunk + (1 if lines else 0)
         if lines:
             try:
-                write_bytes(self._root, f"{EVENTS_DIR}/{self.attempt}/{chunk:06d}.jsonl",
-                            ("\n".join(lines) + "\n").encode())
+                write_bytes(
+                    self._root, f"{EVENTS_DIR}/{self.attempt}/{chunk:06d}.jsonl", ("\n".join(lines) + "\n").encode()
+                )
             except Exception as exc:  # noqa: BLE001 - accounting must never break training
                 logger.warning("could not write goodput events: %s", exc)
 
@@ -84,8 +85,8 @@ class EventReader:
     def __init__(self, root: StorageLocation) -> None:
         self._root = root
         self._base = root.join(EVENTS_DIR)
-        self._offsets: dict[str, int] = {}   # local log -> bytes consumed (whole lines)
-        self._chunks: set[str] = set()       # object-store chunks already read
+        self._offsets: dict[str, int] = {}  # local log -> bytes consumed (whole lines)
+        self._chunks: set[str] = set()  # object-store chunks already read
         self._events: dict[str, list[dict[str, Any]]] = {}
         self.reads = 0
 
@@ -93,7 +94,7 @@ class EventReader:
         """Every attempt's events so far, ``{attempt: [event, ...]}`` in time order."""
         changed: set[str] = set()
         for info in list_dir(self._root, EVENTS_DIR, recursive=True):
-            rel = info.path[len(self._base) + 1:]
+            rel = info.path[len(self._base) + 1 :]
             if rel.endswith(".jsonl") and self._is_new(rel, info.size):
                 attempt = rel.split("/")[0].removesuffix(".jsonl")
                 self._events.setdefault(attempt, []).extend(self._read_new(rel))
@@ -116,7 +117,7 @@ class EventReader:
         with self._root.fs.open_input_file(f"{self._base}/{rel}") as f:
             f.seek(start)
             data = f.read()
-        whole = data[:data.rfind(b"\n") + 1]  # a line still being written waits for the next poll
+        whole = data[: data.rfind(b"\n") + 1]  # a line still being written waits for the next poll
         self._offsets[rel] = start + len(whole)
         return _parse(whole.decode())
 

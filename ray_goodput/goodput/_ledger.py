@@ -19,8 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-BUCKETS = ("productive", "lost", "checkpoint_stall", "data_stall", "restore",
-           "restart_downtime", "startup", "other")
+BUCKETS = ("productive", "lost", "checkpoint_stall", "data_stall", "restore", "restart_downtime", "startup", "other")
 
 
 @dataclass
@@ -48,10 +47,17 @@ class Ledger:
 
     def as_metrics(self) -> dict[str, float]:
         out = {f"goodput/{k}_s": v for k, v in self.seconds.items()}
-        out.update({"goodput/goodput": self.goodput, "goodput/total_s": self.total,
-                    "goodput/attempts": self.attempts, "goodput/failures": self.failures,
-                    "goodput/steps_kept": self.steps_kept, "goodput/steps_lost": self.steps_lost,
-                    "goodput/checkpoints_superseded": self.checkpoints_superseded})
+        out.update(
+            {
+                "goodput/goodput": self.goodput,
+                "goodput/total_s": self.total,
+                "goodput/attempts": self.attempts,
+                "goodput/failures": self.failures,
+                "goodput/steps_kept": self.steps_kept,
+                "goodput/steps_lost": self.steps_lost,
+                "goodput/checkpoints_superseded": self.checkpoints_superseded,
+            }
+        )
         if self.checkpoint_interval_steps is not None:
             out["goodput/checkpoint_interval_steps"] = self.checkpoint_interval_steps
         return out
@@ -85,8 +91,9 @@ def _account_steps(ledger: Ledger, events: list[dict[str, Any]], keep_upto: int 
     return last
 
 
-def compute(attempts: list[list[dict[str, Any]]], *, job_start: float | None = None,
-            job_end: float | None = None) -> Ledger:
+def compute(
+    attempts: list[list[dict[str, Any]]], *, job_start: float | None = None, job_end: float | None = None
+) -> Ledger:
     """The ledger of a job from its attempts' events (each list sorted by time)."""
     attempts = sorted((a for a in attempts if a), key=lambda a: a[0]["t"])
     ledger = Ledger(attempts=len(attempts), failures=max(0, len(attempts) - 1))
@@ -96,8 +103,9 @@ def compute(attempts: list[list[dict[str, Any]]], *, job_start: float | None = N
     ledger.end = max(job_end or 0.0, attempts[-1][-1]["t"])
     ledger.finished = any(e["e"] == "end" for e in attempts[-1])
     ledger.checkpoints_superseded = sum(e["e"] == "ckpt_superseded" for a in attempts for e in a)
-    ledger.checkpoint_interval_steps = next((e["steps"] for a in reversed(attempts) for e in reversed(a)
-                                             if e["e"] == "ckpt_interval"), None)
+    ledger.checkpoint_interval_steps = next(
+        (e["steps"] for a in reversed(attempts) for e in reversed(a) if e["e"] == "ckpt_interval"), None
+    )
     prev_end = ledger.start
     for i, events in enumerate(attempts):
         nxt = attempts[i + 1] if i + 1 < len(attempts) else None
@@ -125,5 +133,8 @@ def fetch_stats(events: list[dict[str, Any]], since: float = 0.0) -> dict[str, f
     if not waits:
         return {}
     pick = lambda q: waits[min(len(waits) - 1, int(q * len(waits)))]  # noqa: E731 - nearest rank
-    return {"data/fetch_seconds_p50": pick(0.5), "data/fetch_seconds_p95": pick(0.95),
-            "data/fetch_seconds_max": waits[-1]}
+    return {
+        "data/fetch_seconds_p50": pick(0.5),
+        "data/fetch_seconds_p95": pick(0.95),
+        "data/fetch_seconds_max": waits[-1],
+    }

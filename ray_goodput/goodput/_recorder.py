@@ -70,8 +70,14 @@ class StepRecorder:
             elif self.explicit:
                 return  # the loop records its own steps; don't double count
             prev = self._last_step if self._last_step is not None else 0
-            event = {"step": step, "n": max(1, step - prev), "t0": self._mark, "t": now,
-                     "fetch": self._fetch + fetch_seconds, "ckpt": self._ckpt}
+            event = {
+                "step": step,
+                "n": max(1, step - prev),
+                "t0": self._mark,
+                "t": now,
+                "fetch": self._fetch + fetch_seconds,
+                "ckpt": self._ckpt,
+            }
             self._mark, self._last_step = now, step
             self._fetch = self._ckpt = 0.0
         if self.log is not None:

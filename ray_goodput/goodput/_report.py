@@ -21,27 +21,35 @@ def table(ledger: Ledger) -> str:
 
 def chart_png(ledger: Ledger, path: str) -> None:
     """A horizontal bar chart of the breakdown."""
-    import matplotlib  # noqa: PLC0415
+    import matplotlib  # noqa: PLC0415 - optional plotting dependency, loaded only to draw
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
+    import matplotlib.pyplot as plt  # noqa: PLC0415 - after the backend is chosen
 
     fig, ax = plt.subplots(figsize=(7, 3.2))
     values = [ledger.seconds[b] for b in BUCKETS]
     colors = ["#2ca02c"] + ["#d62728", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22"]
     ax.barh(list(BUCKETS)[::-1], values[::-1], color=colors[::-1])
     ax.set_xlabel("seconds")
-    ax.set_title(f"goodput {ledger.goodput:.1%} of {ledger.total:.0f} s "
-                 f"({ledger.failures} failures, {ledger.steps_lost} steps lost)")
+    ax.set_title(
+        f"goodput {ledger.goodput:.1%} of {ledger.total:.0f} s "
+        f"({ledger.failures} failures, {ledger.steps_lost} steps lost)"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
 def summary(ledger: Ledger) -> dict[str, Any]:
-    return {"goodput": ledger.goodput, "total_s": ledger.total, "seconds": ledger.seconds,
-            "attempts": ledger.attempts, "failures": ledger.failures,
-            "steps_kept": ledger.steps_kept, "steps_lost": ledger.steps_lost,
-            "checkpoints_superseded": ledger.checkpoints_superseded,
-            "checkpoint_interval_steps": ledger.checkpoint_interval_steps,
-            "finished": ledger.finished}
+    return {
+        "goodput": ledger.goodput,
+        "total_s": ledger.total,
+        "seconds": ledger.seconds,
+        "attempts": ledger.attempts,
+        "failures": ledger.failures,
+        "steps_kept": ledger.steps_kept,
+        "steps_lost": ledger.steps_lost,
+        "checkpoints_superseded": ledger.checkpoints_superseded,
+        "checkpoint_interval_steps": ledger.checkpoint_interval_steps,
+        "finished": ledger.finished,
+    }

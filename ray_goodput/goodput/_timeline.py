@@ -12,8 +12,7 @@ from typing import Any
 
 from ray_goodput.goodput._ledger import BUCKETS, resumed_from
 
-COLORS = dict(zip(BUCKETS, ["#2ca02c", "#d62728", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2",
-                            "#7f7f7f", "#bcbd22"]))
+COLORS = dict(zip(BUCKETS, ["#2ca02c", "#d62728", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22"]))
 
 
 @dataclass(frozen=True)
@@ -39,9 +38,11 @@ class Mark:
 def _step_spans(row: int, e: dict[str, Any], kept: bool) -> list[Span]:
     fetch, ckpt = e.get("fetch", 0.0), e.get("ckpt", 0.0)
     work_end = max(e["t0"] + fetch, e["t"] - ckpt)
-    return [Span(row, e["t0"], e["t0"] + fetch, "data_stall"),
-            Span(row, e["t0"] + fetch, work_end, "productive" if kept else "lost"),
-            Span(row, work_end, e["t"], "checkpoint_stall")]
+    return [
+        Span(row, e["t0"], e["t0"] + fetch, "data_stall"),
+        Span(row, e["t0"] + fetch, work_end, "productive" if kept else "lost"),
+        Span(row, work_end, e["t"], "checkpoint_stall"),
+    ]
 
 
 def spans(attempts: list[list[dict[str, Any]]], job_start: float | None = None) -> list[Span]:
@@ -69,8 +70,11 @@ def marks(attempts: list[list[dict[str, Any]]], notes: dict[int, str] | None = N
     out: list[Mark] = []
     for row, events in enumerate(attempts):
         out += [Mark(row, e["t"], "save", "") for e in events if e["e"] == "step" and e.get("ckpt", 0.0) > 0]
-        out += [Mark(row, e["t"], "resume", f"resumed from step {e.get('step') or 0}")
-                for e in events if e["e"] == "restore"]
+        out += [
+            Mark(row, e["t"], "resume", f"resumed from step {e.get('step') or 0}")
+            for e in events
+            if e["e"] == "restore"
+        ]
         if row + 1 < len(attempts):
             out.append(Mark(row, events[-1]["t"], "failure", "failure"))
         if notes and notes.get(row):
@@ -78,27 +82,35 @@ def marks(attempts: list[list[dict[str, Any]]], notes: dict[int, str] | None = N
     return out
 
 
-def timeline_png(attempts: list[list[dict[str, Any]]], path: str, *, job_start: float | None = None,
-                 notes: dict[int, str] | None = None) -> None:
+def timeline_png(
+    attempts: list[list[dict[str, Any]]],
+    path: str,
+    *,
+    job_start: float | None = None,
+    notes: dict[int, str] | None = None,
+) -> None:
     """Render the timeline of ``attempts`` to ``path`` (PNG)."""
     import matplotlib  # noqa: PLC0415 - optional plotting dependency, loaded only to draw
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
+    import matplotlib.pyplot as plt  # noqa: PLC0415 - after the backend is chosen
 
     all_spans = spans(attempts, job_start)
     t0 = min((s.start for s in all_spans), default=0.0)
     fig, ax = plt.subplots(figsize=(10, 1.2 + 0.6 * max(1, len(attempts))))
     for s in all_spans:
         ax.barh(s.row, s.end - s.start, left=s.start - t0, color=COLORS[s.bucket], height=0.6)
-    symbols = {"failure": ("x", "#d62728"), "save": ("|", "black"), "resume": ("^", "#1f77b4"),
-               "note": ("*", "#9467bd")}
+    symbols = {
+        "failure": ("x", "#d62728"),
+        "save": ("|", "black"),
+        "resume": ("^", "#1f77b4"),
+        "note": ("*", "#9467bd"),
+    }
     for m in marks(attempts, notes):
         symbol, color = symbols[m.kind]
         ax.plot(m.t - t0, m.row + 0.4, marker=symbol, color=color, markersize=7, linestyle="none")
         if m.label and m.kind != "save":
-            ax.annotate(m.label, (m.t - t0, m.row + 0.4), fontsize=7, xytext=(3, 3),
-                        textcoords="offset points")
+            ax.annotate(m.label, (m.t - t0, m.row + 0.4), fontsize=7, xytext=(3, 3), textcoords="offset points")
     ax.set_yticks(range(len(attempts)), [f"attempt {i + 1}" for i in range(len(attempts))])
     ax.invert_yaxis()
     ax.set_xlabel("seconds since job start")

@@ -17,6 +17,20 @@ from ray_goodput.plan._formulas import (
 )
 from ray_goodput.plan._simulate import DEFAULT_SYSTEMS, Outcome, System, replay, simulate
 
-__all__ = ["DEFAULT_SYSTEMS", "AutoInterval", "Outcome", "System", "afr_from_mtbf", "expected_buckets",
-           "expected_goodput", "expected_lost_s", "failure_probability", "interval_steps", "mtbf_hours",
-           "optimal_interval_s", "replay", "simulate", "young_interval_s"]
+__all__ = [
+    "DEFAULT_SYSTEMS",
+    "AutoInterval",
+    "Outcome",
+    "System",
+    "afr_from_mtbf",
+    "expected_buckets",
+    "expected_goodput",
+    "expected_lost_s",
+    "failure_probability",
+    "interval_steps",
+    "mtbf_hours",
+    "optimal_interval_s",
+    "replay",
+    "simulate",
+    "young_interval_s",
+]

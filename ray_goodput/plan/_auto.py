@@ -40,15 +40,23 @@ class AutoInterval:
     the interval in force keep it, so noise in the medians does not flap the interval.
     """
 
-    def __init__(self, *, world_size: int, mtbf_hours: float | None = None, afr: float = 0.01,
-                 warmup_steps: int = 10, window: int = 32, min_change: float = 0.1) -> None:
+    def __init__(
+        self,
+        *,
+        world_size: int,
+        mtbf_hours: float | None = None,
+        afr: float = 0.01,
+        warmup_steps: int = 10,
+        window: int = 32,
+        min_change: float = 0.1,
+    ) -> None:
         if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 1:
             raise ConfigError(f"warmup_steps must be an int >= 1, got {warmup_steps!r}")
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise ConfigError(f"window must be an int >= 1, got {window!r}")
-        hours = f.mtbf_hours(world_size, afr) if mtbf_hours is None else f._positive("mtbf_hours", mtbf_hours)
+        hours = f.mtbf_hours(world_size, afr) if mtbf_hours is None else f.positive("mtbf_hours", mtbf_hours)
         self.mtbf_s = hours * 3600.0
-        self.min_change = f._positive("min_change", min_change, zero_ok=True)
+        self.min_change = f.positive("min_change", min_change, zero_ok=True)
         self.warmup_steps = warmup_steps
         self._steps: deque[float] = deque(maxlen=window)
         self._saves: deque[float] = deque(maxlen=max(1, window // 4))
@@ -56,11 +64,11 @@ class AutoInterval:
 
     def observe_step(self, seconds: float) -> None:
         """One training step's duration, excluding any save blocking inside it."""
-        self._steps.append(f._positive("step seconds", seconds, zero_ok=True))
+        self._steps.append(f.positive("step seconds", seconds, zero_ok=True))
 
     def observe_save(self, blocking_s: float) -> None:
         """How long one save blocked the loop on this rank."""
-        self._saves.append(f._positive("save blocking seconds", blocking_s, zero_ok=True))
+        self._saves.append(f.positive("save blocking seconds", blocking_s, zero_ok=True))
 
     @property
     def step_s(self) -> float | None:
@@ -92,8 +100,13 @@ class AutoInterval:
             raise ConfigError(f"interval steps must be an int >= 1, got {steps!r}")
         changed, self._steps_in_force = steps != self._steps_in_force, steps
         if changed:
-            logger.info("checkpoint interval now %d steps (step %.3gs, save blocks %.3gs, MTBF %.3gh)",
-                        steps, self.step_s or 0.0, self.save_s or 0.0, self.mtbf_s / 3600.0)
+            logger.info(
+                "checkpoint interval now %d steps (step %.3gs, save blocks %.3gs, MTBF %.3gh)",
+                steps,
+                self.step_s or 0.0,
+                self.save_s or 0.0,
+                self.mtbf_s / 3600.0,
+            )
         return changed
 
     def interval_steps(self) -> int:

@@ -40,7 +40,7 @@ from ray_goodput.errors import ConfigError
 HOURS_PER_YEAR = 8760.0
 
 
-def _positive(name: str, value: float, *, zero_ok: bool = False) -> float:
+def positive(name: str, value: float, *, zero_ok: bool = False) -> float:
     try:
         value = float(value)
     except (TypeError, ValueError):
@@ -51,7 +51,7 @@ def _positive(name: str, value: float, *, zero_ok: bool = False) -> float:
     return value
 
 
-def _gpus(gpus: int) -> int:
+def check_gpus(gpus: int) -> int:
     if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
         raise ConfigError(f"gpus must be an int >= 1, got {gpus!r}")
     return gpus
@@ -64,23 +64,23 @@ def failure_probability(gpus: int, hours: float, afr: float = 0.01) -> float:
     annualized failure rate of one GPU (0.01 = 1%). Example: 256 GPUs for 30 days at 1%
     gives 19%, 1,024 GPUs 57%.
     """
-    n, t, a = _gpus(gpus), _positive("hours", hours, zero_ok=True), _positive("afr", afr)
+    n, t, a = check_gpus(gpus), positive("hours", hours, zero_ok=True), positive("afr", afr)
     return 1.0 - math.exp(-n * a * t / HOURS_PER_YEAR)
 
 
 def mtbf_hours(gpus: int, afr: float = 0.01) -> float:
     """Mean hours between failures of the whole job: ``8760 / (N * AFR)``."""
-    return HOURS_PER_YEAR / (_gpus(gpus) * _positive("afr", afr))
+    return HOURS_PER_YEAR / (check_gpus(gpus) * positive("afr", afr))
 
 
 def afr_from_mtbf(gpus: int, mtbf_h: float) -> float:
     """The per-GPU annualized failure rate a measured job MTBF implies: ``8760 / (N * M)``."""
-    return HOURS_PER_YEAR / (_gpus(gpus) * _positive("mtbf_hours", mtbf_h))
+    return HOURS_PER_YEAR / (check_gpus(gpus) * positive("mtbf_hours", mtbf_h))
 
 
 def young_interval_s(save_s: float, mtbf_s: float) -> float:
     """Young's (1974) first-order optimal compute time between saves: ``sqrt(2 * delta * M)``."""
-    return math.sqrt(2.0 * _positive("save_s", save_s) * _positive("mtbf_s", mtbf_s))
+    return math.sqrt(2.0 * positive("save_s", save_s) * positive("mtbf_s", mtbf_s))
 
 
 def optimal_interval_s(save_s: float, mtbf_s: float, restart_s: float = 0.0) -> float:
@@ -93,8 +93,8 @@ def optimal_interval_s(save_s: float, mtbf_s: float, restart_s: float = 0.0) -> 
     move the optimum: the restart multiplies the expected run time by ``exp(R/M)`` whatever
     the interval. Nor does an async save's upload time (see :func:`expected_goodput`).
     """
-    delta, m = _positive("save_s", save_s), _positive("mtbf_s", mtbf_s)
-    _positive("restart_s", restart_s, zero_ok=True)
+    delta, m = positive("save_s", save_s), positive("mtbf_s", mtbf_s)
+    positive("restart_s", restart_s, zero_ok=True)
     if delta >= 2.0 * m:
         return m
     ratio = delta / (2.0 * m)
@@ -103,11 +103,19 @@ def optimal_interval_s(save_s: float, mtbf_s: float, restart_s: float = 0.0) -> 
 
 def interval_steps(interval_s: float, step_s: float) -> int:
     """A compute interval as a whole number of steps (nearest, at least 1)."""
-    return max(1, round(_positive("interval_s", interval_s) / _positive("step_s", step_s)))
+    return max(1, round(positive("interval_s", interval_s) / positive("step_s", step_s)))
 
 
-def expected_buckets(step_s: float, save_s: float, interval_s: float, mtbf_s: float,
-                     restart_s: float, restore_s: float, *, durable_s: float | None = None) -> dict[str, float]:
+def expected_buckets(
+    step_s: float,
+    save_s: float,
+    interval_s: float,
+    mtbf_s: float,
+    restart_s: float,
+    restore_s: float,
+    *,
+    durable_s: float | None = None,
+) -> dict[str, float]:
     """Expected share of wall time in each ledger bucket (they sum to 1) under the module's model.
 
     ``interval_s`` is compute time between saves, rounded to whole steps of ``step_s``;
@@ -116,9 +124,9 @@ def expected_buckets(step_s: float, save_s: float, interval_s: float, mtbf_s: fl
     ``restore``, ``restart_downtime``.
     """
     tau = interval_steps(interval_s, step_s) * step_s
-    delta, m = _positive("save_s", save_s, zero_ok=True), _positive("mtbf_s", mtbf_s)
-    r, tr = _positive("restart_s", restart_s, zero_ok=True), _positive("restore_s", restore_s, zero_ok=True)
-    d = delta if durable_s is None else _positive("durable_s", durable_s, zero_ok=True)
+    delta, m = positive("save_s", save_s, zero_ok=True), positive("mtbf_s", mtbf_s)
+    r, tr = positive("restart_s", restart_s, zero_ok=True), positive("restore_s", restore_s, zero_ok=True)
+    d = delta if durable_s is None else positive("durable_s", durable_s, zero_ok=True)
     if d < delta:
         raise ConfigError(f"durable_s ({d}) must be >= save_s ({delta}): a save is durable after it stops blocking")
     cycle = 1.0 - math.exp(-(tau + delta) / m)
@@ -126,26 +134,38 @@ def expected_buckets(step_s: float, save_s: float, interval_s: float, mtbf_s: fl
     computed = m * (1.0 - math.exp(-tau / m)) / cycle
     kept = tau * math.exp(-(d - delta) / m) / math.expm1((tau + delta) / m)
     attempts = math.exp((r + tr) / m)  # expected restart+restore attempts per failure
-    seconds = {"productive": kept, "lost": computed - kept, "checkpoint_stall": run_s - computed,
-               "restart_downtime": attempts * m * -math.expm1(-r / m),
-               "restore": attempts * m * math.exp(-r / m) * -math.expm1(-tr / m)}
+    seconds = {
+        "productive": kept,
+        "lost": computed - kept,
+        "checkpoint_stall": run_s - computed,
+        "restart_downtime": attempts * m * -math.expm1(-r / m),
+        "restore": attempts * m * math.exp(-r / m) * -math.expm1(-tr / m),
+    }
     total = run_s * attempts
     return {k: v / total for k, v in seconds.items()}
 
 
-def expected_goodput(step_s: float, save_s: float, interval_s: float, mtbf_s: float,
-                     restart_s: float, restore_s: float, *, durable_s: float | None = None) -> float:
+def expected_goodput(
+    step_s: float,
+    save_s: float,
+    interval_s: float,
+    mtbf_s: float,
+    restart_s: float,
+    restore_s: float,
+    *,
+    durable_s: float | None = None,
+) -> float:
     """Expected productive share of wall time (see the module docstring for the formula)."""
-    return expected_buckets(step_s, save_s, interval_s, mtbf_s, restart_s, restore_s,
-                            durable_s=durable_s)["productive"]
+    return expected_buckets(step_s, save_s, interval_s, mtbf_s, restart_s, restore_s, durable_s=durable_s)["productive"]
 
 
-def expected_lost_s(step_s: float, save_s: float, interval_s: float, mtbf_s: float,
-                    *, durable_s: float | None = None) -> float:
+def expected_lost_s(
+    step_s: float, save_s: float, interval_s: float, mtbf_s: float, *, durable_s: float | None = None
+) -> float:
     """Expected compute seconds a failure throws away: about ``tau/2 + tau*(D - delta)/(tau + delta)``.
 
     Exact under the model: compute done in a segment minus what its durable saves kept.
     """
     b = expected_buckets(step_s, save_s, interval_s, mtbf_s, 0.0, 0.0, durable_s=durable_s)
-    m = _positive("mtbf_s", mtbf_s)
+    m = positive("mtbf_s", mtbf_s)
     return b["lost"] * m  # one failure per segment of expected length M

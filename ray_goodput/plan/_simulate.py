@@ -46,15 +46,17 @@ class System:
     def __post_init__(self) -> None:
         if not self.name:
             raise ConfigError("System name must be a non-empty string")
-        f._positive("step_s", self.step_s)
-        f._positive("save_blocking_s", self.save_blocking_s, zero_ok=True)
-        f._positive("restore_s", self.restore_s, zero_ok=True)
-        f._positive("restart_s", self.restart_s, zero_ok=True)
-        if f._positive("durable_s", self.durable_s, zero_ok=True) < self.save_blocking_s:
-            raise ConfigError(f"{self.name}: durable_s ({self.durable_s}) must be >= save_blocking_s "
-                              f"({self.save_blocking_s}); it counts from the start of the save")
+        f.positive("step_s", self.step_s)
+        f.positive("save_blocking_s", self.save_blocking_s, zero_ok=True)
+        f.positive("restore_s", self.restore_s, zero_ok=True)
+        f.positive("restart_s", self.restart_s, zero_ok=True)
+        if f.positive("durable_s", self.durable_s, zero_ok=True) < self.save_blocking_s:
+            raise ConfigError(
+                f"{self.name}: durable_s ({self.durable_s}) must be >= save_blocking_s "
+                f"({self.save_blocking_s}); it counts from the start of the save"
+            )
         if self.interval != "auto":
-            f._positive("interval", self.interval)
+            f.positive("interval", self.interval)
 
     def interval_steps(self, mtbf_s: float) -> int:
         """Steps between saves: the fixed interval, or the optimum for this MTBF."""
@@ -139,8 +141,7 @@ class _Run:
     def recover(self) -> None:
         """Restart then restore; a failure during either starts both over."""
         while self.t < self.end_s:
-            if self._advance(self.sys.restart_s, "restart_downtime") and \
-                    self._advance(self.sys.restore_s, "restore"):
+            if self._advance(self.sys.restart_s, "restart_downtime") and self._advance(self.sys.restore_s, "restore"):
                 return
 
     def run(self, startup_s: float) -> Outcome:
@@ -153,8 +154,15 @@ class _Run:
         return self.out
 
 
-def replay(system: System, failures_s: list[float], *, wall_s: float | None = None,
-           work_s: float | None = None, mtbf_s: float | None = None, startup_s: float = 0.0) -> Outcome:
+def replay(
+    system: System,
+    failures_s: list[float],
+    *,
+    wall_s: float | None = None,
+    work_s: float | None = None,
+    mtbf_s: float | None = None,
+    startup_s: float = 0.0,
+) -> Outcome:
     """Run ``system`` against failures at the given wall times (seconds from the job start).
 
     The run ends after ``wall_s`` of wall time or once ``work_s`` seconds of compute are
@@ -166,9 +174,9 @@ def replay(system: System, failures_s: list[float], *, wall_s: float | None = No
     if system.interval == "auto" and mtbf_s is None:
         raise ConfigError(f"{system.name}: interval 'auto' needs mtbf_s")
     tau = system.interval_steps(mtbf_s or 1.0) * system.step_s
-    end = math.inf if wall_s is None else f._positive("wall_s", wall_s)
-    work = math.inf if work_s is None else f._positive("work_s", work_s)
-    return _Run(system, tau, list(failures_s), end, work).run(f._positive("startup_s", startup_s, zero_ok=True))
+    end = math.inf if wall_s is None else f.positive("wall_s", wall_s)
+    work = math.inf if work_s is None else f.positive("work_s", work_s)
+    return _Run(system, tau, list(failures_s), end, work).run(f.positive("startup_s", startup_s, zero_ok=True))
 
 
 def poisson_schedule(rate_per_s: float, wall_s: float, rng: random.Random) -> list[float]:
@@ -180,8 +188,9 @@ def poisson_schedule(rate_per_s: float, wall_s: float, rng: random.Random) -> li
     return times
 
 
-def simulate(systems: list[System], *, gpus: int, days: float, afr: float = 0.01,
-             seed: int = 0, runs: int = 1) -> dict[str, list[Outcome]]:
+def simulate(
+    systems: list[System], *, gpus: int, days: float, afr: float = 0.01, seed: int = 0, runs: int = 1
+) -> dict[str, list[Outcome]]:
     """``runs`` seeded runs of ``days`` on ``gpus`` GPUs per system.
 
     Every system sees the same failure schedules (common random numbers), so differences
@@ -189,12 +198,11 @@ def simulate(systems: list[System], *, gpus: int, days: float, afr: float = 0.01
     """
     if isinstance(runs, bool) or not isinstance(runs, int) or runs < 1:
         raise ConfigError(f"runs must be an int >= 1, got {runs!r}")
-    wall = f._positive("days", days) * 86400.0
-    rate = f._gpus(gpus) * f._positive("afr", afr) / SECONDS_PER_YEAR
+    wall = f.positive("days", days) * 86400.0
+    rate = f.check_gpus(gpus) * f.positive("afr", afr) / SECONDS_PER_YEAR
     rng = random.Random(f"{seed}-{gpus}")  # one stream per size: adding a size changes no other
     schedules = [poisson_schedule(rate, wall, rng) for _ in range(runs)]
-    return {s.name: [replay(s, sched, wall_s=wall, mtbf_s=1.0 / rate) for sched in schedules]
-            for s in systems}
+    return {s.name: [replay(s, sched, wall_s=wall, mtbf_s=1.0 / rate) for sched in schedules] for s in systems}
 
 
 def mean_buckets(outcomes: list[Outcome]) -> dict[str, float]:
@@ -206,11 +214,13 @@ def mean_buckets(outcomes: list[Outcome]) -> dict[str, float]:
 
 
 # Per-rank costs measured by benchmarks/checkpoint_tax.py, S3 rows (264 MiB of FSDP2 shard
-# per rank, 2 ranks, moto server; README "Checkpoint tax"). restart_s: the ~12 s Ray Train
+# per rank, 2 ranks, moto server; benchmarks/README.md, "Checkpoint tax"). restart_s: the ~12 s Ray Train
 # worker-group restart measured by benchmarks/goodput_under_failures.py. restore_s is an
 # assumption: reading the bytes back costs what the plain upload did (14.08 s).
-DEFAULT_SOURCE = ("README checkpoint-tax table, S3 rows (264 MiB/rank); restart 12 s measured; "
-                  "restore assumed = upload floor 14.08 s; step 0.113 s measured")
+DEFAULT_SOURCE = (
+    "checkpoint_tax benchmark, S3 rows (264 MiB/rank); restart 12 s measured; "
+    "restore assumed = upload floor 14.08 s; step 0.113 s measured"
+)
 _COMMON = {"step_s": 0.113, "restore_s": 14.08, "restart_s": 12.0}
 DEFAULT_SYSTEMS = (
     System(name="rank-0 torch.save (sync)", save_blocking_s=17.94, durable_s=17.94, **_COMMON),

@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 
 def ray_initialized() -> bool:
     """Whether this process called ``ray.init``. One that never imported Ray did not, and
-    asking does not import it (~0.65 s)."""
+    asking does not import it."""
     ray = imported("ray")
     return ray is not None and ray.is_initialized()
 
@@ -31,7 +31,7 @@ def _ray_train_context() -> Any | None:
     """The Ray Train context of this process, or None outside a Ray Train worker.
 
     A Ray Train worker imported ``ray.train`` to run its training function; a process
-    that never did is not one, and does not pay for the import (~0.5 s, with pandas)."""
+    that never did is not one, and does not pay for the import (it pulls in pandas)."""
     if "ray.train" not in sys.modules:
         return None
     import ray.train  # noqa: PLC0415 - already imported (checked above): a lookup
@@ -50,24 +50,28 @@ class WorkerContext:
 
     rank: int
     world_size: int
-    node_id: str | None = None          # Ray node id; None when Ray is not initialized
+    node_id: str | None = None  # Ray node id; None when Ray is not initialized
     in_ray_train: bool = False
-    run_storage: Any | None = None      # Ray Train StorageContext (DeveloperAPI) or None
+    run_storage: Any | None = None  # Ray Train StorageContext (DeveloperAPI) or None
 
     @staticmethod
     def detect(rank: int | None = None, world_size: int | None = None) -> WorkerContext:
         """This process's context. Explicit ``rank``/``world_size`` (both or neither) must
         match a detected distributed world; they exist for loaders used outside one."""
         if (rank is None) != (world_size is None):
-            raise ConfigError("pass both rank= and world_size=, or neither (then they come "
-                              "from the Ray Train context or torch.distributed)")
+            raise ConfigError(
+                "pass both rank= and world_size=, or neither (then they come "
+                "from the Ray Train context or torch.distributed)"
+            )
         found = _detect()
         if rank is None:
             return found
         if found.world_size > 1 and (rank, world_size) != (found.rank, found.world_size):
-            raise ConfigError(f"got rank={rank}, world_size={world_size} but this process is "
-                              f"rank {found.rank} of {found.world_size}; drop the explicit "
-                              "values or make them match")
+            raise ConfigError(
+                f"got rank={rank}, world_size={world_size} but this process is "
+                f"rank {found.rank} of {found.world_size}; drop the explicit "
+                "values or make them match"
+            )
         return WorkerContext(rank=rank, world_size=world_size, node_id=found.node_id)
 
     @property
@@ -83,7 +87,8 @@ class WorkerContext:
         if root is None:
             raise ConfigError(
                 "storage_path=None needs a Ray Train run to take the storage from; outside "
-                "Ray Train pass storage_path='s3://bucket/prefix' or a directory")
+                "Ray Train pass storage_path='s3://bucket/prefix' or a directory"
+            )
         return root
 
 
@@ -100,8 +105,13 @@ def _detect() -> WorkerContext:
     node_id = imported("ray").get_runtime_context().get_node_id() if ray_initialized() else None
     ctx = _ray_train_context()
     if ctx is not None:
-        return WorkerContext(rank=ctx.get_world_rank(), world_size=ctx.get_world_size(),
-                             node_id=node_id, in_ray_train=True, run_storage=ctx.get_storage())
+        return WorkerContext(
+            rank=ctx.get_world_rank(),
+            world_size=ctx.get_world_size(),
+            node_id=node_id,
+            in_ray_train=True,
+            run_storage=ctx.get_storage(),
+        )
     dist = imported("torch.distributed")  # a process group needs it imported: no import here
     if dist is not None and dist.is_available() and dist.is_initialized():
         return WorkerContext(rank=dist.get_rank(), world_size=dist.get_world_size(), node_id=node_id)

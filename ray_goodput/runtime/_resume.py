@@ -49,7 +49,7 @@ def root_key(root: str | StorageLocation) -> str:
 def set_decision(decision: ResumeDecision | None) -> None:
     """Install the driver's decision in this worker process (run by the driver through
     the worker group before the training function starts)."""
-    global _decision
+    global _decision  # noqa: PLW0603 - one decision per worker process, set by the driver
     with _lock:
         _decision = decision
     if decision is not None:
@@ -68,7 +68,11 @@ def resume_decision(root: str | StorageLocation | None = None) -> ResumeDecision
     if decision is None or root is None:
         return decision
     if decision.root_key != root_key(root):
-        logger.warning("the driver chose a resume step for %s, not for %s; pass the same "
-                       "storage_path to Recovery and Checkpointer", decision.root_key, root_key(root))
+        logger.warning(
+            "the driver chose a resume step for %s, not for %s; pass the same "
+            "storage_path to Recovery and Checkpointer",
+            decision.root_key,
+            root_key(root),
+        )
         return None
     return decision

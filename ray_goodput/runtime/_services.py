@@ -32,9 +32,15 @@ def current_node_id() -> str:
     return ray.get_runtime_context().get_node_id()
 
 
-def get_or_create(actor_cls: Any, kind: str, *args: Any, node_id: str | None = None,
-                  max_concurrency: int = 16, runtime_env: dict[str, Any] | None = None,
-                  **kwargs: Any) -> Any:
+def get_or_create(
+    actor_cls: Any,
+    kind: str,
+    *args: Any,
+    node_id: str | None = None,
+    max_concurrency: int = 16,
+    runtime_env: dict[str, Any] | None = None,
+    **kwargs: Any,
+) -> Any:
     """The ``kind`` actor of ``node_id`` (default: this node), created on first use.
 
     ``actor_cls`` is a ``@ray.remote`` class; ``args``/``kwargs`` go to its constructor

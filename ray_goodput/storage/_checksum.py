@@ -37,7 +37,7 @@ REMOTE_READ_BYTES = 128 << 20
 #: Bytes per block of a file's block checksums (recorded with each entry: a reader uses
 #: the size its manifest names). A reader that needs a few small records of a file (a
 #: peer's optimizer step counters) reads and checks one block for them; computing 72
-#: checksums per 72 MiB costs what 9 do (16.5 ms against 16.2 ms here). Was 8 MiB.
+#: checksums per 72 MiB costs about what 9 do (docs/design/save-path.md).
 BLOCK_BYTES = 1 << 20
 #: At most this many blocks per file: a larger file gets larger blocks (doubling), so a
 #: manifest lists at most ~12 KB of block checksums per file at any shard size.
@@ -80,7 +80,7 @@ def _extender(algorithm: str) -> Callable[[int, bytes], int]:
 
 
 #: A checksum of a larger buffer is computed in slices of this size, with the GIL let go
-#: between them: google-crc32c holds it through a whole call (~5 GB/s here, so 15 ms per
+#: between them: google-crc32c holds it through a whole call (milliseconds per
 #: 72 MiB during which a restore's main thread, planning while its own file is checked in
 #: the background, could not run).
 GIL_SLICE_BYTES = 4 << 20
@@ -97,7 +97,7 @@ def checksum(data: bytes | bytearray | memoryview | pa.Buffer, algorithm: str = 
     for offset in range(0, len(view), GIL_SLICE_BYTES):
         if offset:
             time.sleep(0)  # lets a waiting thread take the GIL now, not at the next 5 ms switch
-        crc = extend(crc, pa.py_buffer(view[offset:offset + GIL_SLICE_BYTES]))  # google-crc32c: no memoryview
+        crc = extend(crc, pa.py_buffer(view[offset : offset + GIL_SLICE_BYTES]))  # google-crc32c: no memoryview
     return crc
 
 
@@ -178,10 +178,16 @@ class _Blocks:
         return self.whole
 
 
-def copy_stream(src: BinaryIO, dst: _Writable | None = None, *,
-                check: Callable[[int], None] | None = None,
-                algorithm: str = DEFAULT_ALGORITHM, chunk_bytes: int = CHUNK_BYTES,
-                blocks: list[int] | None = None, block_bytes: int | None = None) -> tuple[int, int]:
+def copy_stream(
+    src: BinaryIO,
+    dst: _Writable | None = None,
+    *,
+    check: Callable[[int], None] | None = None,
+    algorithm: str = DEFAULT_ALGORITHM,
+    chunk_bytes: int = CHUNK_BYTES,
+    blocks: list[int] | None = None,
+    block_bytes: int | None = None,
+) -> tuple[int, int]:
     """Copy ``src`` to ``dst`` (or only read it, when ``dst`` is None) in ``chunk_bytes`` reads.
 
     Returns ``(bytes, checksum)``. ``check(bytes_so_far)`` runs after each chunk is read
@@ -205,8 +211,9 @@ def copy_stream(src: BinaryIO, dst: _Writable | None = None, *,
     return size, (crc if per_block is None else per_block.finish())
 
 
-def file_crc32(path: str | Path, algorithm: str = CRC32, *, blocks: list[int] | None = None,
-               block_bytes: int | None = None) -> tuple[int, int]:
+def file_crc32(
+    path: str | Path, algorithm: str = CRC32, *, blocks: list[int] | None = None, block_bytes: int | None = None
+) -> tuple[int, int]:
     """``(size, checksum)`` of a local file (the name predates CRC32C); ``blocks``: see
     :func:`copy_stream`."""
     with open(path, "rb") as f:

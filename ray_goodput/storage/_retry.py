@@ -18,8 +18,14 @@ T = TypeVar("T")
 # OSErrors that no retry fixes, by type or errno. pyarrow raises other storage errors
 # (timeouts, 5xx, throttling, resets, and also refusals it does not type) as plain
 # OSError: those are retried a bounded number of times, then raised as StorageError.
-_PERMANENT_TYPES = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError,
-                    FileExistsError, StorageError)
+_PERMANENT_TYPES = (
+    FileNotFoundError,
+    PermissionError,
+    IsADirectoryError,
+    NotADirectoryError,
+    FileExistsError,
+    StorageError,
+)
 _PERMANENT_ERRNOS = frozenset({errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EDQUOT})
 
 
@@ -56,7 +62,7 @@ class RetryPolicy:
         for attempt in range(1, self.attempts + 1):
             try:
                 return fn()
-            except Exception as exc:  # noqa: BLE001 - classified below
+            except Exception as exc:  # classified below
                 if not is_transient(exc) or attempt == self.attempts:
                     if isinstance(exc, StorageError):
                         raise
@@ -64,7 +70,6 @@ class RetryPolicy:
                         f"{what} failed after {attempt} attempt(s): {type(exc).__name__}: {exc}"
                     ) from exc
                 pause = self.delay(attempt)
-                logger.warning("%s failed (%s); retry %d/%d in %.2fs",
-                               what, exc, attempt, self.attempts - 1, pause)
+                logger.warning("%s failed (%s); retry %d/%d in %.2fs", what, exc, attempt, self.attempts - 1, pause)
                 time.sleep(pause)
         raise AssertionError("unreachable")

@@ -49,8 +49,10 @@ class FileEntry:
 
     def __post_init__(self) -> None:
         if self.blocks and (self.block_bytes < 1 or len(self.blocks) != -(-self.size // self.block_bytes)):
-            raise ValueError(f"{self.name}: {self.size} bytes in blocks of {self.block_bytes} need "
-                             f"{-(-self.size // max(1, self.block_bytes))} block checksums, got {len(self.blocks)}")
+            raise ValueError(
+                f"{self.name}: {self.size} bytes in blocks of {self.block_bytes} need "
+                f"{-(-self.size // max(1, self.block_bytes))} block checksums, got {len(self.blocks)}"
+            )
 
     def to_json(self) -> dict:
         out: dict = {"name": self.name, "size": self.size, "crc32": self.crc32}
@@ -63,21 +65,27 @@ class FileEntry:
 
     @staticmethod
     def from_json(d: dict, default_algorithm: str = CRC32) -> FileEntry:
-        return FileEntry(name=str(d["name"]), size=int(d["size"]), crc32=int(d["crc32"]),
-                         algorithm=str(d.get("checksum", default_algorithm)),
-                         block_bytes=int(d.get("block_bytes", 0)),
-                         blocks=tuple(int(b) for b in d.get("blocks", ())))
+        return FileEntry(
+            name=str(d["name"]),
+            size=int(d["size"]),
+            crc32=int(d["crc32"]),
+            algorithm=str(d.get("checksum", default_algorithm)),
+            block_bytes=int(d.get("block_bytes", 0)),
+            blocks=tuple(int(b) for b in d.get("blocks", ())),
+        )
 
 
-def _copy_up(local: Path, fs: pafs.FileSystem, dest: str, algorithm: str,
-             blocks: list[int], block_bytes: int) -> tuple[int, int]:
+def _copy_up(
+    local: Path, fs: pafs.FileSystem, dest: str, algorithm: str, blocks: list[int], block_bytes: int
+) -> tuple[int, int]:
     blocks.clear()  # a retried copy starts over
     with open(local, "rb") as src, fs.open_output_stream(dest) as out:
         return copy_stream(src, out, algorithm=algorithm, blocks=blocks, block_bytes=block_bytes)
 
 
-def _copy_aside(local: Path, fs: pafs.FileSystem, dest: str, algorithm: str,
-                blocks: list[int], block_bytes: int) -> tuple[int, int]:
+def _copy_aside(
+    local: Path, fs: pafs.FileSystem, dest: str, algorithm: str, blocks: list[int], block_bytes: int
+) -> tuple[int, int]:
     """:func:`_copy_up` on a file system: written aside, then renamed into place, so that
     a file already there (a retried or replayed upload) is replaced, never rewritten
     while a restore may have it mapped (``checkpoint/_mapped``)."""
@@ -107,8 +115,9 @@ def _linked(src: str | Path, link: str | Path) -> bool:
     return True
 
 
-def _link_up(local: Path, dest: str, algorithm: str, blocks: list[int], block_bytes: int,
-             known: Written | None) -> tuple[int, int] | None:
+def _link_up(
+    local: Path, dest: str, algorithm: str, blocks: list[int], block_bytes: int, known: Written | None
+) -> tuple[int, int] | None:
     """Hard-link ``local`` as ``dest`` (same file system): the bytes are not written a
     second time. None when the file systems differ or links are not supported there.
     ``known``: the file's checksums as it was written (else it is read back)."""
@@ -117,8 +126,11 @@ def _link_up(local: Path, dest: str, algorithm: str, blocks: list[int], block_by
         return None
     try:
         blocks.clear()
-        if known is not None and (known.algorithm, known.block_bytes) == (algorithm, block_bytes) \
-                and os.stat(tmp).st_size == known.size:
+        if (
+            known is not None
+            and (known.algorithm, known.block_bytes) == (algorithm, block_bytes)
+            and os.stat(tmp).st_size == known.size
+        ):
             size, crc = known.size, known.crc32
             blocks.extend(known.blocks)
         else:
@@ -129,9 +141,16 @@ def _link_up(local: Path, dest: str, algorithm: str, blocks: list[int], block_by
     return size, crc
 
 
-def upload_file(local: str | Path, loc: StorageLocation, name: str,
-                policy: RetryPolicy = DEFAULT_POLICY, *, algorithm: str = CRC32,
-                link: bool = False, known: Written | None = None) -> FileEntry:
+def upload_file(
+    local: str | Path,
+    loc: StorageLocation,
+    name: str,
+    policy: RetryPolicy = DEFAULT_POLICY,
+    *,
+    algorithm: str = CRC32,
+    link: bool = False,
+    known: Written | None = None,
+) -> FileEntry:
     """Upload ``local`` to ``<loc>/<name>``; retried; returns size and checksum (``algorithm``)
     of what was sent.
 
@@ -150,16 +169,27 @@ def upload_file(local: str | Path, loc: StorageLocation, name: str,
     def _send() -> tuple[int, int]:
         if not loc.is_local:
             return _copy_up(Path(local), loc.fs, dest, algorithm, blocks, block_bytes)
-        return _into_dir(loc, parent, lambda: (_link_up(Path(local), dest, algorithm, blocks, block_bytes, known)
-                                               if link else None)
-                         or _copy_aside(Path(local), loc.fs, dest, algorithm, blocks, block_bytes))
+        return _into_dir(
+            loc,
+            parent,
+            lambda: (
+                (_link_up(Path(local), dest, algorithm, blocks, block_bytes, known) if link else None)
+                or _copy_aside(Path(local), loc.fs, dest, algorithm, blocks, block_bytes)
+            ),
+        )
 
     size, crc = policy.call(f"upload of {local} to {loc.uri}/{name}", _send)
     if loc.is_local:
         fsync_file(dest)
         fsync_dir(parent)
-    return FileEntry(name=name, size=size, crc32=crc, algorithm=algorithm,
-                     block_bytes=block_bytes if blocks else 0, blocks=tuple(blocks))
+    return FileEntry(
+        name=name,
+        size=size,
+        crc32=crc,
+        algorithm=algorithm,
+        block_bytes=block_bytes if blocks else 0,
+        blocks=tuple(blocks),
+    )
 
 
 def _size(local: str | Path) -> int:
@@ -169,20 +199,26 @@ def _size(local: str | Path) -> int:
         return 0  # the upload reports it
 
 
-def upload_files(files: Sequence[tuple[str | Path, str]], loc: StorageLocation, *,
-                 concurrency: int = 8, policy: RetryPolicy = DEFAULT_POLICY,
-                 algorithm: str = CRC32, link: bool = False,
-                 known: Mapping[str, Written] | None = None) -> list[FileEntry]:
+def upload_files(
+    files: Sequence[tuple[str | Path, str]],
+    loc: StorageLocation,
+    *,
+    concurrency: int = 8,
+    policy: RetryPolicy = DEFAULT_POLICY,
+    algorithm: str = CRC32,
+    link: bool = False,
+    known: Mapping[str, Written] | None = None,
+) -> list[FileEntry]:
     """Upload ``(local_path, name)`` pairs with up to ``concurrency`` parallel streams
     (``link``, ``known`` by name: see :func:`upload_file`)."""
     if not files:
         return []
     known = known or {}
-    with ThreadPoolExecutor(max_workers=max(1, min(concurrency, len(files))),
-                            thread_name_prefix="rg-upload") as pool:
-        futures = [pool.submit(upload_file, path, loc, name, policy, algorithm=algorithm, link=link,
-                               known=known.get(name))
-                   for path, name in files]
+    with ThreadPoolExecutor(max_workers=max(1, min(concurrency, len(files))), thread_name_prefix="rg-upload") as pool:
+        futures = [
+            pool.submit(upload_file, path, loc, name, policy, algorithm=algorithm, link=link, known=known.get(name))
+            for path, name in files
+        ]
         return [f.result() for f in futures]
 
 
@@ -230,9 +266,11 @@ def link_local_file(src: str | Path, local: str | Path) -> bool:
     return True
 
 
-def object_crc32(loc: StorageLocation, name: str, policy: RetryPolicy = DEFAULT_POLICY,
-                 algorithm: str = CRC32) -> tuple[int, int]:
+def object_crc32(
+    loc: StorageLocation, name: str, policy: RetryPolicy = DEFAULT_POLICY, algorithm: str = CRC32
+) -> tuple[int, int]:
     """``(size, checksum)`` of ``<loc>/<name>``, read in full from storage; retried."""
+
     def _read() -> tuple[int, int]:
         with loc.fs.open_input_file(loc.join(name)) as inp:
             return copy_stream(inp, algorithm=algorithm)
@@ -240,32 +278,38 @@ def object_crc32(loc: StorageLocation, name: str, policy: RetryPolicy = DEFAULT_
     return policy.call(f"checksum of {loc.uri}/{name}", _read)
 
 
-def download_file(loc: StorageLocation, name: str, local: str | Path,
-                  policy: RetryPolicy = DEFAULT_POLICY, algorithm: str = CRC32) -> FileEntry:
+def download_file(
+    loc: StorageLocation, name: str, local: str | Path, policy: RetryPolicy = DEFAULT_POLICY, algorithm: str = CRC32
+) -> FileEntry:
     """Download ``<loc>/<name>`` to ``local`` atomically (temp name + rename); retried;
     checksummed with ``algorithm`` on the way."""
     local = Path(local)
     local.parent.mkdir(parents=True, exist_ok=True)
     chunk = CHUNK_BYTES if loc.is_local else REMOTE_READ_BYTES
-    size, crc = policy.call(f"download of {loc.uri}/{name}",
-                            lambda: _copy_down(loc.fs, loc.join(name), local, algorithm, chunk))
+    size, crc = policy.call(
+        f"download of {loc.uri}/{name}", lambda: _copy_down(loc.fs, loc.join(name), local, algorithm, chunk)
+    )
     return FileEntry(name=name, size=size, crc32=crc, algorithm=algorithm)
 
 
-def download_files(names: Iterable[str], loc: StorageLocation, local_dir: str | Path, *,
-                   concurrency: int = 8, policy: RetryPolicy = DEFAULT_POLICY) -> list[FileEntry]:
+def download_files(
+    names: Iterable[str],
+    loc: StorageLocation,
+    local_dir: str | Path,
+    *,
+    concurrency: int = 8,
+    policy: RetryPolicy = DEFAULT_POLICY,
+) -> list[FileEntry]:
     """Download ``names`` under ``loc`` into ``local_dir`` with parallel streams."""
     names = list(names)
     if not names:
         return []
-    with ThreadPoolExecutor(max_workers=max(1, min(concurrency, len(names))),
-                            thread_name_prefix="rg-download") as pool:
+    with ThreadPoolExecutor(max_workers=max(1, min(concurrency, len(names))), thread_name_prefix="rg-download") as pool:
         futures = [pool.submit(download_file, loc, n, Path(local_dir) / n, policy) for n in names]
         return [f.result() for f in futures]
 
 
-def write_bytes(loc: StorageLocation, name: str, data: bytes,
-                policy: RetryPolicy = DEFAULT_POLICY) -> None:
+def write_bytes(loc: StorageLocation, name: str, data: bytes, policy: RetryPolicy = DEFAULT_POLICY) -> None:
     """Write a small object in one request; retried. On a file system it is written
     aside, fsynced, renamed into place and its directory fsynced."""
     dest = loc.join(name)
@@ -320,6 +364,7 @@ def _into_dir(loc: StorageLocation, parent: str, write: Callable[[], T]) -> T:
 
 def read_bytes(loc: StorageLocation, name: str, policy: RetryPolicy = DEFAULT_POLICY) -> bytes:
     """Read a whole (small) object; FileNotFoundError when it does not exist."""
+
     def _read() -> bytes:
         with loc.fs.open_input_file(loc.join(name)) as inp:
             return inp.read()
@@ -332,11 +377,11 @@ def read_bytes(loc: StorageLocation, name: str, policy: RetryPolicy = DEFAULT_PO
         raise
 
 
-def list_dir(loc: StorageLocation, sub: str = "", *, recursive: bool = False,
-             policy: RetryPolicy = DEFAULT_POLICY) -> list[pafs.FileInfo]:
+def list_dir(
+    loc: StorageLocation, sub: str = "", *, recursive: bool = False, policy: RetryPolicy = DEFAULT_POLICY
+) -> list[pafs.FileInfo]:
     """Entries under ``<loc>/<sub>``; empty when the directory does not exist."""
-    selector = pafs.FileSelector(loc.join(sub) if sub else loc.root,
-                                 allow_not_found=True, recursive=recursive)
+    selector = pafs.FileSelector(loc.join(sub) if sub else loc.root, allow_not_found=True, recursive=recursive)
 
     def _list() -> list[pafs.FileInfo]:
         # pyarrow's local listing looks for a directory only after listing it failed: one
@@ -354,8 +399,11 @@ def list_dir(loc: StorageLocation, sub: str = "", *, recursive: bool = False,
 
 def file_sizes(loc: StorageLocation, policy: RetryPolicy = DEFAULT_POLICY) -> dict[str, int]:
     """Every file under ``loc`` (recursively): its name relative to ``loc`` -> bytes."""
-    return {info.path[len(loc.root) + 1:]: info.size or 0
-            for info in list_dir(loc, recursive=True, policy=policy) if info.type == pafs.FileType.File}
+    return {
+        info.path[len(loc.root) + 1 :]: info.size or 0
+        for info in list_dir(loc, recursive=True, policy=policy)
+        if info.type == pafs.FileType.File
+    }
 
 
 def delete_dir(loc: StorageLocation, sub: str, policy: RetryPolicy = DEFAULT_POLICY) -> None:

@@ -80,8 +80,7 @@ def _with_client_retries(fs: pafs.FileSystem) -> pafs.FileSystem:
     if len(args) != 1 or not isinstance(args[0], dict):  # a pyarrow that pickles differently
         logger.warning("cannot bound the S3 client's retries on this pyarrow (%s)", pafs.__name__)
         return fs
-    return pafs.S3FileSystem(**args[0], retry_strategy=pafs.AwsDefaultS3RetryStrategy(
-        max_attempts=S3_CLIENT_RETRIES))
+    return pafs.S3FileSystem(**args[0], retry_strategy=pafs.AwsDefaultS3RetryStrategy(max_attempts=S3_CLIENT_RETRIES))
 
 
 def _location(uri: str, fs: pafs.FileSystem, root: str) -> StorageLocation:
@@ -138,7 +137,8 @@ class StorageLocation:
             # one already says it.
             raise ConnectionError(
                 f"nothing accepts connections at {endpoint[0]}:{endpoint[1]} "
-                f"({type(exc).__name__}: {exc}; waited up to {timeout_s:.0f} s)") from None
+                f"({type(exc).__name__}: {exc}; waited up to {timeout_s:.0f} s)"
+            ) from None
 
     def probe(self, policy: RetryPolicy | None = None) -> None:
         """Write, read back and delete a small object under the root, each retried by
@@ -157,10 +157,11 @@ class StorageLocation:
             retry.call("probe write", lambda: self._write(path, payload))
             back = retry.call("probe read", lambda: self._read(path))
             retry.call("probe delete", lambda: self.fs.delete_file(path))
-        except Exception as exc:  # noqa: BLE001 - any failure here means unusable storage
+        except Exception as exc:  # any failure here means unusable storage
             raise StorageUnusableError(
                 f"storage {self.uri!r} is not usable: a probe write/read failed with "
-                f"{type(exc.__cause__ or exc).__name__}: {exc.__cause__ or exc}. Check the URI, that the bucket or directory "
+                f"{type(exc.__cause__ or exc).__name__}: {exc.__cause__ or exc}. Check the URI, "
+                "that the bucket or directory "
                 "exists and is writable, the credentials (e.g. AWS_ACCESS_KEY_ID) and, for a "
                 f"custom S3 endpoint, '?endpoint_override=host:port&scheme=http' or "
                 f"{_env.S3_ENDPOINT_VAR}."
@@ -188,7 +189,7 @@ def resolve(uri: str | StorageLocation) -> StorageLocation:
         return StorageLocation(uri=root, fs=fs, root=root)
     try:
         fs, root = pafs.FileSystem.from_uri(_with_delayed_open(_with_default_endpoint(uri)))
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         raise ConfigError(
             f"cannot resolve storage URI {uri!r}: {exc}. Use a local path, file://, s3://bucket/"
             "prefix (with ?endpoint_override=host:port&scheme=http for a custom endpoint), "

@@ -129,5 +129,10 @@ class ChecksummedWrite:
         """The file's size and checksums, once closed; None when unknown."""
         if self._blocks is None or self._whole is None:
             return None
-        return Written(size=self._pos, crc32=self._whole, algorithm=self._algorithm,
-                       block_bytes=self._block_bytes, blocks=tuple(self._out))
+        return Written(
+            size=self._pos,
+            crc32=self._whole,
+            algorithm=self._algorithm,
+            block_bytes=self._block_bytes,
+            blocks=tuple(self._out),
+        )

@@ -37,8 +37,7 @@ class FlakyProxy:
 
     HOLD_S = 120.0
 
-    def __init__(self, upstream: str, failure_rate: float = 0.0, *, seed: int = 0,
-                 latency_s: float = 0.0) -> None:
+    def __init__(self, upstream: str, failure_rate: float = 0.0, *, seed: int = 0, latency_s: float = 0.0) -> None:
         self.upstream = upstream
         self.failure_rate = failure_rate
         self.latency_s = latency_s
@@ -169,8 +168,12 @@ def _make_handler(proxy: FlakyProxy) -> type[BaseHTTPRequestHandler]:
                 self.close_connection = True
                 return
             code = b"SlowDown" if failure == "503" else b"InternalError"
-            msg = b"" if self.command == "HEAD" else (  # a HEAD answer has no body
-                b"<Error><Code>" + code + b"</Code><Message>injected</Message></Error>")
+            msg = (
+                b""
+                if self.command == "HEAD"
+                # a HEAD answer has no body
+                else (b"<Error><Code>" + code + b"</Code><Message>injected</Message></Error>")
+            )
             self.send_response(int(failure))
             self.send_header("Content-Length", str(len(msg)))
             self.end_headers()
@@ -179,17 +182,16 @@ def _make_handler(proxy: FlakyProxy) -> type[BaseHTTPRequestHandler]:
         def _relay(self) -> None:
             body = self._body()
             path = self.path.split("?")[0]
-            failure = proxy._decide(self.command, path)
+            failure = proxy._decide(self.command, path)  # noqa: SLF001 - the proxy's own handler class
             if failure:
                 self._fail(failure)
                 return
             began = time.monotonic()
-            if self.command != "GET" and proxy._stalls(self.command, path):
-                proxy._hold(self.command, path)
-            headers = {k: v for k, v in self.headers.items()
-                       if k.lower() not in _HOP and k.lower() != "content-length"}
+            if self.command != "GET" and proxy._stalls(self.command, path):  # noqa: SLF001 - the proxy's own handler class
+                proxy._hold(self.command, path)  # noqa: SLF001 - the proxy's own handler class
+            headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP and k.lower() != "content-length"}
             headers["Content-Length"] = str(len(body))
-            status, resp_headers, data = proxy._forward(self.command, self.path, headers, body)
+            status, resp_headers, data = proxy._forward(self.command, self.path, headers, body)  # noqa: SLF001 - the proxy's own handler class
             self.send_response(status)
             for k, v in resp_headers:
                 if k.lower() not in _HOP and k.lower() != "content-length":
@@ -208,11 +210,11 @@ def _make_handler(proxy: FlakyProxy) -> type[BaseHTTPRequestHandler]:
                 proxy.spans.setdefault(path, []).append((began, time.monotonic()))
 
         def _send(self, path: str, data: bytes) -> None:
-            if self.command == "GET" and proxy._stalls(self.command, path):
+            if self.command == "GET" and proxy._stalls(self.command, path):  # noqa: SLF001 - the proxy's own handler class
                 self.wfile.write(data[: len(data) // 4])
                 self.wfile.flush()
-                proxy._hold(self.command, path)
-                data = data[len(data) // 4:]
+                proxy._hold(self.command, path)  # noqa: SLF001 - the proxy's own handler class
+                data = data[len(data) // 4 :]
             self.wfile.write(data)
 
         do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _relay

@@ -60,8 +60,9 @@ class RayCluster:
 
     def __init__(self, shape: ClusterShape) -> None:
         self.shape = shape
-        self.cluster = Cluster(initialize_head=True, head_node_args={
-            "num_cpus": shape.head_cpus, "_system_config": _FAST_NODE_DEATH})
+        self.cluster = Cluster(
+            initialize_head=True, head_node_args={"num_cpus": shape.head_cpus, "_system_config": _FAST_NODE_DEATH}
+        )
         self._workers: dict[str, Any] = {}
         self.top_up()
 
@@ -80,15 +81,17 @@ class RayCluster:
         test that lets the world go on right away could still see them act)."""
         pids = _worker_pids(node_id)
         self.cluster.remove_node(self._workers.pop(node_id), allow_graceful=False)
-        wait_for(lambda: not any(_running(pid) for pid in pids), timeout_s=timeout_s,
-                 what=f"the worker processes {sorted(pids)} of removed node {node_id} to exit")
+        wait_for(
+            lambda: not any(_running(pid) for pid in pids),
+            timeout_s=timeout_s,
+            what=f"the worker processes {sorted(pids)} of removed node {node_id} to exit",
+        )
 
     def top_up(self) -> None:
         """Add fresh worker nodes until there are ``shape.workers`` (main thread only:
         ``Cluster.add_node`` requires it)."""
         while len(self._workers) < self.shape.workers:
-            node = self.cluster.add_node(num_cpus=self.shape.worker_cpus,
-                                         resources=dict(self.shape.worker_resources))
+            node = self.cluster.add_node(num_cpus=self.shape.worker_cpus, resources=dict(self.shape.worker_resources))
             self._workers[node.node_id] = node
         self.cluster.wait_for_nodes()
 
@@ -112,8 +115,7 @@ def _running(pid: int) -> bool:
 class SharedRay:
     """The Ray instance of this process: ``use(kind)`` starts it or switches to it."""
 
-    def __init__(self, *, runtime_env: dict, local_cpus: int = 4,
-                 shape: ClusterShape | None = None) -> None:
+    def __init__(self, *, runtime_env: dict, local_cpus: int = 4, shape: ClusterShape | None = None) -> None:
         self.runtime_env = runtime_env
         self.local_cpus = local_cpus
         self.shape = shape or ClusterShape()

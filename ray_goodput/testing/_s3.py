@@ -23,8 +23,11 @@ def start_moto_server(timeout_s: float = 30.0) -> tuple[subprocess.Popen, str]:
     started again on another port."""
     for _ in range(_ATTEMPTS):
         port = free_port()
-        proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         if _wait_until_serving(proc, port, timeout_s):
             return proc, f"127.0.0.1:{port}"
         proc.kill()

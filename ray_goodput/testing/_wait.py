@@ -11,8 +11,7 @@ from typing import TypeVar
 T = TypeVar("T")
 
 
-def wait_for(condition: Callable[[], T], *, timeout_s: float, what: str,
-             interval_s: float = 0.05) -> T:
+def wait_for(condition: Callable[[], T], *, timeout_s: float, what: str, interval_s: float = 0.05) -> T:
     """Call ``condition`` until it returns something truthy, and return that.
 
     Raises ``TimeoutError`` naming ``what`` after ``timeout_s``: a test waiting on an

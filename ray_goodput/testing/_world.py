@@ -16,13 +16,12 @@ import torch.multiprocessing as mp
 
 _HOST = "127.0.0.1"
 
-# Ranks fork from a server that imported these once (about 3 s per process on 2 cores
-# when each rank imports them itself, as spawn does). Only third-party modules that read
+# Ranks fork from a server that imported these once (seconds per process when each
+# rank imports them itself, as spawn does). Only third-party modules that read
 # no environment at import: the library, Ray and the function's own module are imported
 # by each rank, after it took on the caller's environment. ``torch._dynamo`` is what the
-# first optimizer imports (~1 s); it reads only its own ``TORCH*`` settings at import.
-_PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "torch.distributed.checkpoint",
-            "pyarrow", "pyarrow.fs"]
+# first optimizer imports (slow); it reads only its own ``TORCH*`` settings at import.
+_PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "torch.distributed.checkpoint", "pyarrow", "pyarrow.fs"]
 
 
 #: The store's and the process group's timeout is at least this: a short ``timeout_s`` bounds
@@ -31,19 +30,21 @@ _PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "torch.distributed.ch
 _MIN_GROUP_TIMEOUT_S = 60.0
 
 
-def _entry(rank: int, payload: bytes, world_size: int, port: int, results: Any,
-           environ: dict[str, str], timeout_s: float) -> None:
+def _entry(
+    rank: int, payload: bytes, world_size: int, port: int, results: Any, environ: dict[str, str], timeout_s: float
+) -> None:
     # A forked rank inherits the server's environment from when it started: use the
     # caller's as of this call, as a spawned process would. The function and its arguments
     # arrive pickled and are unpickled only now: unpickling imports their modules, and a
     # module may read the environment at import (``import ray`` reads RAY_AUTH_MODE).
     os.environ.clear()
     os.environ.update(environ)
-    os.environ.update(MASTER_ADDR=_HOST, MASTER_PORT=str(port),
-                      RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR=_HOST, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank)
+    )
     timeout = timedelta(seconds=max(timeout_s, _MIN_GROUP_TIMEOUT_S))
     try:
-        fn, args = pickle.loads(payload)
+        fn, args = pickle.loads(payload)  # noqa: S301 - the parent test process pickled it
         store = dist.TCPStore(_HOST, port, is_master=False, timeout=timeout)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
     except BaseException:  # noqa: BLE001 - shipped back to the parent
@@ -63,8 +64,9 @@ def _state(rank: int, proc: Any, results: Any) -> str:
     return f"rank {rank}: {status}" + ("" if proc.is_alive() else f", exit code {proc.exitcode}")
 
 
-def run_world(fn: Callable[..., Any], world_size: int, *args: Any,
-              timeout_s: float = 300.0, allow_deaths: bool = False) -> list[Any]:
+def run_world(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 300.0, allow_deaths: bool = False
+) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` processes over gloo.
 
     ``fn`` must be importable (module level). Returns each rank's return value; raises
@@ -78,8 +80,13 @@ def run_world(fn: Callable[..., Any], world_size: int, *args: Any,
     # The rendezvous store lives here, on a port the OS bound for it: no port is picked
     # first and bound later by rank 0 (another process can take it in between, and then
     # rank 0 fails while its peers retry connecting for the whole store timeout).
-    store = dist.TCPStore(_HOST, 0, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=max(timeout_s, _MIN_GROUP_TIMEOUT_S)))
+    store = dist.TCPStore(
+        _HOST,
+        0,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=timedelta(seconds=max(timeout_s, _MIN_GROUP_TIMEOUT_S)),
+    )
     try:
         return _run(fn, world_size, args, store.port, timeout_s, allow_deaths)
     finally:
@@ -89,16 +96,22 @@ def run_world(fn: Callable[..., Any], world_size: int, *args: Any,
         del store
 
 
-def _run(fn: Callable[..., Any], world_size: int, args: tuple, port: int, timeout_s: float,
-         allow_deaths: bool) -> list[Any]:
+def _run(
+    fn: Callable[..., Any], world_size: int, args: tuple, port: int, timeout_s: float, allow_deaths: bool
+) -> list[Any]:
     multiprocessing.set_forkserver_preload(_PRELOAD)  # read when the server first starts
     # The results dict's server forks from the fork server too, not from this process
     # (which may hold objects that cannot survive a fork, as a store above).
     with mp.get_context("forkserver").Manager() as manager:
         results = manager.dict()
         payload = pickle.dumps((fn, args))
-        ctx = mp.start_processes(_entry, args=(payload, world_size, port, results, dict(os.environ), timeout_s),
-                                 nprocs=world_size, join=False, start_method="forkserver")
+        ctx = mp.start_processes(
+            _entry,
+            args=(payload, world_size, port, results, dict(os.environ), timeout_s),
+            nprocs=world_size,
+            join=False,
+            start_method="forkserver",
+        )
         procs = ctx.processes
         try:
             _watch(procs, results, timeout_s, allow_deaths)
@@ -127,8 +140,7 @@ def _watch(procs: list[Any], results: Any, timeout_s: float, allow_deaths: bool)
 
 def _raise_failures(procs: list[Any], results: Any, allow_deaths: bool) -> None:
     """RuntimeError with every exited rank that ends the run, and why."""
-    failed = [_failure(rank, proc, results, allow_deaths) for rank, proc in enumerate(procs)
-              if not proc.is_alive()]
+    failed = [_failure(rank, proc, results, allow_deaths) for rank, proc in enumerate(procs) if not proc.is_alive()]
     failed = [f for f in failed if f]
     if failed:
         raise RuntimeError("\n".join(failed))

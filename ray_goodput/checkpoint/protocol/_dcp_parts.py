@@ -1,0 +1,243 @@
+"""Per-rank DCP parts written without collectives, merged into one DCP ``.metadata``.
+
+Each rank's leaves are written by DCP in single-process mode (so it can run in the node
+uploader, after the worker has moved on or died). Its metadata is then rewritten as if
+the collective planner had produced it: the data file gets the rank's name
+(``__<rank>_0.distcp``) and DTensor chunks get their global size and offsets. The
+committer merges the ranks' parts into the ``.metadata`` that any DCP reader, at any
+world size, loads (resharding included).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import io
+import os
+import pickle
+import shutil
+import threading
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorStorageMetadata,
+)
+
+from ray_goodput.checkpoint.protocol._shard_plan import SHARD, Leaf
+from ray_goodput.storage import DEFAULT_ALGORITHM, ChecksummedWrite, Written, upload_block_bytes
+
+try:  # torch >= 2.6
+    from torch.utils.serialization import config as _serialization_config
+except ImportError:  # pragma: no cover - older torch: records keep their CRC32
+    _serialization_config = None
+
+
+#: Tensors smaller than this are written first in a rank's data file (after DCP's byte
+#: records, which it writes first). The small leaves one rank writes for all (optimizer
+#: step counters, say) then share the file's first checksum block, and a peer that needs
+#: them checks that one block instead of one block per counter.
+SMALL_FIRST_BYTES = 1 << 20
+
+
+def _small_first(flat: dict[str, Any]) -> dict[str, Any]:
+    """``flat`` with its small tensors first, each group in its own order."""
+
+    def small(value: Any) -> bool:
+        return not isinstance(value, torch.Tensor) or value.numel() * value.element_size() < SMALL_FIRST_BYTES
+
+    return {**{k: v for k, v in flat.items() if small(v)}, **{k: v for k, v in flat.items() if not small(v)}}
+
+
+def data_file(rank: int, save_id: str) -> str:
+    return f"__{rank}_{save_id}.distcp"
+
+
+def part_file(rank: int, save_id: str) -> str:
+    return f"parts/metadata-rank-{rank:05d}-{save_id}.pkl"
+
+
+def _globalize(meta: Metadata, rank: int, save_id: str, leaves: dict[str, Leaf], mappings: dict) -> Metadata:
+    sdm = dict(meta.state_dict_metadata)
+    storage: dict[MetadataIndex, Any] = {}
+    for index, info in meta.storage_data.items():
+        leaf = leaves.get(index.fqn)
+        if leaf is not None and leaf.kind == SHARD:
+            index = MetadataIndex(index.fqn, torch.Size(leaf.global_offset))
+        storage[index] = dataclasses.replace(info, relative_path=data_file(rank, save_id))
+    for fqn, md in sdm.items():
+        leaf = leaves.get(fqn)
+        if isinstance(md, TensorStorageMetadata) and leaf is not None and leaf.kind == SHARD:
+            chunk = ChunkStorageMetadata(offsets=torch.Size(leaf.global_offset), sizes=md.size)
+            sdm[fqn] = TensorStorageMetadata(md.properties, torch.Size(leaf.global_size), [chunk])
+    return Metadata(
+        state_dict_metadata=sdm, planner_data=mappings, storage_data=storage, storage_meta=None, version=meta.version
+    )
+
+
+_crc_lock = threading.Lock()
+_crc_writers = 0
+_crc_before = True
+
+
+@contextmanager
+def _without_zip_crc32() -> Iterator[None]:
+    """While inside, ``torch.save`` writes its zip records without a CRC32.
+
+    DCP writes each tensor with ``torch.save``, whose CRC32 is slow: most of a
+    shard's write time. Every file of a checkpoint is covered by the manifest's CRC32C,
+    so it adds nothing here. The setting is process-wide (an uploader thread in a worker
+    shares it with the user's code): counted across concurrent writers, and the last one
+    out puts back what was there before the first came in.
+    """
+    global _crc_writers, _crc_before  # noqa: PLW0603 - one setting per process
+    save_config = getattr(_serialization_config, "save", None)
+    if save_config is None or not hasattr(save_config, "compute_crc32"):
+        yield  # a torch without the setting: records keep their CRC32
+        return
+    with _crc_lock:
+        if _crc_writers == 0:
+            _crc_before = save_config.compute_crc32
+            save_config.compute_crc32 = False
+        _crc_writers += 1
+    try:
+        yield
+    finally:
+        with _crc_lock:
+            _crc_writers -= 1
+            if _crc_writers == 0:
+                save_config.compute_crc32 = _crc_before
+
+
+def writing_path(out_dir: Path, rank: int, save_id: str) -> Path:
+    """Where :func:`write_part` has DCP write this rank's data file (front to back, once)
+    before renaming it into ``out_dir``: named after the save, so that nothing a killed
+    writer of another save left behind is ever taken for it."""
+    return out_dir / f".part-{rank}-{save_id}-{os.getpid()}" / "__0_0.distcp"  # DCP's own name
+
+
+class _SummingFs(FileSystem):
+    """DCP's local file system, with the data file checksummed while DCP writes it (and,
+    with ``writeback``, its write-back to disk started as it goes): see ``storage._written``."""
+
+    def __init__(self, data_path: Path, writeback: bool, size_hint: int) -> None:
+        super().__init__()
+        self._data_path, self._writeback = data_path, writeback
+        self._block_bytes = upload_block_bytes(size_hint + (size_hint >> 6))  # + DCP's records
+        self.written: Written | None = None
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
+        if mode != "wb" or Path(path) != self._data_path:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        with ChecksummedWrite(
+            open(path, "wb"), DEFAULT_ALGORITHM, self._block_bytes, writeback=self._writeback
+        ) as stream:
+            yield stream
+        self.written = stream.result()
+
+
+def write_part(
+    flat: dict[str, Any],
+    leaves: dict[str, Leaf],
+    mappings: dict[str, Any],
+    rank: int,
+    save_id: str,
+    out_dir: Path,
+    *,
+    written: dict[str, Written] | None = None,
+    writeback: bool = False,
+) -> list[str]:
+    """DCP-write ``flat`` (this rank's leaves) into ``out_dir``; returns the file names.
+
+    ``mappings`` is DCP's flatten mapping of the rank's whole state dict. ``written``
+    receives the data file's size and checksums, computed as it was written (none when
+    DCP wrote it out of order); ``writeback`` starts its write to disk as it goes (for a
+    file that storage takes as a hard link, and then fsyncs).
+    """
+    tmp = writing_path(out_dir, rank, save_id).parent
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        writer = FileSystemWriter(tmp, single_file_per_rank=True, sync_files=False, thread_count=1)
+        fs = None
+        if written is not None or writeback:
+            tensor_bytes = sum(v.numel() * v.element_size() for v in flat.values() if isinstance(v, torch.Tensor))
+            writer.fs = fs = _SummingFs(writing_path(out_dir, rank, save_id), writeback, tensor_bytes)
+        with _without_zip_crc32():
+            dcp.save(
+                _small_first(flat),
+                storage_writer=writer,
+                no_dist=True,
+                planner=DefaultSavePlanner(flatten_state_dict=False),
+            )
+        with open(tmp / ".metadata", "rb") as f:
+            meta = pickle.load(f)  # noqa: S301 - written just now by DCP
+        os.replace(writing_path(out_dir, rank, save_id), out_dir / data_file(rank, save_id))
+        if written is not None and fs is not None and fs.written is not None:
+            written[data_file(rank, save_id)] = fs.written
+        (out_dir / "parts").mkdir(exist_ok=True)
+        with open(out_dir / part_file(rank, save_id), "wb") as f:
+            pickle.dump(_globalize(meta, rank, save_id, leaves, mappings), f)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # a failed write must not keep eating the disk
+    return [data_file(rank, save_id), part_file(rank, save_id)]
+
+
+def merge_parts(parts: list[bytes], step: int) -> tuple[bytes, str]:
+    """The global DCP ``.metadata`` (pickled) of the ranks' parts, in rank order, and the
+    digest of its entries' names (:func:`keys_digest`).
+
+    Deterministic: racing committers write identical bytes.
+    """
+    sdm: dict[str, Any] = {}
+    storage: dict[MetadataIndex, Any] = {}
+    mappings: dict[str, Any] = {}
+    version = None
+    for raw in parts:
+        meta: Metadata = pickle.loads(raw)  # noqa: S301 - parts of our own checkpoint
+        version = version or meta.version
+        for fqn, path in (meta.planner_data or {}).items():
+            mappings.setdefault(fqn, path)
+        for fqn, md in meta.state_dict_metadata.items():
+            have = sdm.get(fqn)
+            if have is None:
+                sdm[fqn] = (
+                    md
+                    if isinstance(md, BytesStorageMetadata)
+                    else TensorStorageMetadata(md.properties, md.size, list(md.chunks))
+                )
+            elif isinstance(have, TensorStorageMetadata):
+                known = {tuple(c.offsets) for c in have.chunks}
+                have.chunks.extend(c for c in md.chunks if tuple(c.offsets) not in known)
+        for index, info in meta.storage_data.items():
+            storage.setdefault(index, info)
+    merged = Metadata(
+        state_dict_metadata=sdm,
+        planner_data=mappings,
+        storage_data=storage,
+        storage_meta=StorageMeta(checkpoint_id=None, save_id=f"step-{step}"),
+        version=version,
+    )
+    out = io.BytesIO()
+    pickle.dump(merged, out)
+    return out.getvalue(), keys_digest(sdm)
+
+
+def keys_digest(keys: Iterable[str]) -> str:
+    """A digest of a checkpoint's entry names (DCP's flattened state-dict keys): the
+    manifest carries it, so a restore knows before reading ``.metadata`` whether it loads
+    every entry (and so reads its own data file whole)."""
+    return hashlib.sha256("\n".join(sorted(keys)).encode()).hexdigest()[:32]

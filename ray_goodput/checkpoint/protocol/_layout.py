@@ -1,0 +1,72 @@
+"""Names of things in the storage layout (a contract: tools and tests rely on it).
+
+```
+<root>/checkpoints/step-<step:09d>/   DCP files + .metadata + extras, COMMITTED written last
+<root>/checkpoints/step-<step:09d>/.ranks/rank-<r:05d>-<save id>.json   "rank r is durable"
+<root>/checkpoints/step-<step:09d>/.ranks/commit-<r:05d>-<save id>     "rank r's job stands to commit"
+<root>/checkpoints/step-<step:09d>/QUARANTINED   the committed save found damaged (JSON)
+<root>/checkpoints/GENERATION                     the highest generation claimed (JSON)
+<root>/checkpoints/RESUME                         the step the live attempt resumes from (JSON)
+```
+
+A save id is ``g<generation:06d>-<token>``. The generation orders saves by lineage: every
+attempt of a run claims a higher one than any before it, so "newest" means the highest
+``(generation, step)`` and a step saved again after a restart outranks the dead attempt's.
+"""
+
+from __future__ import annotations
+
+import re
+
+CHECKPOINTS_DIR = "checkpoints"
+COMMITTED = "COMMITTED"
+DCP_METADATA = ".metadata"
+RANKS_DIR = ".ranks"
+QUARANTINED = "QUARANTINED"
+GENERATION = "GENERATION"
+RESUME = "RESUME"
+_STEP_RE = re.compile(r"^step-(\d{9,})$")
+_SAVE_ID_RE = re.compile(r"g(\d{6,})-[0-9a-f]{8,}")
+
+
+def step_dir(step: int) -> str:
+    """Directory name of ``step`` under ``<root>/checkpoints``."""
+    return f"step-{step:09d}"
+
+
+def parse_step(name: str) -> int | None:
+    """The step of a checkpoint directory name, or None when it is not one."""
+    match = _STEP_RE.match(name.rstrip("/").rsplit("/", 1)[-1])
+    return int(match.group(1)) if match else None
+
+
+# Every file of a save carries the save's save_id (shared by its ranks): a step saved again
+# after a restart never overwrites, nor mixes with, the files of an earlier save of it.
+
+
+def rank_marker(rank: int, save_id: str) -> str:
+    """Path of rank ``rank``'s durability marker inside a step directory."""
+    return f"{RANKS_DIR}/rank-{rank:05d}-{save_id}.json"
+
+
+def commit_intent(rank: int, save_id: str) -> str:
+    """Path of the (empty) file by which rank ``rank``'s job, having listed every marker
+    of save ``save_id``, stands to commit it; the lowest rank among them commits."""
+    return f"{RANKS_DIR}/commit-{rank:05d}-{save_id}"
+
+
+def extras_file(rank: int, save_id: str) -> str:
+    """Per-rank file of RNG states (they differ per rank, so they are not in DCP)."""
+    return f"extras/rank-{rank:05d}-{save_id}.pkl"
+
+
+def save_id(generation: int, token: str) -> str:
+    """The id of one save (shared by its ranks); every file of the save carries it."""
+    return f"g{generation:06d}-{token}"
+
+
+def generation_of(name: str) -> int | None:
+    """The generation in a file name that carries a save id, or None (no id, or a save
+    made before generations existed)."""
+    match = _SAVE_ID_RE.search(name.rsplit("/", 1)[-1])
+    return int(match.group(1)) if match else None

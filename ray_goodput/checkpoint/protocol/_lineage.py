@@ -1,0 +1,158 @@
+"""Lineage: the order of saves across the attempts of a run (generations), and the resume pin.
+
+Every attempt claims, before its first save, a generation higher than any claimed
+before (``<root>/checkpoints/GENERATION``) and than the driver's attempt number when a
+Recovery decided one. Ray Train starts an attempt only after the previous one's workers
+are gone, and the claim is written before any save of the attempt, so a dead attempt's
+saves (even ones its uploader commits late) always rank below the live attempt's.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import uuid
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+
+from ray_goodput.checkpoint.protocol import _catalog, _layout
+from ray_goodput.checkpoint.protocol._catalog import StepDir, checkpoints_location, list_checkpoints
+from ray_goodput.errors import StorageError
+from ray_goodput.runtime._resume import resume_decision
+from ray_goodput.storage import RetryPolicy, StorageLocation, read_bytes, write_bytes
+
+logger = logging.getLogger(__name__)
+
+#: Bound on waiting for an early claim (its storage requests have their own bounds).
+CLAIM_TIMEOUT_S = 600.0
+_POLICY = RetryPolicy()
+_ONE_TRY = RetryPolicy(attempts=1)
+
+
+def next_generation(
+    root: StorageLocation, attempt: int | None, policy: RetryPolicy = _POLICY, *, claimed: int | None = None
+) -> int:
+    """The generation the next claim gets: above every one claimed under ``root`` (a root
+    reused across runs keeps counting; ``claimed``: that highest one, read already), and at
+    least the driver's ``attempt``."""
+    if claimed is None:
+        claimed = claimed_generation(root, policy)
+    return max(claimed + 1, attempt or 0)
+
+
+def claim(
+    root: StorageLocation, attempt: int | None, policy: RetryPolicy = _POLICY, *, claimed: int | None = None
+) -> int:
+    """Claim and return this attempt's generation (rank 0 only)."""
+    generation = next_generation(root, attempt, policy, claimed=claimed)
+    write_bytes(
+        _catalog.checkpoints_location(root), _layout.GENERATION, json.dumps({"generation": generation}).encode(), policy
+    )
+    return generation
+
+
+def claim_attempt(
+    root: StorageLocation, policy: RetryPolicy = _POLICY, *, claimed: int | None = None
+) -> tuple[int, str]:
+    """Rank 0: claim the generation of this attempt (the driver's Recovery decision, when
+    there is one, names the attempt) and draw the token that, with the step, names every
+    save of it."""
+    decision = resume_decision(root)
+    generation = claim(root, decision.attempt if decision is not None else None, policy, claimed=claimed)
+    return generation, uuid.uuid4().hex[:8]
+
+
+class EarlyClaim:
+    """Rank 0's :func:`claim_attempt`, started when the Checkpointer is made: its storage
+    requests overlap the storage probe and the model's set-up instead of blocking the
+    first save or restore, which then only waits for the result (and broadcasts it).
+
+    The read of the highest claimed generation goes out at once, beside the probe (one
+    try: a failed one is made again, with retries, after the probe); the write waits for
+    :meth:`probed`, and :meth:`abandon` (the probe failed) ends the claim without writing
+    to storage found unusable."""
+
+    def __init__(self, root: StorageLocation, policy: RetryPolicy) -> None:
+        self._root, self._policy = root, policy
+        self._future: Future[tuple[int, str]] = Future()
+        self._gate = threading.Event()
+        self._abandoned = False
+        threading.Thread(target=self._run, name="rg-generation-claim", daemon=True).start()
+
+    def probed(self) -> None:
+        """The storage probe passed: write the claim."""
+        self._gate.set()
+
+    def abandon(self) -> None:
+        """The Checkpointer was not made: claim nothing."""
+        self._abandoned = True
+        self._gate.set()
+
+    def _run(self) -> None:
+        try:
+            try:
+                claimed: int | None = claimed_generation(self._root, _ONE_TRY)
+            except Exception:  # noqa: BLE001 - read again after the probe, with retries
+                claimed = None
+            self._gate.wait(CLAIM_TIMEOUT_S)  # a probe still running then has not failed: claim
+            if self._abandoned:
+                raise StorageError(f"no generation claimed under {self._root.uri}: the Checkpointer was not made")
+            self._future.set_result(claim_attempt(self._root, self._policy, claimed=claimed))
+        except BaseException as exc:  # noqa: BLE001 - raised by result(), on the caller's thread
+            self._future.set_exception(exc)
+
+    def result(self) -> tuple[int, str]:
+        """``(generation, token)``, or what the claim raised."""
+        try:
+            return self._future.result(timeout=CLAIM_TIMEOUT_S)
+        except FutureTimeout:
+            raise StorageError(
+                f"claiming a checkpoint generation under {self._root.uri} did not finish in "
+                f"{CLAIM_TIMEOUT_S:.0f} s; check that the storage answers"
+            ) from None
+
+    def join(self, timeout_s: float) -> None:
+        """Wait (at most ``timeout_s``) for the claim to end, whatever its outcome: a
+        Checkpointer that never saved must not leave it writing after ``close``."""
+        try:
+            self._future.exception(timeout=timeout_s)
+        except FutureTimeout:
+            logger.warning(
+                "claiming a checkpoint generation under %s still runs after %.0f s", self._root.uri, timeout_s
+            )
+
+
+def claimed_generation(root: str | StorageLocation, policy: RetryPolicy = _POLICY) -> int:
+    """The highest generation claimed under ``root`` (0 when none)."""
+    try:
+        data = read_bytes(checkpoints_location(root), _layout.GENERATION, policy)
+        return int(json.loads(data)["generation"])
+    except FileNotFoundError:
+        return 0
+    except (ValueError, KeyError, TypeError):
+        # A damaged claim file: fall back to what the commits themselves say.
+        return max((i.generation or 0 for i in list_checkpoints(root)), default=0)
+
+
+def pin_resume(root: str | StorageLocation, *, attempt: int, step: int) -> None:
+    """Record that the attempt of generation ``attempt`` (or higher) resumes from ``step``:
+    retention never deletes that checkpoint while no such attempt has a commit, even when
+    a dead attempt's uploader commits newer ones late and prunes to ``keep_last``."""
+    write_bytes(checkpoints_location(root), _layout.RESUME, json.dumps({"attempt": attempt, "step": step}).encode())
+
+
+def live_pin(root: str | StorageLocation, found: list[StepDir]) -> int | None:
+    """The step the live attempt resumes from (see :func:`pin_resume`), while it matters:
+    once that attempt (or a later one) has an intact commit of its own, it is the newer
+    recovery point and the pin lapses."""
+    try:
+        pin = json.loads(read_bytes(checkpoints_location(root), _layout.RESUME))
+        attempt, step = int(pin["attempt"]), int(pin["step"])
+    except FileNotFoundError:
+        return None
+    except (ValueError, KeyError, TypeError):
+        logger.warning("unreadable %s under %s: no checkpoint is pinned", _layout.RESUME, root)
+        return None
+    lapsed = any(d.intact and d.manifest.generation >= attempt for d in found)
+    return None if lapsed else step

@@ -1,0 +1,103 @@
+"""Which rank writes which leaf of the flattened state dict: pure functions over plain data.
+
+DCP's collective planner de-duplicates replicated leaves (DDP parameters, optimizer
+``step`` counters, non-tensor values) so each is written once. We plan the same thing
+without collectives in the background: every rank describes its leaves, the
+descriptions are exchanged once (and again only when the structure changes), and the
+owner of each replicated leaf is a deterministic function of all descriptions.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import pickle
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+# Leaf kinds
+SHARD = "shard"  # a chunk of a DTensor: every rank writes its own chunk
+REPLICATED = "tensor"  # a full tensor present on several ranks: one owner writes it
+OBJECT = "object"  # a non-tensor value: one owner writes it
+
+
+@dataclass(frozen=True)
+class Leaf:
+    """What a rank holds under one FQN. Offsets/sizes in elements, per dimension."""
+
+    kind: str
+    nbytes: int
+    global_size: tuple[int, ...] = ()
+    global_offset: tuple[int, ...] = ()
+
+
+def describe(value: Any) -> Leaf:
+    """The :class:`Leaf` of one flattened state-dict value."""
+    if isinstance(value, DTensor):
+        local = value.to_local()
+        nbytes = local.numel() * local.element_size()
+        if all(isinstance(p, Replicate) for p in value.placements):
+            return Leaf(REPLICATED, nbytes, tuple(value.shape), (0,) * value.dim())
+        _, offset = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
+        return Leaf(SHARD, nbytes, tuple(value.shape), tuple(offset))
+    if isinstance(value, torch.Tensor):
+        return Leaf(REPLICATED, value.numel() * value.element_size(), tuple(value.shape), (0,) * value.dim())
+    return Leaf(OBJECT, 0)
+
+
+def signature(leaves: dict[str, Leaf]) -> int:
+    """A 63-bit digest of a rank's leaf structure; equal digests mean an equal plan."""
+    digest = hashlib.blake2b(pickle.dumps(sorted(leaves.items())), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def assign_owners(leaves_by_rank: list[dict[str, Leaf]]) -> dict[str, int]:
+    """Owner rank of every replicated tensor and object.
+
+    Tensors are spread greedily by bytes (largest first, ties by name), each to the
+    least-loaded rank among those that hold it; objects go to the lowest rank holding
+    them. Shards are absent: each rank writes its own.
+    """
+    holders: dict[str, list[int]] = {}
+    sizes: dict[str, int] = {}
+    for rank, leaves in enumerate(leaves_by_rank):
+        for fqn, leaf in leaves.items():
+            if leaf.kind != SHARD:
+                holders.setdefault(fqn, []).append(rank)
+                sizes[fqn] = leaf.nbytes
+    load = [0] * len(leaves_by_rank)
+    owners: dict[str, int] = {}
+    for fqn in sorted(holders, key=lambda f: (-sizes[f], f)):
+        ranks = holders[fqn]
+        owner = ranks[0] if sizes[fqn] == 0 else min(ranks, key=lambda r: (load[r], r))
+        owners[fqn] = owner
+        load[owner] += sizes[fqn]
+    return owners
+
+
+def share_when_all_hold(leaves: dict[str, Leaf], world_size: int, rank: int) -> list[str]:
+    """:func:`local_keys` of ``rank`` under :func:`assign_owners` when every one of the
+    ``world_size`` ranks holds the same replicated leaves as this one (DDP; or no
+    replicated leaf at all), from this rank's leaves alone: the same greedy spread,
+    O(leaves x log world) instead of O(leaves x world)."""
+    load = [(0, r) for r in range(world_size)]  # a heap: the least-loaded rank, ties by rank
+    mine = [fqn for fqn, leaf in leaves.items() if leaf.kind == SHARD]
+    for fqn in sorted((f for f, leaf in leaves.items() if leaf.kind != SHARD), key=lambda f: (-leaves[f].nbytes, f)):
+        nbytes = leaves[fqn].nbytes
+        if nbytes == 0:
+            owner = 0
+        else:
+            done, owner = heapq.heappop(load)
+            heapq.heappush(load, (done + nbytes, owner))
+        if owner == rank:
+            mine.append(fqn)
+    return mine
+
+
+def local_keys(leaves: dict[str, Leaf], owners: dict[str, int], rank: int) -> list[str]:
+    """FQNs that ``rank`` writes: its shards and the replicated leaves it owns."""
+    return [f for f, leaf in leaves.items() if leaf.kind == SHARD or owners.get(f) == rank]

@@ -1,0 +1,95 @@
+"""Export a committed checkpoint as one ``torch.save`` file, for use outside distributed
+training (inference, fine-tuning elsewhere, a model hub).
+
+The output is a dict with the top-level keys of the state that was saved, as full
+(unsharded) tensors: ``{"model": {fqn: tensor}}``, plus each optimizer entry
+(``{"state": {fqn: {...}}, "param_groups": [...]}``, FQN-keyed as DCP's
+``get_optimizer_state_dict`` gives it) with ``optim=True``. Plain Python values of the
+state are left out (they are pickled objects of the user's classes).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata
+
+# Private, as in DCP's own dcp_to_torch_save: dcp.load() cannot fill an empty dict.
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+from ray_goodput.checkpoint.protocol._catalog import list_checkpoints, step_location, verify
+from ray_goodput.checkpoint.protocol._dcp_storage import PyArrowStorageReader
+from ray_goodput.checkpoint.protocol._manifest import read_manifest
+from ray_goodput.checkpoint.save._state_dict import _INTERNAL_PREFIX
+from ray_goodput.errors import CheckpointCorruptError, ConfigError
+
+__all__ = ["export_torch_save"]
+
+
+def _pick_step(uri: str, step: int | None) -> int:
+    committed = [i.step for i in list_checkpoints(uri) if i.committed]
+    if not committed:
+        raise ConfigError(
+            f"no committed checkpoint under {uri!r}; pass the run's storage root "
+            "(the directory that holds checkpoints/), see `ray-goodput ls URI`"
+        )
+    if step is None:
+        return committed[-1]
+    if step not in committed:
+        raise ConfigError(
+            f"no committed checkpoint at step {step} under {uri!r}; committed steps: "
+            f"{committed} (`ray-goodput ls {uri}`)"
+        )
+    return step
+
+
+def _is_optimizer(key: str, metadata: Metadata) -> bool:
+    """An optimizer state dict is the only saved entry with a ``param_groups`` child."""
+    return any(
+        len(path) > 1 and path[0] == key and path[1] == "param_groups" for path in metadata.planner_data.values()
+    )
+
+
+def _keys_to_export(metadata: Metadata, optim: bool) -> set[str]:
+    top = {path[0] for path in metadata.planner_data.values() if path}
+    return {k for k in top if not k.startswith(_INTERNAL_PREFIX) and (optim or not _is_optimizer(k, metadata))}
+
+
+def export_torch_save(uri: str, step: int | None, out: str | os.PathLike, *, optim: bool = False) -> Path:
+    """Write the committed checkpoint ``step`` (None: the newest) of the run at ``uri``
+    to ``out`` as a single ``torch.save`` file; returns its path.
+
+    ``uri`` is the storage root given to ``Checkpointer`` (any ``pyarrow.fs`` URI). The
+    checkpoint's file sizes are checked against its manifest first. Loads the whole
+    model (and optimizer, with ``optim``) into this process's memory. Raises
+    ConfigError when there is no such committed checkpoint, CheckpointCorruptError when
+    it does not match its manifest, StorageError when storage fails.
+    """
+    step = _pick_step(uri, step)
+    loc = step_location(uri, step)
+    manifest = read_manifest(loc)
+    if manifest is None:
+        raise ConfigError(f"checkpoint step {step} under {uri!r} is not committed (retention may have removed it)")
+    problems = verify(loc, manifest, checksums=False)
+    if problems:
+        raise CheckpointCorruptError(
+            f"checkpoint step {step} at {loc.uri} is damaged: {'; '.join(problems[:5])}; "
+            "export an older step (`ray-goodput ls`)"
+        )
+    reader = PyArrowStorageReader(loc)
+    keys = _keys_to_export(reader.read_metadata(), optim)
+    state: dict[str, Any] = {}
+    _load_state_dict(state, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(keys=keys), no_dist=True)
+    for key in manifest.unstepped:  # saved before its first step: DCP made its state up
+        if isinstance(state.get(key), dict):
+            state[key]["state"] = {}
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    torch.save(state, tmp)
+    os.replace(tmp, out)  # never leave a half-written file under the final name
+    return out

@@ -1,0 +1,222 @@
+"""A snapshot arena: one memory-mapped file that outlives the worker process.
+
+``save()`` copies tensors into an arena (a memcpy, or a device-to-host copy on GPU) and
+returns; the node's uploader maps the same file when it accepts the job and writes DCP
+files from it. If the worker is killed right after ``save()`` returned, the snapshot is
+still there; once mapped, unlinking the file cannot take it away. Each rank has two
+(one being written out, one waiting). The file lives in /dev/shm when it has room, else
+in the staging directory.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ray_goodput._faults import fault_point
+from ray_goodput.runtime import pid_alive
+
+logger = logging.getLogger(__name__)
+_ALIGN = 64
+_PAGE = 4096
+_SHM = Path("/dev/shm")
+_NAME_RE = re.compile(r"^rank-\d+-(\d+)(?:-\d+)?(?:-[0-9a-f]+)?\.arena$")
+_instances = itertools.count()
+
+
+def arena_names(rank: int) -> tuple[str, str]:
+    """The file names of a new Checkpointer's two arenas: its process and its own number
+    in it (two Checkpointers of one process on one run, a trainer's and one that only
+    restores, say, must not share files)."""
+    pid, instance = os.getpid(), next(_instances)
+    return tuple(f"rank-{rank:05d}-{pid}-{index}-{instance:x}.arena" for index in (0, 1))
+
+
+@dataclass(frozen=True)
+class TensorSlot:
+    """Where one tensor lives in an arena. ``offset``/``nbytes`` in bytes."""
+
+    fqn: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+def pick_dir(staging: Path, need_bytes: int) -> Path:
+    """/dev/shm when it has twice ``need_bytes`` free, else ``staging``."""
+    if _SHM.is_dir() and shutil.disk_usage(_SHM).free > 2 * need_bytes:
+        return _SHM / "ray_goodput"
+    return staging
+
+
+def sweep_dead(directory: Path) -> None:
+    """Remove arenas of processes that died (a killed worker cannot remove its own)."""
+    for path in directory.glob("rank-*.arena") if directory.is_dir() else []:
+        match = _NAME_RE.match(path.name)
+        if match is None:
+            continue
+        pid = int(match.group(1))
+        if not pid_alive(pid):
+            path.unlink(missing_ok=True)
+            logger.info("removed the snapshot arena of dead process %d", pid)
+
+
+def aligned(nbytes: int) -> int:
+    """The bytes a slot of ``nbytes`` takes in an arena."""
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+def _u8(path: Path, size: int, mode: str) -> torch.Tensor:
+    mm = np.memmap(path, dtype=np.uint8, mode=mode, shape=(max(size, 1),))
+    return torch.from_numpy(mm)
+
+
+def _view(buf: torch.Tensor, slot: TensorSlot) -> torch.Tensor:
+    return buf[slot.offset : slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)
+
+
+def _cuda_register(buf: torch.Tensor, size: int, path: Path) -> bool:
+    """Page-lock ``buf`` (a mapped file) for CUDA, so device-to-host copies into it run
+    at pinned bandwidth and truly asynchronously. False (copies still work, pageable)
+    when the driver refuses: over the locked-memory limit, or (Linux 6.5 on) a file
+    outside tmpfs, whose shared mappings the kernel does not let anyone pin for long."""
+    cudart = torch.cuda.cudart()
+    ok = cudart.cudaHostRegister(buf.data_ptr(), size, 0) == cudart.cudaError.success
+    if not ok:
+        _clear_last_cuda_error()
+        logger.warning(
+            "could not pin the %d-byte snapshot arena %s for CUDA; device-to-host copies "
+            "run at pageable speed. Give /dev/shm room for twice the rank's state (the "
+            "arena goes there when it fits; the kernel pins no shared file mapping "
+            "outside tmpfs), or raise the memlock limit (ulimit -l)",
+            size,
+            path,
+        )
+    return ok
+
+
+def _clear_last_cuda_error() -> None:
+    """Take a failed ``cudaHostRegister``'s error off the CUDA runtime. It stays there as
+    the thread's last error, and torch's check after the next kernel launch would raise
+    it in the user's training step. That check reads and clears it; a launch here takes
+    it instead (torch exposes no ``cudaGetLastError``)."""
+    try:
+        torch.zeros(1, device="cuda")
+    except RuntimeError:  # torch.AcceleratorError: the registration's error, now cleared
+        torch.zeros(1, device="cuda")  # a real device fault raises again, to the caller
+
+
+def _cuda_unregister(buf: torch.Tensor) -> None:
+    torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
+
+
+class Arena:
+    """Writer side: reusable, grows when the state grows. Not thread-safe.
+
+    On CUDA the mapped file is registered as pinned host memory ahead of the first save
+    (:meth:`prefault`), else at the first snapshot of a GPU tensor (and again after it grows)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._buf: torch.Tensor | None = None
+        self.size = 0
+        self.pinned = False
+        self._refused_size = -1
+
+    def _pin(self, device: torch.device) -> None:
+        """Register the arena for CUDA, once per size: after a refusal the same mapping is
+        not tried again at every save (each try costs a failed call and a warning)."""
+        if self.pinned or self._buf is None or not self.size or self._refused_size == self.size:
+            return
+        with torch.cuda.device(device):  # a failure's error is taken off this device's runtime
+            self.pinned = _cuda_register(self._buf, self.size, self.path)
+        if not self.pinned:
+            self._refused_size = self.size
+
+    def _unpin(self) -> None:
+        if self.pinned and self._buf is not None:
+            _cuda_unregister(self._buf)
+        self.pinned = False
+
+    def _ensure(self, size: int) -> torch.Tensor:
+        if self._buf is None or size > self.size:
+            self._unpin()
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.path, "ab") as f:
+                f.truncate(size)
+            self._buf, self.size = _u8(self.path, size, "r+"), size
+        return self._buf
+
+    def prefault(self, size: int, device: torch.device | None = None) -> None:
+        """Map ``size`` bytes and touch each page, and pin them for CUDA ``device`` (when
+        given), so that the first snapshot copies at the speed of later ones (run before
+        it, off the save path; not concurrently with it). A failure is logged: the
+        snapshot maps, faults and pins the pages itself."""
+        try:
+            buf = self._ensure(size)
+            if self.path.is_relative_to(_SHM):  # a file on disk would write the zeros out too
+                buf[::_PAGE].fill_(0)
+            if device is not None and device.type == "cuda":
+                self._pin(device)  # seconds for GBs: the first GPU save did it before
+        except Exception as exc:  # noqa: BLE001 - an optimisation
+            logger.warning("could not prepare the snapshot arena %s ahead of the first save: %s", self.path, exc)
+
+    def snapshot(self, tensors: dict[str, torch.Tensor]) -> list[TensorSlot]:
+        """Copy ``tensors`` into the arena; blocks until the copy is complete."""
+        slots, offset = [], 0
+        for fqn, t in tensors.items():
+            nbytes = t.numel() * t.element_size()
+            slots.append(TensorSlot(fqn, t.dtype, tuple(t.shape), offset, nbytes))
+            offset += aligned(nbytes)
+        buf = self._ensure(offset)
+        device = next((t.device for t in tensors.values() if t.device.type == "cuda"), None)
+        if device is not None:
+            self._pin(device)
+        on_gpu = False
+        half = len(slots) // 2
+        for n, (slot, t) in enumerate(zip(slots, tensors.values())):
+            if n == half:
+                fault_point("save.copying")
+            on_gpu |= t.device.type == "cuda"
+            _view(buf, slot).copy_(t.detach(), non_blocking=t.device.type == "cuda")
+        if on_gpu:
+            torch.cuda.synchronize()
+        return slots
+
+    def close(self) -> None:
+        """Unlink the file; jobs that accepted a snapshot from it keep their mapping."""
+        self._unpin()
+        self._buf = None
+        self.path.unlink(missing_ok=True)
+        try:
+            self.path.parent.rmdir()  # the run's arena dir, once its last rank closed
+        except OSError:
+            pass
+
+
+def open_slots(path: str | os.PathLike, slots: list[TensorSlot]) -> dict[str, torch.Tensor]:
+    """Reader side: tensors over the arena (no copy). Keep the file until done.
+
+    Each tensor has a storage of its own bytes, not a view into one storage of the whole
+    arena: DCP's writer clones a tensor whose storage is larger than the tensor (so that
+    ``torch.save`` does not write the rest), and that clone into fresh memory cost more
+    than the write itself (page faults on every page of the fresh memory)."""
+    size = max((s.offset + s.nbytes for s in slots), default=0)
+    mm = np.memmap(Path(path), dtype=np.uint8, mode="r+", shape=(max(size, 1),))
+    return {s.fqn: _own_storage(mm, s) for s in slots}
+
+
+def _own_storage(mm: np.memmap, slot: TensorSlot) -> torch.Tensor:
+    if slot.nbytes == 0:
+        return torch.empty(slot.shape, dtype=slot.dtype)
+    raw = torch.frombuffer(mm, dtype=torch.uint8, count=slot.nbytes, offset=slot.offset)
+    return raw.view(slot.dtype).view(slot.shape)

@@ -1,0 +1,153 @@
+"""A rank's two snapshot arenas: which one a save copies into, and the first made ready
+ahead of the first save.
+
+A save copies into an arena that no job holds; while one job is written from an arena and
+another waits in the other, a third save supersedes the waiting one (the newest state goes
+next) and takes its arena once the uploader lets go of it. Arena 0 is sized and touched
+(pinned on a GPU) in a background thread before the first save needs it (``_first_save``):
+from ``restore()``, or for a fresh start from its optimizers' first step.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED
+from concurrent.futures import wait as wait_futures
+from pathlib import Path
+from typing import Any
+
+from ray_goodput.checkpoint.save._arena import Arena, arena_names, pick_dir, sweep_dead
+from ray_goodput.checkpoint.save._first_save import after_first_steps, snapshot_device, snapshot_size
+from ray_goodput.checkpoint.save._handoff import Handoff
+from ray_goodput.errors import CheckpointError
+
+logger = logging.getLogger(__name__)
+
+# Bound on a wait for the uploader to let go of an arena (both held by running jobs;
+# immediate unless the uploader is wedged).
+_ARENA_WAIT_S = 600.0
+# Bound on a wait for the background preparation of arena 0 (touching, pinning).
+_PREPARE_WAIT_S = 60.0
+
+
+class ArenaPair:
+    """The two arenas of one rank of one run, in ``staging``'s memory file system."""
+
+    def __init__(self, staging: Path, run_key: str, rank: int, world_size: int) -> None:
+        self._staging, self._run_key = staging, run_key
+        self._rank, self._world_size = rank, world_size
+        self.arenas: list[Arena] = []  # none until sized (by a save, or ahead of the first)
+        self._holders: list[Handoff | None] = [None, None]
+        self._preparing: threading.Thread | None = None  # arena 0 touched (pinned) ahead of the first save
+        self._first_steps: list[Any] = []  # hooks that size arena 0 after a fresh start's first step
+        self._closed = False
+
+    # -- ahead of the first save --
+    def prepare(self, state: dict[str, Any]) -> None:
+        """Size arena 0 for ``state`` and touch (and pin) its pages in the background; for
+        a fresh start, right after its optimizers' first step. Never raises: it runs at the
+        end of ``restore()``, which must return on every rank, and inside a step."""
+        self.stop_watching_steps()
+        if not self._size_first(state):  # a fresh start: sized after its optimizers' first step
+            self._first_steps = after_first_steps(state, functools.partial(self._size_first, state))
+
+    def _size_first(self, state: dict[str, Any]) -> bool:
+        """False only when ``state`` cannot be sized yet (an optimizer that never stepped);
+        True when done or nothing is to be done."""
+        if self.arenas or self._closed:
+            return True
+        try:
+            size = snapshot_size(state, self._world_size, self._rank)
+            if not size:
+                return False
+            arenas = self._new(size)
+            preparing = threading.Thread(
+                target=arenas[0].prefault, args=(size, snapshot_device(state)), name="rg-arena-prefault", daemon=True
+            )
+            preparing.start()
+        except Exception as exc:  # noqa: BLE001 - an optimisation: the save sizes the arena itself
+            logger.warning("could not prepare the first save's snapshot arena: %s", exc)
+            return True
+        self.arenas, self._preparing = arenas, preparing
+        return True
+
+    def stop_watching_steps(self) -> None:
+        """Remove the first-step hooks (before a save's or restore's made-up steps; never
+        from inside ``step()``, see ``after_first_steps``)."""
+        for handle in self._first_steps:
+            handle.remove()
+        self._first_steps = []
+
+    def wait_prepared(self) -> None:
+        """Wait for arena 0's background preparation (milliseconds; seconds to pin GBs on a
+        GPU; bounded): an arena is not thread-safe, and a snapshot must not be copied under
+        its zeros."""
+        if self._preparing is None:
+            return
+        self._preparing.join(_PREPARE_WAIT_S)
+        if self._preparing.is_alive():
+            raise CheckpointError(
+                f"touching (and pinning) the snapshot arena's pages took over "
+                f"{_PREPARE_WAIT_S:.0f}s; is the node out of memory?"
+            )
+        self._preparing = None
+
+    # -- a save --
+    def take(
+        self, need_bytes: int, *, cancel: Callable[[str], bool], step_of: Callable[[Handoff], int]
+    ) -> tuple[int, Arena]:
+        """``(index, arena)`` of an arena no job holds, for ``need_bytes``. When both are
+        held (one being written, one waiting), the waiting job (the newer by ``step_of``) is
+        superseded by ``cancel(key)`` and its arena taken once released (bounded)."""
+        self.wait_prepared()
+        if not self.arenas:
+            self.arenas = self._new(need_bytes)
+        free = [i for i, h in enumerate(self._holders) if h is None or h.released.done()]
+        if free:
+            return free[0], self.arenas[free[0]]
+        newer = max((0, 1), key=lambda i: step_of(self._holders[i]))
+        if cancel(self._holders[newer].key):
+            logger.info(
+                "superseding the waiting save of step %d: a newer save came before it started",
+                step_of(self._holders[newer]),
+            )
+        done, _ = wait_futures([h.released for h in self._holders], timeout=_ARENA_WAIT_S, return_when=FIRST_COMPLETED)
+        if not done:
+            raise CheckpointError(
+                f"no snapshot arena was released by the uploader within {_ARENA_WAIT_S:.0f}s; "
+                "check the uploader's health (ray-goodput status)"
+            )
+        index = next(i for i, h in enumerate(self._holders) if h.released in done)
+        return index, self.arenas[index]
+
+    def hold(self, index: int, handoff: Handoff) -> None:
+        """Arena ``index`` is the job's until ``handoff.released``."""
+        self._holders[index] = handoff
+
+    def _new(self, need_bytes: int) -> list[Arena]:
+        base = pick_dir(self._staging, 2 * need_bytes) / self._run_key
+        sweep_dead(base)
+        return [Arena(base / name) for name in arena_names(self._rank)]
+
+    def close(self) -> None:
+        """Unlink both arenas (jobs that accepted a snapshot keep their own mapping). One
+        still being prepared after the bound is left to its thread (swept once this process
+        is gone): it may be pinning it."""
+        self._closed = True
+        self.stop_watching_steps()
+        busy = None
+        if self._preparing is not None:
+            self._preparing.join(_PREPARE_WAIT_S)
+            if self._preparing.is_alive():
+                busy = self.arenas[0]
+                logger.warning(
+                    "the snapshot arena %s was still being prepared after %.0fs; left in place",
+                    busy.path,
+                    _PREPARE_WAIT_S,
+                )
+        for arena in self.arenas:
+            if arena is not busy:
+                arena.close()

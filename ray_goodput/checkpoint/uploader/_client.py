@@ -1,0 +1,279 @@
+"""ActorBackend: a worker's side of its node's CheckpointUploader (``_actor``).
+
+It finds or creates the node's uploader, registers with it and connects to its socket
+(``_channel``) in the background; ``submit`` hands a job over before it returns, so a save
+that returned survives its worker. When the connection breaks or the uploader exits, it
+asks the actor about the jobs in flight and hands new ones to a fresh uploader.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import os
+import pickle
+import threading
+import time
+import uuid
+from concurrent.futures import Future
+from typing import Any
+
+from ray_goodput._lazy import LazyModule
+from ray_goodput.checkpoint.save._handoff import Handoff
+from ray_goodput.checkpoint.uploader._actor import KIND, _actor_class
+from ray_goodput.checkpoint.uploader._channel import ChannelClient, UploaderExitingError, UploaderGoneError, settle
+from ray_goodput.checkpoint.uploader._shard_job import ShardJob
+from ray_goodput.errors import CheckpointError
+from ray_goodput.runtime import _services
+from ray_goodput.storage import StorageLocation
+
+ray = LazyModule("ray")  # a process that saves through the thread backend never imports it
+logger = logging.getLogger(__name__)
+
+# Bound on handing one job to the uploader (its start included).
+_HANDOFF_TIMEOUT_S = 120.0
+# Bound on waiting for an uploader that said it is exiting to be gone.
+_EXIT_WAIT_S = 30.0
+# Bound on a closing worker's wait for the uploader to read its last jobs, when the
+# goodbye got no answer.
+_BYE_WAIT_S = 30.0
+
+__all__ = ["ActorBackend"]
+
+
+def _chain(source: Future, target: Future) -> None:
+    def _copy(done: Future) -> None:
+        if done.cancelled():
+            settle(target, None, CheckpointError("the uploader cancelled this job"))
+        elif done.exception() is not None:
+            settle(target, None, done.exception())
+        else:
+            settle(target, done.result(), None)
+
+    source.add_done_callback(_copy)
+
+
+class ActorBackend:
+    """Runs a rank's shard jobs in its node's CheckpointUploader (found or created).
+
+    ``submit`` hands the job over before it returns: a save that returned survives its
+    worker being killed right after. The hand-off goes over the uploader's socket
+    (``_channel``: one write, an order of magnitude cheaper than an actor call on a busy
+    node), or by actor calls (the actor maps the arena before it answers) when the socket
+    cannot be reached. The trainer creates the uploaders before the workers initialize
+    their train context (``driver._node_services``), so the first save does not wait for
+    the actor to start; without it, a save made before the actor is up waits for it
+    (bounded), rather than holding a job that would die with the worker.
+    """
+
+    def __init__(self, *, durable_timeout_s: float, root: StorageLocation | None = None) -> None:
+        self._actor = None
+        self._endpoint = None  # ObjectRef of the socket's path; asking registers this worker
+        self._channel: ChannelClient | None = None
+        self._by_actor = False  # the socket could not be reached: jobs go by actor calls
+        self._attaching: threading.Thread | None = None  # the connection made at start(), off the save path
+        self._closing = False  # close() ran: a connection made late is closed by its thread
+        self._swap = threading.Lock()  # the channel's hand-over between that thread and close()
+        self._token = uuid.uuid4().hex  # tells this backend from others of its process
+        # Sent at start: the actor builds the storage client before the first save.
+        self._root_blob: bytes | None = pickle.dumps(root) if root is not None else None
+        self._durable_timeout_s = durable_timeout_s  # bound of the actor-side wait (by actor calls)
+
+    def start(self) -> None:
+        """Find or create this node's uploader, register with it and connect to it in the
+        background (it starts, and resolves the storage location, while the worker builds
+        its model and restores)."""
+        node_id = _services.current_node_id()
+        self._attached()
+        self._drop_channel()
+        self._by_actor = False
+        self._actor = _services.get_or_create(_actor_class(), KIND, node_id, node_id=node_id, max_concurrency=64)
+        self._endpoint = self._actor.endpoint.remote(os.getpid(), self._root_blob, self._token)
+        self._attaching = threading.Thread(target=self._attach_ahead, name="rg-uploader-attach", daemon=True)
+        self._attaching.start()
+
+    def _attach_ahead(self) -> None:
+        """Connect while the worker builds its model and restores: the first save then
+        finds the connection made (connecting costs milliseconds once the actor is up,
+        seconds before)."""
+        try:
+            self._attach()
+        except Exception as exc:  # noqa: BLE001 - the first save attaches again, and raises
+            logger.debug("could not connect to the node uploader ahead of the first save: %s", exc)
+        if self._closing:  # close() stopped waiting for this: leave for good
+            self._drop_channel(final=True)
+
+    def _attached(self, *, strict: bool = True, timeout_s: float = 2 * _HANDOFF_TIMEOUT_S + 10) -> None:
+        """Wait for the connection started at start() (its calls are bounded; so is this).
+        ``strict``: raise when it is still going (another attach must not race it)."""
+        if self._attaching is None:
+            return
+        self._attaching.join(timeout_s)
+        if self._attaching.is_alive():
+            if strict:
+                raise CheckpointError(
+                    f"connecting to the node uploader took over {timeout_s:.0f}s; check it with 'ray-goodput status'"
+                )
+            return
+        self._attaching = None
+
+    def _get(self, fresh: bool = False) -> Any:
+        """The uploader, attached to (a channel, or actor calls); a fresh one when asked."""
+        self._attached()
+        if self._actor is None or fresh or (self._channel is not None and not self._channel.alive):
+            self.start()  # a channel that closed is an uploader that died or exited
+            self._attached()
+        if self._channel is not None or self._by_actor:
+            return self._actor
+        try:
+            self._attach()  # again: the attempt made ahead failed (it logged why)
+        except UploaderExitingError:  # it was idle and is going: its name is free once it is gone
+            _wait_gone(self._actor)
+            self.start()
+            self._attached()
+            if self._channel is None and not self._by_actor:
+                self._attach()
+        return self._actor
+
+    def _attach(self) -> None:
+        path = ray.get(self._endpoint, timeout=_HANDOFF_TIMEOUT_S)
+        if path is not None:
+            try:
+                self._channel = ChannelClient(
+                    path,
+                    (os.getpid(), self._root_blob, self._token),
+                    _HANDOFF_TIMEOUT_S,
+                    functools.partial(self._ask_actor, self._actor),
+                )
+                return
+            except OSError as exc:
+                logger.warning(
+                    "cannot reach the node uploader's socket %s (%s); handing jobs over by actor "
+                    "calls, a few ms slower per save",
+                    path,
+                    exc,
+                )
+        self._by_actor = True
+
+    def _ask_actor(self, actor: Any, conn: str, jobs: list[Handoff]) -> None:
+        """The channel ``conn`` to ``actor`` broke before these jobs ended: ask the actor
+        when each lets go of its arena and how it ends (a dead actor fails both at once)."""
+        for handoff in jobs:
+            try:
+                if not handoff.released.done():
+                    _chain(actor.wait_released.remote(handoff.key, conn).future(), handoff.released)
+                _chain(actor.wait_durable.remote(handoff.key, self._durable_timeout_s, conn).future(), handoff.durable)
+            except Exception as exc:  # noqa: BLE001 - Ray itself is going: nobody can answer
+                # The arena stays held (the uploader, another process, may still write from
+                # it): the next save that needs it raises after _ARENA_WAIT_S.
+                settle(
+                    handoff.durable,
+                    None,
+                    CheckpointError(
+                        f"could not ask the node uploader about {handoff.key}: {type(exc).__name__}: {exc}"
+                    ),
+                )
+
+    def _drop_channel(self, final: bool = False) -> None:
+        """Close the connection. When its goodbye went unanswered on a final close, wait
+        (bounded) until the uploader handled its last frames: the caller unlinks the arenas
+        next, and a job not yet read would find its arena gone."""
+        with self._swap:
+            channel, self._channel = self._channel, None
+        if channel is None:
+            return
+        if channel.close(final=final) or not final:
+            return
+        try:
+            if not ray.get(self._actor.wait_connection.remote(channel.conn, _BYE_WAIT_S), timeout=_BYE_WAIT_S + 5):
+                logger.warning(
+                    "the node uploader had not read this worker's last jobs after %.0fs; "
+                    "unlinking their snapshots may fail them",
+                    _BYE_WAIT_S,
+                )
+        except Exception as exc:  # noqa: BLE001 - a dead uploader reads nothing more
+            logger.debug("uploader wait_connection failed: %s", exc)
+
+    def submit(self, job: ShardJob) -> Handoff:
+        if self._root_blob is None:
+            self._root_blob = pickle.dumps(job.root)
+        handoff = Handoff(released=Future(), durable=Future(), key=job.key)
+        self._hand_over(dataclasses.replace(job, root=None), handoff)
+        return handoff
+
+    def _hand_over(self, light: ShardJob, handoff: Handoff) -> None:
+        """Hand ``light`` over, once more to a fresh uploader when this one is gone; each
+        try has its own events, and only the one that took the job reaches ``handoff``."""
+        try:
+            try:
+                attempt = self._send(self._get(), light)
+            except (ray.exceptions.RayActorError, UploaderGoneError):
+                # The uploader died (killed, or exiting as idle): a new one takes the job.
+                attempt = self._send(self._get(fresh=True), light)
+        except Exception as exc:  # noqa: BLE001 - the save fails; wait() raises it on every rank
+            failure = CheckpointError(
+                f"could not hand step {light.step} to the node uploader: "
+                f"{type(exc).__name__}: {exc}; check it with 'ray-goodput status'"
+            )
+            settle(handoff.released, None, None)
+            settle(handoff.durable, None, failure)
+            return
+        _chain(attempt.released, handoff.released)
+        _chain(attempt.durable, handoff.durable)
+
+    def _send(self, actor: Any, light: ShardJob) -> Handoff:
+        attempt = Handoff(released=Future(), durable=Future(), key=light.key)
+        if self._channel is not None:
+            self._channel.submit(light, self._root_blob, attempt)
+            return attempt
+        ray.get(actor.submit.remote(light, self._root_blob), timeout=_HANDOFF_TIMEOUT_S)
+        # Asked only after submit returned: the actor knows the key by then.
+        _chain(actor.wait_released.remote(light.key).future(), attempt.released)
+        _chain(actor.wait_durable.remote(light.key, self._durable_timeout_s).future(), attempt.durable)
+        return attempt
+
+    def cancel(self, key: str) -> bool:
+        if self._actor is None:
+            return False
+        try:
+            if self._channel is not None:
+                return bool(self._channel.request(("cancel", key), 60))
+            return bool(ray.get(self._actor.cancel.remote(key), timeout=60))
+        except Exception as exc:  # noqa: BLE001 - a dead uploader runs nothing: its jobs fail
+            logger.warning("could not cancel waiting save %s: %s", key, exc)
+            return False
+
+    def close(self) -> None:
+        """Leave the uploader: a connection says bye (once every job it sent is accepted:
+        the caller unlinks the arenas next); a registration is dropped."""
+        if self._actor is None:
+            return
+        self._closing = True
+        self._attached(strict=False, timeout_s=_BYE_WAIT_S)
+        connected = self._channel is not None
+        self._drop_channel(final=True)
+        if not connected:
+            try:
+                ray.get(self._actor.unregister.remote(os.getpid(), self._token), timeout=30)
+            except Exception as exc:  # noqa: BLE001 - it may be gone already
+                logger.debug("uploader unregister failed: %s", exc)
+        self._actor = None
+
+
+def _wait_gone(actor: Any) -> None:
+    """Return once ``actor`` (an uploader that said it is exiting) is dead; raise
+    CheckpointError after ``_EXIT_WAIT_S``."""
+    deadline = time.monotonic() + _EXIT_WAIT_S
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.busy.remote(), timeout=max(0.1, deadline - time.monotonic()))
+        except ray.exceptions.RayActorError:
+            return
+        except ray.exceptions.GetTimeoutError:
+            break
+        time.sleep(0.05)
+    raise CheckpointError(
+        f"the node uploader said it was exiting but was still up after {_EXIT_WAIT_S:.0f}s; "
+        "check it with 'ray-goodput status'"
+    )

@@ -1,0 +1,113 @@
+"""One rank's queue in an uploader: one job running, at most one waiting.
+
+A newer job supersedes the waiting one (it is dropped, never written), so a rank holds at
+most two snapshots however slow uploads are, and the newest state is always the next to
+go. Jobs run one at a time, in order, so per rank a save never overtakes an older one.
+
+A job's snapshot arena is mapped when the job is *accepted* (:class:`Ticket`): the
+mapping keeps the data alive even if the arena file is unlinked meanwhile (a worker
+leaving ``with Checkpointer`` on an error, or sweeping a dead process's arenas).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from ray_goodput._faults import fault_point
+from ray_goodput.checkpoint.save._arena import open_slots
+from ray_goodput.checkpoint.save._save_state import SaveRecord, SaveState
+from ray_goodput.checkpoint.uploader._shard_job import ShardJob, ShardResult, run_shard_job
+from ray_goodput.storage import RetryPolicy
+
+logger = logging.getLogger(__name__)
+
+
+class Ticket:
+    """An accepted job: its mapped snapshot, its record, and when it was released/done."""
+
+    def __init__(self, job: ShardJob) -> None:
+        self.job = job
+        self.tensors: dict[str, Any] = open_slots(job.arena_path, list(job.slots)) if job.slots else {}
+        self.record = SaveRecord(job.step, job.save_id)
+        self.released = threading.Event()
+        self.done = threading.Event()
+        self.result: ShardResult | None = None
+        self.error: BaseException | None = None
+        self.origin = ""  # the worker connection it came on ("" by an actor call)
+        self.callbacks: list[Callable[[Ticket], None]] = []  # when done
+        self.release_callbacks: list[Callable[[Ticket], None]] = []  # when the arena is free
+
+    def release(self) -> None:
+        self.tensors = {}  # drop the mapping: the arena may be reused or unlinked
+        self.released.set()
+        for callback in self.release_callbacks:
+            callback(self)
+
+    def finish(self, result: ShardResult | None, error: BaseException | None) -> None:
+        self.result, self.error = result, error
+        if not self.released.is_set():
+            self.release()
+        self.done.set()
+        for callback in self.callbacks:
+            callback(self)
+
+    def supersede(self) -> None:
+        self.record.advance(SaveState.SUPERSEDED)
+        logger.info(
+            "save of step %d rank %d superseded by a newer save before it started", self.job.step, self.job.rank
+        )
+        self.finish(ShardResult.superseded(self.job), None)
+
+    def run(self, *, concurrency: int, policy: RetryPolicy) -> None:
+        try:
+            result = run_shard_job(
+                self.job, self.record, self.tensors, concurrency=concurrency, policy=policy, on_released=self.release
+            )
+        except BaseException as exc:  # noqa: BLE001 - reported to the worker at its next sync
+            self.record.advance(SaveState.FAILED, f"{type(exc).__name__}: {exc}")
+            logger.error("save of step %d rank %d failed: %s", self.job.step, self.job.rank, exc)
+            self.finish(None, exc)
+            return
+        self.finish(result, None)
+
+
+class RankLane:
+    """Runs one rank's tickets in order; a newer ticket supersedes the waiting one."""
+
+    def __init__(self, *, concurrency: int = 8, policy: RetryPolicy | None = None) -> None:
+        self._concurrency = concurrency
+        self._policy = policy or RetryPolicy()  # for jobs that carry none
+        self._lock = threading.Lock()
+        self._waiting: Ticket | None = None
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="rg-lane")
+
+    def submit(self, ticket: Ticket) -> None:
+        fault_point("save.queued")  # before the lane holds the ticket: a raise leaves no orphan
+        with self._lock:
+            old, self._waiting = self._waiting, ticket
+        if old is not None:
+            old.supersede()
+        self._pool.submit(self._drain)
+
+    def cancel(self, key: str) -> bool:
+        """Supersede the waiting ticket ``key``; False when it is not waiting (running or over)."""
+        with self._lock:
+            if self._waiting is None or self._waiting.job.key != key:
+                return False
+            old, self._waiting = self._waiting, None
+        old.supersede()
+        return True
+
+    def _drain(self) -> None:
+        with self._lock:
+            ticket, self._waiting = self._waiting, None
+        if ticket is not None:
+            job = ticket.job
+            ticket.run(concurrency=job.concurrency, policy=job.retry or self._policy)
+
+    def shutdown(self, wait: bool = True) -> None:
+        self._pool.shutdown(wait=wait)

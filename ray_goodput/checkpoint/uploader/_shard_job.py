@@ -1,0 +1,318 @@
+"""One rank's shard of one step, from snapshot to durable: the work of the node uploader.
+
+The same function runs in the node's CheckpointUploader actor (the default under Ray)
+or in a thread of the worker (plain torch.distributed), so both commit identically.
+It advances the job's :class:`SaveRecord` (staged, uploaded, committed) as it goes.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import pickle
+import shutil
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from torch.distributed.checkpoint.api import CheckpointException
+
+from ray_goodput._faults import fault_point
+from ray_goodput.checkpoint.protocol import _catalog, _layout, _retention
+from ray_goodput.checkpoint.protocol._commit import COMMITTED, OUTRANKED, CommitProtocol
+from ray_goodput.checkpoint.protocol._dcp_parts import data_file, write_part, writing_path
+from ray_goodput.checkpoint.protocol._shard_plan import Leaf
+from ray_goodput.checkpoint.save._arena import TensorSlot, open_slots
+from ray_goodput.checkpoint.save._save_state import SaveRecord, SaveState
+from ray_goodput.checkpoint.uploader._follow_upload import FollowUpload
+from ray_goodput.errors import CheckpointError
+from ray_goodput.storage import DEFAULT_ALGORITHM, FileEntry, RetryPolicy, StorageLocation, Written, upload_files
+
+logger = logging.getLogger(__name__)
+
+#: Bound on the follower's end once the write is done: the rest of one file's upload.
+_FOLLOW_END_S = 3600.0
+#: Bound on a follower letting go once the write failed (it deletes what it sent).
+_FOLLOW_STOP_S = 60.0
+
+
+@dataclass(frozen=True)
+class ShardJob:
+    """Everything needed to make one rank's shard of one step durable. Picklable."""
+
+    root: StorageLocation
+    step: int
+    rank: int
+    world_size: int
+    arena_path: str
+    slots: tuple[TensorSlot, ...]
+    objects: dict[str, bytes]  # non-tensor leaves this rank writes, pickled
+    leaves: dict[str, Leaf]  # this rank's written leaves (shard offsets)
+    mappings: dict[str, Any]  # DCP flatten mapping of the whole state dict
+    rng: bytes
+    local_dir: str  # node-local staging directory of this step
+    keep_last: int
+    owner_pid: int
+    save_id: str  # the save id (``_layout.save_id``), shared by its ranks
+    num_bytes: int = field(default=0)
+    generation: int = 0
+    # Upload settings travel with the job: a node uploader started before any Checkpointer
+    # existed (by the trainer) has none of its own.
+    concurrency: int = 8
+    retry: RetryPolicy | None = None
+    unstepped: tuple[str, ...] = ()  # this rank's optimizers saved before their first step
+    stepped: tuple[str, ...] = ()  # ... and those saved after it
+
+    @property
+    def key(self) -> str:
+        return f"{self.local_dir}#{self.rank}#{self.save_id}"
+
+    @property
+    def lane(self) -> tuple[str, int]:
+        """Jobs of one rank of one run share a lane (one running, at most one waiting)."""
+        return (self.local_dir.rsplit("/", 1)[0], self.rank)
+
+    def commit_protocol(self) -> CommitProtocol:
+        return CommitProtocol(
+            _catalog.step_location(self.root, self.step), self.step, self.world_size, self.save_id, self.generation
+        )
+
+
+@dataclass(frozen=True)
+class ShardResult:
+    """How one rank's job ended: ``state`` is uploaded (durable, another rank commits),
+    committed (this job wrote COMMITTED) or superseded (dropped for a newer save)."""
+
+    step: int
+    rank: int
+    num_bytes: int
+    write_seconds: float
+    upload_seconds: float
+    state: SaveState = SaveState.UPLOADED
+    #: ``time.time()`` when this job's ``COMMITTED`` write returned: the save was durable
+    #: from then on (None unless this job wrote the commit).
+    committed_at: float | None = None
+
+    @property
+    def committed(self) -> bool:
+        return self.state is SaveState.COMMITTED
+
+    @staticmethod
+    def superseded(job: ShardJob) -> ShardResult:
+        return ShardResult(
+            step=job.step, rank=job.rank, num_bytes=0, write_seconds=0.0, upload_seconds=0.0, state=SaveState.SUPERSEDED
+        )
+
+
+def _out_of_space(exc: BaseException) -> bool:
+    """ENOSPC anywhere in the cause chain (DCP and torch's zip writer wrap it; when they
+    hide it entirely, the caller goes by free space)."""
+    todo: list[BaseException] = [exc]
+    while todo:
+        seen = todo.pop()
+        if getattr(seen, "errno", None) == errno.ENOSPC:
+            return True
+        todo += [e for e in (seen.__cause__, seen.__context__) if e is not None]
+        # DCP's CheckpointException carries each rank's error in ``failures``.
+        todo += [
+            f[0] if isinstance(f, tuple) else f
+            for f in getattr(seen, "failures", {}).values()
+            if isinstance(f, (tuple, BaseException))
+        ]
+    return False
+
+
+def _same_file_system(staging: Path, root: StorageLocation) -> bool:
+    """Whether storage takes staged files as hard links (local storage on the staging
+    dir's file system, judged by its nearest existing directory)."""
+    if not root.is_local:
+        return False
+    target = Path(root.root)
+    while not target.exists() and target != target.parent:
+        target = target.parent
+    try:
+        return os.stat(target).st_dev == os.stat(staging).st_dev
+    except OSError:
+        return False
+
+
+def write_local(
+    job: ShardJob, tensors: dict[str, Any] | None = None, written: dict[str, Written] | None = None
+) -> list[str]:
+    """DCP-write the snapshot (``tensors``: over the arena's bytes, mapped when the job was
+    accepted; mapped here when None) into the staging dir; after this the arena may be reused.
+    ``written``: see ``write_part`` (on local storage the staged data file becomes the
+    stored one, so its write to disk starts while it is written)."""
+    out = Path(job.local_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if tensors is None:
+        tensors = open_slots(job.arena_path, list(job.slots)) if job.slots else {}
+    flat: dict[str, Any] = dict(tensors)
+    flat.update({fqn: pickle.loads(raw) for fqn, raw in job.objects.items()})  # noqa: S301 - this rank's own snapshot
+    try:
+        linked = _same_file_system(out, job.root)  # else the upload reads the file anyway
+        names = write_part(
+            flat,
+            job.leaves,
+            job.mappings,
+            job.rank,
+            job.save_id,
+            out,
+            written=written if linked else None,
+            writeback=linked,
+        )
+    except (Exception, CheckpointException) as exc:
+        free = shutil.disk_usage(out).free
+        # torch's zip writer can turn ENOSPC into "unexpected pos": go by free space too.
+        if _out_of_space(exc) or free < job.num_bytes * 1.1:
+            raise CheckpointError(
+                f"staging dir {out} is out of space ({free} bytes free, the shard needs "
+                f"~{job.num_bytes}): set Checkpointer(staging_dir=...) or "
+                f"RAY_GOODPUT_STAGING_DIR to a larger local disk (No space left on device)"
+            ) from exc
+        raise
+    fault_point("upload.staging_write")
+    extras = out / _layout.extras_file(job.rank, job.save_id)
+    extras.parent.mkdir(parents=True, exist_ok=True)
+    extras.write_bytes(job.rng)
+    return [*names, _layout.extras_file(job.rank, job.save_id)]
+
+
+def upload_and_commit(
+    job: ShardJob,
+    names: list[str],
+    *,
+    concurrency: int,
+    policy: RetryPolicy,
+    uploaded: Sequence[FileEntry] = (),
+    written: Mapping[str, Written] | None = None,
+) -> tuple[int, SaveState, float | None]:
+    """Upload, declare durable, try to commit (and apply retention when this job committed).
+
+    ``uploaded``: files of ``names`` already in storage (sent while they were written).
+    ``written``: checksums of staged files computed as they were written (a hard-linked
+    upload then does not read them back).
+    Returns the bytes uploaded, ``uploaded`` or ``committed``, and when this job's commit
+    landed (``Finalized.committed_at``). An upload that fails
+    after retries raises; then no marker is written, the step can never commit, and the
+    previous committed checkpoint stays the recovery point.
+    """
+    protocol = job.commit_protocol()
+    sent = {e.name for e in uploaded}
+    files = [(Path(job.local_dir) / n, n) for n in names if n not in sent]
+    # Staged files are never written again (a node-local copy is replaced, not rewritten),
+    # so storage on the staging dir's file system takes them as hard links: one write.
+    # The data file first (on object storage the follower sent it while it was written),
+    # so a fault between it and the small files (metadata part, extras, side by side) is
+    # "mid-upload".
+    data = data_file(job.rank, job.save_id)
+    entries = list(uploaded) + upload_files(
+        [f for f in files if f[1] == data],
+        protocol.step_loc,
+        concurrency=concurrency,
+        policy=policy,
+        algorithm=DEFAULT_ALGORITHM,
+        link=True,
+        known=written,
+    )
+    fault_point("upload.mid_upload")
+    entries += upload_files(
+        [f for f in files if f[1] != data],
+        protocol.step_loc,
+        concurrency=concurrency,
+        policy=policy,
+        algorithm=DEFAULT_ALGORITHM,
+        link=True,
+        known=written,
+    )
+    marker = protocol.declare_durable(
+        job.rank, entries, created=time.time(), unstepped=job.unstepped, stepped=job.stepped
+    )
+    done = protocol.finalize(Path(job.local_dir), own=marker)
+    if done.state == OUTRANKED:
+        logger.warning(
+            "step %d: a save of the same or a newer generation (%s) holds it; this save "
+            "(generation %d) stays uncommitted",
+            job.step,
+            done.manifest.generation if done.manifest else "?",
+            job.generation,
+        )
+    if done.committed_at is not None:  # this job wrote the commit (one job per save)
+        try:
+            _retention.apply_retention(job.root, job.keep_last, generation=job.generation)
+        except Exception as exc:  # noqa: BLE001 - the save is committed; retention retries next time
+            logger.warning("retention after step %d failed: %s", job.step, exc)
+    state = SaveState.COMMITTED if done.state == COMMITTED else SaveState.UPLOADED
+    return sum(e.size for e in entries), state, done.committed_at
+
+
+def _follow_data_file(job: ShardJob) -> FollowUpload | None:
+    """On object storage, upload the rank's data file while DCP writes it (``_follow_upload``)."""
+    if job.root.is_local:
+        return None  # hard links: nothing to overlap
+    out = Path(job.local_dir)
+    name = data_file(job.rank, job.save_id)
+    return FollowUpload(
+        writing_path(out, job.rank, job.save_id),
+        out / name,
+        _catalog.step_location(job.root, job.step),
+        name,
+        DEFAULT_ALGORITHM,
+        size_hint=job.num_bytes,
+    )
+
+
+def _followed(job: ShardJob, follow: FollowUpload | None) -> list[FileEntry]:
+    """The data file's entry when the follower uploaded it (else it is uploaded as usual)."""
+    if follow is None:
+        return []
+    follow.writer_done(ok=True)
+    entry = follow.result(Path(job.local_dir) / follow.name, timeout_s=_FOLLOW_END_S, stop_s=_FOLLOW_STOP_S)
+    if entry is None:
+        return []
+    logger.debug("step %d rank %d: %s uploaded while it was written", job.step, job.rank, entry.name)
+    return [entry]
+
+
+def run_shard_job(
+    job: ShardJob,
+    record: SaveRecord,
+    tensors: dict[str, Any],
+    *,
+    concurrency: int,
+    policy: RetryPolicy,
+    on_released: Callable[[], None] = lambda: None,
+) -> ShardResult:
+    """Write locally, release the arena (``on_released``), upload, commit; ``record``
+    advances staged -> uploaded (-> committed). Raises on failure (the caller marks it)."""
+    start = time.monotonic()
+    follow = _follow_data_file(job)
+    try:
+        sums: dict[str, Written] = {}
+        names = write_local(job, tensors, sums)
+        written = time.monotonic()
+        record.advance(SaveState.STAGED)
+        on_released()
+        uploaded = _followed(job, follow)
+    except BaseException:
+        if follow is not None:  # before the failure is reported: the next save needs the disk
+            follow.abandon(timeout_s=_FOLLOW_STOP_S)
+        raise
+    num_bytes, state, committed_at = upload_and_commit(
+        job, names, concurrency=concurrency, policy=policy, uploaded=uploaded, written=sums
+    )
+    record.advance(SaveState.UPLOADED)
+    if state is SaveState.COMMITTED:
+        record.advance(SaveState.COMMITTED)
+    return ShardResult(
+        step=job.step,
+        rank=job.rank,
+        num_bytes=num_bytes,
+        write_seconds=written - start,
+        upload_seconds=time.monotonic() - written,
+        state=state,
+        committed_at=committed_at,
+    )

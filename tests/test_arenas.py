@@ -1,0 +1,213 @@
+"""Snapshot arenas (``checkpoint/save/_arena.py``, ``_arena_pair.py``) and the first save's
+arena (``_first_save.py``): tensors handed to DCP own their bytes, the first arena is each
+rank's share under the owner plan, sized and touched right after the optimizer's first
+step (never by a made-up step), and a Checkpointer that only restores leaves another's
+arenas alone. The first save made ready by restore() on the node uploader is in
+test_uploader.py."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from ray_goodput import Checkpointer
+from ray_goodput.testing import run_world
+from tests._helpers import stepped as _stepped
+
+
+def test_arena_tensors_handed_to_dcp_own_their_bytes_so_dcp_does_not_clone_them(tmp_path):
+    """DCP's writer clones a tensor whose storage is larger than the tensor. Views into one
+    storage of the whole arena were all cloned: a second copy of the shard into fresh
+    memory before the write (fresh pages: 1.3 GB/s on the H200 run)."""
+    from ray_goodput.checkpoint.save._arena import Arena, open_slots
+
+    tensors = {"a": torch.randn(100, 30), "b": torch.arange(5, dtype=torch.int16), "e": torch.empty(0)}
+    arena = Arena(tmp_path / "rank-00000-1-0.arena")
+    try:
+        got = open_slots(arena.path, arena.snapshot(tensors))
+        for name, t in tensors.items():
+            assert torch.equal(got[name], t), name
+            assert got[name].untyped_storage().nbytes() == t.nbytes, name
+        # Still the arena's memory, not a copy: a newer snapshot shows through.
+        tensors["a"].add_(1)
+        arena.snapshot(tensors)
+        assert torch.equal(got["a"], tensors["a"])
+    finally:
+        arena.close()
+
+
+class _Tiny(torch.nn.Module):
+    """One large and 250 tiny replicated tensors: the owner plan balances unpadded bytes,
+    so one rank gets the tiny ones, which take 64 bytes each in an arena."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.big = torch.nn.Parameter(torch.zeros(250))
+        self.small = torch.nn.ParameterList(torch.nn.Parameter(torch.zeros(1)) for _ in range(250))
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 8])
+def test_the_first_saves_arena_size_is_each_ranks_share_under_the_owner_plan(world):
+    # Sized from one rank's state alone (no collective in restore): exactly what the
+    # owner plan gives the rank when every rank holds the same replicated leaves.
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    from ray_goodput.checkpoint.protocol import _shard_plan
+    from ray_goodput.checkpoint.save import _state_dict
+    from ray_goodput.checkpoint.save._arena import aligned
+    from ray_goodput.checkpoint.save._first_save import snapshot_size
+
+    models = [
+        torch.nn.Sequential(torch.nn.Linear(64, 300), torch.nn.Linear(300, 7), torch.nn.Embedding(1000, 33)),
+        _Tiny(),
+    ]
+    for state in map(_stepped, models):
+        with _state_dict.saving(_state_dict.classify(state)) as (sd, _):
+            flat, _ = flatten_state_dict(sd)
+            leaves = {fqn: _shard_plan.describe(v) for fqn, v in flat.items()}
+            sizes = {
+                fqn: aligned(v.numel() * v.element_size()) for fqn, v in flat.items() if isinstance(v, torch.Tensor)
+            }
+        owners = _shard_plan.assign_owners([leaves] * world)
+        for rank in range(world):
+            share = sum(sizes.get(fqn, 0) for fqn in _shard_plan.local_keys(leaves, owners, rank))
+            assert snapshot_size(state, world, rank) == share
+
+
+def test_restore_does_not_step_an_optimizer_that_never_stepped_to_size_the_first_save(tmp_path):
+    # Sizing it would run a made-up step (hooks, memory, a GradScaler): a fresh start's
+    # first save sizes and touches its arena itself (found in review).
+    model = torch.nn.Linear(32, 32)
+    optim = torch.optim.AdamW(model.parameters())
+    steps: list[int] = []
+    optim.register_step_post_hook(lambda *_: steps.append(1))
+    with Checkpointer(str(tmp_path / "r"), staging_dir=str(tmp_path / "s"), uploader="thread") as ckpt:
+        assert ckpt.restore({"model": model, "optim": optim}) is None
+        assert steps == [] and not optim.state and ckpt._arenas.arenas == []
+
+
+def test_a_fresh_starts_first_save_is_sized_and_touched_right_after_the_optimizers_first_step(tmp_path):
+    # restore() cannot size it (the optimizers hold no state yet): a fresh start's first
+    # save paid the first touch of every page of its arena (most runs' first save).
+    model = torch.nn.Linear(256, 256)
+    optim = torch.optim.AdamW(model.parameters())
+    state = {"model": model, "optim": optim}
+    with Checkpointer(str(tmp_path / "r"), staging_dir=str(tmp_path / "s"), uploader="thread") as ckpt:
+        assert ckpt.restore(state) is None and ckpt._arenas.arenas == []
+        model(torch.randn(4, 256)).sum().backward()
+        optim.step()
+        ckpt._arenas.wait_prepared()  # the background touch is done
+        arena = ckpt._arenas.arenas[0]
+        assert arena.path.is_relative_to("/dev/shm") and arena.size > 0 and not arena.pinned  # a CPU model
+        assert os.stat(arena.path).st_blocks * 512 >= arena.size  # every page is there
+        size = arena.size
+        optim.step()  # the hook fired once: nothing is sized again
+        assert ckpt._arenas.arenas[0] is arena
+        ckpt.save(1, state)
+        assert ckpt._arenas._first_steps == []  # removed by the save, outside any step()
+        assert ckpt._arenas.arenas[0].size == size  # sized ahead: the save did not grow it
+        ckpt.wait()
+        assert ckpt.stats.committed == [1]
+
+
+def test_a_save_before_the_first_step_is_not_taken_for_it(tmp_path, monkeypatch):
+    # The save describes the unstepped optimizer by a made-up step, which runs its post-step
+    # hooks: the hook that sizes the first arena must be gone by then.
+    from ray_goodput.checkpoint.save._arena_pair import ArenaPair
+
+    sized: list[int] = []  # arenas there were at each try to size arena 0
+    real = ArenaPair._size_first
+    monkeypatch.setattr(
+        ArenaPair, "_size_first", lambda self, state: sized.append(len(self.arenas)) or real(self, state)
+    )
+    model = torch.nn.Linear(64, 64)
+    optim = torch.optim.AdamW(model.parameters())
+    state = {"model": model, "optim": optim}
+    with Checkpointer(str(tmp_path / "r"), staging_dir=str(tmp_path / "s"), uploader="thread") as ckpt:
+        ckpt.restore(state)
+        assert sized == [0] and ckpt._arenas._first_steps  # tried in restore; now waiting for a step
+        ckpt.save(1, state)
+        assert sized == [0] and ckpt._arenas._first_steps == [] and not optim.state
+        ckpt.wait()  # else save 2 may supersede it in the lane, before its upload started
+        model(torch.randn(4, 64)).sum().backward()
+        optim.step()
+        assert sized == [0]
+        ckpt.save(2, state)
+        ckpt.wait()
+        assert ckpt.stats.committed == [1, 2]
+
+
+def _fresh_ddp_start(rank: int, world_size: int, root: str, staging: str) -> dict:
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(
+        torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 64))
+    )
+    optim = torch.optim.AdamW(model.parameters())
+    state = {"model": model, "optim": optim}
+    with Checkpointer(root, staging_dir=f"{staging}/{rank}", uploader="thread") as ckpt:
+        assert ckpt.restore(state) is None
+        model(torch.randn(8, 256)).sum().backward()  # DDP's all-reduce: both ranks step together
+        optim.step()
+        ckpt._arenas.wait_prepared()  # the background touch is done
+        arena = ckpt._arenas.arenas[0]
+        size = arena.size
+        ckpt.save(1, state)
+        ckpt.wait()
+        from ray_goodput.checkpoint.save._first_save import snapshot_size
+
+        return {
+            "size": size,
+            "same_arena": ckpt._arenas.arenas[0] is arena and arena.size == size,
+            "whole": snapshot_size(state, 1, 0),
+            "committed": list(ckpt.stats.committed),
+        }
+
+
+def test_a_fresh_ddp_start_sizes_each_ranks_first_arena_after_the_first_step(tmp_path):
+    # Each rank sizes its share alone, inside its step (no collective there): the owner
+    # plan that the first save exchanges gives each rank what its hook sized.
+    out = run_world(_fresh_ddp_start, 2, str(tmp_path / "root"), str(tmp_path / "s"), timeout_s=240)
+    assert all(r["size"] > 0 and r["same_arena"] and r["committed"] == [1] for r in out), out
+    assert out[0]["size"] + out[1]["size"] == out[0]["whole"], out  # each its share, not the whole
+
+
+def test_the_first_step_hook_leaves_the_users_own_post_step_hooks_running(tmp_path):
+    # It removed itself while step() was iterating over the hooks: a hook registered after
+    # it (an EMA update, a second Checkpointer's) met "OrderedDict mutated during
+    # iteration", and the first training step raised (found in review).
+    model = torch.nn.Linear(64, 64)
+    optim = torch.optim.AdamW(model.parameters())
+    state = {"model": model, "optim": optim}
+    with Checkpointer(str(tmp_path / "r"), staging_dir=str(tmp_path / "s"), uploader="thread") as ckpt:
+        ckpt.restore(state)
+        ran: list[int] = []
+        optim.register_step_post_hook(lambda *_: ran.append(1))
+        for _ in range(2):
+            model(torch.randn(4, 64)).sum().backward()
+            optim.step()
+        assert ran == [1, 1] and ckpt._arenas.arenas  # sized after the first step
+        ckpt.save(1, state)
+        ckpt.wait()
+        assert ckpt.stats.committed == [1]
+
+
+def test_a_checkpointer_that_only_restores_leaves_another_ones_arenas_alone(tmp_path):
+    # Arenas were named by run, rank and process: a second Checkpointer of the process on
+    # the same run (restoring into an eval copy) prepared, resized and unlinked the
+    # trainer's arena files (found in review).
+    root = str(tmp_path / "r")
+    trainer_state = _stepped(torch.nn.Linear(64, 64))
+    with Checkpointer(root, staging_dir=str(tmp_path / "s"), uploader="thread") as trainer:
+        trainer.save(1, trainer_state)
+        trainer.wait()
+        paths = [a.path for a in trainer._arenas.arenas if a.path.exists()]  # arena 1: never used
+        assert paths
+        with Checkpointer(root, staging_dir=str(tmp_path / "e"), uploader="thread") as evaluator:
+            assert evaluator.restore(_stepped(torch.nn.Linear(64, 64))) == 1
+            assert not {a.path for a in evaluator._arenas.arenas} & set(paths)
+        assert all(p.exists() for p in paths)
+        trainer.save(2, trainer_state)
+        trainer.wait()
+        assert trainer.stats.committed == [1, 2]
