@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 
 import _results
+import _step_failures
 import _targets
 import torch
 
@@ -751,10 +752,11 @@ def main() -> int:
     )
     parser.add_argument(
         "--mode",
-        choices=["fixed", "s3-poisson"],
+        choices=["fixed", "s3-poisson", "step-failures"],
         default="fixed",
         help="fixed: local storage, --every, --fail-at (the default); s3-poisson: moto S3, "
-        "a Poisson failure schedule, each system at its planned interval",
+        "a Poisson failure schedule, each system at its planned interval; step-failures: replica "
+        "mode against whole-group restarts, failures counted in steps (benchmarks/_step_failures.py)",
     )
     parser.add_argument("--mb-per-rank", type=int, default=256, help="s3-poisson: state per rank, MiB")
     parser.add_argument("--mtbf-s", type=float, default=60.0, help="s3-poisson: the schedule's mean")
@@ -762,7 +764,18 @@ def main() -> int:
     parser.add_argument("--horizon-s", type=float, default=900.0, help="s3-poisson: schedule length")
     parser.add_argument("--systems", nargs="+", choices=list(S3_SYSTEMS), default=list(S3_SYSTEMS))
     parser.add_argument("--table", action="store_true", help="s3-poisson: only print the table of --out")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="step-failures: schedule seeds")
+    parser.add_argument("--failures", type=int, default=3, help="step-failures: failures per run")
+    parser.add_argument("--state-mb", type=int, default=72, help="step-failures: DDP state per rank, MiB")
+    parser.add_argument(
+        "--step-systems", nargs="+", choices=list(_step_failures.SYSTEMS), default=list(_step_failures.SYSTEMS)
+    )
     args = parser.parse_args()
+    if args.mode == "step-failures":
+        if args.out == RESULTS:
+            args.out = _step_failures.RESULTS
+        args.mb_per_rank, args.systems = args.state_mb, args.step_systems
+        return _step_failures.main(args, _results.start_run("goodput_under_failures"))
     if args.mode == "s3-poisson":
         if args.out == RESULTS:
             args.out = S3_RESULTS

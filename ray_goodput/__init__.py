@@ -22,6 +22,7 @@ _EXPORTS = {
     "GoodputCallback": "ray_goodput.driver",
     "Recovery": "ray_goodput.driver",
     "TorchTrainer": "ray_goodput.driver",
+    "ReplicaGroups": "ray_goodput.replica",
     "record_end": "ray_goodput.goodput",
     "record_step": "ray_goodput.goodput",
     "CacheFullError": "ray_goodput.errors",
@@ -41,7 +42,7 @@ __all__ = sorted(_EXPORTS)
 
 #: subpackages reachable as attributes (``ray_goodput.data.DataLoader`` after ``import ray_goodput``)
 _SUBPACKAGES = frozenset(
-    {"checkpoint", "cli", "data", "driver", "errors", "goodput", "plan", "runtime", "storage", "testing"}
+    {"checkpoint", "cli", "data", "driver", "errors", "goodput", "plan", "replica", "runtime", "storage", "testing"}
 )
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, _SUBPACKAGES)
@@ -63,3 +64,4 @@ if TYPE_CHECKING:
         StorageUnusableError,
     )
     from ray_goodput.goodput import record_end, record_step
+    from ray_goodput.replica import ReplicaGroups

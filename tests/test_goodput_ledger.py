@@ -92,3 +92,15 @@ def test_superseded_checkpoints_are_counted_in_the_ledger_and_its_metrics():
     assert ledger.checkpoints_superseded == 2
     assert ledger.as_metrics()["goodput/checkpoints_superseded"] == 2
     assert sum(ledger.seconds.values()) == pytest.approx(ledger.total)
+
+
+def test_steps_with_fewer_replicas_than_configured_count_their_missing_share_as_degraded():
+    a = _attempt(100.0, 0, 10, end=True)
+    for e in a:
+        if e["e"] == "step" and 4 <= e["step"] <= 6:
+            e["capacity"] = 0.5  # 1 of 2 replicas while the other was replaced
+    ledger = compute([a], job_start=100.0)
+    assert ledger.seconds["degraded"] == pytest.approx(3 * 0.9 * 0.5)
+    assert ledger.seconds["productive"] == pytest.approx(10 * 0.9 - 3 * 0.9 * 0.5)
+    assert sum(ledger.seconds.values()) == pytest.approx(ledger.total)
+    assert ledger.steps_kept == 10 and ledger.failures == 0  # no restart: the job kept going

@@ -28,6 +28,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("ray_goodput.checkpoint.save",),
     ("ray_goodput.checkpoint.uploader", "ray_goodput.checkpoint.restore"),
     ("ray_goodput.checkpoint", "ray_goodput.data"),
+    ("ray_goodput.replica",),
     ("ray_goodput.driver",),
     ("ray_goodput.cli", "ray_goodput.demo"),
     ("ray_goodput",),

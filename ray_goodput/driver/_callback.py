@@ -135,6 +135,18 @@ class GoodputCallback(UserCallback):
         except Exception as exc:  # noqa: BLE001 - never fail the run over accounting
             logger.warning("goodput ledger update failed: %s", exc)
 
+    def publish_final(self, run_context: Any) -> None:
+        """Publish the job's ledger as final, once. Ray calls ``after_report`` only on a
+        ``ray.train.report``; replica mode never reports (its barrier would wait for a
+        replica being replaced), so its controller callback calls this when the run ends."""
+        if self._state.get("finished"):
+            return
+        try:
+            self._publish(run_context, self.refresh(run_context), final=True)
+            self._state["finished"] = True
+        except Exception as exc:  # noqa: BLE001 - never fail the run over accounting
+            logger.warning("goodput ledger update failed: %s", exc)
+
     def after_exception(self, run_context: Any, worker_exceptions: dict[int, Exception]) -> None:
         self._root(run_context)  # names the MLflow run before its first entry
         texts = [f"rank {rank}: {type(exc).__name__}: {exc}" for rank, exc in worker_exceptions.items()]

@@ -28,7 +28,7 @@ from typing import Any, Literal
 
 import ray
 from ray.train.v2._internal.exceptions import WorkerHealthCheckFailedError
-from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
+from ray.train.v2._internal.execution.callback import ControllerCallback, ReplicaGroupCallback, WorkerGroupCallback
 from ray.train.v2.api.exceptions import ControllerError, WorkerGroupError
 
 from ray_goodput.checkpoint import newest_valid, next_generation, pin_resume
@@ -101,7 +101,7 @@ def workers_that_fit(node_resources: dict[str, float], per_worker: dict[str, flo
     return int(min(node_resources.get(r, 0.0) // v for r, v in per_worker.items()))
 
 
-class Recovery(ControllerCallback, WorkerGroupCallback):
+class Recovery(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):
     """Driver-side recovery for a Ray Train run; see the module docstring.
 
     ``health_check``: None, ``"gpu"`` (:func:`ray_goodput.driver._gpu_check.gpu_check`) or a
@@ -196,6 +196,13 @@ class Recovery(ControllerCallback, WorkerGroupCallback):
         self._rank_nodes = {w.distributed_context.world_rank: w.metadata.node_id for w in workers}
         # Before the training function starts: every rank of this attempt gets the same step.
         worker_group.execute(set_decision, self._pending_decision)
+
+    def after_replica_group_start(self, replica_group: Any) -> None:
+        """Replica mode replaced a failed replica alone: its rank runs in a new process, maybe
+        on another node, and a failure there is a new one to count."""
+        for w in replica_group.get_workers():
+            self._rank_nodes[w.distributed_context.world_rank] = w.metadata.node_id
+        self._counted = set()
 
     def after_worker_group_poll_status(self, worker_group_status: Any) -> None:
         errors = worker_group_status.errors

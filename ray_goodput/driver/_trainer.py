@@ -1,8 +1,10 @@
-"""``ray_goodput.TorchTrainer``: Ray's TorchTrainer plus ``callbacks=`` and ``recovery=``.
+"""``ray_goodput.TorchTrainer``: Ray's TorchTrainer plus ``callbacks=``, ``recovery=`` and
+``fault_tolerance=``.
 
 A subclass, not a wrapper: it stays a ``ray.train.torch.TorchTrainer`` for every isinstance
 check, every argument and method keeps Ray's meaning and documentation, and the only thing
-it changes is what ends up in ``RunConfig.callbacks`` (Ray 2.60 takes callbacks only there).
+it changes is what ends up in ``RunConfig.callbacks`` (Ray 2.60 takes callbacks only there)
+and, in replica mode, the torch backend and the default failure budget.
 """
 
 from __future__ import annotations
@@ -16,9 +18,12 @@ import ray.train
 import ray.train.torch
 from ray.train.v2.api.callback import RayTrainCallback
 
+from ray_goodput.driver._callback import GoodputCallback
 from ray_goodput.driver._node_services import NodeServices
 from ray_goodput.driver._recovery import Recovery, load_state
+from ray_goodput.driver._replicas import ReplicaSupport, replica_kwargs
 from ray_goodput.errors import ConfigError
+from ray_goodput.replica import ReplicaGroups
 from ray_goodput.runtime import run_root
 from ray_goodput.storage import resolve
 
@@ -28,12 +33,15 @@ _DEFAULT_RECOVERY: Any = object()  # "a fresh Recovery()", told apart from an ex
 
 
 class TorchTrainer(ray.train.torch.TorchTrainer):
-    """Ray's ``TorchTrainer`` with two more keyword arguments.
+    """Ray's ``TorchTrainer`` with three more keyword arguments.
 
     ``callbacks``: Ray Train callbacks (e.g. ``GoodputCallback()``), appended to
     ``RunConfig.callbacks``. ``recovery``: a :class:`Recovery` (default ``Recovery()``, or the
     one already in the callbacks); ``None`` turns driver-side recovery off. After ``fit``,
     ``self.recovery`` holds what the controller's copy recorded (``isolated_nodes``...).
+    ``fault_tolerance``: ``ReplicaGroups(...)`` for replica mode (each worker a replica
+    group that is replaced alone when it fails; the training function uses
+    ``ray_goodput.replica.Replica``), or None (a failure restarts the whole group).
     """
 
     def __init__(
@@ -43,10 +51,15 @@ class TorchTrainer(ray.train.torch.TorchTrainer):
         callbacks: Sequence[RayTrainCallback] | None = None,
         recovery: Recovery | None = _DEFAULT_RECOVERY,
         run_config: ray.train.RunConfig | None = None,
+        fault_tolerance: ReplicaGroups | None = None,
         **kwargs: Any,
     ) -> None:
         run_config = run_config or ray.train.RunConfig()
         merged = list(run_config.callbacks or []) + list(callbacks or [])
+        if fault_tolerance is not None:
+            run_config, kwargs = replica_kwargs(fault_tolerance, run_config, kwargs)
+            goodput = next((c for c in merged if isinstance(c, GoodputCallback)), None)
+            merged.append(ReplicaSupport(fault_tolerance, goodput))
         self.recovery = _pick_recovery(merged, recovery)
         if self.recovery is not None and not any(c is self.recovery for c in merged):
             merged.append(self.recovery)

@@ -4,6 +4,9 @@ Input: each attempt's events (one attempt = one worker-group run, as recorded by
 Buckets (named after the ml-goodput-measurement taxonomy where they match):
 
 - ``productive``: steps whose results were kept,
+- ``degraded``: in replica mode, the share of kept steps' time that missing replicas would
+  have computed (a step of P of R configured replicas is P/R productive): capacity lost
+  while a replica was replaced, not time,
 - ``lost``: steps computed after the checkpoint the next attempt resumed from (redone),
 - ``checkpoint_stall``: the loop blocked by ``Checkpointer.save``,
 - ``data_stall``: the loop waiting for a batch,
@@ -19,7 +22,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-BUCKETS = ("productive", "lost", "checkpoint_stall", "data_stall", "restore", "restart_downtime", "startup", "other")
+BUCKETS = (
+    "productive",
+    "degraded",
+    "lost",
+    "checkpoint_stall",
+    "data_stall",
+    "restore",
+    "restart_downtime",
+    "startup",
+    "other",
+)
 
 
 @dataclass
@@ -83,7 +96,10 @@ def _account_steps(ledger: Ledger, events: list[dict[str, Any]], keep_upto: int 
         n = max(1, int(e.get("n", 1)))
         first = e["step"] - n + 1
         kept_steps = n if keep_upto is None else max(0, min(n, keep_upto - first + 1))
-        ledger.seconds["productive"] += work * kept_steps / n
+        kept = work * kept_steps / n
+        capacity = min(1.0, max(0.0, float(e.get("capacity", 1.0))))  # replica mode: P of R replicas
+        ledger.seconds["productive"] += kept * capacity
+        ledger.seconds["degraded"] += kept * (1.0 - capacity)
         ledger.seconds["lost"] += work * (n - kept_steps) / n
         ledger.seconds["data_stall"] += fetch
         ledger.seconds["checkpoint_stall"] += ckpt

@@ -61,8 +61,9 @@ class StepRecorder:
         if self.log is not None:
             self.log.emit("ckpt_superseded", step=step, t=time.time())
 
-    def step(self, step: int, *, fetch_seconds: float = 0.0, explicit: bool = True) -> None:
-        """Step ``step`` just finished: everything since the previous mark belongs to it."""
+    def step(self, step: int, *, fetch_seconds: float = 0.0, explicit: bool = True, capacity: float = 1.0) -> None:
+        """Step ``step`` just finished: everything since the previous mark belongs to it.
+        ``capacity``: the share of the configured replicas that computed it (replica mode)."""
         now = time.time()
         with self._lock:
             if explicit:
@@ -78,6 +79,8 @@ class StepRecorder:
                 "fetch": self._fetch + fetch_seconds,
                 "ckpt": self._ckpt,
             }
+            if capacity < 1.0:
+                event["capacity"] = capacity
             self._mark, self._last_step = now, step
             self._fetch = self._ckpt = 0.0
         if self.log is not None:

@@ -12,7 +12,9 @@ from typing import Any
 
 from ray_goodput.goodput._ledger import BUCKETS, resumed_from
 
-COLORS = dict(zip(BUCKETS, ["#2ca02c", "#d62728", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22"]))
+COLORS = dict(
+    zip(BUCKETS, ["#2ca02c", "#98df8a", "#d62728", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22"])
+)
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,12 @@ disagree about the world they run in.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 import sys
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,7 +105,33 @@ def run_root(storage_context: Any) -> StorageLocation:
     return StorageLocation(uri=f"{scheme}{root}", fs=fs, root=root)
 
 
+_one = threading.local()
+
+
+@contextlib.contextmanager
+def world_of_one() -> Iterator[None]:
+    """While inside (this thread): this process is rank 0 of a world of one, outside any
+    Ray Train barrier (``in_ray_train`` False), on its own node and run directory.
+
+    For a component made inside that must act alone: replica mode's durable saver, whose
+    peers are other replica groups (Ray Train's world), not ranks of its own save; a
+    ``ray.train.report`` there would wait for a replica that is being replaced."""
+    before = getattr(_one, "active", False)
+    _one.active = True
+    try:
+        yield
+    finally:
+        _one.active = before
+
+
 def _detect() -> WorkerContext:
+    found = _detect_world()
+    if getattr(_one, "active", False):
+        return dataclasses.replace(found, rank=0, world_size=1, in_ray_train=False)
+    return found
+
+
+def _detect_world() -> WorkerContext:
     node_id = imported("ray").get_runtime_context().get_node_id() if ray_initialized() else None
     ctx = _ray_train_context()
     if ctx is not None:

@@ -1,0 +1,393 @@
+"""``goodput_under_failures.py --mode step-failures``: replica mode against whole-group restarts.
+
+One seeded failure schedule **counted in steps of work** (rank 1 is SIGKILLed during those
+steps, once each: a restarted group redoes the step without dying), so every system meets
+the same failures; several seeds; the systems interleaved within each seed. A DDP model with
+``--mb-per-rank`` MiB of state per rank (weights + AdamW), real gradients all-reduced over
+gloo, checkpoints on S3 (moto over HTTP) every ``--every`` steps:
+
+    rt_async_dcp   stock Ray Train: dcp.save into a local dir, ray.train.report(ASYNC);
+                   a failure restarts the whole group, which resumes from Ray's checkpoint
+    rg_whole       ray_goodput.TorchTrainer + Checkpointer; whole-group restart
+    rg_replicas    ray_goodput.TorchTrainer(fault_tolerance=ReplicaGroups()) + Replica: only
+                   the failed replica is replaced, the survivor keeps stepping
+
+Every system feeds the same goodput ledger (GoodputCallback). Reported: goodput, every
+badput bucket, the cost per failure (lost + restart downtime + restore + degraded seconds
+over failures) and the survivors' largest step gap; MET / MISSED against ``targets.toml``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import _results
+import _targets
+import torch
+
+SYSTEMS = {
+    "rt_async_dcp": "Ray Train, whole-group restart, ASYNC dcp report",
+    "rg_whole": "ray_goodput, whole-group restart",
+    "rg_replicas": "ray_goodput, replica mode",
+}
+SAMPLES, BATCH, DIM = 100_000, 8, 1024
+RESULTS = _results.default_path("goodput_under_failures_step_failures")
+
+
+def failure_steps(seed: int, steps: int, failures: int) -> list[int]:
+    """``failures`` distinct steps in the middle of the run, seeded, at least 5 apart."""
+    rng = random.Random(seed)
+    for _ in range(1000):
+        picks = sorted(rng.sample(range(10, steps - 5), failures))
+        if all(b - a >= 5 for a, b in zip(picks, picks[1:])):
+            return picks
+    raise ValueError(f"cannot place {failures} failures 5 steps apart in {steps} steps")
+
+
+class _Ints(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return SAMPLES
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.tensor(i)
+
+
+def _model(mb_per_rank: int) -> torch.nn.Module:
+    layers = max(1, round(mb_per_rank * 2**20 / 12 / (DIM * DIM)))  # fp32 weights + exp_avg + exp_avg_sq
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[torch.nn.Linear(DIM, DIM, bias=False) for _ in range(layers)])
+
+
+def _loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    x = torch.sin(ids.float()[:, None] * torch.arange(DIM) / 1000.0)
+    return model(x).pow(2).mean()
+
+
+def _faults(cfg: dict):
+    from ray_goodput.testing import FailAt
+
+    return [FailAt(step=s, rank=1, marker_dir=cfg["markers"]) for s in cfg["fail_at"]]
+
+
+def _log(cfg: dict, rank: int):
+    return open(Path(cfg["markers"]) / f"steps-{rank}-{os.getpid()}.jsonl", "a", buffering=1)
+
+
+def whole_group_loop(cfg: dict) -> None:
+    """rt_async_dcp and rg_whole: torch DDP over gloo, a whole-group restart per failure."""
+    import ray.train
+    import ray.train.torch
+    import torch.distributed as dist
+
+    from ray_goodput.goodput import get_recorder, record_step
+
+    torch.set_num_threads(1)
+    rank, rec = dist.get_rank(), get_recorder()
+    base = _model(cfg["mb_per_rank"])
+    model = ray.train.torch.prepare_model(base)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    saver = _RayAsyncDcp(cfg, base, optim, rank) if cfg["system"] == "rt_async_dcp" else _Goodput(base, optim)
+    t0 = time.time()
+    step = saver.restore()
+    if cfg["system"] == "rt_async_dcp":
+        rec.restored(step, t0, time.time())
+    faults, log = _faults(cfg), _log(cfg, rank)
+    while step < cfg["steps"]:
+        for f in faults:
+            f.maybe_fail(step + 1, rank)
+        ids = torch.arange(step * 2 * BATCH + rank * BATCH, step * 2 * BATCH + (rank + 1) * BATCH)
+        optim.zero_grad()
+        _loss(model, ids).backward()
+        optim.step()
+        time.sleep(cfg["compute_s"])
+        step += 1
+        record_step(step)
+        log.write(json.dumps({"step": step, "t": time.time()}) + "\n")
+        if step % cfg["every"] == 0:
+            b = time.perf_counter()
+            saver.save(step)
+            if cfg["system"] == "rt_async_dcp":
+                rec.add_checkpoint_stall(time.perf_counter() - b)
+    saver.close()
+    if cfg["system"] == "rt_async_dcp":
+        rec.end()
+
+
+def replica_loop(cfg: dict) -> None:
+    """rg_replicas: each worker a torchft replica group; a failure replaces that one alone."""
+    import ray.train
+
+    from ray_goodput.replica import Replica
+
+    torch.set_num_threads(1)
+    slot = ray.train.get_context().get_world_rank()
+    model = _model(cfg["mb_per_rank"])
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    faults, log = _faults(cfg), _log(cfg, slot)
+    with Replica(
+        model, optim, _Ints(), batch_size=BATCH, shuffle=False, save_every=cfg["every"], checkpoint={"keep_last": 2}
+    ) as rep:
+        for ids in rep.batches(total_steps=cfg["steps"]):
+            for f in faults:
+                f.maybe_fail(rep.current_step + 1, slot)
+            _loss(rep.model, ids).backward()
+            time.sleep(cfg["compute_s"])
+            if rep.step():
+                log.write(json.dumps({"step": rep.current_step, "t": time.time(), "n": rep.participants}) + "\n")
+
+
+class _Goodput:
+    def __init__(self, model, optim) -> None:
+        from ray_goodput import Checkpointer
+
+        self.state = {"model": model, "optim": optim}
+        self.ckpt = Checkpointer(keep_last=2)
+
+    def restore(self) -> int:
+        return self.ckpt.restore(self.state) or 0
+
+    def save(self, step: int) -> None:
+        self.ckpt.save(step, self.state)
+
+    def close(self) -> None:
+        self.ckpt.close()
+
+
+class _RayAsyncDcp:
+    """Every rank dcp.save()s into a local directory; ray.train.report(ASYNC) uploads it."""
+
+    def __init__(self, cfg: dict, model, optim, rank: int) -> None:
+        self.model, self.optim = model, optim
+        self.stage = Path(cfg["stage"]) / f"rank-{rank}"
+        self.stage.mkdir(parents=True, exist_ok=True)
+
+    def restore(self) -> int:
+        import ray.train
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        ckpt = ray.train.get_checkpoint()
+        if ckpt is None:
+            return 0
+        msd, osd = get_state_dict(self.model, self.optim)
+        sd = {"model": msd, "optim": osd}
+        with ckpt.as_directory() as d:
+            dcp.load(sd, checkpoint_id=d)
+        set_state_dict(self.model, self.optim, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        dist.barrier()
+        return int(Path(ckpt.path).name.split("-")[-1])
+
+    def save(self, step: int) -> None:
+        import ray.train
+        import torch.distributed.checkpoint as dcp
+        from ray.train import Checkpoint, CheckpointUploadMode
+        from torch.distributed.checkpoint import FileSystemWriter
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        name = f"step-{step:07d}"
+        local = self.stage / name
+        msd, osd = get_state_dict(self.model, self.optim)
+        dcp.save({"model": msd, "optim": osd}, storage_writer=FileSystemWriter(str(local), sync_files=False))
+        ray.train.report(
+            {"step": step},
+            checkpoint=Checkpoint.from_directory(str(local)),
+            checkpoint_dir_name=name,
+            checkpoint_upload_mode=CheckpointUploadMode.ASYNC,
+            delete_local_checkpoint_after_upload=True,
+        )
+
+    def close(self) -> None:
+        pass
+
+
+def run_one(system: str, seed: int, fail_at: list[int], root: Path, endpoint: str, args) -> dict:
+    import pyarrow.fs as pafs
+    import ray.train.torch
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+
+    import ray_goodput
+    from ray_goodput.goodput import compute
+    from ray_goodput.goodput._events import read_events
+    from ray_goodput.goodput._report import summary
+    from ray_goodput.storage import StorageLocation
+
+    fs = pafs.S3FileSystem(endpoint_override=endpoint, scheme="http", allow_bucket_creation=True)
+    bucket = f"bench-{system.replace('_', '-')}-{seed}-{os.getpid()}"
+    fs.create_dir(bucket)
+    markers = root / f"{system}-{seed}"
+    markers.mkdir(parents=True)
+    cfg = {
+        "system": system,
+        "markers": str(markers),
+        "stage": str(root / f"{system}-{seed}-stage"),
+        "steps": args.steps,
+        "every": args.every,
+        "compute_s": args.compute_s,
+        "mb_per_rank": args.mb_per_rank,
+        "fail_at": fail_at,
+    }
+    run_config = RunConfig(
+        name=system,
+        storage_path=f"{bucket}/runs",
+        storage_filesystem=fs,
+        failure_config=FailureConfig(max_failures=len(fail_at) + 2),
+        callbacks=[ray_goodput.GoodputCallback(tracking_uri=f"sqlite:///{root}/mlflow.db")],
+    )
+    common = {"train_loop_config": cfg, "scaling_config": ScalingConfig(num_workers=2), "run_config": run_config}
+    if system == "rt_async_dcp":
+        trainer = ray.train.torch.TorchTrainer(whole_group_loop, **common)
+    else:
+        extra = {"recovery": ray_goodput.Recovery(max_failures_per_node=len(fail_at) + 3)}  # one node
+        if system == "rg_replicas":
+            extra["fault_tolerance"] = ray_goodput.ReplicaGroups()
+        loop = replica_loop if system == "rg_replicas" else whole_group_loop
+        trainer = ray_goodput.TorchTrainer(loop, **common, **extra)
+    start = time.time()
+    trainer.fit()
+    wall = time.time() - start
+    where = f"{bucket}/runs/{system}"
+    ledger = summary(
+        compute(list(read_events(StorageLocation(uri=f"s3://{where}", fs=fs, root=where)).values()), job_start=start)
+    )
+    return {
+        "system": system,
+        "seed": seed,
+        "fail_at": fail_at,
+        "wall_s": wall,
+        "ledger": ledger,
+        "survivor_max_gap_s": _survivor_gap(markers, fail_at),
+    }
+
+
+def _survivor_gap(markers: Path, fail_at: list[int]) -> float | None:
+    """Rank 0's largest wait between two recorded steps around a failure (None: it restarted)."""
+    logs = list(markers.glob("steps-0-*.jsonl"))
+    if len(logs) != 1:
+        return None
+    recs = [json.loads(line) for line in logs[0].read_text().splitlines()]
+    gaps = [b["t"] - a["t"] for a, b in zip(recs, recs[1:])]
+    return round(max(gaps), 3) if gaps else None
+
+
+def table(results: list[dict], args) -> str:
+    out = [
+        f"{args.steps} steps, 2 workers, DDP with {args.mb_per_rank} MiB of state per rank, checkpoints every "
+        f"{args.every} steps on moto S3; rank 1 SIGKILLed during the steps of `fail at`, seeded per seed\n",
+        "| seed | system | fail at | wall s | goodput | productive s | degraded s | lost s | checkpoint stall s "
+        "| restore s | restart downtime s | startup s | other s | cost per failure s | survivor max gap s |",
+        "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        g, sec = r["ledger"], r["ledger"]["seconds"]
+        per = (sec["lost"] + sec["restart_downtime"] + sec["restore"] + sec.get("degraded", 0.0)) / len(r["fail_at"])
+        gap = "-" if r["survivor_max_gap_s"] is None else f"{r['survivor_max_gap_s']:.2f}"
+        out.append(
+            f"| {r['seed']} | {SYSTEMS[r['system']]} | {r['fail_at']} | {r['wall_s']:.1f} | {g['goodput']:.1%} | "
+            f"{sec['productive']:.1f} | {sec.get('degraded', 0.0):.1f} | {sec['lost']:.1f} | "
+            f"{sec['checkpoint_stall']:.1f} | {sec['restore']:.1f} | {sec['restart_downtime']:.1f} | "
+            f"{sec['startup']:.1f} | {sec.get('other', 0.0):.1f} | {per:.1f} | {gap} |"
+        )
+    return "\n".join(out) + "\n\n" + verdicts(results) + "\n"
+
+
+def verdicts(results: list[dict]) -> str:
+    targets = _targets.load("goodput_under_failures")
+    by = {(r["seed"], r["system"]): r for r in results}
+    seeds = sorted({r["seed"] for r in results})
+    lines = [
+        "| seed | replica / Ray goodput | rg whole-group / Ray goodput | survivor max gap s |",
+        "|---:|---:|---:|---:|",
+    ]
+    rep, whole, gaps = [], [], []
+    for s in seeds:
+        ray_g = by[(s, "rt_async_dcp")]["ledger"]["goodput"] if (s, "rt_async_dcp") in by else None
+        row = [str(s)]
+        for system, acc in (("rg_replicas", rep), ("rg_whole", whole)):
+            if ray_g and (s, system) in by:
+                acc.append(by[(s, system)]["ledger"]["goodput"] / ray_g)
+                row.append(f"{acc[-1]:.2f}×")
+            else:
+                row.append("-")
+        gap = by.get((s, "rg_replicas"), {}).get("survivor_max_gap_s")
+        if gap is not None:
+            gaps.append(gap)
+        row.append("-" if gap is None else f"{gap:.2f}")
+        lines.append("| " + " | ".join(row) + " |")
+    if rep:
+        lines.append(
+            f"\nreplica mode / Ray whole-group goodput, worst seed {min(rep):.2f}× (mean "
+            f"{statistics.mean(rep):.2f}×) → {targets['replica_goodput'].verdict(min(rep))}"
+        )
+    if gaps:
+        lines.append(
+            f"survivors' largest step gap {max(gaps):.2f} s → {targets['survivor_step_gap_s'].verdict(max(gaps))}"
+        )
+    if whole:
+        lines.append(
+            f"ray_goodput whole-group / Ray whole-group goodput, worst seed {min(whole):.2f}× → "
+            f"{targets['whole_group_goodput'].verdict(min(whole))}"
+        )
+    return "\n".join(lines)
+
+
+def main(args, meta: dict) -> int:
+    import ray
+
+    from ray_goodput.testing._s3 import start_moto_server
+
+    env = {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_EC2_METADATA_DISABLED": "true",
+    }
+    for k, v in env.items():
+        os.environ.setdefault(k, v)
+    moto, endpoint = start_moto_server()
+    root = Path(tempfile.mkdtemp(prefix="goodput-steps-"))
+    out = args.out
+    results = []
+    try:
+        ray.init(
+            address="local",
+            num_cpus=4,
+            log_to_driver=False,
+            include_dashboard=False,
+            runtime_env={"env_vars": {**env, "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.1"}},
+        )
+        for seed in args.seeds:
+            fail_at = failure_steps(seed, args.steps, args.failures)
+            order = list(args.systems) if seed % 2 == 0 else list(reversed(args.systems))  # interleaved
+            for system in order:
+                results.append(run_one(system, seed, fail_at, root, endpoint, args))
+                sys.stdout.write(
+                    f"[seed {seed} {system}] {results[-1]['wall_s']:.0f} s, goodput "
+                    f"{results[-1]['ledger']['goodput']:.1%}\n"
+                )
+                sys.stdout.flush()
+                _results.write(
+                    out,
+                    meta,
+                    {
+                        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+                        "load_avg": os.getloadavg(),
+                        "runs": results,
+                    },
+                )
+    finally:
+        ray.shutdown()
+        moto.terminate()
+        moto.wait(timeout=10)
+        shutil.rmtree(root, ignore_errors=True)
+    sys.stdout.write("\n" + table(results, args))
+    sys.stdout.write(f"\nresults written to {out}\n")
+    return 0

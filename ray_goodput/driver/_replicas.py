@@ -1,0 +1,96 @@
+"""Driver side of replica mode: what the workers are told when they start or replace one."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any
+
+import ray.train
+from ray.train.v2._internal.execution.callback import ControllerCallback, ReplicaGroupCallback, WorkerGroupCallback
+
+from ray_goodput.errors import ConfigError
+from ray_goodput.replica import ReplicaGroups
+from ray_goodput.replica._config import require_torchft
+from ray_goodput.runtime._join import WorkerJoin, set_join
+
+logger = logging.getLogger(__name__)
+
+
+class ReplicaSupport(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):
+    """Tells each worker how it joined (whole-group start, replacement, or a replacement
+    whose peers finished) and the mode's settings, before its training function starts;
+    counts and logs replacements; publishes the goodput ledger when the run ends.
+
+    A worker-group callback (Ray passes only those to the worker group) that is also a
+    replica-group callback (the hooks Ray 2.60 calls on a replacement) and a controller
+    callback (``goodput``: the run's GoodputCallback, whose ``after_report`` never comes in
+    this mode)."""
+
+    def __init__(self, settings: ReplicaGroups, goodput: Any = None) -> None:
+        self.settings = settings
+        self.goodput = goodput
+        self._run_context: Any = None
+        self.replacements: list[dict[str, Any]] = []
+        self._ranks: set[int] = set()
+        self._finished: set[int] = set()  # ranks whose training function returned
+
+    def _join(self, kind: str) -> WorkerJoin:
+        return WorkerJoin(kind, dataclasses.asdict(self.settings))
+
+    def after_controller_start(self, train_run_context: Any) -> None:
+        self._run_context = train_run_context
+
+    def after_controller_finish(self, result: Any) -> None:
+        if self.goodput is not None and self._run_context is not None:
+            self.goodput.publish_final(self._run_context)
+
+    def after_worker_group_start(self, worker_group: Any) -> None:
+        self._ranks = {w.distributed_context.world_rank for w in worker_group.get_workers()}
+        self._finished = set()
+        worker_group.execute(set_join, self._join("start"))
+
+    def after_worker_group_poll_status(self, worker_group_status: Any) -> None:
+        statuses = worker_group_status.worker_statuses
+        self._finished |= {rank for rank, st in statuses.items() if not st.running and st.error is None}
+
+    def after_replica_group_start(self, replica_group: Any) -> None:
+        ranks = {w.distributed_context.world_rank for w in replica_group.get_workers()}
+        self._finished -= ranks
+        done = bool(self._ranks - ranks) and self._ranks - ranks <= self._finished
+        replica_group.execute(set_join, self._join("done" if done else "replacement"))
+        self.replacements.append({"time": time.time(), "ranks": sorted(ranks), "peers_finished": done})
+        logger.info(
+            "replica group of rank(s) %s replaced; %s",
+            sorted(ranks),
+            "its peers had finished: it ends at once" if done else "the others kept running",
+        )
+
+
+def replica_kwargs(settings: ReplicaGroups, run_config: Any, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """``(run_config, trainer kwargs)`` for replica mode: torchft's backend with this mode's
+    lighthouse, and a failure budget for replacements when the user left Ray's default 0.
+    Raises ConfigError for what replica mode cannot run, naming the fix."""
+    if not isinstance(settings, ReplicaGroups):
+        raise ConfigError(f"fault_tolerance must be a ray_goodput.ReplicaGroups or None, got {settings!r}")
+    require_torchft()
+    from ray.train.v2.torch.torchft_config import TorchftConfig  # noqa: PLC0415 - replica mode only
+
+    if kwargs.get("datasets"):
+        raise ConfigError(
+            "replica mode does not take Ray Data datasets=: a replacement would get the whole "
+            "dataset; pass a map-style dataset to ray_goodput.replica.Replica instead"
+        )
+    given = kwargs.get("torch_config")
+    if given is not None and not isinstance(given, TorchftConfig):
+        raise ConfigError("replica mode sets torch_config (torchft's); drop torch_config= or pass a TorchftConfig")
+    scaling = kwargs.get("scaling_config")
+    if scaling is not None and getattr(scaling, "use_gpu", False):
+        raise ConfigError("replica mode runs on CPU with gloo in this release; set ScalingConfig(use_gpu=False)")
+    out = dict(kwargs)
+    out["torch_config"] = given or TorchftConfig(lighthouse_kwargs=settings.lighthouse_kwargs(), backend="gloo")
+    failure = run_config.failure_config or ray.train.FailureConfig()
+    if failure.max_failures == 0:  # Ray's default: the first replacement would end the run
+        failure = dataclasses.replace(failure, max_failures=settings.max_failures)
+    return dataclasses.replace(run_config, failure_config=failure), out

@@ -1,0 +1,61 @@
+"""``ReplicaGroups``: the fault-tolerance mode where a failed replica is replaced, not the job."""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+
+from ray_goodput.errors import ConfigError
+
+#: What to install for replica mode (the ``ft`` extra pins torchft and what it needs).
+INSTALL_HINT = 'pip install "ray-goodput[ft]"'
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReplicaGroups:
+    """Replica mode for data-parallel jobs (``ray_goodput.TorchTrainer(fault_tolerance=...)``).
+
+    Every Ray Train worker is one replica group (one worker each on Ray 2.60) of a torchft
+    job. When a replica fails, Ray replaces only it; the others keep stepping with fewer
+    participants, and the replacement heals from a live peer (model, optimizer, data
+    position, step) at its first step. When every replica fails at once, Ray restarts the
+    whole group and the replicas resume from the last durable checkpoint.
+
+    ``min_replicas``: a step commits only with at least this many participants.
+    ``max_failures``: replacements plus whole-group restarts the run may take (each costs one
+    of Ray's ``FailureConfig.max_failures``; used when that is left at its default 0).
+    ``heartbeat_timeout_s``: how long a dead replica counts as alive for the quorum — the
+    survivors' stall per failure. ``timeout_s``: bound on a quorum, a collective, or a heal.
+    """
+
+    min_replicas: int = 1
+    max_failures: int = 16
+    heartbeat_timeout_s: float = 1.0
+    timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.min_replicas, bool) or not isinstance(self.min_replicas, int) or self.min_replicas < 1:
+            raise ConfigError(f"ReplicaGroups(min_replicas=...) must be an int >= 1, got {self.min_replicas!r}")
+        if isinstance(self.max_failures, bool) or not isinstance(self.max_failures, int) or self.max_failures < 0:
+            raise ConfigError(f"ReplicaGroups(max_failures=...) must be an int >= 0, got {self.max_failures!r}")
+        if not self.heartbeat_timeout_s > 0:
+            raise ConfigError(f"ReplicaGroups(heartbeat_timeout_s=...) must be > 0, got {self.heartbeat_timeout_s!r}")
+        if not self.timeout_s > self.heartbeat_timeout_s:
+            raise ConfigError(
+                f"ReplicaGroups(timeout_s={self.timeout_s!r}) must exceed heartbeat_timeout_s="
+                f"{self.heartbeat_timeout_s!r}: a quorum waits out a dead replica's heartbeat"
+            )
+
+    def lighthouse_kwargs(self) -> dict[str, int]:
+        """The torchft lighthouse's settings for this mode."""
+        return {
+            "min_replicas": self.min_replicas,
+            "heartbeat_timeout_ms": int(self.heartbeat_timeout_s * 1000),
+            "join_timeout_ms": int(self.heartbeat_timeout_s * 1000),
+        }
+
+
+def require_torchft() -> None:
+    """Raise ConfigError naming the install command when torchft is missing."""
+    if importlib.util.find_spec("torchft") is None:
+        raise ConfigError(f"replica mode (ReplicaGroups) needs torchft: {INSTALL_HINT}")

@@ -1,0 +1,372 @@
+"""One replica group's side of replica mode, inside the training function.
+
+A :class:`Replica` wraps what torchft needs around the user's model, optimizer and dataset:
+a torchft ``Manager`` (synchronous quorum, so a replica knows the step's participants
+before it reads a batch, and a heal is applied before the step starts), a gloo process
+group that heals over the same group (``PGTransport``), one all-reduce of the step's
+gradients through the Manager (torchft 0.2.0's DDP wrapper asserts on a failed all-reduce,
+which kills the survivor it should keep), the step's batch taken from the global data
+position (``_position``), and the durable fallback: replica 0
+saves through a :class:`~ray_goodput.checkpoint.Checkpointer` of a world of one (its
+collectives are its own; nothing calls ``ray.train.report``, whose barrier would wait for
+a replica that is being replaced). The loop it gives the user::
+
+    with Replica(model, optim, dataset, batch_size=32, save_every=50) as rep:
+        for batch in rep.batches(total_steps=1000):
+            loss_fn(model(batch[0]), batch[1]).backward()
+            rep.step()
+
+At a whole-group start replica 0 restores the newest committed checkpoint (model,
+optimizer, data position, step) and the others heal from it at the first quorum; a
+replacement restores nothing and heals from a live peer. When a replacement's first quorum
+shows that no peer has any progress (every replica failed, but Ray saw the failures one at
+a time and replaced them one by one), replica 0 restores the checkpoint then, drops that
+step (it votes not to commit it) and the others heal from it at the next quorum; another
+replacement that finds itself alone at step 0 waits (up to ``timeout_s``) for a peer to
+heal from instead of training from scratch. At a whole-group start the first step waits for
+every replica, so none steps ahead of the restored checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+import torch
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.utils.data import default_collate
+
+from ray_goodput.checkpoint import Checkpointer
+from ray_goodput.data import _order
+from ray_goodput.errors import ConfigError
+from ray_goodput.goodput import get_recorder
+from ray_goodput.replica import _position as pos
+from ray_goodput.replica._config import ReplicaGroups, require_torchft
+from ray_goodput.runtime import WorkerContext, world_of_one
+from ray_goodput.runtime._join import worker_join
+
+logger = logging.getLogger(__name__)
+
+
+class ReplicaJoinError(RuntimeError):
+    """A replacement found no live peer to heal from in time (retryable: Ray replaces it)."""
+
+
+class _RestoredMidQuorum(RuntimeError):
+    """This replica's step is not to commit: it restored its state inside the step."""
+
+
+class _Progress(Stateful):
+    """The replica's data position and torchft's counters, as one checkpointed value."""
+
+    def __init__(self, get: Callable[[], dict[str, int]], put: Callable[[dict[str, int]], None]) -> None:
+        self._get, self._put = get, put
+
+    def state_dict(self) -> dict[str, int]:
+        return self._get()
+
+    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        self._put(state_dict)
+
+
+class Replica:
+    """This worker's replica group (see the module docstring). A context manager.
+
+    ``dataset``: a map-style dataset (``len`` and ``[i]``; ``ray_goodput.data.FileDataset``
+    reads through the node cache); each step's batch is ``collate_fn`` of its samples.
+    ``state``: more ``Stateful`` values to heal and save with the model and optimizer.
+    ``save_every``: replica 0 saves a durable checkpoint every that many committed steps
+    (None: never); ``storage_path`` and ``checkpoint`` (Checkpointer keyword arguments)
+    say where and how. Raises ConfigError when torchft is missing or an argument is wrong.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        dataset: Any,
+        *,
+        batch_size: int,
+        seed: int = 0,
+        shuffle: bool = True,
+        collate_fn: Callable[[list[Any]], Any] = default_collate,
+        state: dict[str, Stateful] | None = None,
+        save_every: int | None = None,
+        storage_path: str | None = None,
+        checkpoint: dict[str, Any] | None = None,
+    ) -> None:
+        require_torchft()
+        _check(model, batch_size, save_every, state)
+        join = worker_join()
+        self.settings = ReplicaGroups(**join.settings) if join is not None and join.settings else ReplicaGroups()
+        self.replacement = join is not None and join.kind in ("replacement", "done")
+        self.peers_finished = join is not None and join.kind == "done"
+        ctx = WorkerContext.detect()
+        self.slot, self.configured = ctx.rank, ctx.world_size
+        self._model, self._optim, self._dataset = model, optimizer, dataset
+        self._batch_size, self._seed, self._shuffle, self._collate = batch_size, seed, shuffle, collate_fn
+        self._extra = dict(state or {})
+        self._position = pos.Position()
+        self._order: tuple[int, np.ndarray] | None = None
+        self._save_every = save_every
+        self._participants = 0
+        self._in_step = False
+        self._first_quorum = True
+        self._drop_step = False
+        self.degraded_steps = 0
+        self._recorder = get_recorder()  # before the world of one: the timeline keeps the real rank
+        self.model = model  # its gradients are averaged across the step's participants by step()
+        self._ckpt: Checkpointer | None = None
+        self.manager: Any = None
+        if self.peers_finished:  # replaced after its peers finished: nothing left to train
+            logger.info("replica %d replaced after every peer finished: nothing to do", self.slot)
+            return
+        if self.slot == 0 and save_every:
+            self._ckpt = self._checkpointer(storage_path, checkpoint or {})
+        self.manager = self._torchft(self._restore())
+
+    # ---- set-up ---------------------------------------------------------------------
+
+    def _checkpointer(self, storage_path: str | None, kwargs: dict[str, Any]) -> Checkpointer:
+        with world_of_one():
+            return Checkpointer(storage_path, **kwargs)
+
+    def _durable_state(self) -> dict[str, Any]:
+        progress = _Progress(self._progress, self._load_progress)
+        return {"model": self._model, "optim": self._optim, "replica": progress, **self._extra}
+
+    def _restore(self) -> int | None:
+        """Replica 0 at a whole-group start: the newest committed checkpoint, or None. A
+        replacement restores nothing: it heals from a live peer at its first quorum."""
+        if self._ckpt is None or self.replacement:
+            return None
+        step = self._ckpt.restore(self._durable_state())
+        if step is not None:
+            logger.info("replica 0 resumed from the checkpoint of step %d; the others heal from it", step)
+        return step
+
+    def _torchft(self, restored: int | None) -> Any:
+        """The Manager, built last: a Manager that heartbeats but does not join a quorum
+        stalls its peers' quorums."""
+        from torchft import Manager, ProcessGroupGloo  # noqa: PLC0415 - optional extra
+        from torchft.checkpointing.pg_transport import PGTransport  # noqa: PLC0415 - optional extra
+
+        timeout = timedelta(seconds=self.settings.timeout_s)
+        pg = ProcessGroupGloo(timeout=timeout)
+        manager = Manager(
+            pg=pg,
+            min_replica_size=self.settings.min_replicas,
+            load_state_dict=self._load_heal_state,
+            state_dict=self._heal_state,
+            replica_id=f"rg_{self.slot}",
+            rank=0,  # one worker per replica group (Ray 2.60); Ray's RANK is the global one
+            world_size=1,
+            use_async_quorum=False,
+            timeout=timeout,
+            quorum_timeout=timeout,
+            connect_timeout=timeout,
+            checkpoint_transport=PGTransport(pg, timeout=timeout, device=torch.device("cpu")),
+        )
+        if restored is not None:
+            manager.load_state_dict({"step": restored, "batches_committed": self._batches_restored})
+        return manager
+
+    # ---- the state a peer sends, the state a checkpoint keeps --------------------------
+
+    _batches_restored = 0
+
+    def _progress(self) -> dict[str, int]:
+        batches = self.manager.batches_committed() if self.manager is not None else self._batches_restored
+        return {**self._position.to_dict(), "batches_committed": batches}
+
+    def _load_progress(self, d: dict[str, int]) -> None:
+        self._position = pos.Position.from_dict(d)
+        self._batches_restored = int(d.get("batches_committed", 0))
+
+    def _heal_state(self) -> dict[str, Any]:
+        return {
+            "model": self._model.state_dict(),
+            "optim": self._optim.state_dict(),
+            "position": self._position.to_dict(),
+            "extra": {k: v.state_dict() for k, v in self._extra.items()},
+        }
+
+    def _load_heal_state(self, sd: dict[str, Any]) -> None:
+        self._model.load_state_dict(sd["model"])
+        self._optim.load_state_dict(sd["optim"])
+        self._position = pos.Position.from_dict(sd["position"])
+        for k, v in sd["extra"].items():
+            self._extra[k].load_state_dict(v)
+        logger.info("replica %d healed from a peer, position %s", self.slot, self._position)
+
+    def _join_quorum(self) -> None:
+        """The step's quorum (blocking; heals this replica when a participant is ahead)."""
+        self.manager.start_quorum()
+        if not self._first_quorum:
+            return
+        self._first_quorum = False
+        deadline = time.monotonic() + self.settings.timeout_s
+        while self._waiting_for_peers():
+            if time.monotonic() > deadline:
+                raise ReplicaJoinError(
+                    f"replica {self.slot} found {self.manager.num_participants()} of {self.configured} "
+                    f"replicas in its first quorum after {self.settings.timeout_s:.0f} s "
+                    "(ReplicaGroups(timeout_s=...))"
+                )
+            time.sleep(self.settings.heartbeat_timeout_s / 4)
+            self.manager.start_quorum()
+        self._drop_step = self._restore_if_no_peer_had_state()
+
+    def _waiting_for_peers(self) -> bool:
+        """Whether the first quorum must wait for more replicas. At a whole-group start: for
+        all of them (a replica stepping alone from scratch while replica 0 still restores
+        would get ahead of the restored step, and replica 0 would heal from it). A
+        replacement other than replica 0 (which restores the durable checkpoint instead)
+        alone at step 0: for a peer to heal from (its peers died too and are being replaced)."""
+        n = self.manager.num_participants()
+        if not self.replacement:
+            return n < self.configured
+        return self.slot != 0 and self.configured > 1 and self.current_step == 0 and n == 1
+
+    def _restore_if_no_peer_had_state(self) -> bool:
+        """After a replacement's first quorum: whether replica 0 restored the durable
+        checkpoint because no participant had any progress to heal from."""
+        if not self.replacement or self._ckpt is None or self.current_step > 0:
+            return False
+        step = self._ckpt.restore(self._durable_state())
+        if step is None:
+            return False
+        self.manager.load_state_dict({"step": step, "batches_committed": self._batches_restored})
+        logger.warning(
+            "replica %d replaced while no peer had progress: restored the checkpoint of step %d; "
+            "this step is dropped and the others heal from it",
+            self.slot,
+            step,
+        )
+        return True
+
+    # ---- the loop ---------------------------------------------------------------------
+
+    @property
+    def current_step(self) -> int:
+        """Committed steps of the job (the same on every replica once healed); 0 for a
+        replacement whose peers had finished."""
+        return self.manager.current_step() if self.manager is not None else 0
+
+    @property
+    def position(self) -> pos.Position:
+        return self._position
+
+    @property
+    def participants(self) -> int:
+        """Replicas in the current step's quorum."""
+        return self._participants
+
+    def batches(self, total_steps: int) -> Iterator[Any]:
+        """This replica's batch of each step until the job committed ``total_steps``.
+
+        Each iteration first joins the step's quorum (blocking; a lagging or new replica is
+        healed there). Call :meth:`step` after the backward pass of every batch. Yields
+        nothing in a replacement whose peers had finished."""
+        while self.manager is not None and self.current_step < total_steps:
+            if self._in_step:
+                raise ConfigError("call Replica.step() after the backward pass of each batch")
+            self._optim.zero_grad()
+            self._join_quorum()
+            n, rank = self.manager.num_participants(), self.manager.participating_rank()
+            if rank is None:
+                raise RuntimeError(f"replica {self.slot} is in no quorum position after a synchronous quorum")
+            if not pos.epoch_has_step(self._position, len(self._dataset), n, self._batch_size):
+                self._position = pos.next_epoch(self._position)
+            self._participants, self._in_step = n, True
+            if n < self.configured:
+                self.degraded_steps += 1
+            yield self._batch(rank, n)
+
+    def _batch(self, rank: int, n: int) -> Any:
+        start, stop = pos.step_span(self._position, rank, n, self._batch_size)
+        order = self._epoch_order()
+        return self._collate([self._dataset[int(i)] for i in order[start:stop]])
+
+    def _epoch_order(self) -> np.ndarray:
+        epoch = self._position.epoch
+        if self._order is None or self._order[0] != epoch:
+            self._order = (epoch, _order.permutation(len(self._dataset), self._seed, epoch, self._shuffle))
+        return self._order[1]
+
+    def step(self) -> bool:
+        """End the step: the optimizer steps when the quorum commits (every participant has
+        its gradients averaged), the data position advances, and replica 0 saves when due.
+        Returns whether the step committed (a failed one is retried at the same position)."""
+        if not self._in_step:
+            raise ConfigError("Replica.step() ends a step that Replica.batches() started")
+        self._in_step = False
+        began = time.perf_counter()
+        self._average_gradients()
+        if self._drop_step:
+            self._drop_step = False
+            self.manager.report_error(_RestoredMidQuorum("replica 0 restored the durable checkpoint in this step"))
+        if not self.manager.should_commit():
+            logger.warning("step %d did not commit on replica %d; it is retried", self.current_step + 1, self.slot)
+            return False
+        self._optim.step()
+        self._position = pos.after_commit(self._position, self._participants, self._batch_size)
+        if self._ckpt is not None and self.current_step % self._save_every == 0:
+            self._ckpt.save(self.current_step, self._durable_state())
+        self._recorder.step(self.current_step, explicit=True, capacity=self._participants / self.configured)
+        logger.debug(
+            "step %d committed with %d participants in %.3f s",
+            self.current_step,
+            self._participants,
+            time.perf_counter() - began,
+        )
+        return True
+
+    def _average_gradients(self) -> None:
+        """One all-reduce (mean over the step's participants) of all gradients. A failed one
+        is not raised: torchft records it and the step does not commit."""
+        grads = [p.grad for p in self._model.parameters() if p.grad is not None]
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        self.manager.allreduce(flat).wait()
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    # ---- end ----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Wait for replica 0's last save to commit, then leave the quorums."""
+        try:
+            if self._ckpt is not None:
+                self._ckpt.close()
+        finally:
+            if self.manager is not None:
+                self.manager.shutdown(wait=False)
+                self._recorder.end()  # the ledger's "finished" (only rank 0's recorder writes)
+
+    def __enter__(self) -> Replica:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _check(model: Any, batch_size: int, save_every: int | None, state: dict[str, Any] | None) -> None:
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigError(f"Replica(model=...) must be a torch.nn.Module, got {type(model).__name__}")
+    if any(p.device.type != "cpu" for p in model.parameters()):
+        raise ConfigError("replica mode runs on gloo over CPU tensors in this release; keep the model on the CPU")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ConfigError(f"Replica(batch_size=...) must be an int >= 1, got {batch_size!r}")
+    if save_every is not None and (isinstance(save_every, bool) or not isinstance(save_every, int) or save_every < 1):
+        raise ConfigError(f"Replica(save_every=...) must be None or an int >= 1, got {save_every!r}")
+    for key, value in (state or {}).items():
+        if not isinstance(value, Stateful):
+            raise ConfigError(f"Replica(state={{{key!r}: ...}}) must hold Stateful values (state_dict/load_state_dict)")

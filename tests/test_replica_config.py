@@ -1,0 +1,106 @@
+"""Replica mode's settings, the trainer arguments it sets, and what workers are told (no Ray
+cluster: the driver's hooks get stand-ins of Ray's worker-group objects)."""
+
+from __future__ import annotations
+
+import importlib.util
+from types import SimpleNamespace
+
+import pytest
+import ray.train
+from ray.train.v2.torch.torchft_config import TorchftConfig
+
+from ray_goodput.driver._replicas import ReplicaSupport, replica_kwargs
+from ray_goodput.errors import ConfigError
+from ray_goodput.replica import ReplicaGroups
+from ray_goodput.runtime import WorkerContext, world_of_one
+from ray_goodput.runtime._join import set_join, worker_join
+
+
+def test_replica_settings_are_validated_with_the_setting_named():
+    with pytest.raises(ConfigError, match="min_replicas"):
+        ReplicaGroups(min_replicas=0)
+    with pytest.raises(ConfigError, match="max_failures"):
+        ReplicaGroups(max_failures=-1)
+    with pytest.raises(ConfigError, match="timeout_s=2.0.* must exceed heartbeat_timeout_s=5"):
+        ReplicaGroups(heartbeat_timeout_s=5.0, timeout_s=2.0)
+    assert ReplicaGroups(min_replicas=2, heartbeat_timeout_s=0.5).lighthouse_kwargs() == {
+        "min_replicas": 2,
+        "heartbeat_timeout_ms": 500,
+        "join_timeout_ms": 500,
+    }
+
+
+def test_replica_mode_sets_torchfts_backend_and_a_failure_budget_for_replacements():
+    run_config, kwargs = replica_kwargs(ReplicaGroups(max_failures=7), ray.train.RunConfig(), {})
+    assert isinstance(kwargs["torch_config"], TorchftConfig) and kwargs["torch_config"].backend == "gloo"
+    assert kwargs["torch_config"].lighthouse_kwargs["min_replicas"] == 1
+    assert run_config.failure_config.max_failures == 7  # Ray's default 0 would end the run at the first failure
+    mine = ray.train.RunConfig(failure_config=ray.train.FailureConfig(max_failures=3))
+    assert replica_kwargs(ReplicaGroups(), mine, {})[0].failure_config.max_failures == 3  # the user's stands
+
+
+def test_replica_mode_refuses_what_it_cannot_run_and_names_the_fix():
+    rc = ray.train.RunConfig()
+    with pytest.raises(ConfigError, match="datasets="):
+        replica_kwargs(ReplicaGroups(), rc, {"datasets": {"train": object()}})
+    with pytest.raises(ConfigError, match="use_gpu=False"):
+        replica_kwargs(ReplicaGroups(), rc, {"scaling_config": ray.train.ScalingConfig(num_workers=2, use_gpu=True)})
+    with pytest.raises(ConfigError, match="torch_config"):
+        replica_kwargs(ReplicaGroups(), rc, {"torch_config": ray.train.torch.TorchConfig()})
+    with pytest.raises(ConfigError, match="ReplicaGroups or None"):
+        replica_kwargs("replicas", rc, {})
+
+
+def test_without_torchft_replica_mode_says_what_to_install(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchft" else real(name, *a))
+    with pytest.raises(ConfigError, match=r'pip install "ray-goodput\[ft\]"'):
+        replica_kwargs(ReplicaGroups(), ray.train.RunConfig(), {})
+
+
+def test_the_durable_saver_sees_a_world_of_one_outside_ray_trains_barrier():
+    """Replica 0's Checkpointer must not call ray.train.report: its barrier waits for every
+    replica, and one being replaced is blocked in a quorum with the one that waits."""
+    outside = WorkerContext.detect()
+    with world_of_one():
+        inside = WorkerContext.detect()
+    assert (inside.rank, inside.world_size, inside.in_ray_train) == (0, 1, False)
+    assert WorkerContext.detect() == outside
+
+
+class _Group:
+    """Stand-in for Ray's worker / replica group: its workers' ranks, and what it executed."""
+
+    def __init__(self, *ranks: int) -> None:
+        self.ran: list = []
+        self._workers = [SimpleNamespace(distributed_context=SimpleNamespace(world_rank=r)) for r in ranks]
+
+    def get_workers(self):
+        return self._workers
+
+    def execute(self, fn, *args):
+        self.ran.append((fn, args))
+        fn(*args)
+
+
+def _poll(**running: bool):
+    return SimpleNamespace(
+        worker_statuses={int(k[1:]): SimpleNamespace(running=v, error=None) for k, v in running.items()}
+    )
+
+
+def test_a_replacement_is_told_to_heal_or_to_end_when_its_peers_finished():
+    support = ReplicaSupport(ReplicaGroups(min_replicas=1))
+    try:
+        support.after_worker_group_start(_Group(0, 1, 2))
+        assert worker_join().kind == "start" and worker_join().settings["min_replicas"] == 1
+        support.after_worker_group_poll_status(_poll(r0=True, r1=True, r2=True))
+        support.after_replica_group_start(_Group(1))
+        assert worker_join().kind == "replacement"  # peers still running: heal from them
+        support.after_worker_group_poll_status(_poll(r0=False, r1=True, r2=False))  # 0 and 2 finished
+        support.after_replica_group_start(_Group(1))
+        assert worker_join().kind == "done"  # nothing left to train with
+        assert [r["peers_finished"] for r in support.replacements] == [False, True]
+    finally:
+        set_join(None)

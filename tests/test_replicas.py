@@ -1,0 +1,146 @@
+"""Replica mode with real processes: Ray Train workers as torchft replica groups over gloo.
+
+A replica is SIGKILLed mid-run (``FailAt``): Ray replaces only it, the survivor keeps its
+process and steps on, the replacement heals from the survivor; both replicas killed: Ray
+restarts the whole group and replica 0 restores the durable checkpoint. Each scenario is
+one run of ``examples/train_ddp_replicas.py --smoke`` as a user runs it (a subprocess with
+its own Ray), shared by the tests below.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ray_goodput import Checkpointer
+from ray_goodput.replica import ReplicaGroups
+from ray_goodput.replica import _position as pos
+from tests.conftest import kill_tree
+
+pytestmark = [pytest.mark.slow, pytest.mark.ray]
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_ddp_replicas.py"
+BATCH = 32
+SAMPLES = 4096  # the example's dataset
+STEPS = 150  # --smoke
+KILL_AT = 20  # --kill-at's default
+TIMEOUT_S = 300
+
+
+def _run(root: Path, *extra: str) -> dict:
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / "stdout", "w") as stdout, open(root / "stderr", "w") as stderr:
+        proc = subprocess.Popen(
+            [sys.executable, str(EXAMPLE), "--smoke", "--root", str(root), *extra], stdout=stdout, stderr=stderr
+        )
+        try:
+            proc.wait(timeout=TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            kill_tree(proc)
+            raise AssertionError(
+                f"still running after {TIMEOUT_S} s: {(root / 'stderr').read_text()[-4000:]}"
+            ) from None
+    out = (root / "stdout").read_text()
+    assert proc.returncode == 0, (root / "stderr").read_text()[-6000:]
+    return json.loads(out.strip().splitlines()[-1])  # the example's last line
+
+
+@pytest.fixture(scope="module")
+def one_killed(tmp_path_factory):
+    root = tmp_path_factory.mktemp("one-killed")
+    return root, _run(root)
+
+
+@pytest.fixture(scope="module")
+def all_killed(tmp_path_factory):
+    root = tmp_path_factory.mktemp("all-killed")
+    return root, _run(root, "--kill-all")
+
+
+def _records(root: Path) -> dict[tuple[int, int], list[dict]]:
+    out = {}
+    for p in (root / "out").glob("steps-*.jsonl"):
+        _, slot, pid = p.stem.split("-")
+        out[(int(slot), int(pid))] = [json.loads(line) for line in p.read_text().splitlines()]
+    return out
+
+
+def test_the_survivor_keeps_its_process_and_steps_through_a_replica_kill(one_killed):
+    root, res = one_killed
+    survivors = [k for k in _records(root) if k[0] == 0]
+    assert res["survivor_pid_unchanged"] and len(survivors) == 1, res
+    bound = ReplicaGroups().heartbeat_timeout_s + 1.0
+    assert res["survivor_max_gap_s"] <= bound, res
+    steps = [r["step"] for r in _records(root)[survivors[0]]]
+    assert steps == list(range(1, STEPS + 1)), steps  # no step lost, none redone
+
+
+def test_the_replacement_heals_to_the_survivors_step_with_identical_weights(one_killed):
+    root, res = one_killed
+    recs = _records(root)
+    replaced = [rs for (slot, _), rs in recs.items() if slot == 1 and rs and rs[0]["replacement"]]
+    assert len(replaced) == 1, res
+    first = replaced[0][0]
+    survivor = {r["step"]: r for (slot, _), rs in recs.items() if slot == 0 for r in rs}
+    # Its first step is one the survivor took with it (2 participants, the same moment), far past 0.
+    assert first["step"] > KILL_AT and first["n"] == 2 and survivor[first["step"]]["n"] == 2, first
+    assert abs(survivor[first["step"]]["t"] - first["t"]) < 1.0, (first, survivor[first["step"]])
+    assert res["healed_at_step"] == first["step"] - 1
+    assert res["weights_equal"] and res["positions_equal"] and res["final_steps"] == [STEPS, STEPS], res
+
+
+def test_replica_mode_reads_every_sample_once_across_the_replacement(one_killed):
+    """The position every replica ends at is the one the committed steps' participant counts
+    give (each step takes P*B fresh samples of the epoch, the tail before a new epoch is
+    dropped): no share of the killed replica was skipped, none read twice, the healed replica
+    is not a batch off."""
+    root, _ = one_killed
+    survivor = next(rs for (slot, _), rs in _records(root).items() if slot == 0)
+    expected = pos.Position()
+    for r in survivor:  # every committed step, with its participant count
+        if not pos.epoch_has_step(expected, SAMPLES, r["n"], BATCH):
+            expected = pos.next_epoch(expected)
+        expected = pos.after_commit(expected, r["n"], BATCH)
+    finals = [json.loads(p.read_text()) for p in (root / "out").glob("final-*.json")]
+    assert [pos.Position.from_dict(f["position"]) for f in finals] == [expected] * 2, (finals, expected)
+    assert {r["n"] for r in survivor} == {1, 2}  # it ran degraded, then with the healed replica again
+
+
+def test_replica_zero_commits_durable_checkpoints_without_ray_train_report(one_killed):
+    root, res = one_killed
+    assert res["checkpoints"] and res["checkpoints"][-1] == STEPS, res
+    assert res["ray_train_checkpoint"] is False  # nothing went through ray.train.report's barrier
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+    optim = torch.optim.AdamW(model.parameters())
+    with Checkpointer(str(root / "ckpt"), uploader="thread", staging_dir=str(root / "restore-staging")) as ckpt:
+        assert ckpt.restore({"model": model, "optim": optim}) == STEPS
+    finals = {json.loads(p.read_text())["digest"] for p in (root / "out").glob("final-*")}
+    assert len(finals) == 1 and _digest(model) in finals  # the checkpoint holds the final weights
+
+
+def test_killing_every_replica_resumes_from_the_durable_checkpoint(all_killed):
+    """Both replicas die in one step. Ray restarts the group (or replaces them one by one
+    when it sees the deaths apart); either way replica 0's next process resumes from a
+    durable checkpoint, not from scratch, and the replicas end equal."""
+    root, res = all_killed
+    zero = sorted((recs for (slot, _), recs in _records(root).items() if slot == 0 and recs), key=lambda r: r[0]["t"])
+    assert len(zero) == 2, [r[0] for r in zero]  # replica 0 ran in two processes
+    resumed_at = zero[1][0]["step"] - 1  # the step its first committed step followed
+    assert resumed_at in res["checkpoints"] or resumed_at % 10 == 0, (resumed_at, res)
+    assert 0 < resumed_at < KILL_AT, resumed_at  # a durable save before the kill, not step 0
+    assert res["weights_equal"] and res["final_steps"] == [STEPS, STEPS], res
+
+
+def _digest(model: torch.nn.Module) -> str:
+    """The example's digest of a model's weights."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for t in model.state_dict().values():
+        h.update(t.detach().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
