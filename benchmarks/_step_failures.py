@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 import _results
+import _savers
 import _targets
 import torch
 
@@ -94,7 +95,7 @@ def whole_group_loop(cfg: dict) -> None:
     base = _model(cfg["mb_per_rank"])
     model = ray.train.torch.prepare_model(base)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    saver = _RayAsyncDcp(cfg, base, optim, rank) if cfg["system"] == "rt_async_dcp" else _Goodput(base, optim)
+    saver = _savers.RayAsyncDcp(cfg, base, optim) if cfg["system"] == "rt_async_dcp" else _Goodput(base, optim)
     t0 = time.time()
     step = saver.restore()
     if cfg["system"] == "rt_async_dcp":
@@ -157,56 +158,9 @@ class _Goodput:
     def save(self, step: int) -> None:
         self.ckpt.save(step, self.state)
 
-    def close(self) -> None:
+    def close(self) -> dict:
         self.ckpt.close()
-
-
-class _RayAsyncDcp:
-    """Every rank dcp.save()s into a local directory; ray.train.report(ASYNC) uploads it."""
-
-    def __init__(self, cfg: dict, model, optim, rank: int) -> None:
-        self.model, self.optim = model, optim
-        self.stage = Path(cfg["stage"]) / f"rank-{rank}"
-        self.stage.mkdir(parents=True, exist_ok=True)
-
-    def restore(self) -> int:
-        import ray.train
-        import torch.distributed as dist
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-        ckpt = ray.train.get_checkpoint()
-        if ckpt is None:
-            return 0
-        msd, osd = get_state_dict(self.model, self.optim)
-        sd = {"model": msd, "optim": osd}
-        with ckpt.as_directory() as d:
-            dcp.load(sd, checkpoint_id=d)
-        set_state_dict(self.model, self.optim, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
-        dist.barrier()
-        return int(Path(ckpt.path).name.split("-")[-1])
-
-    def save(self, step: int) -> None:
-        import ray.train
-        import torch.distributed.checkpoint as dcp
-        from ray.train import Checkpoint, CheckpointUploadMode
-        from torch.distributed.checkpoint import FileSystemWriter
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        name = f"step-{step:07d}"
-        local = self.stage / name
-        msd, osd = get_state_dict(self.model, self.optim)
-        dcp.save({"model": msd, "optim": osd}, storage_writer=FileSystemWriter(str(local), sync_files=False))
-        ray.train.report(
-            {"step": step},
-            checkpoint=Checkpoint.from_directory(str(local)),
-            checkpoint_dir_name=name,
-            checkpoint_upload_mode=CheckpointUploadMode.ASYNC,
-            delete_local_checkpoint_after_upload=True,
-        )
-
-    def close(self) -> None:
-        pass
+        return {}
 
 
 def run_one(system: str, seed: int, fail_at: list[int], root: Path, endpoint: str, args) -> dict:
