@@ -16,9 +16,11 @@ the replacement joined at), ``weights_equal`` (every replica ends with the same 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -61,6 +63,7 @@ def train_loop(config: dict) -> None:
     slot = ray.train.get_context().get_world_rank()
     out = Path(config["out"])
     faults = [FailAt(step=s, rank=r, marker_dir=str(out / "faults")) for s, r in config["kills"]]
+    (out / f"pid-{slot}").write_text(str(os.getpid()))
     model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
     log = out / f"steps-{slot}-{os.getpid()}.jsonl"
@@ -70,6 +73,8 @@ def train_loop(config: dict) -> None:
         joined = rep.current_step
         with log.open("a") as f:
             for x, y in rep.batches(total_steps=config["steps"]):
+                if config["kill_all_at"] and slot == 0 and rep.current_step + 1 == config["kill_all_at"]:
+                    kill_every_replica(out)
                 for fault in faults:
                     fault.maybe_fail(rep.current_step + 1, slot)
                 torch.nn.functional.mse_loss(rep.model(x), y).backward()
@@ -95,7 +100,26 @@ def train_loop(config: dict) -> None:
         )
 
 
-def run(*, steps: int, kills: list[tuple[int, int]], save_every: int, root: Path, step_sleep_s: float) -> dict:
+def kill_every_replica(out: Path) -> None:
+    """Replica 0 SIGKILLs the other replicas' processes and then itself, once per run: every
+    replica dies in the same instant, so Ray sees one failure of the whole group. (Replicas
+    dying one after another inside one step once landed while Ray 2.60 was replacing the
+    first, and the run ended with a ControllerError: docs/guide/replicas.md, limits.)"""
+    marker = out / "faults" / "kill-all.fired"
+    if marker.exists():
+        return
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.write_text(str(time.time()))
+    for p in out.glob("pid-*"):
+        if p.name != "pid-0":
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(p.read_text()), signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def run(
+    *, steps: int, kills: list[tuple[int, int]], save_every: int, root: Path, step_sleep_s: float, kill_all_at: int = 0
+) -> dict:
     from ray.train import FailureConfig, RunConfig, ScalingConfig
 
     out = root / "out"
@@ -106,6 +130,7 @@ def run(*, steps: int, kills: list[tuple[int, int]], save_every: int, root: Path
         train_loop_config={
             "out": str(out),
             "kills": kills,
+            "kill_all_at": kill_all_at,
             "steps": steps,
             "save_every": save_every,
             "storage": str(root / "ckpt"),
@@ -163,10 +188,17 @@ def main() -> None:
 
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     root = Path(args.root or tempfile.mkdtemp(prefix="rg-replicas-"))
-    kills = [(args.kill_at, 0), (args.kill_at, 1)] if args.kill_all else [(args.kill_at, 1)]
+    kills = [] if args.kill_all else [(args.kill_at, 1)]
     steps = min(args.steps, 150) if args.smoke else args.steps
     try:
-        result = run(steps=steps, kills=kills, save_every=args.save_every, root=root, step_sleep_s=args.step_sleep_s)
+        result = run(
+            steps=steps,
+            kills=kills,
+            save_every=args.save_every,
+            root=root,
+            step_sleep_s=args.step_sleep_s,
+            kill_all_at=args.kill_at if args.kill_all else 0,
+        )
     finally:
         ray.shutdown()  # before the result line: Ray's own messages go to stdout too
     sys.stdout.flush()

@@ -117,6 +117,8 @@ class Replica:
         self._in_step = False
         self._first_quorum = True
         self._drop_step = False
+        self._batches_restored = 0  # torchft's counter, from a durable checkpoint
+        self._fetch_s = 0.0  # the step's wait for its samples (the ledger's data stall)
         self.degraded_steps = 0
         self._recorder = get_recorder()  # before the world of one: the timeline keeps the real rank
         self.model = model  # its gradients are averaged across the step's participants by step()
@@ -176,8 +178,6 @@ class Replica:
         return manager
 
     # ---- the state a peer sends, the state a checkpoint keeps --------------------------
-
-    _batches_restored = 0
 
     def _progress(self) -> dict[str, int]:
         batches = self.manager.batches_committed() if self.manager is not None else self._batches_restored
@@ -288,9 +288,12 @@ class Replica:
             yield self._batch(rank, n)
 
     def _batch(self, rank: int, n: int) -> Any:
+        began = time.perf_counter()
         start, stop = pos.step_span(self._position, rank, n, self._batch_size)
         order = self._epoch_order()
-        return self._collate([self._dataset[int(i)] for i in order[start:stop]])
+        batch = self._collate([self._dataset[int(i)] for i in order[start:stop]])
+        self._fetch_s = time.perf_counter() - began
+        return batch
 
     def _epoch_order(self) -> np.ndarray:
         epoch = self._position.epoch
@@ -317,7 +320,9 @@ class Replica:
         self._position = pos.after_commit(self._position, self._participants, self._batch_size)
         if self._ckpt is not None and self.current_step % self._save_every == 0:
             self._ckpt.save(self.current_step, self._durable_state())
-        self._recorder.step(self.current_step, explicit=True, capacity=self._participants / self.configured)
+        self._recorder.step(
+            self.current_step, fetch_seconds=self._fetch_s, explicit=True, capacity=self._participants / self.configured
+        )
         logger.debug(
             "step %d committed with %d participants in %.3f s",
             self.current_step,
