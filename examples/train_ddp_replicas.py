@@ -70,7 +70,6 @@ def train_loop(config: dict) -> None:
     with Replica(
         model, optim, Squares(4096, 16), batch_size=32, save_every=config["save_every"], storage_path=config["storage"]
     ) as rep:
-        joined = rep.current_step
         with log.open("a") as f:
             for x, y in rep.batches(total_steps=config["steps"]):
                 if config["kill_all_at"] and slot == 0 and rep.current_step + 1 == config["kill_all_at"]:
@@ -86,7 +85,6 @@ def train_loop(config: dict) -> None:
                                 "step": rep.current_step,
                                 "t": time.time(),
                                 "n": rep.participants,
-                                "joined": joined,
                                 "replacement": rep.replacement,
                             }
                         )

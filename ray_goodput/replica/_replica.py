@@ -119,7 +119,6 @@ class Replica:
         self._drop_step = False
         self._batches_restored = 0  # torchft's counter, from a durable checkpoint
         self._fetch_s = 0.0  # the step's wait for its samples (the ledger's data stall)
-        self.degraded_steps = 0
         self._recorder = get_recorder()  # before the world of one: the timeline keeps the real rank
         self.model = model  # its gradients are averaged across the step's participants by step()
         self._ckpt: Checkpointer | None = None
@@ -283,8 +282,6 @@ class Replica:
             if not pos.epoch_has_step(self._position, len(self._dataset), n, self._batch_size):
                 self._position = pos.next_epoch(self._position)
             self._participants, self._in_step = n, True
-            if n < self.configured:
-                self.degraded_steps += 1
             yield self._batch(rank, n)
 
     def _batch(self, rank: int, n: int) -> Any:
