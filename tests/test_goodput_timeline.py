@@ -36,6 +36,22 @@ def test_timeline_marks_failures_saves_resumes_and_notes():
     assert [m.label for m in found if m.kind == "resume"] == ["resumed from step 0", "resumed from step 10"]
 
 
+def test_timeline_shows_a_replacement_and_its_degraded_share_as_the_ledger_counts_it():
+    attempt = _attempt(100.0, 0, 10, end=True)
+    for e in attempt:
+        if e["e"] == "step" and 4 <= e["step"] <= 6:
+            e["capacity"] = 0.5  # 1 of 2 replicas stepped while the other was replaced
+    ledger = compute([attempt], job_start=100.0)
+    per_bucket: dict[str, float] = {}
+    for s in spans([attempt], job_start=100.0):
+        per_bucket[s.bucket] = per_bucket.get(s.bucket, 0.0) + s.end - s.start
+    assert per_bucket["degraded"] == pytest.approx(ledger.seconds["degraded"])
+    assert per_bucket["productive"] == pytest.approx(ledger.seconds["productive"])
+    found = [(m.kind, m.t) for m in marks([attempt]) if m.kind.startswith("replica")]
+    step = {e["step"]: e for e in attempt if e["e"] == "step"}
+    assert found == [("replica_lost", step[4]["t0"]), ("replica_back", step[7]["t0"])]
+
+
 def test_timeline_png_is_written(tmp_path):
     path = tmp_path / "timeline.png"
     timeline_png(_two_attempts(), str(path), job_start=95.0, notes={1: "excluded n1"})

@@ -66,6 +66,23 @@ def test_bad_recovery_arguments_name_the_fix():
         TorchTrainer(lambda: None, callbacks=[Recovery()], recovery=Recovery())
 
 
+def test_a_restart_bounds_the_old_process_groups_teardown_unless_the_user_set_it(monkeypatch):
+    from ray_goodput.driver._recovery import TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S as VAR
+    from ray_goodput.driver._recovery import _bound_process_group_shutdown
+
+    monkeypatch.delenv(VAR, raising=False)
+    _bound_process_group_shutdown(Recovery().pg_shutdown_timeout_s)
+    assert os.environ[VAR] == "5"  # Ray's default is 30 s per restart
+    monkeypatch.setenv(VAR, "17")
+    _bound_process_group_shutdown(5.0)
+    assert os.environ[VAR] == "17"
+    monkeypatch.delenv(VAR)
+    _bound_process_group_shutdown(None)
+    assert VAR not in os.environ
+    with pytest.raises(ConfigError, match="pg_shutdown_timeout_s"):
+        Recovery(pg_shutdown_timeout_s=0.5)
+
+
 def test_trainer_merges_callbacks_into_run_config_and_recovery_none_turns_it_off():
     user = Recovery(max_failures_per_node=3)
     t = TorchTrainer(lambda: None, run_config=RunConfig(name="m", callbacks=[user]))
@@ -284,3 +301,31 @@ def test_failing_health_check_keeps_workers_off_x_and_a_not_retryable_error_ther
     assert isinstance(info.value.controller_failure, StateMismatchError)
     assert {r["attempt"] for r in recs} == {1}
     assert trainer.recovery.stopped["error"].startswith("StateMismatchError")
+
+
+@pytest.mark.cluster
+def test_node_checks_start_when_the_failure_is_seen_and_the_next_start_uses_their_verdicts(
+    cluster, tmp_path, monkeypatch
+):
+    """The controller's hooks called directly on a real cluster (the checks are real Ray
+    tasks on real nodes): the poll that sees a failure starts the checks, so they run
+    beside Ray's shutdown of the old group; the next start reads their verdicts instead of
+    starting a second round."""
+    from types import SimpleNamespace
+
+    monkeypatch.setenv("TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S", "30")  # the hook sets it otherwise
+    checks = tmp_path / "checks"
+    checks.mkdir()
+    rec = Recovery(health_check=FailsOn(cluster["x"], str(checks)), storage_path=str(tmp_path / "ckpt"))
+    rec.after_controller_start(SimpleNamespace(run_config=None))
+    scaling = ScalingConfig(num_workers=2)
+    rec.on_controller_start_worker_group(scaling_config=scaling, num_workers=2)
+    per_round = len(list(checks.iterdir()))
+    assert per_round == 3  # X, Y, Z: the head has no CPU for a worker
+    rec.after_worker_group_poll_status(SimpleNamespace(errors={0: RuntimeError("a worker died")}))
+    rec.after_worker_group_poll_status(SimpleNamespace(errors={0: RuntimeError("a worker died")}))  # once
+    wait_for(lambda: len(list(checks.iterdir())) == 2 * per_round, timeout_s=60, what="the checks of the failure")
+    selector = rec.on_controller_start_worker_group(scaling_config=scaling, num_workers=2)
+    assert len(list(checks.iterdir())) == 2 * per_round  # no third round
+    assert list(rec.attempts[1]["unhealthy"]) == [cluster["x"]]
+    assert cluster["x"] in selector["ray.io/node-id"]

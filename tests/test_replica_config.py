@@ -14,7 +14,7 @@ from ray_goodput.driver._replicas import ReplicaSupport, replica_kwargs
 from ray_goodput.errors import ConfigError
 from ray_goodput.replica import ReplicaGroups
 from ray_goodput.runtime import WorkerContext, world_of_one
-from ray_goodput.runtime._join import set_join, worker_join
+from ray_goodput.runtime._join import WorkerJoin, set_join, worker_join
 
 
 def test_replica_settings_are_validated_with_the_setting_named():
@@ -83,6 +83,10 @@ class _Group:
         self.ran.append((fn, args))
         fn(*args)
 
+    def execute_async(self, fn, *args):
+        self.execute(fn, *args)
+        return []  # delivered: no reference left to wait for
+
 
 def _poll(**running: bool):
     return SimpleNamespace(
@@ -102,5 +106,92 @@ def test_a_replacement_is_told_to_heal_or_to_end_when_its_peers_finished():
         support.after_replica_group_start(_Group(1))
         assert worker_join().kind == "done"  # nothing left to train with
         assert [r["peers_finished"] for r in support.replacements] == [False, True]
+    finally:
+        set_join(None)
+
+
+def test_a_replacement_still_waiting_for_a_peer_is_told_to_end_when_its_peers_finish():
+    """Found in the step-failures benchmark: rank 1 killed 10 steps before the end; the
+    survivor finished while the replacement started, the replacement (told "replacement")
+    waited its whole ReplicaGroups.timeout_s for a peer, failed, and was replaced again:
+    ~40 s of wall time after the last step."""
+    support = ReplicaSupport(ReplicaGroups(min_replicas=1))
+    try:
+        support.after_worker_group_start(_Group(0, 1))
+        support.after_worker_group_poll_status(_poll(r0=True, r1=True))
+        replacement = _Group(1)
+        support.after_replica_group_start(replacement)
+        assert worker_join().kind == "replacement"
+        support.after_worker_group_poll_status(_poll(r0=True, r1=True))
+        assert worker_join().kind == "replacement"  # its peer still runs: keep waiting to heal
+        support.after_worker_group_poll_status(_poll(r0=False, r1=True))  # the peer finished
+        assert worker_join().kind == "done"
+        told = len(replacement.ran)
+        support.after_worker_group_poll_status(_poll(r0=False, r1=True))
+        assert len(replacement.ran) == told  # told once
+    finally:
+        set_join(None)
+
+
+def test_a_replacement_that_finished_is_not_told_to_end():
+    support = ReplicaSupport(ReplicaGroups(min_replicas=1))
+    try:
+        support.after_worker_group_start(_Group(0, 1))
+        replacement = _Group(1)
+        support.after_replica_group_start(replacement)
+        support.after_worker_group_poll_status(_poll(r0=True, r1=False))  # it healed and finished first
+        support.after_worker_group_poll_status(_poll(r0=False, r1=False))
+        assert worker_join().kind == "replacement" and len(replacement.ran) == 1
+    finally:
+        set_join(None)
+
+
+class _AloneInQuorum:
+    """Stand-in for torchft's Manager in a quorum of one at step 0 (its peers are gone)."""
+
+    def start_quorum(self) -> None:
+        pass
+
+    def num_participants(self) -> int:
+        return 1
+
+    def current_step(self) -> int:
+        return 0
+
+
+def _waiting_replacement(timeout_s: float):
+    from ray_goodput.replica._replica import Replica
+
+    rep = Replica.__new__(Replica)  # the first-quorum wait alone: no torchft, no Ray
+    rep.settings = ReplicaGroups(heartbeat_timeout_s=0.2, timeout_s=timeout_s)
+    rep.slot, rep.configured, rep.replacement, rep.peers_finished = 1, 2, True, False
+    rep.manager, rep._ckpt, rep._first_quorum, rep._drop_step = _AloneInQuorum(), None, True, False
+    return rep
+
+
+def test_a_waiting_replacement_ends_when_told_its_peers_finished_instead_of_timing_out():
+    import threading
+
+    rep = _waiting_replacement(timeout_s=30.0)
+    set_join(WorkerJoin("replacement"))
+    told = threading.Timer(0.3, set_join, [WorkerJoin("done")])
+    told.start()
+    try:
+        rep._join_quorum()  # returns once told (the old loop raised ReplicaJoinError after 30 s)
+        assert rep.peers_finished
+    finally:
+        told.cancel()
+        set_join(None)
+
+
+def test_a_replacement_alone_and_never_told_fails_naming_the_timeout():
+    from ray_goodput.replica._replica import ReplicaJoinError
+
+    rep = _waiting_replacement(timeout_s=0.5)
+    set_join(WorkerJoin("replacement"))
+    try:
+        with pytest.raises(ReplicaJoinError, match=r"timeout_s"):
+            rep._join_quorum()
+        assert not rep.peers_finished
     finally:
         set_join(None)

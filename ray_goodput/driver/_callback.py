@@ -84,12 +84,13 @@ class GoodputCallback(UserCallback):
                     done.set()
 
     # -- the ledger --
-    def refresh(self, run_context: Any) -> Ledger:
-        """Recompute the ledger from the workers' events (reads only the new ones)."""
+    def refresh(self, run_context: Any, job_end: float | None = None) -> Ledger:
+        """Recompute the ledger from the workers' events (reads only the new ones);
+        ``job_end``: the run's end when later than its last event (its tail counts)."""
         self._root(run_context)
         events = self._state["reader"].poll()
         self._state["attempts"] = sorted((a for a in events.values() if a), key=lambda a: a[0]["t"])
-        self.ledger = compute(self._state["attempts"], job_start=self.job_start)
+        self.ledger = compute(self._state["attempts"], job_start=self.job_start, job_end=job_end)
         self.ledger.failures = max(self.ledger.failures, len(self._failures))
         return self.ledger
 
@@ -142,7 +143,9 @@ class GoodputCallback(UserCallback):
         if self._state.get("finished"):
             return
         try:
-            self._publish(run_context, self.refresh(run_context), final=True)
+            # The run's end, not its last step: a replacement still starting, or the last
+            # upload, is time the job took.
+            self._publish(run_context, self.refresh(run_context, job_end=time.time()), final=True)
             self._state["finished"] = True
         except Exception as exc:  # noqa: BLE001 - never fail the run over accounting
             logger.warning("goodput ledger update failed: %s", exc)

@@ -34,20 +34,26 @@ def _run_check(check: HealthCheck) -> str | None:
 _remote_check = ray.remote(num_cpus=0, max_retries=0)(_run_check)
 
 
-def check_nodes(check: HealthCheck, node_ids: list[str], timeout_s: float) -> dict[str, str]:
-    """Run ``check`` on every node at once; ``{node_id: reason}`` of the unhealthy ones.
-
-    Blocks at most ``timeout_s``; a node whose check has not answered by then is unhealthy
-    (a hung GPU looks exactly like that) and its task is cancelled.
-    """
-    refs = {
+def start_checks(check: HealthCheck, node_ids: list[str]) -> dict[ray.ObjectRef, str]:
+    """Start ``check`` on every node at once; ``{task: node_id}`` for :func:`collect`."""
+    return {
         _remote_check.options(
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False),
             name=f"ray_goodput_health_check:{node[:12]}",
         ).remote(check): node
         for node in node_ids
     }
-    done, pending = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
+
+
+def collect(refs: dict[ray.ObjectRef, str], timeout_s: float) -> dict[str, str]:
+    """``{node_id: reason}`` of the unhealthy nodes among started checks.
+
+    Blocks at most ``timeout_s``; a node whose check has not answered by then is unhealthy
+    (a hung GPU looks exactly like that) and its task is cancelled.
+    """
+    if not refs:
+        return {}
+    done, pending = ray.wait(list(refs), num_returns=len(refs), timeout=max(0.0, timeout_s))
     unhealthy = {}
     for ref in done:
         try:
@@ -60,3 +66,8 @@ def check_nodes(check: HealthCheck, node_ids: list[str], timeout_s: float) -> di
         ray.cancel(ref, force=True)
         unhealthy[refs[ref]] = f"the check did not answer within {timeout_s:g} s"
     return unhealthy
+
+
+def check_nodes(check: HealthCheck, node_ids: list[str], timeout_s: float) -> dict[str, str]:
+    """Run ``check`` on every node at once and wait for the verdicts (:func:`collect`)."""
+    return collect(start_checks(check, node_ids), timeout_s)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -40,6 +41,8 @@ from ray_goodput.storage import StorageLocation, read_bytes, resolve, write_byte
 
 logger = logging.getLogger(__name__)
 
+#: Ray reads it in the controller when it tears a worker group's process group down.
+TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S = "TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S"
 #: Ray's built-in node label; a value ``"!in(a,b)"`` keeps bundles off nodes a and b.
 NODE_ID_LABEL = "ray.io/node-id"
 STATE_FILE = "recovery/state.json"
@@ -108,6 +111,11 @@ class Recovery(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):
     function run on every candidate node before each attempt; raising or returning False
     excludes the node from that attempt and counts as one of its failures.
     ``storage_path``: where the Checkpointer writes, when not the Ray Train run directory.
+    The checks start at the poll that sees a failure, beside Ray's shutdown of the old group.
+    ``pg_shutdown_timeout_s``: how long a restart waits for the old group's
+    ``destroy_process_group`` (Ray's ``TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S``, 30 s by
+    default, which a hung NCCL teardown runs out); None leaves Ray's; an environment
+    variable the user set wins.
     """
 
     def __init__(
@@ -117,6 +125,7 @@ class Recovery(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):
         max_failures_per_node: int = 2,
         health_check_timeout_s: float = 120.0,
         storage_path: str | None = None,
+        pg_shutdown_timeout_s: float | None = 5.0,
     ) -> None:
         if health_check == "gpu":
             health_check = _gpu_check.gpu_check
@@ -126,8 +135,11 @@ class Recovery(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):
             raise ConfigError(f"max_failures_per_node must be >= 1, got {max_failures_per_node}")
         if health_check_timeout_s <= 0:
             raise ConfigError(f"health_check_timeout_s must be > 0, got {health_check_timeout_s}")
+        if pg_shutdown_timeout_s is not None and pg_shutdown_timeout_s < 1:
+            raise ConfigError(f"pg_shutdown_timeout_s must be >= 1 or None, got {pg_shutdown_timeout_s}")
         self.health_check = health_check
         self.health_check_timeout_s = health_check_timeout_s
+        self.pg_shutdown_timeout_s = pg_shutdown_timeout_s
         self.storage_path = storage_path
         self.ledger = NodeLedger(max_failures_per_node)
         self.attempt = 0
@@ -138,6 +150,8 @@ class Recovery(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):
         self._counted: set[str] = set()
         self._stop: BaseException | None = None
         self._pending_decision: ResumeDecision | None = None
+        self._scaling: Any = None  # the run's ScalingConfig, for checks started at a failure
+        self._early_checks: dict[Any, str] | None = None  # started when the failure was seen
 
     @property
     def isolated_nodes(self) -> list[str]:
@@ -147,12 +161,14 @@ class Recovery(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):
     # -- controller hooks --
     def after_controller_start(self, train_run_context: Any) -> None:
         _log_where_ray_train_logs()
+        _bound_process_group_shutdown(self.pg_shutdown_timeout_s)
         run_config = train_run_context.run_config
         self._root = resolve(self.storage_path) if self.storage_path else run_root(run_config.storage_context)
 
     def on_controller_start_worker_group(self, *, scaling_config: Any, num_workers: int) -> dict[str, str] | None:
         self.attempt += 1
         self._counted = set()
+        self._scaling = scaling_config
         decision = self._choose_resume() if self.attempt > 1 else None
         unhealthy = self._check_health(scaling_config)
         excluded = sorted(set(self.ledger.isolated) | set(unhealthy))
@@ -203,11 +219,15 @@ class Recovery(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):
         for w in replica_group.get_workers():
             self._rank_nodes[w.distributed_context.world_rank] = w.metadata.node_id
         self._counted = set()
+        for ref in self._early_checks or {}:  # no group start follows to read them
+            ray.cancel(ref, force=True)
+        self._early_checks = None
 
     def after_worker_group_poll_status(self, worker_group_status: Any) -> None:
         errors = worker_group_status.errors
         if not errors:
             return
+        self._start_checks_early()
         for rank, exc in sorted(errors.items()):
             self._count_failure(rank, exc)
             hit = futile(exc)
@@ -264,18 +284,40 @@ class Recovery(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):
                 logger.warning("attempt %d: could not pin step %d against retention: %s", self.attempt, step, exc)
         return ResumeDecision(attempt=self.attempt, step=step, root_key=root_key(self._root))
 
-    def _check_health(self, scaling_config: Any) -> dict[str, str]:
-        if self.health_check is None:
-            return {}
+    def _candidate_nodes(self, scaling_config: Any) -> list[str]:
         per_worker = worker_resources(scaling_config)
-        nodes = [
+        return [
             n["NodeID"]
             for n in ray.nodes()
             if n["Alive"]
             and n["NodeID"] not in self.ledger.isolated
             and workers_that_fit(n["Resources"], per_worker) > 0
         ]
-        unhealthy = _health.check_nodes(self.health_check, nodes, self.health_check_timeout_s)
+
+    def _start_checks_early(self) -> None:
+        """At the poll that first sees this attempt's failure: start the node checks now, so
+        they run while Ray decides and shuts the old group down, not after. (The resume
+        choice stays at the next start: the dead attempt's uploader can still commit a
+        newer checkpoint during the shutdown.)"""
+        if self.health_check is None or self._scaling is None or self._early_checks is not None:
+            return
+        try:
+            self._early_checks = _health.start_checks(self.health_check, self._candidate_nodes(self._scaling))
+        except Exception as exc:  # noqa: BLE001 - the next start checks on its own
+            logger.warning("could not start node health checks at the failure: %s", exc)
+
+    def _check_health(self, scaling_config: Any) -> dict[str, str]:
+        if self.health_check is None:
+            return {}
+        nodes = self._candidate_nodes(scaling_config)
+        early, self._early_checks = self._early_checks or {}, None
+        started = {ref: node for ref, node in early.items() if node in nodes}
+        for ref, node in early.items():
+            if node not in nodes:  # died or isolated meanwhile
+                ray.cancel(ref, force=True)
+        missing = [n for n in nodes if n not in started.values()]
+        refs = {**started, **_health.start_checks(self.health_check, missing)}
+        unhealthy = _health.collect(refs, self.health_check_timeout_s)
         for node, reason in sorted(unhealthy.items()):
             logger.warning(
                 "attempt %d: node %s failed its health check (%s); no worker goes there this attempt",
@@ -338,6 +380,16 @@ class Recovery(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):
             write_bytes(self._root, STATE_FILE, json.dumps(self.state(), indent=1).encode())
         except OSError as exc:  # a record for people; never a reason to fail the run
             logger.warning("could not write %s/%s: %s", self._root.uri, STATE_FILE, exc)
+
+
+def _bound_process_group_shutdown(timeout_s: float | None) -> None:
+    """Bound the old group's process-group teardown at a restart (Ray waits up to
+    ``TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S``, default 30 s, for ``destroy_process_group`` on
+    the survivors, which hangs on NCCL when a peer died). Ray reads it in the controller at
+    each shutdown, so it is set here, in the controller's process, unless the user set it."""
+    if timeout_s is None or TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S in os.environ:
+        return
+    os.environ[TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S] = str(max(1, round(timeout_s)))
 
 
 def _log_where_ray_train_logs() -> None:

@@ -7,6 +7,7 @@ import logging
 import time
 from typing import Any
 
+import ray
 import ray.train
 from ray.train.v2._internal.execution.callback import ControllerCallback, ReplicaGroupCallback, WorkerGroupCallback
 
@@ -35,6 +36,10 @@ class ReplicaSupport(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallba
         self.replacements: list[dict[str, Any]] = []
         self._ranks: set[int] = set()
         self._finished: set[int] = set()  # ranks whose training function returned
+        # Replacements told to heal that may still be waiting for a peer: when every peer
+        # finishes first, they are told to end (else each waits out ReplicaGroups.timeout_s).
+        self._healing: list[tuple[set[int], Any]] = []
+        self._told: list[Any] = []  # refs of those messages, dropped once delivered
 
     def _join(self, kind: str) -> WorkerJoin:
         return WorkerJoin(kind, dataclasses.asdict(self.settings))
@@ -49,17 +54,33 @@ class ReplicaSupport(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallba
     def after_worker_group_start(self, worker_group: Any) -> None:
         self._ranks = {w.distributed_context.world_rank for w in worker_group.get_workers()}
         self._finished = set()
+        self._healing = []
         worker_group.execute(set_join, self._join("start"))
 
     def after_worker_group_poll_status(self, worker_group_status: Any) -> None:
         statuses = worker_group_status.worker_statuses
         self._finished |= {rank for rank, st in statuses.items() if not st.running and st.error is None}
+        self._healing = [(ranks, group) for ranks, group in self._healing if not ranks <= self._finished]
+        for ranks, group in [h for h in self._healing if self._peers_finished(h[0])]:
+            # Fire and forget: the worker's actor thread is free while its training runs, and
+            # the controller's poll must not wait on a worker.
+            self._told.extend(group.execute_async(set_join, self._join("done")))
+            self._healing.remove((ranks, group))
+            logger.info("every peer of replacement rank(s) %s finished: it is told to end", sorted(ranks))
+        if self._told:
+            _, self._told = ray.wait(self._told, num_returns=len(self._told), timeout=0)
+
+    def _peers_finished(self, ranks: set[int]) -> bool:
+        return bool(self._ranks - ranks) and self._ranks - ranks <= self._finished
 
     def after_replica_group_start(self, replica_group: Any) -> None:
         ranks = {w.distributed_context.world_rank for w in replica_group.get_workers()}
         self._finished -= ranks
-        done = bool(self._ranks - ranks) and self._ranks - ranks <= self._finished
+        self._healing = [(r, g) for r, g in self._healing if not r & ranks]
+        done = self._peers_finished(ranks)
         replica_group.execute(set_join, self._join("done" if done else "replacement"))
+        if not done:
+            self._healing.append((ranks, replica_group))
         self.replacements.append({"time": time.time(), "ranks": sorted(ranks), "peers_finished": done})
         logger.info(
             "replica group of rank(s) %s replaced; %s",

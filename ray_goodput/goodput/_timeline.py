@@ -29,7 +29,8 @@ class Span:
 
 @dataclass(frozen=True)
 class Mark:
-    """A point event on attempt ``row``: ``kind`` is failure, save, resume or note."""
+    """A point event on attempt ``row``: ``kind`` is failure, save, resume, note, or (replica
+    mode) replica_lost / replica_back."""
 
     row: int
     t: float
@@ -40,9 +41,14 @@ class Mark:
 def _step_spans(row: int, e: dict[str, Any], kept: bool) -> list[Span]:
     fetch, ckpt = e.get("fetch", 0.0), e.get("ckpt", 0.0)
     work_end = max(e["t0"] + fetch, e["t"] - ckpt)
+    if kept:  # with fewer replicas than configured, the missing share is degraded (the ledger's)
+        split = e["t0"] + fetch + (work_end - e["t0"] - fetch) * min(1.0, e.get("capacity", 1.0))
+        work = [Span(row, e["t0"] + fetch, split, "productive"), Span(row, split, work_end, "degraded")]
+    else:
+        work = [Span(row, e["t0"] + fetch, work_end, "lost")]
     return [
         Span(row, e["t0"], e["t0"] + fetch, "data_stall"),
-        Span(row, e["t0"] + fetch, work_end, "productive" if kept else "lost"),
+        *work,
         Span(row, work_end, e["t"], "checkpoint_stall"),
     ]
 
@@ -67,10 +73,12 @@ def spans(attempts: list[list[dict[str, Any]]], job_start: float | None = None) 
 
 
 def marks(attempts: list[list[dict[str, Any]]], notes: dict[int, str] | None = None) -> list[Mark]:
-    """Failures (end of every attempt but the last), saves, resumes, and ``notes`` (text at
-    the start of an attempt, e.g. the nodes excluded from it)."""
+    """Failures (end of every attempt but the last), saves, resumes, replica mode's
+    replacements (the first step with fewer replicas, the first with all of them again), and
+    ``notes`` (text at the start of an attempt, e.g. the nodes excluded from it)."""
     out: list[Mark] = []
     for row, events in enumerate(attempts):
+        out += _replica_marks(row, events)
         out += [Mark(row, e["t"], "save", "") for e in events if e["e"] == "step" and e.get("ckpt", 0.0) > 0]
         out += [
             Mark(row, e["t"], "resume", f"resumed from step {e.get('step') or 0}")
@@ -81,6 +89,20 @@ def marks(attempts: list[list[dict[str, Any]]], notes: dict[int, str] | None = N
             out.append(Mark(row, events[-1]["t"], "failure", "failure"))
         if notes and notes.get(row):
             out.append(Mark(row, events[0]["t"], "note", notes[row]))
+    return out
+
+
+def _replica_marks(row: int, events: list[dict[str, Any]]) -> list[Mark]:
+    out, prev = [], 1.0
+    for e in events:
+        if e["e"] != "step":
+            continue
+        cap = e.get("capacity", 1.0)
+        if cap < prev:
+            out.append(Mark(row, e["t0"], "replica_lost", f"replica lost ({cap:.0%} stepping)"))
+        elif cap > prev and cap >= 1.0:
+            out.append(Mark(row, e["t0"], "replica_back", "replacement healed"))
+        prev = cap
     return out
 
 
@@ -107,6 +129,8 @@ def timeline_png(
         "save": ("|", "black"),
         "resume": ("^", "#1f77b4"),
         "note": ("*", "#9467bd"),
+        "replica_lost": ("v", "#d62728"),
+        "replica_back": ("^", "#2ca02c"),
     }
     for m in marks(attempts, notes):
         symbol, color = symbols[m.kind]

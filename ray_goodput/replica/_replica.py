@@ -210,6 +210,8 @@ class Replica:
         self._first_quorum = False
         deadline = time.monotonic() + self.settings.timeout_s
         while self._waiting_for_peers():
+            if self._told_peers_finished():
+                return
             if time.monotonic() > deadline:
                 raise ReplicaJoinError(
                     f"replica {self.slot} found {self.manager.num_participants()} of {self.configured} "
@@ -219,6 +221,15 @@ class Replica:
             time.sleep(self.settings.heartbeat_timeout_s / 4)
             self.manager.start_quorum()
         self._drop_step = self._restore_if_no_peer_had_state()
+
+    def _told_peers_finished(self) -> bool:
+        """Whether the driver said, since this replacement started, that every peer has
+        finished (it ends instead of waiting out ``timeout_s`` for one to heal from)."""
+        join = worker_join()
+        if join is not None and join.kind == "done" and not self.peers_finished:
+            logger.info("replica %d: every peer finished while it waited for one; it ends", self.slot)
+            self.peers_finished = True
+        return self.peers_finished
 
     def _waiting_for_peers(self) -> bool:
         """Whether the first quorum must wait for more replicas. At a whole-group start: for
@@ -270,12 +281,15 @@ class Replica:
 
         Each iteration first joins the step's quorum (blocking; a lagging or new replica is
         healed there). Call :meth:`step` after the backward pass of every batch. Yields
-        nothing in a replacement whose peers had finished."""
+        nothing in a replacement whose peers had finished (also when they finish while it
+        waits for one to heal from: :attr:`peers_finished` then says so)."""
         while self.manager is not None and self.current_step < total_steps:
             if self._in_step:
                 raise ConfigError("call Replica.step() after the backward pass of each batch")
             self._optim.zero_grad()
             self._join_quorum()
+            if self._told_peers_finished():
+                return
             n, rank = self.manager.num_participants(), self.manager.participating_rank()
             if rank is None:
                 raise RuntimeError(f"replica {self.slot} is in no quorum position after a synchronous quorum")
