@@ -83,6 +83,11 @@ class _Group:
         self.ran.append((fn, args))
         fn(*args)
 
+    active = True
+
+    def is_active(self) -> bool:
+        return self.active
+
     def execute_async(self, fn, *args):
         self.execute(fn, *args)
         return []  # delivered: no reference left to wait for
@@ -193,5 +198,22 @@ def test_a_replacement_alone_and_never_told_fails_naming_the_timeout():
         with pytest.raises(ReplicaJoinError, match=r"timeout_s"):
             rep._join_quorum()
         assert not rep.peers_finished
+    finally:
+        set_join(None)
+
+
+def test_a_replacement_shut_down_before_its_peers_finish_is_not_told_anything():
+    """Telling a shut-down replica group raises in Ray ("ReplicaGroup has been shut down"),
+    which in a controller callback would end the run."""
+    support = ReplicaSupport(ReplicaGroups(min_replicas=1))
+    try:
+        support.after_worker_group_start(_Group(0, 1))
+        gone, stale = _Group(1), _Group(1)
+        support.after_replica_group_start(gone)
+        support.before_replica_group_shutdown(gone)
+        support.after_replica_group_start(stale)
+        stale.active = False  # shut down without the hook
+        support.after_worker_group_poll_status(_poll(r0=False, r1=True))
+        assert len(gone.ran) == 1 and len(stale.ran) == 1  # only the join each got at its start
     finally:
         set_join(None)

@@ -62,13 +62,18 @@ class ReplicaSupport(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallba
         self._finished |= {rank for rank, st in statuses.items() if not st.running and st.error is None}
         self._healing = [(ranks, group) for ranks, group in self._healing if not ranks <= self._finished]
         for ranks, group in [h for h in self._healing if self._peers_finished(h[0])]:
+            self._healing.remove((ranks, group))
+            if not group.is_active():  # shut down meanwhile: nobody left to tell
+                continue
             # Fire and forget: the worker's actor thread is free while its training runs, and
             # the controller's poll must not wait on a worker.
             self._told.extend(group.execute_async(set_join, self._join("done")))
-            self._healing.remove((ranks, group))
             logger.info("every peer of replacement rank(s) %s finished: it is told to end", sorted(ranks))
         if self._told:
             _, self._told = ray.wait(self._told, num_returns=len(self._told), timeout=0)
+
+    def before_replica_group_shutdown(self, replica_group: Any) -> None:
+        self._healing = [(r, g) for r, g in self._healing if g is not replica_group]
 
     def _peers_finished(self, ranks: set[int]) -> bool:
         return bool(self._ranks - ranks) and self._ranks - ranks <= self._finished
