@@ -329,3 +329,22 @@ def test_node_checks_start_when_the_failure_is_seen_and_the_next_start_uses_thei
     assert len(list(checks.iterdir())) == 2 * per_round  # no third round
     assert list(rec.attempts[1]["unhealthy"]) == [cluster["x"]]
     assert cluster["x"] in selector["ray.io/node-id"]
+
+
+def test_replica_mode_does_not_start_node_checks_at_a_replicas_failure(tmp_path):
+    from types import SimpleNamespace
+
+    from ray_goodput.replica import ReplicaGroups
+
+    recovery = Recovery(health_check=lambda: True, storage_path=str(tmp_path))
+    trainer = TorchTrainer(
+        lambda: None,
+        scaling_config=ScalingConfig(num_workers=2),
+        run_config=RunConfig(storage_path=str(tmp_path), name="r"),
+        recovery=recovery,
+        fault_tolerance=ReplicaGroups(),
+    )
+    assert trainer.recovery.checks_at_failure is False
+    trainer.recovery._scaling = ScalingConfig(num_workers=2)
+    trainer.recovery.after_worker_group_poll_status(SimpleNamespace(errors={0: RuntimeError("replica died")}))
+    assert trainer.recovery._early_checks is None  # no task started on any node

@@ -152,6 +152,9 @@ class Recovery(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):
         self._pending_decision: ResumeDecision | None = None
         self._scaling: Any = None  # the run's ScalingConfig, for checks started at a failure
         self._early_checks: dict[Any, str] | None = None  # started when the failure was seen
+        # Off in replica mode (the trainer says so): a replica's failure is replaced, not
+        # restarted, and checks then would only load the survivors' nodes.
+        self.checks_at_failure = True
 
     @property
     def isolated_nodes(self) -> list[str]:
@@ -299,7 +302,9 @@ class Recovery(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):
         they run while Ray decides and shuts the old group down, not after. (The resume
         choice stays at the next start: the dead attempt's uploader can still commit a
         newer checkpoint during the shutdown.)"""
-        if self.health_check is None or self._scaling is None or self._early_checks is not None:
+        if not self.checks_at_failure or self.health_check is None or self._scaling is None:
+            return
+        if self._early_checks is not None:
             return
         try:
             self._early_checks = _health.start_checks(self.health_check, self._candidate_nodes(self._scaling))

@@ -61,6 +61,8 @@ class TorchTrainer(ray.train.torch.TorchTrainer):
             goodput = next((c for c in merged if isinstance(c, GoodputCallback)), None)
             merged.append(ReplicaSupport(fault_tolerance, goodput))
         self.recovery = _pick_recovery(merged, recovery)
+        if self.recovery is not None and fault_tolerance is not None:
+            self.recovery.checks_at_failure = False  # a replica's failure is no restart
         if self.recovery is not None and not any(c is self.recovery for c in merged):
             merged.append(self.recovery)
         if not any(isinstance(c, NodeServices) for c in merged):
