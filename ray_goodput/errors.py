@@ -40,6 +40,19 @@ class IncompleteSaveError(CheckpointError):
     checkpoint stays the recovery point."""
 
 
+class FencedError(CheckpointError):
+    """A newer live run claimed this run's storage path (a second job started on the same
+    ``storage_path``, or a zombie of a dead attempt): this run stops saving there. The
+    message names the other run (generation, host, pid, start time) and what to do. A
+    retry of this run would fence the other one in turn, so it is not retried."""
+
+
+class RecoveryPointTooOldError(CheckpointError):
+    """The newest committed checkpoint is older than ``Checkpointer(max_recovery_point_age_s=...)``:
+    saves have been failing (or not committing) for too long. A restart resumes from that
+    checkpoint; the message names the age, the storage and the last save error."""
+
+
 class StateMismatchError(CheckpointError, ValueError):
     """The state passed to restore does not match what the checkpoint holds.
 
@@ -60,7 +73,13 @@ class CacheFullError(StorageError):
 
 
 #: Errors that a restart of the run cannot fix: the message says what to change.
-NOT_RETRYABLE: tuple[type[GoodputError], ...] = (ConfigError, StateMismatchError, DataError, StorageUnusableError)
+NOT_RETRYABLE: tuple[type[GoodputError], ...] = (
+    ConfigError,
+    StateMismatchError,
+    DataError,
+    StorageUnusableError,
+    FencedError,
+)
 
 
 def causes(exc: BaseException) -> list[BaseException]:

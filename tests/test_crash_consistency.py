@@ -18,7 +18,7 @@ from ray_goodput.checkpoint.protocol._dcp_parts import part_file
 from ray_goodput.checkpoint.protocol._manifest import read_manifest
 from ray_goodput.checkpoint.uploader import _actor
 from ray_goodput.checkpoint.uploader._thread_backend import ThreadBackend
-from ray_goodput.errors import IncompleteSaveError, StorageError
+from ray_goodput.errors import FencedError, IncompleteSaveError, StorageError
 from ray_goodput.runtime import _services
 from ray_goodput.runtime._resume import ResumeDecision, root_key, set_decision
 from ray_goodput.storage import RetryPolicy, list_dir, resolve, upload_file
@@ -196,7 +196,8 @@ def test_a_dead_attempts_late_commit_of_a_higher_step_never_outranks_the_live_at
         live.save(15, live_state)
         live.wait()
         dead.save(30, state)  # the dead attempt's uploader commits late
-        dead.wait()
+        with pytest.raises(FencedError):  # what a zombie of the dead attempt would hear
+            dead.wait()
         live.save(16, live_state)
         live.wait()
     dead.close()
@@ -300,7 +301,8 @@ def test_a_dead_attempts_late_commit_never_prunes_where_the_live_attempt_may_upl
         live.save(20, live_state)
         live.wait()
         dead.save(30, state)  # late, and keep_last=1 by its own lights
-        dead.wait()
+        with pytest.raises(FencedError):  # committed, then fenced: the live attempt saves here
+            dead.wait()
         assert [i.step for i in list_checkpoints(root)] == [10, 20, 30]
         live.save(30, live_state)
         live.wait()

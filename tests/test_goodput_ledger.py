@@ -94,6 +94,27 @@ def test_superseded_checkpoints_are_counted_in_the_ledger_and_its_metrics():
     assert sum(ledger.seconds.values()) == pytest.approx(ledger.total)
 
 
+def test_failed_saves_and_the_recovery_points_age_are_in_the_ledger_and_its_metrics():
+    run = _attempt(100.0, 0, 20, end=True)  # steps end at 103 + 20 = 123, the end event at 123.5
+    run += [
+        {"e": "recovery_point", "step": 2, "at": 105.0, "t": 105.5},
+        {"e": "ckpt_failed", "step": 4, "t": 108.0},
+        {"e": "ckpt_failed", "step": 6, "t": 110.0},
+        {"e": "recovery_point", "step": 8, "at": 111.0, "t": 112.0},  # 7 s after step 2's state
+        {"e": "recovery_point", "step": 12, "at": 115.0, "t": 115.3},
+        {"e": "recovery_point", "step": 16, "at": 118.0, "t": 118.3},
+        {"e": "recovery_point", "step": 18, "at": 121.0, "t": 121.2},
+    ]
+    run.sort(key=lambda e: e["t"])
+    ledger = compute([run], job_start=100.0)
+    assert ledger.checkpoints_failed == 2
+    assert ledger.recovery_point_age_max_s == pytest.approx(7.0)  # the outage: 112 - 105
+    assert ledger.recovery_point_age_s == pytest.approx(123.5 - 121.0)
+    metrics = ledger.as_metrics()
+    assert metrics["goodput/checkpoints_failed"] == 2 and metrics["goodput/recovery_point_age_max_s"] == 7.0
+    assert "goodput/recovery_point_age_s" not in compute([_attempt(100.0, 0, 3)]).as_metrics()  # none committed
+
+
 def test_steps_with_fewer_replicas_than_configured_count_their_missing_share_as_degraded():
     a = _attempt(100.0, 0, 10, end=True)
     for e in a:

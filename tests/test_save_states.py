@@ -6,18 +6,21 @@ test_crash_consistency.py."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
+import time
 from concurrent.futures import Future
 
 import pytest
 import torch
 
 from ray_goodput import Checkpointer, _faults
+from ray_goodput.checkpoint._outcomes import AGE_FLOOR_S, AGE_INTERVALS
 from ray_goodput.checkpoint.save._handoff import Handoff
 from ray_goodput.checkpoint.save._save_state import IllegalTransitionError, SaveRecord, SaveState, agree
 from ray_goodput.checkpoint.uploader._shard_job import ShardJob, ShardResult
-from ray_goodput.errors import CheckpointError, ConfigError, InjectedFault
+from ray_goodput.errors import CheckpointError, ConfigError, InjectedFault, RecoveryPointTooOldError
 
 S = SaveState
 
@@ -37,7 +40,7 @@ def test_a_save_walks_snapshotted_staged_uploaded_committed():
     "path",
     [
         [S.COMMITTED],  # cannot commit before it is uploaded
-        [S.STAGED, S.SUPERSEDED],  # a staged save is past waiting: it cannot be dropped
+        [S.STAGED, S.SUPERSEDED, S.UPLOADED],  # given way to a newer save (storage out): over
         [S.STAGED, S.UPLOADED, S.COMMITTED, S.FAILED],  # terminal states stay put
         [S.SUPERSEDED, S.STAGED],
     ],
@@ -165,6 +168,70 @@ def test_a_failed_save_is_raised_once_by_wait(fake):
         ckpt.wait()
     ckpt.wait()  # reported once
     assert ckpt.stats.failed_saves == 1
+
+
+def test_an_older_failed_save_left_behind_by_a_newer_commit_is_counted_not_raised(fake):
+    """A storage outage that fails one background save must not end a run whose later
+    saves commit (it ended the run at close(), with a committed newest step)."""
+    ckpt, backend = fake
+    ckpt.save(1, _state())
+    backend.end(1, error=OSError("outage"))
+    ckpt.save(2, _state())
+    backend.end(2)
+    ckpt.wait()  # the newest committed: nothing to raise
+    ckpt.close()
+    assert ckpt.stats.failed_saves == 1 and "outage" in ckpt.stats.last_error
+    assert ckpt.stats.committed == [2] and ckpt.stats.recovery_step == 2
+
+
+def test_the_newest_save_failing_is_raised_by_close(fake):
+    ckpt, backend = fake
+    ckpt.save(1, _state())
+    backend.end(1)
+    ckpt.save(2, _state())
+    backend.end(2, error=OSError("outage at the end"))
+    with pytest.raises(CheckpointError, match="newest checkpoint save failed.*outage at the end"):
+        ckpt.close()
+
+
+def test_a_recovery_point_older_than_its_bound_is_raised_at_the_next_sync_naming_age_storage_and_error(tmp_path):
+    backend = FakeBackend()
+    ckpt = Checkpointer(
+        str(tmp_path / "root"),
+        staging_dir=str(tmp_path / "s"),
+        uploader=backend,
+        sync_every=2,
+        max_recovery_point_age_s=0.5,
+    )
+    try:
+        ckpt.save(1, _state())
+        backend.end(1)
+        ckpt.save(2, _state())  # no sync yet (every 2nd save)
+        backend.end(2, error=OSError("bucket unreachable"))
+        time.sleep(0.6)  # step 1 (the recovery point) is now older than the bound
+        assert ckpt.recovery_point_age_s > 0.5
+        with pytest.raises(RecoveryPointTooOldError) as err:
+            ckpt.save(3, _state())  # the 2nd save syncs: outcomes agreed, the bound checked
+        text = str(err.value)
+        age = float(re.search(r"\(committed step 1\) is (\d+\.\d) s old, over the bound of 0\.5 s", text).group(1))
+        assert age >= 0.5, text
+        assert str(tmp_path / "root") in text and "bucket unreachable" in text
+        assert "max_recovery_point_age_s" in text
+        assert ckpt.stats.recovery_step == 1 and ckpt.stats.recovery_point_age_s > 0.5
+    finally:
+        ckpt._release()
+
+
+def test_the_default_recovery_point_bound_follows_the_save_interval(fake):
+    ckpt, backend = fake
+    assert ckpt._outcomes.bound_s() == AGE_FLOOR_S  # no interval measured yet
+    ckpt.save(1, _state())
+    ckpt._outcomes.pending[1].saved_at -= 2 * AGE_FLOOR_S  # as if saved long ago
+    ckpt._outcomes._first_save_at = ckpt._outcomes.pending[1].saved_at
+    ckpt.save(2, _state())
+    assert ckpt._outcomes.bound_s() == pytest.approx(AGE_INTERVALS * 2 * AGE_FLOOR_S, rel=0.01)
+    with pytest.raises(ConfigError, match="max_recovery_point_age_s"):
+        Checkpointer(str(ckpt.root.uri), uploader=backend, max_recovery_point_age_s=0)
 
 
 def test_durable_everywhere_but_never_committed_is_a_failure(fake):

@@ -4,7 +4,9 @@ staging disk that is full: retried and committed, or failed loudly while trainin
 from __future__ import annotations
 
 import logging
+import re
 import subprocess
+from pathlib import Path
 
 import pyarrow.fs as pafs
 import pytest
@@ -12,6 +14,7 @@ import torch
 
 from ray_goodput import Checkpointer, CheckpointError, list_checkpoints, storage
 from ray_goodput.checkpoint.protocol import _catalog
+from ray_goodput.checkpoint.uploader import _shard_job
 from ray_goodput.cli import main
 from ray_goodput.storage import RetryPolicy
 from ray_goodput.testing import FlakyProxy
@@ -45,27 +48,74 @@ def test_flaky_endpoint_is_retried_and_commits_with_matching_checksums(flaky_uri
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))
 
 
+def _tmpfs(path: Path, size: str) -> Path:
+    path.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], check=True)
+    return path
+
+
 @pytest.fixture
 def tiny_disk(tmp_path):
-    mount = tmp_path / "tiny"
-    mount.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)], check=True)
+    mount = _tmpfs(tmp_path / "tiny", "256k")
     yield mount
     subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
-def test_full_staging_disk_fails_that_save_loudly_and_training_goes_on(tiny_disk, tmp_path, caplog):
+@pytest.fixture
+def tiny_memory(tmp_path, monkeypatch):
+    """Memory (where a shard goes when staging is full) with no room either."""
+    mount = _tmpfs(tmp_path / "tiny-memory", "256k")
+    monkeypatch.setattr(_shard_job, "MEMORY_DIR", mount)
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+SMALL = {"model": torch.nn.Linear(8, 8)}
+BIG = {"model": torch.nn.Linear(8, 8), "extra": torch.nn.Linear(512, 512)}  # 1 MiB > the tiny disk
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_a_full_staging_disk_degrades_to_an_upload_from_memory_with_one_warning(
+    where, tiny_disk, tmp_path, s3_server, caplog
+):
+    """A full staging disk failed the run; the shard goes to storage from memory instead,
+    without a node-local copy (on S3, after the upload that followed the cut-short write
+    took back what it sent)."""
+    root = str(tmp_path / "root") if where == "local" else s3_server.bucket_uri("tiny-degrade")
+    big = {"model": torch.nn.Linear(8, 8), "extra": torch.nn.Linear(512, 512)}
+    with caplog.at_level(logging.WARNING), Checkpointer(root, staging_dir=str(tiny_disk), uploader="thread") as ckpt:
+        ckpt.save(1, SMALL)
+        ckpt.wait()
+        for step in (2, 3):
+            ckpt.save(step, big)
+            ckpt.wait()
+        assert ckpt.stats.committed == [1, 2, 3] and ckpt.stats.failed_saves == 0
+    warned = [r.getMessage() for r in caplog.records if "uploading from memory" in r.getMessage()]
+    assert len(warned) == 1, warned  # once per staging dir
+    assert str(tiny_disk) in warned[0] and "bytes free" in warned[0], warned[0]
+    assert not list(tiny_disk.rglob("*.distcp")), list(tiny_disk.rglob("*"))  # no node-local copy
+    assert not list((_shard_job.MEMORY_DIR / "ray_goodput-direct").rglob("*.distcp"))  # nor one in memory
+    fresh = {"model": torch.nn.Linear(8, 8), "extra": torch.nn.Linear(512, 512)}
+    with Checkpointer(root, staging_dir=str(tmp_path / "r"), uploader="thread") as ckpt:
+        assert ckpt.restore(fresh) == 3
+    for name in ("model", "extra"):
+        for a, b in zip(big[name].state_dict().values(), fresh[name].state_dict().values()):
+            assert torch.equal(a, b)
+
+
+def test_full_staging_disk_and_memory_fail_that_save_loudly_and_training_goes_on(
+    tiny_disk, tiny_memory, tmp_path, caplog
+):
     root = str(tmp_path / "root")
-    small = {"model": torch.nn.Linear(8, 8)}
-    big = {"model": torch.nn.Linear(8, 8), "extra": torch.nn.Linear(512, 512)}  # 1 MiB > disk
     ckpt = Checkpointer(root, staging_dir=str(tiny_disk), uploader="thread")
-    ckpt.save(1, small)
+    ckpt.save(1, SMALL)
     ckpt.wait()
     with caplog.at_level(logging.ERROR):
-        ckpt.save(2, big)  # returns: the failure happens in the background
-        with pytest.raises(CheckpointError, match="No space left|Errno 28"):
-            ckpt.wait()  # (waited for before the next save, which would
-    ckpt.save(3, small)  # supersede it); training goes on and checkpoints again
+        ckpt.save(2, BIG)  # returns: the failure happens in the background
+        with pytest.raises(CheckpointError, match="No space left|Errno 28") as err:
+            ckpt.wait()  # (waited for before the next save, which would supersede it)
+    assert f"{tiny_memory} has" in str(err.value) and "too few to upload it from memory" in str(err.value)
+    ckpt.save(3, SMALL)  # training goes on and checkpoints again
     ckpt.wait()
     assert ckpt.stats.failed_saves == 1 and "step 2" in ckpt.stats.last_error
     assert "checkpoint of step 2 failed" in caplog.text
@@ -74,22 +124,37 @@ def test_full_staging_disk_fails_that_save_loudly_and_training_goes_on(tiny_disk
     assert committed == [1, 3]
 
 
+def test_a_full_staging_disk_names_the_bytes_the_shard_needs_also_for_tensors_passed_as_plain_values(
+    tiny_disk, tiny_memory, tmp_path
+):
+    """The message said "the shard needs ~0" for 24 MiB of tensors in a plain dict: it
+    counted the arena's tensors only, not the pickled plain values."""
+    params = {"params": {str(i): torch.zeros(64, 1024) for i in range(4)}}  # 1 MiB, plain values
+    needed = sum(t.numel() * t.element_size() for t in params["params"].values())
+    ckpt = Checkpointer(str(tmp_path / "root"), staging_dir=str(tiny_disk), uploader="thread")
+    ckpt.save(1, params)
+    with pytest.raises(CheckpointError, match="out of space") as err:
+        ckpt.wait()
+    ckpt._release()
+    shown = int(re.search(r"the shard needs ~(\d+)", str(err.value)).group(1))
+    assert needed <= shown < 2 * needed, str(err.value)
+
+
 def test_a_staging_write_that_fails_while_its_upload_follows_it_leaves_no_object_in_storage(
-    tiny_disk, tmp_path, s3_server
+    tiny_disk, tiny_memory, tmp_path, s3_server
 ):
     """On object storage the data file is uploaded while DCP writes it (``_follow_upload``): a
-    write that fails midway (the staging disk filled up) must fail that save alone and
-    take back what was sent, not leave a partial object under the file's name."""
+    write that fails midway (the staging disk filled up, and memory has no room either) must
+    fail that save alone and take back what was sent, not leave a partial object under the
+    file's name."""
     root = s3_server.bucket_uri("tiny-follow")
-    small = {"model": torch.nn.Linear(8, 8)}
-    big = {"model": torch.nn.Linear(8, 8), "extra": torch.nn.Linear(512, 512)}  # 1 MiB > disk
     ckpt = Checkpointer(root, staging_dir=str(tiny_disk), uploader="thread")
-    ckpt.save(1, small)
+    ckpt.save(1, SMALL)
     ckpt.wait()
-    ckpt.save(2, big)
+    ckpt.save(2, BIG)
     with pytest.raises(CheckpointError, match="No space left|Errno 28"):
         ckpt.wait()
-    ckpt.save(3, small)
+    ckpt.save(3, SMALL)
     ckpt.wait()
     ckpt.close()
     step2 = _catalog.step_location(storage.resolve(root), 2)

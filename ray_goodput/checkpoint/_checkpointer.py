@@ -19,23 +19,22 @@ import os
 import threading
 import time
 from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ray_goodput import _env
-from ray_goodput.checkpoint.protocol import _catalog, _collective, _layout, _lineage
+from ray_goodput.checkpoint._outcomes import Outcomes, Pending, SaveStats
+from ray_goodput.checkpoint.protocol import _collective, _layout, _lineage
 from ray_goodput.checkpoint.restore._load import RestoreInfo, choose, failed_load_verdict, load_checkpoint
 from ray_goodput.checkpoint.restore._local_precheck import LocalGuess
 from ray_goodput.checkpoint.save import _state_dict
 from ray_goodput.checkpoint.save._arena_pair import ArenaPair
 from ray_goodput.checkpoint.save._handoff import Handoff, UploadBackend
 from ray_goodput.checkpoint.save._local_copies import LocalCopyDropper
-from ray_goodput.checkpoint.save._ray_report import report_checkpoint, report_closed
-from ray_goodput.checkpoint.save._save_state import SaveRecord, SaveState, agree
+from ray_goodput.checkpoint.save._ray_report import report_closed
+from ray_goodput.checkpoint.save._save_state import SaveRecord
 from ray_goodput.checkpoint.save._schedule import SaveSchedule
 from ray_goodput.checkpoint.save._snapshot import Snapshotter
 from ray_goodput.checkpoint.uploader._client import ActorBackend
@@ -50,50 +49,14 @@ from ray_goodput.storage import RetryPolicy
 
 logger = logging.getLogger(__name__)
 
+__all__ = ["Checkpointer", "SaveStats"]
+
 #: How long a clean ``close()`` lets superseded node-local copies finish being deleted
 #: (seconds for a GPU-sized shard); what is left is collected by the run's next
 #: Checkpointer on the node.
 _DROP_JOIN_S = 60.0
 #: How many times one restore chooses again after its pick left storage during the load.
 _CHOICES_AFTER_GONE = 3
-
-
-@dataclass
-class _Pending:
-    step: int
-    metrics: dict[str, Any]
-    handoff: Handoff
-    block_seconds: float
-    record: SaveRecord
-
-
-@dataclass
-class SaveStats:
-    """Counters of this rank's saves (equal on every rank). Seconds are wall time."""
-
-    saves: int = 0
-    failed_saves: int = 0
-    committed: list[int] = field(default_factory=list)
-    superseded: list[int] = field(default_factory=list)
-    last_block_seconds: float = 0.0
-    total_block_seconds: float = 0.0
-    last_error: str | None = None
-
-
-def _state_of(pending: _Pending, block: bool, timeout_s: float) -> tuple[str | None, str | None]:
-    """(SaveState value or None while running, error text) of this rank's part."""
-    durable = pending.handoff.durable
-    if not block and not durable.done():
-        return None, None
-    try:
-        return durable.result(timeout=timeout_s).state.value, None
-    except FutureTimeout:
-        return SaveState.FAILED.value, (
-            f"step {pending.step} was not durable after {timeout_s:.0f}s "
-            "(Checkpointer(wait_timeout_s=...)); see `ray-goodput status` for its uploader"
-        )
-    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - agreed across ranks
-        return SaveState.FAILED.value, f"{type(exc).__name__}: {exc}"
 
 
 def _best_effort(what: str, fn: Any) -> None:
@@ -113,7 +76,13 @@ def _failed_handoff(exc: BaseException) -> Handoff:
 
 
 def _check_args(
-    *, keep_last: int, upload_concurrency: int, sync_every: int, uploader: object, wait_timeout_s: float
+    *,
+    keep_last: int,
+    upload_concurrency: int,
+    sync_every: int,
+    uploader: object,
+    wait_timeout_s: float,
+    max_recovery_point_age_s: float | None,
 ) -> None:
     """ConfigError naming the fix for a bad ``Checkpointer`` argument."""
     if keep_last < 1:
@@ -128,6 +97,11 @@ def _check_args(
         raise ConfigError(
             f"wait_timeout_s must be > 0 and finite (seconds wait() waits for uploads), got {wait_timeout_s}"
         )
+    if max_recovery_point_age_s is not None and not 0 < max_recovery_point_age_s < threading.TIMEOUT_MAX / 2:
+        raise ConfigError(
+            "max_recovery_point_age_s must be > 0 and finite (seconds the newest committed checkpoint "
+            f"may age while saves fail), or None for the default; got {max_recovery_point_age_s}"
+        )
 
 
 class Checkpointer:
@@ -138,6 +112,13 @@ class Checkpointer:
     constructor once a process group is up (create it after the rank's device is set, as
     Ray Train does before the training function). Storage is probed here: an unreachable
     or read-only ``storage_path`` raises StorageUnusableError at once, on every rank.
+
+    A save that fails in the background (storage down past its retries) does not stop
+    training: it is logged and counted, its uploads keep retrying while no newer save waits,
+    and a newer commit leaves it behind. The run stops with RecoveryPointTooOldError only
+    when the newest committed checkpoint's state is older than ``max_recovery_point_age_s``
+    (default: 10 save intervals, at least 600 s), and ``wait``/``close`` raise when the
+    newest save failed. A newer run that took ``storage_path`` raises FencedError.
     """
 
     def __init__(
@@ -154,6 +135,7 @@ class Checkpointer:
         every: int | Literal["auto"] | None = None,
         mtbf_hours: float | None = None,
         wait_timeout_s: float = 3600.0,
+        max_recovery_point_age_s: float | None = None,
     ) -> None:
         _check_args(
             keep_last=keep_last,
@@ -161,6 +143,7 @@ class Checkpointer:
             sync_every=sync_every,
             uploader=uploader,
             wait_timeout_s=wait_timeout_s,
+            max_recovery_point_age_s=max_recovery_point_age_s,
         )
         self._ctx = WorkerContext.detect()
         schedule = SaveSchedule(every, world_size=self.world_size, mtbf_hours=mtbf_hours)
@@ -183,17 +166,21 @@ class Checkpointer:
         self._uploader: UploadBackend | None = None if isinstance(uploader, str) else uploader
         self._arenas = ArenaPair(self.staging, self._run_key, self.rank, self.world_size)
         self._snapshots = Snapshotter(self._arenas, self.rank)
-        self._pending: dict[int, _Pending] = {}
         self._last_step: int | None = None
-        self._reported: int | None = None
         self._generation: int | None = None
         self._pinning: threading.Thread | None = None  # rank 0's resume pin, written in the background
-        self._errors: list[tuple[str, BaseException | None]] = []
         self._closed = False
-        self.stats = SaveStats()
         self.last_restore: RestoreInfo | None = None
         self._recorder = get_recorder()
-        self._metrics = SaveMetrics() if ray_initialized() else None
+        self._outcomes = Outcomes(
+            ctx=self._ctx,
+            root=self.root,
+            schedule=schedule,
+            recorder=self._recorder,
+            metrics=SaveMetrics() if ray_initialized() else None,
+            dropper=self._dropper,
+            max_age_s=max_recovery_point_age_s,
+        )
         if self._uploader is None and self._uploader_choice != "thread":
             self._uploader = self._make_uploader()
             if hasattr(self._uploader, "start"):
@@ -226,6 +213,22 @@ class Checkpointer:
             # saves before wait() starts its clock, hence twice the bound wait() gives.
             return ActorBackend(durable_timeout_s=2 * self.wait_timeout_s, root=self.root)
         return ThreadBackend(concurrency=self.upload_concurrency, policy=self._retry)
+
+    @property
+    def stats(self) -> SaveStats:
+        """Counters of this rank's saves (equal on every rank)."""
+        return self._outcomes.stats
+
+    @property
+    def _pending(self) -> dict[int, Pending]:
+        return self._outcomes.pending
+
+    @property
+    def recovery_point_age_s(self) -> float:
+        """Seconds since the state of the newest committed checkpoint (this attempt's
+        restore or save; before either, since this Checkpointer was made): the work a
+        failure now would lose. This rank's clock, now."""
+        return self._outcomes.age_s()
 
     @property
     def rank(self) -> int:
@@ -264,9 +267,11 @@ class Checkpointer:
         outlives this worker. A save still waiting when a newer one comes is superseded
         (dropped, logged, counted in ``stats.superseded``). A committed save is reported
         to Ray Train (with ``metrics``) at ``wait``/``close`` or every ``sync_every``-th
-        save (no collective runs on the other saves). A failed one is
-        logged and counted (the previous checkpoint stays the recovery point) and raised
-        by :meth:`wait` on every rank alike. Collective: every rank saves the same steps.
+        save (no collective runs on the other saves). A failed one is logged and counted
+        (the previous checkpoint stays the recovery point); training goes on. At those
+        syncs every rank raises FencedError (a newer run took the storage path) or
+        RecoveryPointTooOldError (the recovery point outgrew its bound) alike.
+        Collective: every rank saves the same steps.
         """
         self._check_open()
         if not isinstance(step, int) or step < 0:
@@ -274,6 +279,7 @@ class Checkpointer:
         if self._last_step is not None and step <= self._last_step:
             raise ConfigError(f"step {step} is not after the last saved step {self._last_step}")
         start = time.perf_counter()  # the loop is blocked for the whole call
+        saved_at = time.time()
         if self.stats.saves and (
             self.stats.saves % self.sync_every == 0 or self._schedule.wants_sync(self.stats.saves)
         ):
@@ -292,18 +298,18 @@ class Checkpointer:
             handoff = _failed_handoff(exc)
         block = time.perf_counter() - start
         self._last_step = step
-        self.stats.saves += 1
-        self.stats.last_block_seconds = block
-        self.stats.total_block_seconds += block
         self._schedule.observe_save(block)
         self._recorder.add_checkpoint_stall(block)
         self._recorder.step(step, explicit=False)
-        self._pending[step] = _Pending(
-            step=step,
-            metrics=dict(metrics or {}),
-            handoff=handoff,
-            block_seconds=block,
-            record=SaveRecord(step, save_id),
+        self._outcomes.add(
+            Pending(
+                step=step,
+                metrics=dict(metrics or {}),
+                handoff=handoff,
+                block_seconds=block,
+                record=SaveRecord(step, save_id),
+                saved_at=saved_at,
+            )
         )
 
     def maybe_save(self, step: int, state: dict[str, Any], *, metrics: dict[str, Any] | None = None) -> bool:
@@ -343,6 +349,7 @@ class Checkpointer:
             retry=self._retry,
             unstepped=snap.unstepped,
             stepped=snap.stepped,
+            retry_for_s=self._outcomes.bound_s(),
         )
         if self._uploader is None:
             self._uploader = self._make_uploader()
@@ -353,79 +360,22 @@ class Checkpointer:
     def _cancel(self, key: str) -> bool:
         return self._uploader is not None and self._uploader.cancel(key)
 
+    def _resolve(self, block: bool) -> None:
+        self._outcomes.resolve(block=block, timeout_s=self.wait_timeout_s)
+
     def _pending_step_of(self, handoff: Handoff | None) -> int:
         return next((s for s, p in self._pending.items() if p.handoff is handoff), -1)
 
-    def _record_failure(self, step: int, text: str, exc: BaseException | None) -> None:
-        self._errors.append((f"step {step}: {text}", exc))
-        self.stats.failed_saves += 1
-        self.stats.last_error = f"step {step}: {text}"
-        logger.error(
-            "checkpoint of step %d failed; the previous committed checkpoint stays the recovery point: %s", step, text
-        )
-        if self._metrics is not None:
-            self._metrics.failed()
-
-    # ---- agreeing on outcomes, reporting -----------------------------------------------
-
-    def _resolve(self, block: bool) -> None:
-        """Collective: agree with every rank on the outcome of each pending save; report the
-        committed ones to Ray Train in order, count superseded ones, record failures."""
-        deadline = time.monotonic() + self.wait_timeout_s
-        mine = {s: _state_of(p, block, max(0.0, deadline - time.monotonic())) for s, p in self._pending.items()}
-        gathered = _collective.gather_tagged("save outcomes", (mine, self._schedule.proposal()))
-        views = [v for v, _ in gathered]
-        if self._schedule.adopt(gathered[0][1]):  # rank 0's proposal, adopted on every rank
-            self._recorder.checkpoint_interval(self._schedule.interval_steps())
-        committed: list[tuple[int, dict[str, Any]]] = []
-        for step in sorted(self._pending):
-            seen = [v.get(step, (SaveState.FAILED.value, "this rank has no such save")) for v in views]
-            outcome = agree([SaveState(s) for s, _ in seen if s is not None])
-            running = any(s is None for s, _ in seen)
-            if outcome is None and running:
-                continue
-            error = next((f"rank {r}: {e}" for r, (s, e) in enumerate(seen) if e), None)
-            if outcome is None:  # every rank durable, none committed
-                outcome, error = SaveState.FAILED, "every rank's part is durable, yet it did not commit"
-            pending = self._pending.pop(step)
-            self._settle(pending, outcome, error)
-            if outcome is SaveState.COMMITTED:
-                committed.append((step, pending.metrics))
-        self._report(committed)
-
-    def _settle(self, pending: _Pending, outcome: SaveState, error: str | None) -> None:
-        pending.record.reach(outcome, error if outcome is SaveState.FAILED else None)
-        if outcome is SaveState.COMMITTED:
-            self.stats.committed.append(pending.step)
-        elif outcome is SaveState.SUPERSEDED:
-            self.stats.superseded.append(pending.step)
-            self._recorder.checkpoint_superseded(pending.step)
-            logger.info("checkpoint of step %d was superseded by a newer save (not a failure)", pending.step)
-        else:
-            local = None
-            if pending.handoff.durable.done() and not pending.handoff.durable.cancelled():
-                local = pending.handoff.durable.exception()
-            self._record_failure(pending.step, error or "failed", local)
-
-    def _report(self, committed: list[tuple[int, dict[str, Any]]]) -> None:
-        for step, metrics in committed:
-            if self._reported is not None and step <= self._reported:
-                continue  # Ray Train's newest must stay the newest
-            self._reported = step
-            if self._ctx.in_ray_train:
-                report_checkpoint(self._ctx, _catalog.step_location(self.root, step), {**metrics, "step": step})
-        if committed:
-            self._dropper.drop_older(max(step for step, _ in committed), keep=self._pending)
-
     def wait(self) -> None:
         """Block until every save issued so far has committed, been superseded or failed
-        (and committed ones are reported); then raise, on every rank alike, the first
-        failure since the last ``wait``. Collective: every rank must call it."""
+        (and committed ones are reported); then raise, on every rank alike, when the newest
+        save failed (nothing newer stands in for it; raised once), the recovery point
+        outgrew its bound, or a newer run took the storage path. An older failed save that
+        a newer commit left behind is not raised: see ``stats``. Collective: every rank
+        must call it."""
         self._check_open()
         self._resolve(block=True)
-        if self._errors:
-            errors, self._errors = self._errors, []
-            raise CheckpointError(f"{len(errors)} checkpoint save(s) failed; first: {errors[0][0]}") from errors[0][1]
+        self._outcomes.raise_if_newest_failed()
 
     # ---- restore ------------------------------------------------------------------------
 
@@ -452,7 +402,7 @@ class Checkpointer:
         t0 = time.time()
         decision = resume_decision(self.root)
         if decision is not None and decision.step is None:
-            self._recorder.restored(None, t0, time.time())
+            self._restored(None, t0)
             return None
         step = decision.step if decision is not None else None
         before: tuple[int, int] | None = None
@@ -469,7 +419,7 @@ class Checkpointer:
                         "restore chooses among the commits made since)"
                     )
                 if manifest is None:
-                    self._recorder.restored(None, t0, time.time())
+                    self._restored(None, t0)
                     return None
                 try:
                     self._load_agreed(state, manifest, guess)
@@ -493,11 +443,16 @@ class Checkpointer:
                     continue
                 if decision is None and self.rank == 0:  # a Recovery pins its own choice
                     self._pin_resume(manifest.step)
-                self._recorder.restored(manifest.step, t0, time.time())
+                self._restored(manifest.step, t0)
                 self._last_step = manifest.step
                 return manifest.step
         finally:
             guess.close()  # a guess the load did not take
+
+    def _restored(self, step: int | None, t0: float) -> None:
+        now = time.time()
+        self._recorder.restored(step, t0, now)
+        self._outcomes.restored(step, now)
 
     def _choose(self, step: int | None, before: tuple[int, int] | None, hint: int | None) -> Any:
         """Rank 0's pick of the checkpoint to load (see ``choose``), broadcast. It does not

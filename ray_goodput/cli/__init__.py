@@ -49,7 +49,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=_lazy("cli._checkpoints", "cmd_export"))
     p = sub.add_parser("status", help="per-node uploader and cache actors of a running cluster")
     p.add_argument("--address", default="auto", help="Ray cluster address (default: auto)")
-    p.add_argument("--run", default=None, help="run directory URI: also show the nodes its Recovery isolated")
+    p.add_argument(
+        "--run",
+        default=None,
+        help="run directory URI: also its Recovery's decisions and its recovery point",
+    )
     p.set_defaults(fn=_lazy("cli._status", "cmd_status"))
     p = sub.add_parser("report", help="goodput breakdown of a run, from MLflow")
     p.add_argument("run", help="the Ray Train run name (RunConfig.name)")

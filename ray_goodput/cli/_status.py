@@ -1,16 +1,20 @@
-"""``ray-goodput status``: what each node's uploader and cache are doing, one line each."""
+"""``ray-goodput status``: what each node's uploader and cache are doing, one line each; with
+``--run``, what the run's Recovery decided and how its checkpoints stand."""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import sys
+import time
 
 import ray
 
 from ray_goodput.checkpoint import uploader_status
 from ray_goodput.data import cache_status
 from ray_goodput.driver import load_state
+from ray_goodput.goodput import compute, read_events
+from ray_goodput.storage import resolve
 
 logger = logging.getLogger(__name__)
 
@@ -64,8 +68,26 @@ def recovery_lines(run: str) -> list[str]:
     return lines
 
 
+def checkpoint_lines(run: str, now: float | None = None) -> list[str]:
+    """The run's checkpoints as its goodput events tell: failed and superseded saves, and
+    how old the recovery point (the newest committed checkpoint's state) is now."""
+    events = read_events(resolve(run))
+    if not events:
+        return [f"checkpoints: no goodput events under {run}"]
+    ledger = compute(list(events.values()), job_end=time.time() if now is None else now)
+    if ledger.recovery_point_age_s is None or ledger.recovery_point_age_max_s is None:
+        point = "none committed yet"
+    else:
+        state = "at the run's end" if ledger.finished else "now"
+        point = f"{ledger.recovery_point_age_s:.0f} s old {state} (at most {ledger.recovery_point_age_max_s:.0f} s)"
+    return [
+        f"checkpoints: failed {ledger.checkpoints_failed}  superseded {ledger.checkpoints_superseded}"
+        f"  recovery point {point}"
+    ]
+
+
 def cmd_status(args: argparse.Namespace) -> int:
-    lines = status_lines(args.address) + (recovery_lines(args.run) if args.run else [])
+    lines = status_lines(args.address) + (recovery_lines(args.run) + checkpoint_lines(args.run) if args.run else [])
     for line in lines:
         sys.stdout.write(line + "\n")
     return 0

@@ -47,6 +47,11 @@ class Ledger:
     steps_kept: int = 0
     steps_lost: int = 0
     checkpoints_superseded: int = 0
+    checkpoints_failed: int = 0
+    #: Age of the newest committed checkpoint's state at the end (None: none committed),
+    #: and the oldest it grew during the job (a storage outage shows here).
+    recovery_point_age_s: float | None = None
+    recovery_point_age_max_s: float | None = None
     checkpoint_interval_steps: int | None = None
     finished: bool = False
 
@@ -69,8 +74,12 @@ class Ledger:
                 "goodput/steps_kept": self.steps_kept,
                 "goodput/steps_lost": self.steps_lost,
                 "goodput/checkpoints_superseded": self.checkpoints_superseded,
+                "goodput/checkpoints_failed": self.checkpoints_failed,
             }
         )
+        if self.recovery_point_age_s is not None and self.recovery_point_age_max_s is not None:
+            out["goodput/recovery_point_age_s"] = self.recovery_point_age_s
+            out["goodput/recovery_point_age_max_s"] = self.recovery_point_age_max_s
         if self.checkpoint_interval_steps is not None:
             out["goodput/checkpoint_interval_steps"] = self.checkpoint_interval_steps
         return out
@@ -119,6 +128,8 @@ def compute(
     ledger.end = max(job_end or 0.0, attempts[-1][-1]["t"])
     ledger.finished = any(e["e"] == "end" for e in attempts[-1])
     ledger.checkpoints_superseded = sum(e["e"] == "ckpt_superseded" for a in attempts for e in a)
+    ledger.checkpoints_failed = sum(e["e"] == "ckpt_failed" for a in attempts for e in a)
+    _recovery_point_ages(ledger, [e for a in attempts for e in a if e["e"] == "recovery_point"])
     ledger.checkpoint_interval_steps = next(
         (e["steps"] for a in reversed(attempts) for e in reversed(a) if e["e"] == "ckpt_interval"), None
     )
@@ -140,6 +151,17 @@ def compute(
         prev_end = events[-1]["t"]
     ledger.seconds["other"] = max(0.0, ledger.total - sum(v for k, v in ledger.seconds.items() if k != "other"))
     return ledger
+
+
+def _recovery_point_ages(ledger: Ledger, points: list[dict[str, Any]]) -> None:
+    """The recovery point's age at the job's end, and the most it reached: just before each
+    newer commit landed, and at the end."""
+    if not points:
+        return
+    points = sorted(points, key=lambda e: e["t"])
+    ages = [b["t"] - a["at"] for a, b in zip(points, points[1:])]
+    ledger.recovery_point_age_s = max(0.0, ledger.end - points[-1]["at"])
+    ledger.recovery_point_age_max_s = max([ledger.recovery_point_age_s, *ages])
 
 
 def fetch_stats(events: list[dict[str, Any]], since: float = 0.0) -> dict[str, float]:

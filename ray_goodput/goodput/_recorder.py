@@ -61,6 +61,16 @@ class StepRecorder:
         if self.log is not None:
             self.log.emit("ckpt_superseded", step=step, t=time.time())
 
+    def checkpoint_failed(self, step: int) -> None:
+        """The checkpoint of ``step`` failed after its retries (the run goes on)."""
+        if self.log is not None:
+            self.log.emit("ckpt_failed", step=step, t=time.time())
+
+    def recovery_point(self, step: int, at: float) -> None:
+        """The newest committed checkpoint is now ``step``, holding the state as of ``at``."""
+        if self.log is not None:
+            self.log.emit("recovery_point", step=step, at=at, t=time.time())
+
     def step(self, step: int, *, fetch_seconds: float = 0.0, explicit: bool = True, capacity: float = 1.0) -> None:
         """Step ``step`` just finished: everything since the previous mark belongs to it.
         ``capacity``: the share of the configured replicas that computed it (replica mode)."""

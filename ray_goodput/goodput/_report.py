@@ -50,6 +50,9 @@ def summary(ledger: Ledger) -> dict[str, Any]:
         "steps_kept": ledger.steps_kept,
         "steps_lost": ledger.steps_lost,
         "checkpoints_superseded": ledger.checkpoints_superseded,
+        "checkpoints_failed": ledger.checkpoints_failed,
+        "recovery_point_age_s": ledger.recovery_point_age_s,
+        "recovery_point_age_max_s": ledger.recovery_point_age_max_s,
         "checkpoint_interval_steps": ledger.checkpoint_interval_steps,
         "finished": ledger.finished,
     }

@@ -1,7 +1,8 @@
 """An HTTP proxy for fault tests of storage clients against a real endpoint (e.g. moto's
 S3 server): it fails a share of requests (500/503 answers and connection resets), adds
-latency, holds chosen requests (a download half-way, an upload before it is sent), and
-records every request.
+latency, holds chosen requests (a download half-way, an upload before it is sent), goes
+down for a while (:meth:`FlakyProxy.outage`: every connection reset), and records every
+request.
 
 Loopback only; deterministic given its seed.
 """
@@ -47,6 +48,7 @@ class FlakyProxy:
         self.arrivals: list[tuple[float, str, str]] = []
         self.spans: dict[str, list[tuple[float, float]]] = {}
         self._stall: tuple[str, tuple[str, ...], bool] | None = None
+        self._down_until = 0.0  # time.monotonic() until which every request is reset
         self._release = threading.Event()
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
@@ -65,6 +67,10 @@ class FlakyProxy:
         in flight when its uploader dies)."""
         self._release.clear()
         self._stall = (match, tuple(m.upper() for m in methods), exact)
+
+    def outage(self, seconds: float) -> None:
+        """Reset every connection for the next ``seconds`` (the endpoint is down), from now."""
+        self._down_until = time.monotonic() + seconds
 
     def release(self) -> None:
         """Finish held requests and stop holding."""
@@ -109,6 +115,9 @@ class FlakyProxy:
         with self._lock:
             self.requests[(method, path)] += 1
             self.arrivals.append((time.monotonic(), method, path))
+            if time.monotonic() < self._down_until:
+                self.counts["failed"] += 1
+                return "reset"
             if self._rng.random() >= self.failure_rate:
                 self.counts["forwarded"] += 1
                 return None

@@ -7,6 +7,7 @@
 <root>/checkpoints/step-<step:09d>/QUARANTINED   the committed save found damaged (JSON)
 <root>/checkpoints/GENERATION                     the highest generation claimed (JSON)
 <root>/checkpoints/RESUME                         the step the live attempt resumes from (JSON)
+<root>/checkpoints/SAVING-g<generation:06d>       "this generation saves here" (empty; fencing)
 ```
 
 A save id is ``g<generation:06d>-<token>``. The generation orders saves by lineage: every
@@ -25,8 +26,15 @@ RANKS_DIR = ".ranks"
 QUARANTINED = "QUARANTINED"
 GENERATION = "GENERATION"
 RESUME = "RESUME"
+SAVING_PREFIX = "SAVING-"
 _STEP_RE = re.compile(r"^step-(\d{9,})$")
 _SAVE_ID_RE = re.compile(r"g(\d{6,})-[0-9a-f]{8,}")
+
+
+def saving_marker(generation: int) -> str:
+    """Name (under ``<root>/checkpoints``) of the empty file that says the attempt of
+    ``generation`` has saved: a claim alone (a Checkpointer that only restores) fences nobody."""
+    return f"{SAVING_PREFIX}g{generation:06d}"
 
 
 def step_dir(step: int) -> str:

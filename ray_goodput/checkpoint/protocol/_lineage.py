@@ -11,16 +11,23 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import socket
 import threading
+import time
 import uuid
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+
+import pyarrow.fs as pafs
 
 from ray_goodput.checkpoint.protocol import _catalog, _layout
 from ray_goodput.checkpoint.protocol._catalog import StepDir, checkpoints_location, list_checkpoints
 from ray_goodput.errors import StorageError
+from ray_goodput.runtime import WorkerContext
 from ray_goodput.runtime._resume import resume_decision
-from ray_goodput.storage import RetryPolicy, StorageLocation, read_bytes, write_bytes
+from ray_goodput.storage import RetryPolicy, StorageLocation, read_bytes, touch, write_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -41,15 +48,73 @@ def next_generation(
     return max(claimed + 1, attempt or 0)
 
 
+@dataclass(frozen=True)
+class Claim:
+    """Who claimed a generation: the process of rank 0 of that attempt (``GENERATION``)."""
+
+    generation: int
+    host: str = "?"
+    pid: int = 0
+    started: float = 0.0  # time.time() of the claim
+    run: str = ""  # the Ray Train run's name, when there is one
+
+    def describe(self) -> str:
+        when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(self.started)) if self.started else "?"
+        return f"pid {self.pid} on host {self.host} at {when}" + (f" (Ray Train run {self.run})" if self.run else "")
+
+
 def claim(
     root: StorageLocation, attempt: int | None, policy: RetryPolicy = _POLICY, *, claimed: int | None = None
 ) -> int:
-    """Claim and return this attempt's generation (rank 0 only)."""
+    """Claim and return this attempt's generation (rank 0 only), naming this process as its
+    owner (a run fenced by it names it: ``read_claim``)."""
     generation = next_generation(root, attempt, policy, claimed=claimed)
-    write_bytes(
-        _catalog.checkpoints_location(root), _layout.GENERATION, json.dumps({"generation": generation}).encode(), policy
-    )
+    record = {
+        "generation": generation,
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "started": time.time(),
+        "run": _run_dir(),
+    }
+    write_bytes(_catalog.checkpoints_location(root), _layout.GENERATION, json.dumps(record).encode(), policy)
     return generation
+
+
+def _run_dir() -> str:
+    """The Ray Train run directory of this process ("" outside Ray Train)."""
+    try:
+        root = WorkerContext.detect().run_root
+    except Exception:  # noqa: BLE001 - only names the claim's owner
+        return ""
+    return root.uri if root is not None else ""
+
+
+def mark_saving(root: StorageLocation, generation: int, policy: RetryPolicy = _POLICY) -> None:
+    """Record that the attempt of ``generation`` saves under ``root`` (idempotent)."""
+    touch(checkpoints_location(root), _layout.saving_marker(generation), policy)
+
+
+def has_saved(root: StorageLocation, generation: int) -> bool:
+    """Whether the attempt of ``generation`` has saved under ``root`` (``mark_saving``)."""
+    loc = checkpoints_location(root)
+    return loc.fs.get_file_info(loc.join(_layout.saving_marker(generation))).type != pafs.FileType.NotFound
+
+
+def read_claim(root: str | StorageLocation, policy: RetryPolicy = _POLICY) -> Claim | None:
+    """The newest claim under ``root`` with its owner (None: none, or unreadable)."""
+    try:
+        data = json.loads(read_bytes(checkpoints_location(root), _layout.GENERATION, policy))
+        return Claim(
+            generation=int(data["generation"]),
+            host=str(data.get("host", "?")),
+            pid=int(data.get("pid", 0)),
+            started=float(data.get("started", 0.0)),
+            run=str(data.get("run", "")),
+        )
+    except FileNotFoundError:
+        return None
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def claim_attempt(

@@ -3,6 +3,7 @@
 ```
 snapshotted ──► staged ──► uploaded ──► committed
      │             │           ├──────► superseded   (another rank's part was superseded)
+     │             ├───────────┼──────► superseded   (storage out: gave way to a newer save)
      │             └───────────┴──────► failed
      ├──────────────────────────────► superseded   (a newer save replaced it while waiting)
      └──────────────────────────────► failed
@@ -12,7 +13,8 @@ snapshotted ──► staged ──► uploaded ──► committed
 * staged: DCP files written to the node-local staging dir; the arena is free again.
 * uploaded: the rank's files are durable in storage and its marker is written.
 * committed: ``COMMITTED`` names this save (every rank agrees).
-* superseded: dropped for a newer save before it could commit; never reported as a failure.
+* superseded: dropped for a newer save before it could commit (waiting, or its upload
+  retrying through a storage outage); never reported as a failure.
 * failed: an error stopped it; the previous committed checkpoint stays the recovery point.
 
 The uploader advances a rank's record up to uploaded/committed/superseded/failed; the
@@ -43,7 +45,7 @@ class SaveState(str, enum.Enum):
 
 _ALLOWED: dict[SaveState, frozenset[SaveState]] = {
     SaveState.SNAPSHOTTED: frozenset({SaveState.STAGED, SaveState.SUPERSEDED, SaveState.FAILED}),
-    SaveState.STAGED: frozenset({SaveState.UPLOADED, SaveState.FAILED}),
+    SaveState.STAGED: frozenset({SaveState.UPLOADED, SaveState.SUPERSEDED, SaveState.FAILED}),
     SaveState.UPLOADED: frozenset({SaveState.COMMITTED, SaveState.SUPERSEDED, SaveState.FAILED}),
     SaveState.COMMITTED: frozenset(),
     SaveState.SUPERSEDED: frozenset(),

@@ -9,13 +9,21 @@ metrics = LazyModule("ray.util.metrics")  # built only in a process that runs Ra
 
 
 class SaveMetrics:
-    """Worker-side counter ``ray_goodput_checkpoint_failed_saves``."""
+    """Worker-side counter ``ray_goodput_checkpoint_failed_saves`` and gauge
+    ``ray_goodput_checkpoint_recovery_point_age_s`` (how old the state of the newest
+    committed checkpoint is: the work a failure now would lose)."""
 
     def __init__(self) -> None:
         self._failed = metrics.Counter("ray_goodput_checkpoint_failed_saves", "checkpoint saves that failed")
+        self._age = metrics.Gauge(
+            "ray_goodput_checkpoint_recovery_point_age_s", "age of the newest committed checkpoint's state"
+        )
 
     def failed(self) -> None:
         self._failed.inc(1)
+
+    def recovery_point_age(self, seconds: float) -> None:
+        self._age.set(seconds)
 
 
 class UploaderMetrics:

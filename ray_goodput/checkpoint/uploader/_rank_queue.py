@@ -62,10 +62,16 @@ class Ticket:
         )
         self.finish(ShardResult.superseded(self.job), None)
 
-    def run(self, *, concurrency: int, policy: RetryPolicy) -> None:
+    def run(self, *, concurrency: int, policy: RetryPolicy, newer: Callable[[], bool] = lambda: False) -> None:
         try:
             result = run_shard_job(
-                self.job, self.record, self.tensors, concurrency=concurrency, policy=policy, on_released=self.release
+                self.job,
+                self.record,
+                self.tensors,
+                concurrency=concurrency,
+                policy=policy,
+                on_released=self.release,
+                newer=newer,
             )
         except BaseException as exc:  # noqa: BLE001 - reported to the worker at its next sync
             self.record.advance(SaveState.FAILED, f"{type(exc).__name__}: {exc}")
@@ -107,7 +113,11 @@ class RankLane:
             ticket, self._waiting = self._waiting, None
         if ticket is not None:
             job = ticket.job
-            ticket.run(concurrency=job.concurrency, policy=job.retry or self._policy)
+            ticket.run(concurrency=job.concurrency, policy=job.retry or self._policy, newer=self._has_waiting)
+
+    def _has_waiting(self) -> bool:
+        with self._lock:
+            return self._waiting is not None
 
     def shutdown(self, wait: bool = True) -> None:
         self._pool.shutdown(wait=wait)

@@ -7,6 +7,7 @@ It advances the job's :class:`SaveRecord` (staged, uploaded, committed) as it go
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import logging
 import os
@@ -21,15 +22,23 @@ from typing import Any
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ray_goodput._faults import fault_point
-from ray_goodput.checkpoint.protocol import _catalog, _layout, _retention
+from ray_goodput.checkpoint.protocol import _catalog, _layout, _lineage, _retention
 from ray_goodput.checkpoint.protocol._commit import COMMITTED, OUTRANKED, CommitProtocol
 from ray_goodput.checkpoint.protocol._dcp_parts import data_file, write_part, writing_path
 from ray_goodput.checkpoint.protocol._shard_plan import Leaf
 from ray_goodput.checkpoint.save._arena import TensorSlot, open_slots
 from ray_goodput.checkpoint.save._save_state import SaveRecord, SaveState
 from ray_goodput.checkpoint.uploader._follow_upload import FollowUpload
-from ray_goodput.errors import CheckpointError
-from ray_goodput.storage import DEFAULT_ALGORITHM, FileEntry, RetryPolicy, StorageLocation, Written, upload_files
+from ray_goodput.errors import CheckpointError, FencedError, StorageError, StorageUnusableError
+from ray_goodput.storage import (
+    DEFAULT_ALGORITHM,
+    FileEntry,
+    RetryPolicy,
+    StorageLocation,
+    Written,
+    is_transient,
+    upload_files,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +46,14 @@ logger = logging.getLogger(__name__)
 _FOLLOW_END_S = 3600.0
 #: Bound on a follower letting go once the write failed (it deletes what it sent).
 _FOLLOW_STOP_S = 60.0
+#: Where a shard is written when the staging dir has no room for it: memory, so the upload
+#: goes on without a node-local copy (the next restore reads that step from storage).
+MEMORY_DIR = Path("/dev/shm")
+#: Room left free in MEMORY_DIR beside such a shard (the arenas live there too).
+_MEMORY_MARGIN = 1.1
+_warned_full: set[str] = set()  # staging dirs found full, warned about once per process
+#: Longest pause between two rounds of an upload retried through an outage.
+_OUTAGE_PAUSE_MAX_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -65,10 +82,19 @@ class ShardJob:
     retry: RetryPolicy | None = None
     unstepped: tuple[str, ...] = ()  # this rank's optimizers saved before their first step
     stepped: tuple[str, ...] = ()  # ... and those saved after it
+    #: How long (seconds from the job's start) its uploads keep retrying a storage outage
+    #: past the retry policy, while no newer save of its rank waits: the Checkpointer's
+    #: bound on the recovery point's age (0: the policy alone).
+    retry_for_s: float = 0.0
 
     @property
     def key(self) -> str:
         return f"{self.local_dir}#{self.rank}#{self.save_id}"
+
+    @property
+    def staged_bytes(self) -> int:
+        """About what the shard takes on the staging disk: its arena tensors and its pickled values."""
+        return self.num_bytes + sum(len(raw) for raw in self.objects.values())
 
     @property
     def lane(self) -> tuple[str, int]:
@@ -105,6 +131,11 @@ class ShardResult:
         return ShardResult(
             step=job.step, rank=job.rank, num_bytes=0, write_seconds=0.0, upload_seconds=0.0, state=SaveState.SUPERSEDED
         )
+
+
+class StagingFullError(CheckpointError):
+    """The staging dir has no room for a shard (its message names the dir, the free bytes and
+    the bytes needed)."""
 
 
 def _out_of_space(exc: BaseException) -> bool:
@@ -167,10 +198,10 @@ def write_local(
     except (Exception, CheckpointException) as exc:
         free = shutil.disk_usage(out).free
         # torch's zip writer can turn ENOSPC into "unexpected pos": go by free space too.
-        if _out_of_space(exc) or free < job.num_bytes * 1.1:
-            raise CheckpointError(
+        if _out_of_space(exc) or free < job.staged_bytes * 1.1:
+            raise StagingFullError(
                 f"staging dir {out} is out of space ({free} bytes free, the shard needs "
-                f"~{job.num_bytes}): set Checkpointer(staging_dir=...) or "
+                f"~{job.staged_bytes}): set Checkpointer(staging_dir=...) or "
                 f"RAY_GOODPUT_STAGING_DIR to a larger local disk (No space left on device)"
             ) from exc
         raise
@@ -179,6 +210,38 @@ def write_local(
     extras.parent.mkdir(parents=True, exist_ok=True)
     extras.write_bytes(job.rng)
     return [*names, _layout.extras_file(job.rank, job.save_id)]
+
+
+def _write_in_memory(
+    job: ShardJob, tensors: dict[str, Any], written: dict[str, Written], full: StagingFullError
+) -> tuple[ShardJob, list[str]]:
+    """The staging dir is full: write the shard under MEMORY_DIR instead (the caller deletes
+    it once uploaded) and warn once per staging dir. Raises ``full``, with the memory's free
+    bytes, when memory has no room either. Returns the job with its new ``local_dir`` and
+    the names written."""
+    staged = Path(job.local_dir)
+    shutil.rmtree(staged, ignore_errors=True)  # the cut-short write: give its room back
+    need = job.staged_bytes
+    free = shutil.disk_usage(MEMORY_DIR).free if MEMORY_DIR.is_dir() else 0
+    if free < need * _MEMORY_MARGIN:
+        raise StagingFullError(
+            f"{full}; {MEMORY_DIR} has {free} bytes free, too few to upload it from memory"
+        ) from full
+    if str(staged.parent) not in _warned_full:
+        _warned_full.add(str(staged.parent))
+        logger.warning(
+            "%s; uploading from memory (%s) without a node-local copy instead, so a restore reads "
+            "from storage (warned once per staging dir)",
+            full,
+            MEMORY_DIR,
+        )
+    memory = MEMORY_DIR / "ray_goodput-direct" / staged.parent.name / f"{job.rank}-{job.save_id}" / staged.name
+    moved = dataclasses.replace(job, local_dir=str(memory))
+    try:
+        return moved, write_local(moved, tensors, written)
+    except BaseException:
+        shutil.rmtree(memory.parent, ignore_errors=True)
+        raise
 
 
 def upload_and_commit(
@@ -245,8 +308,86 @@ def upload_and_commit(
             _retention.apply_retention(job.root, job.keep_last, generation=job.generation)
         except Exception as exc:  # noqa: BLE001 - the save is committed; retention retries next time
             logger.warning("retention after step %d failed: %s", job.step, exc)
+    if job.rank == 0:
+        check_fence(job)
     state = SaveState.COMMITTED if done.state == COMMITTED else SaveState.UPLOADED
     return sum(e.size for e in entries), state, done.committed_at
+
+
+def check_fence(job: ShardJob) -> None:
+    """Record that ``job``'s generation saves here, then raise FencedError when a newer run
+    that saves too claimed ``job``'s storage root (after the save's own files and commit:
+    neither run's commits are touched). A newer claim that never saved (a Checkpointer
+    that only restores, an attempt not yet at its first save) fences nobody."""
+    try:
+        _lineage.mark_saving(job.root, job.generation)
+        claim = _lineage.read_claim(job.root)
+        fenced = claim is not None and claim.generation > job.generation
+        if not fenced or claim is None or not _lineage.has_saved(job.root, claim.generation):
+            return
+    except OSError as exc:  # the next save checks again
+        logger.warning("step %d: could not check the generation claim under %s: %s", job.step, job.root.uri, exc)
+        return
+    raise FencedError(
+        f"the storage path {job.root.uri} was taken by a newer run: generation {claim.generation} "
+        f"claimed by {claim.describe()}, after this run's generation {job.generation}. This run stops "
+        "saving there (its committed checkpoints and the other run's are left as they are). If that "
+        "run is a leftover (a zombie of a dead attempt, a job started twice), stop it and restart this "
+        "one; to run both, give each its own storage_path"
+    )
+
+
+def _outage(exc: BaseException) -> bool:
+    """A storage error that only its retries running out made final: the storage may answer
+    again (not a refusal, a missing file or a full disk)."""
+    if not isinstance(exc, StorageError) or isinstance(exc, (StorageUnusableError, CheckpointError)):
+        return False
+    cause = exc.__cause__
+    return cause is not None and is_transient(cause)
+
+
+def _upload_through_outages(
+    job: ShardJob,
+    names: list[str],
+    *,
+    started: float,
+    newer: Callable[[], bool],
+    concurrency: int,
+    policy: RetryPolicy,
+    uploaded: Sequence[FileEntry],
+    written: Mapping[str, Written],
+) -> tuple[int, SaveState, float | None] | None:
+    """:func:`upload_and_commit`, retried while storage is out (``_outage``) until
+    ``job.retry_for_s`` from ``started`` or a newer save of the rank waits (then None: this
+    save is superseded, the newer one goes next)."""
+    rounds = 0
+    while True:
+        try:
+            return upload_and_commit(
+                job, names, concurrency=concurrency, policy=policy, uploaded=uploaded, written=written
+            )
+        except StorageError as exc:
+            left = started + job.retry_for_s - time.monotonic()
+            if not _outage(exc) or left <= 0:
+                raise
+            if newer():
+                logger.warning("step %d rank %d: storage is out (%s); a newer save goes next", job.step, job.rank, exc)
+                return None
+            rounds += 1
+            pause = min(_OUTAGE_PAUSE_MAX_S, policy.initial_delay * 2**rounds, left)
+            logger.warning(
+                "step %d rank %d: storage is out (%s); retrying in %.1f s (for %.0f s more, or until a newer "
+                "save waits)",
+                job.step,
+                job.rank,
+                exc,
+                pause,
+                left,
+            )
+            end = time.monotonic() + pause
+            while time.monotonic() < end and not newer():
+                time.sleep(min(0.2, max(0.0, end - time.monotonic())))
+            uploaded = ()  # sent again: a file may have gone with the outage
 
 
 def _follow_data_file(job: ShardJob) -> FollowUpload | None:
@@ -285,14 +426,26 @@ def run_shard_job(
     concurrency: int,
     policy: RetryPolicy,
     on_released: Callable[[], None] = lambda: None,
+    newer: Callable[[], bool] = lambda: False,
 ) -> ShardResult:
     """Write locally, release the arena (``on_released``), upload, commit; ``record``
-    advances staged -> uploaded (-> committed). Raises on failure (the caller marks it)."""
+    advances staged -> uploaded (-> committed). Raises on failure (the caller marks it).
+    ``newer``: whether a newer save of the rank waits (an upload retried through a storage
+    outage then gives way: the result is ``superseded``)."""
     start = time.monotonic()
     follow = _follow_data_file(job)
+    memory: Path | None = None  # the shard's dir when it went to memory (staging full)
     try:
         sums: dict[str, Written] = {}
-        names = write_local(job, tensors, sums)
+        try:
+            names = write_local(job, tensors, sums)
+        except StagingFullError as full:
+            if follow is not None:
+                follow.abandon(timeout_s=_FOLLOW_STOP_S)
+                follow = None
+            sums.clear()
+            job, names = _write_in_memory(job, tensors, sums, full)
+            memory = Path(job.local_dir).parent
         written = time.monotonic()
         record.advance(SaveState.STAGED)
         on_released()
@@ -300,10 +453,27 @@ def run_shard_job(
     except BaseException:
         if follow is not None:  # before the failure is reported: the next save needs the disk
             follow.abandon(timeout_s=_FOLLOW_STOP_S)
+        if memory is not None:
+            shutil.rmtree(memory, ignore_errors=True)
         raise
-    num_bytes, state, committed_at = upload_and_commit(
-        job, names, concurrency=concurrency, policy=policy, uploaded=uploaded, written=sums
-    )
+    try:
+        done = _upload_through_outages(
+            job,
+            names,
+            started=start,
+            newer=newer,
+            concurrency=concurrency,
+            policy=policy,
+            uploaded=uploaded,
+            written=sums,
+        )
+    finally:
+        if memory is not None:  # no node-local copy of a shard written to memory
+            shutil.rmtree(memory, ignore_errors=True)
+    if done is None:
+        record.advance(SaveState.SUPERSEDED)
+        return ShardResult.superseded(job)
+    num_bytes, state, committed_at = done
     record.advance(SaveState.UPLOADED)
     if state is SaveState.COMMITTED:
         record.advance(SaveState.COMMITTED)
