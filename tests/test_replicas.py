@@ -28,6 +28,7 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_ddp_replicas
 BATCH = 32
 SAMPLES = 4096  # the example's dataset
 STEPS = 150  # --smoke
+ALL_KILLED_STEPS = 60  # the whole-group restart's run: the resume from storage is what it checks
 KILL_AT = 20  # --kill-at's default
 TIMEOUT_S = 300
 
@@ -59,7 +60,7 @@ def one_killed(tmp_path_factory):
 @pytest.fixture(scope="module")
 def all_killed(tmp_path_factory):
     root = tmp_path_factory.mktemp("all-killed")
-    return root, _run(root, "--kill-all")
+    return root, _run(root, "--kill-all", "--steps", str(ALL_KILLED_STEPS))
 
 
 def _records(root: Path) -> dict[tuple[int, int], list[dict]]:
@@ -133,7 +134,7 @@ def test_killing_every_replica_resumes_from_the_durable_checkpoint(all_killed):
     resumed_at = zero[1][0]["step"] - 1  # the step its first committed step followed
     assert resumed_at in res["checkpoints"] or resumed_at % 10 == 0, (resumed_at, res)
     assert 0 < resumed_at < KILL_AT, resumed_at  # a durable save before the kill, not step 0
-    assert res["weights_equal"] and res["final_steps"] == [STEPS, STEPS], res
+    assert res["weights_equal"] and res["final_steps"] == [ALL_KILLED_STEPS, ALL_KILLED_STEPS], res
 
 
 def _digest(model: torch.nn.Module) -> str:
