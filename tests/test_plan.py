@@ -162,6 +162,30 @@ def test_plan_modules_import_neither_ray_nor_torch():
 # ---- AutoInterval ----------------------------------------------------------------------
 
 
+def test_the_optimal_interval_is_never_shorter_than_the_upload():
+    """A 6.1 s interval against tens of seconds to durable only superseded saves (the S3
+    Poisson benchmark): the interval now waits out the upload."""
+    daly = optimal_interval_s(0.29, 192_000.0)  # 16,384 GPUs at 1% AFR
+    assert daly == pytest.approx(333.6, abs=0.5)
+    assert optimal_interval_s(0.29, 192_000.0, durable_s=18.88) == daly  # the upload is shorter
+    assert optimal_interval_s(0.29, 192_000.0, durable_s=600.29) == pytest.approx(600.0)
+    assert optimal_interval_s(5.0, 2.0, durable_s=60.0) == 55.0  # also past Daly's once-per-MTBF cap
+    with pytest.raises(ConfigError, match="durable_s"):
+        optimal_interval_s(1.0, 100.0, durable_s=0.5)
+
+
+def test_auto_interval_waits_out_the_measured_time_to_durable():
+    auto = AutoInterval(world_size=16384, warmup_steps=10)
+    for _ in range(5):
+        auto.observe_step(0.1)
+        auto.observe_save(0.29)
+    assert auto.proposal() == round(optimal_interval_s(0.29, auto.mtbf_s) / 0.1)  # nothing measured to durable
+    for seconds in (590.0, 600.29, 610.0):
+        auto.observe_durable(seconds)
+    assert auto.durable_s == pytest.approx(600.29)
+    assert auto.proposal() == 6000  # (600.29 - 0.29) s of 0.1 s steps, not Daly's 3336
+
+
 def test_auto_interval_uses_warmup_until_a_save_is_measured():
     auto = AutoInterval(world_size=1024, warmup_steps=10)
     assert auto.mtbf_s == pytest.approx(855.47 * 3600, rel=1e-4)

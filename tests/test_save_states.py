@@ -234,6 +234,29 @@ def test_the_default_recovery_point_bound_follows_the_save_interval(fake):
         Checkpointer(str(ckpt.root.uri), uploader=backend, max_recovery_point_age_s=0)
 
 
+def test_an_auto_interval_learns_each_saves_time_to_durable_from_its_commit(tmp_path):
+    backend = FakeBackend()
+    ckpt = Checkpointer(str(tmp_path / "root"), staging_dir=str(tmp_path / "s"), uploader=backend, every="auto")
+    try:
+        ckpt.save(1, _state())
+        saved_at = ckpt._outcomes.pending[1].saved_at
+        result = ShardResult(
+            step=1,
+            rank=0,
+            num_bytes=1,
+            write_seconds=0.0,
+            upload_seconds=0.0,
+            state=S.COMMITTED,
+            committed_at=saved_at + 5.0,
+        )
+        backend.handoffs[1].released.set_result(None)
+        backend.handoffs[1].durable.set_result(result)
+        ckpt.wait()
+        assert ckpt._schedule._auto.durable_s == pytest.approx(5.0)  # what the interval waits out
+    finally:
+        ckpt._release()
+
+
 def test_durable_everywhere_but_never_committed_is_a_failure(fake):
     ckpt, backend = fake
     ckpt.save(1, _state())

@@ -13,7 +13,7 @@ import pytest
 
 from ray_goodput.cli._plan import register
 from ray_goodput.errors import ConfigError
-from ray_goodput.plan import DEFAULT_SYSTEMS, System, expected_buckets, replay, simulate
+from ray_goodput.plan import DEFAULT_SYSTEMS, System, expected_buckets, optimal_interval_s, replay, simulate
 from ray_goodput.plan._simulate import BUCKETS, poisson_schedule, system_to_json
 
 TOY = dict(step_s=1.0, save_blocking_s=2.0, durable_s=5.0, restore_s=3.0, restart_s=10.0, interval=10.0)
@@ -35,6 +35,31 @@ def test_replay_of_a_failure_during_a_save_loses_the_interval_before_it():
     )
     assert out.failures == 1 and out.wall_s == pytest.approx(58)
     assert out.goodput == pytest.approx(30 / 58)
+
+
+def test_daly_alone_saves_closer_than_the_upload_and_loses_goodput_to_the_bound():
+    """One upload at a time, one waiting, the newest wins. With cheap saves (10 ms) and an
+    8 s upload at a 200 s MTBF, Daly's interval alone is 2 s: most of its saves are
+    superseded while the recovery point still lands once per upload, so it keeps less than
+    the interval the bound gives (the upload, 8 s), on the same failures."""
+    costs = dict(step_s=0.1, save_blocking_s=0.01, durable_s=8.01, restore_s=0.0, restart_s=0.0)
+    mtbf = 200.0
+    schedule = poisson_schedule(1 / mtbf, 200_000.0, random.Random(3))
+    daly = optimal_interval_s(0.01, mtbf)
+    assert daly == pytest.approx(2.0, abs=0.05)
+    auto = System(name="auto", **costs)
+    assert auto.interval_steps(mtbf) == 80  # (8.01 - 0.01) s of 0.1 s steps
+    alone = replay(System(name="daly", interval=daly, **costs), schedule, wall_s=200_000.0)
+    bounded = replay(auto, schedule, wall_s=200_000.0, mtbf_s=mtbf)
+    assert alone.superseded > 10_000 and bounded.superseded == 0
+    assert bounded.goodput > alone.goodput + 0.005, (bounded.goodput, alone.goodput)
+
+
+def test_the_auto_interval_never_goes_below_the_upload_in_the_simulation():
+    slow = System(name="auto", step_s=0.1, save_blocking_s=0.29, durable_s=600.29, restore_s=10.0, restart_s=10.0)
+    assert slow.interval_steps(192_000.0) == 6000  # Daly alone: 3336 steps, each save superseding the next
+    out = simulate([slow], gpus=16384, days=20, seed=1)["auto"][0]
+    assert out.superseded == 0 and out.failures > 0
 
 
 def test_replay_loses_a_save_that_was_not_durable_yet():

@@ -101,6 +101,17 @@ def _state_of(pending: Pending, block: bool, timeout_s: float) -> tuple[str | No
         return SaveState.FAILED.value, f"{type(exc).__name__}: {exc}", exc if isinstance(exc, FencedError) else None
 
 
+def _committed_at(pending: Pending) -> float:
+    """When ``pending`` became durable: its commit's time when this rank's job wrote it,
+    else now (at most the time since, as a rank learns it here)."""
+    durable = pending.handoff.durable
+    if durable.done() and not durable.cancelled() and durable.exception() is None:
+        at = getattr(durable.result(), "committed_at", None)
+        if at is not None:
+            return float(at)
+    return time.time()
+
+
 class Outcomes:
     """One rank's pending saves, and the collective that settles them (``resolve``)."""
 
@@ -200,6 +211,7 @@ class Outcomes:
             self._settle(pending, outcome, error)
             if outcome is SaveState.COMMITTED:
                 committed.append((step, pending.metrics))
+                self._schedule.observe_durable(max(0.0, _committed_at(pending) - pending.saved_at))
                 self._recovery_at = max(self._recovery_at, clock.saved_at.get(step, clock.now))
                 self.stats.recovery_step = step
         self._report(committed)

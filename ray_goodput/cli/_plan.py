@@ -28,7 +28,7 @@ def _run_hours(args: argparse.Namespace) -> float:
 
 
 def _plan_column(args: argparse.Namespace, save_s: float, durable_s: float | None, mtbf_s: float) -> dict[str, Any]:
-    interval = f.optimal_interval_s(save_s, mtbf_s, args.restart_seconds)
+    interval = f.optimal_interval_s(save_s, mtbf_s, args.restart_seconds, durable_s=durable_s)
     costs = (args.step_seconds, save_s, interval, mtbf_s, args.restart_seconds, args.restore_seconds)
     buckets = f.expected_buckets(*costs, durable_s=durable_s)
     return {
@@ -163,6 +163,7 @@ def simulate_rows(args: argparse.Namespace) -> tuple[list[dict[str, Any]], str]:
                     "interval_s": outs[0].interval_s,
                     "expected_goodput": expected,
                     "failures_per_run": sum(o.failures for o in outs) / len(outs),
+                    "superseded_per_run": sum(o.superseded for o in outs) / len(outs),
                     **sim.mean_buckets(outs),
                 }
             )
@@ -176,14 +177,15 @@ def _simulate_table(rows: list[dict[str, Any]], args: argparse.Namespace, source
     )
     _out()
     _out(
-        "| GPUs | MTBF h | system | interval s | failures/run | goodput | expected | lost | "
+        "| GPUs | MTBF h | system | interval s | failures/run | superseded/run | goodput | expected | lost | "
         "checkpoint_stall | restore | restart_downtime |"
     )
-    _out("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    _out("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         _out(
             f"| {r['gpus']} | {r['mtbf_hours']:.1f} | {r['system']} | {r['interval_s']:.0f} | "
-            f"{r['failures_per_run']:.1f} | {r['goodput']:.2%} | {r['expected_goodput']:.2%} | "
+            f"{r['failures_per_run']:.1f} | {r['superseded_per_run']:.0f} | {r['goodput']:.2%} | "
+            f"{r['expected_goodput']:.2%} | "
             f"{r['lost']:.2%} | {r['checkpoint_stall']:.2%} | {r['restore']:.2%} | "
             f"{r['restart_downtime']:.2%} |"
         )

@@ -60,6 +60,7 @@ class AutoInterval:
         self.warmup_steps = warmup_steps
         self._steps: deque[float] = deque(maxlen=window)
         self._saves: deque[float] = deque(maxlen=max(1, window // 4))
+        self._durable: deque[float] = deque(maxlen=max(1, window // 4))
         self._steps_in_force = warmup_steps
 
     def observe_step(self, seconds: float) -> None:
@@ -70,6 +71,14 @@ class AutoInterval:
         """How long one save blocked the loop on this rank."""
         self._saves.append(f.positive("save blocking seconds", blocking_s, zero_ok=True))
 
+    def observe_durable(self, seconds: float) -> None:
+        """How long one save took from its start to committed (its time to durable)."""
+        self._durable.append(f.positive("durable seconds", seconds, zero_ok=True))
+
+    @property
+    def durable_s(self) -> float | None:
+        return statistics.median(self._durable) if self._durable else None
+
     @property
     def step_s(self) -> float | None:
         return statistics.median(self._steps) if self._steps else None
@@ -79,10 +88,13 @@ class AutoInterval:
         return statistics.median(self._saves) if self._saves else None
 
     def optimal_interval_s(self) -> float | None:
-        """Daly's optimum in compute seconds from this rank's measurements; None before any save."""
+        """Daly's optimum in compute seconds from this rank's measurements, never below the
+        measured upload (time to durable less the blocking); None before any save."""
         if self.save_s is None:
             return None
-        return f.optimal_interval_s(max(self.save_s, 1e-6), self.mtbf_s)
+        save = max(self.save_s, 1e-6)
+        durable = None if self.durable_s is None else max(self.durable_s, save)
+        return f.optimal_interval_s(save, self.mtbf_s, durable_s=durable)
 
     def proposal(self) -> int:
         """This rank's interval in steps; the interval in force until both costs are measured."""
@@ -101,10 +113,11 @@ class AutoInterval:
         changed, self._steps_in_force = steps != self._steps_in_force, steps
         if changed:
             logger.info(
-                "checkpoint interval now %d steps (step %.3gs, save blocks %.3gs, MTBF %.3gh)",
+                "checkpoint interval now %d steps (step %.3gs, save blocks %.3gs, durable after %.3gs, MTBF %.3gh)",
                 steps,
                 self.step_s or 0.0,
                 self.save_s or 0.0,
+                self.durable_s or 0.0,
                 self.mtbf_s / 3600.0,
             )
         return changed

@@ -12,6 +12,10 @@ The model (the same one :mod:`ray_goodput.plan._simulate` runs event by event):
 - A failure loses the compute done since the newest *durable* checkpoint, then costs ``R``
   (restart: detection, rescheduling, process setup) and ``Tr`` (restore). A failure during
   the restart or the restore starts both over; the lost progress stays lost once.
+- The closed forms let uploads overlap. The uploader runs one at a time per rank (a newer
+  save supersedes the waiting one), which matches them while the interval is at least
+  ``D - delta``; :func:`optimal_interval_s` never goes below that, and the simulation
+  (:mod:`ray_goodput.plan._simulate`) runs the one-at-a-time upload lane as it is.
 
 Under that model the expected share of wall time per bucket has an exact closed form
 (renewal-reward over the segments between failures, ``x = tau + delta``)::
@@ -27,7 +31,7 @@ the upload lag and the downtime (the last two weighted by the compute share ``ta
 
 What it ignores: failures that are not independent or not memoryless (infant mortality,
 a bad node that fails again), time between a failure and its detection beyond what ``R``
-holds, storage bandwidth shared by overlapping uploads (``D`` is taken as fixed), the
+holds, storage bandwidth shared between ranks (``D`` is taken as fixed), the
 slowdown of steps while a background upload runs, startup and the end of the run.
 """
 
@@ -83,8 +87,19 @@ def young_interval_s(save_s: float, mtbf_s: float) -> float:
     return math.sqrt(2.0 * positive("save_s", save_s) * positive("mtbf_s", mtbf_s))
 
 
-def optimal_interval_s(save_s: float, mtbf_s: float, restart_s: float = 0.0) -> float:
-    """Daly's (2006) higher-order optimal compute time between saves, in seconds.
+def optimal_interval_s(
+    save_s: float, mtbf_s: float, restart_s: float = 0.0, *, durable_s: float | None = None
+) -> float:
+    """Daly's (2006) higher-order optimal compute time between saves, in seconds, and never
+    below the upload: with ``durable_s`` (save start to recovery point), at least
+    ``durable_s - save_s``.
+
+    A node uploads one save of a rank at a time and keeps at most one more waiting; a save
+    that comes while both are taken supersedes the waiting one. So saves closer together
+    than the upload only cost their blocking time and are dropped: the recovery point
+    still lands once per upload and lags as much. The bound keeps the interval out of that
+    regime, where this module's closed forms (which let uploads overlap) would overstate
+    the goodput.
 
     For ``delta < 2M``: ``sqrt(2*delta*M) * (1 + sqrt(delta/(2M))/3 + (delta/(2M))/9) - delta``,
     whose first term is Young's ``sqrt(2*delta*M)``. For ``delta >= 2M`` saving costs more
@@ -95,10 +110,15 @@ def optimal_interval_s(save_s: float, mtbf_s: float, restart_s: float = 0.0) -> 
     """
     delta, m = positive("save_s", save_s), positive("mtbf_s", mtbf_s)
     positive("restart_s", restart_s, zero_ok=True)
+    upload = 0.0
+    if durable_s is not None:
+        if positive("durable_s", durable_s, zero_ok=True) < delta:
+            raise ConfigError(f"durable_s ({durable_s}) must be >= save_s ({delta}): it counts from the save's start")
+        upload = durable_s - delta
     if delta >= 2.0 * m:
-        return m
+        return max(m, upload)
     ratio = delta / (2.0 * m)
-    return math.sqrt(2.0 * delta * m) * (1.0 + math.sqrt(ratio) / 3.0 + ratio / 9.0) - delta
+    return max(math.sqrt(2.0 * delta * m) * (1.0 + math.sqrt(ratio) / 3.0 + ratio / 9.0) - delta, upload)
 
 
 def interval_steps(interval_s: float, step_s: float) -> int:

@@ -47,6 +47,11 @@ class SaveSchedule:
         if self._auto:
             self._auto.observe_save(blocking_s)
 
+    def observe_durable(self, seconds: float) -> None:
+        """A save of this rank committed ``seconds`` after it started."""
+        if self._auto:
+            self._auto.observe_durable(seconds)
+
     def due(self, step: int, last_saved_step: int | None) -> bool:
         """Whether ``step`` is due (``last_saved_step``: the last save or the restored step)."""
         if self.every is None:
