@@ -226,6 +226,7 @@ def _open(
                 + ([data_file(rank, manifest.save_id)] if everything else [])
             )
         metadata = reader.read_metadata()
+        _state_dict.fit_plain_tensors(template, metadata.state_dict_metadata)
         _check_fits(template, metadata, manifest.step, step_loc.uri)
         if unchanged_world and not everything and _loads_everything(template, metadata):
             reader.fs.fetch_early([data_file(rank, manifest.save_id)])  # fetched while DCP plans

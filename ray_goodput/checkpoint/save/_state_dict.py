@@ -3,14 +3,22 @@
 ``state`` values may be ``nn.Module`` (plain, DDP, FSDP2), ``torch.optim.Optimizer``,
 any DCP ``Stateful``, or plain picklable values. Models and optimizers go through
 ``torch.distributed.checkpoint.state_dict`` so that keys are FQNs and shards reshard.
+
+A plain value (``model.state_dict()``, a dict of EMA weights, a mixed tree) is split: every
+tensor in it, however deep in dicts, lists and tuples (DTensors included), is a DCP tensor
+of its own under ``_rg_tensors`` (copied into the snapshot arena, resharded, loaded in
+place), and the rest, the tree with a :class:`TensorLeaf` where each tensor was, is pickled
+under ``_rg_plain``. A restore rebuilds each plain value as it was saved (see
+:func:`fit_plain_tensors` for a state whose tensors differ from the checkpoint's).
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import pickle
 import random
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +41,7 @@ logger = logging.getLogger(__name__)
 
 _INTERNAL_PREFIX = "_rg_"  # state keys of the library's own (a user's may not start so)
 _PLAIN_KEY = "_rg_plain"
+_TENSORS_KEY = "_rg_tensors"
 _OPTIONS = StateDictOptions(full_state_dict=False, cpu_offload=False)
 
 
@@ -75,6 +84,107 @@ def classify(state: dict[str, Any]) -> Roles:
     return roles
 
 
+@dataclass(frozen=True)
+class TensorLeaf:
+    """Where a tensor sat in a plain value: its path (the key under ``_rg_tensors``)."""
+
+    path: str
+
+
+def _split(value: Any, path: str, tensors: dict[str, Any]) -> Any:
+    """``value`` with each tensor replaced by a TensorLeaf (the tensors go into ``tensors``)."""
+    if isinstance(value, torch.Tensor):
+        tensors[path] = value
+        return TensorLeaf(path)
+    if isinstance(value, Mapping):
+        if not any(_holds_tensor(v) for v in value.values()):
+            return value
+        out = copy.copy(value)  # keeps the mapping's type (OrderedDict, defaultdict, ...)
+        for k, v in value.items():
+            out[k] = _split(v, f"{path}/{k!r}", tensors)
+        return out
+    if isinstance(value, (list, tuple)) and any(_holds_tensor(v) for v in value):
+        items = [_split(v, f"{path}/[{i}]", tensors) for i, v in enumerate(value)]
+        if isinstance(value, list):
+            out = copy.copy(value)
+            out[:] = items
+            return out
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)  # a namedtuple
+    return value
+
+
+def _holds_tensor(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, Mapping):
+        return any(_holds_tensor(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_holds_tensor(v) for v in value)
+    return False
+
+
+def _join(value: Any, tensors: dict[str, Any]) -> Any:
+    """The inverse of :func:`_split`: each TensorLeaf replaced by its tensor."""
+    if isinstance(value, TensorLeaf):
+        return tensors[value.path]
+    if isinstance(value, Mapping):
+        if not any(_holds_leaf(v) for v in value.values()):
+            return value
+        for k, v in list(value.items()):
+            value[k] = _join(v, tensors)  # the unpickled copy is ours to fill
+        return value
+    if isinstance(value, (list, tuple)) and any(_holds_leaf(v) for v in value):
+        items = [_join(v, tensors) for v in value]
+        if isinstance(value, list):
+            value[:] = items
+            return value
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    return value
+
+
+def _holds_leaf(value: Any) -> bool:
+    if isinstance(value, TensorLeaf):
+        return True
+    if isinstance(value, Mapping):
+        return any(_holds_leaf(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_holds_leaf(v) for v in value)
+    return False
+
+
+def fit_plain_tensors(template: dict[str, Any], saved: Mapping[str, Any]) -> None:
+    """Make the restore ``template``'s plain tensors those of the checkpoint (``saved``: DCP's
+    ``state_dict_metadata``). The rule: a plain value comes back as it was saved. A tensor
+    at a path both have is loaded in place into the state's tensor (another shape is a
+    StateMismatchError, raised by the caller's check). One the checkpoint has and the state
+    lacks is created from the checkpoint's size and dtype (logged at INFO). One the state
+    has and the checkpoint lacks is left out of the restored value (logged as a WARNING)."""
+    current: dict[str, Any] = template.get(_TENSORS_KEY, {})
+    prefix = _TENSORS_KEY + "."
+    stored = {fqn[len(prefix) :]: meta for fqn, meta in saved.items() if fqn.startswith(prefix)}
+    dropped = sorted(set(current) - set(stored))
+    added = sorted(set(stored) - set(current))
+    fitted = {path: tensor for path, tensor in current.items() if path in stored}
+    for path in added:
+        meta = stored[path]
+        fitted[path] = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+    if dropped:
+        logger.warning(
+            "restore: %d tensor(s) of the state's plain values are not in the checkpoint and are "
+            "left out of the restored values: %s",
+            len(dropped),
+            ", ".join(dropped[:8]),
+        )
+    if added:
+        logger.info(
+            "restore: %d tensor(s) of the checkpoint's plain values are new here: %s", len(added), ", ".join(added[:8])
+        )
+    if fitted:
+        template[_TENSORS_KEY] = fitted
+    else:
+        template.pop(_TENSORS_KEY, None)
+
+
 def to_state_dict(roles: Roles) -> dict[str, Any]:
     """The DCP state dict of the current values (tensors are live, not copies)."""
     sd: dict[str, Any] = {}
@@ -85,9 +195,14 @@ def to_state_dict(roles: Roles) -> dict[str, Any]:
     for key, obj in roles.statefuls.items():
         sd[key] = obj.state_dict()
     if roles.plain:
-        # One opaque blob: DCP would flatten nested containers and load them into the
-        # *current* value's structure, silently dropping keys added since.
-        sd[_PLAIN_KEY] = pickle.dumps(roles.plain)
+        # The tree without its tensors is one pickled blob: DCP would flatten nested
+        # containers and load them into the *current* value's structure, silently
+        # dropping keys added since. Its tensors are DCP tensors of their own.
+        tensors: dict[str, Any] = {}
+        skeleton = {key: _split(value, repr(key), tensors) for key, value in roles.plain.items()}
+        sd[_PLAIN_KEY] = pickle.dumps(skeleton)
+        if tensors:
+            sd[_TENSORS_KEY] = tensors
     return sd
 
 
@@ -155,7 +270,9 @@ def apply_state_dict(roles: Roles, sd: dict[str, Any], state: dict[str, Any]) ->
     for key, obj in roles.statefuls.items():
         obj.load_state_dict(sd[key])
     if roles.plain:
-        state.update(pickle.loads(sd[_PLAIN_KEY]))  # noqa: S301 - our own checkpoint
+        plain = pickle.loads(sd[_PLAIN_KEY])  # noqa: S301 - our own checkpoint
+        tensors = sd.get(_TENSORS_KEY, {})
+        state.update({key: _join(value, tensors) for key, value in plain.items()})
 
 
 def rng_state_bytes() -> bytes:
