@@ -316,7 +316,11 @@ def _bare_uploader():
 def _ended_ticket(key: str, owner_pid: int, origin: str, result=None):
     from ray_goodput.checkpoint.uploader._rank_queue import Ticket
 
-    ticket = Ticket(SimpleNamespace(key=key, slots=(), step=1, rank=0, save_id="n", owner_pid=owner_pid))
+    ticket = Ticket(
+        SimpleNamespace(
+            key=key, slots=(), arena_path="/nonexistent/a.arena", step=1, rank=0, save_id="n", owner_pid=owner_pid
+        )
+    )
     ticket.origin = origin
     ticket.finish(result, None)
     return ticket

@@ -196,3 +196,75 @@ def test_node_services_start_the_uploader_and_jobs_carry_their_settings(ray_loca
         fresh = torch.nn.Linear(16, 16)
         assert ckpt.restore({"model": fresh}) == 2
     assert torch.equal(fresh.weight, model.weight)
+
+
+def test_a_stopped_uploader_costs_nothing_to_a_save_that_supersedes_the_waiting_one(ray_local, tmp_path):
+    # With one save being written and one waiting, a third save asked the uploader to
+    # cancel the waiting one and waited for its answer and the arena's release: 1.48-2.37 s
+    # per save with the uploader starved by a storage server on the same cores. Now the
+    # worker claims the waiting snapshot itself. Here the uploader process is stopped
+    # (SIGSTOP): the saves still return, and once it runs again the newest commits.
+    import signal
+
+    state = {"model": torch.nn.Linear(256, 256)}
+    with Checkpointer(str(tmp_path / "r"), staging_dir=str(tmp_path / "s"), uploader="actor") as ckpt:
+        ckpt.save(1, state)
+        ckpt.wait()  # connected, and both sides warm
+        actor = ckpt._uploader._actor
+        pid = ray.get(actor.__ray_call__.remote(lambda self: os.getpid()), timeout=60)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            saver = threading.Thread(target=lambda: [ckpt.save(s, state) for s in (2, 3, 4)], daemon=True)
+            saver.start()
+            saver.join(60)  # the old path waited 60 s for the cancel's answer, then up to 600 s more
+            assert not saver.is_alive(), "save() waited for the stopped uploader"
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        ckpt.wait()
+        # 3 was the worker's to supersede; 2 commits, or the uploader supersedes it when it
+        # reads 3 and 4 at once on waking up (the newest goes next).
+        assert ckpt.stats.committed[0] == 1 and ckpt.stats.committed[-1] == 4 and 3 in ckpt.stats.superseded
+        assert sorted(ckpt.stats.committed + ckpt.stats.superseded) == [1, 2, 3, 4]
+        assert ckpt.stats.failed_saves == 0
+        assert not list((tmp_path / "s").glob("**/*.claim"))  # none left by the jobs that ended
+
+
+def test_a_job_whose_worker_claimed_it_reads_nothing_and_ends_superseded(tmp_path):
+    # The worker's claim is the decision: the arena already holds a newer snapshot, so the
+    # uploader's lane must end the job unread, not upload the newer bytes under its step.
+    from ray_goodput.checkpoint.save._arena import Arena, claim, claim_path
+    from ray_goodput.checkpoint.save._save_state import SaveState
+    from ray_goodput.checkpoint.uploader._rank_queue import RankLane, Ticket
+    from ray_goodput.checkpoint.uploader._shard_job import ShardJob
+    from ray_goodput.storage import resolve
+
+    arena = Arena(tmp_path / "rank-00000-1-0-0.arena")
+    slots = arena.snapshot({"w": torch.ones(4)})
+    job = ShardJob(
+        root=resolve(str(tmp_path / "root")),
+        step=7,
+        rank=0,
+        world_size=1,
+        arena_path=str(arena.path),
+        slots=tuple(slots),
+        objects={},
+        leaves={},
+        mappings={},
+        rng=b"",
+        local_dir=str(tmp_path / "local" / "step_7"),
+        keep_last=1,
+        owner_pid=os.getpid(),
+        save_id="g1-x",
+    )
+    assert claim(job.arena_path, job.key)  # the worker's, first
+    assert not claim(job.arena_path, job.key)  # exactly one side wins
+    ticket = Ticket(job)
+    lane = RankLane()
+    lane.submit(ticket)
+    assert ticket.done.wait(30)
+    lane.shutdown()
+    assert ticket.error is None and ticket.result.state is SaveState.SUPERSEDED
+    assert ticket.record.state is SaveState.SUPERSEDED
+    assert not (tmp_path / "local").exists() and not (tmp_path / "root").exists()  # nothing written
+    assert not claim_path(job.arena_path, job.key).exists()  # the uploader, last to look, dropped it
+    arena.close()

@@ -327,7 +327,7 @@ class Checkpointer:
         return due
 
     def _hand_off(self, step: int, roles: _state_dict.Roles, save_id: str, generation: int) -> Handoff:
-        snap = self._snapshots.take(roles, cancel=self._cancel, step_of=self._pending_step_of)
+        snap = self._snapshots.take(roles, step_of=self._pending_step_of)
         job = ShardJob(
             root=self.root,
             step=step,
@@ -356,9 +356,6 @@ class Checkpointer:
         handoff = self._uploader.submit(job)
         self._arenas.hold(snap.index, handoff)
         return handoff
-
-    def _cancel(self, key: str) -> bool:
-        return self._uploader is not None and self._uploader.cancel(key)
 
     def _resolve(self, block: bool) -> None:
         self._outcomes.resolve(block=block, timeout_s=self.wait_timeout_s)

@@ -6,15 +6,22 @@ files from it. If the worker is killed right after ``save()`` returned, the snap
 still there; once mapped, unlinking the file cannot take it away. Each rank has two
 (one being written out, one waiting). The file lives in /dev/shm when it has room, else
 in the staging directory.
+
+Whether a waiting job's snapshot is still wanted is settled by a *claim* beside the arena
+(:func:`claim`): the first of the worker (superseding the job, to reuse the arena) and the
+uploader (starting to read it) to create the job's claim file wins, with no message and no
+wait between the two processes.
 """
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
 import os
 import re
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +36,11 @@ _ALIGN = 64
 _PAGE = 4096
 _SHM = Path("/dev/shm")
 _NAME_RE = re.compile(r"^rank-\d+-(\d+)(?:-\d+)?(?:-[0-9a-f]+)?\.arena$")
+_CLAIM_RE = re.compile(r"^rank-\d+-(\d+)(?:-\d+)?(?:-[0-9a-f]+)?\.arena\.[0-9a-f]+\.claim$")
+#: A dead worker's claim files older than this are swept: an uploader has looked at its
+#: claim long before (a job waits at most for the running one's deadline).
+_CLAIM_SWEEP_AGE_S = 24 * 3600.0
+
 _instances = itertools.count()
 
 
@@ -59,7 +71,8 @@ def pick_dir(staging: Path, need_bytes: int) -> Path:
 
 
 def sweep_dead(directory: Path) -> None:
-    """Remove arenas of processes that died (a killed worker cannot remove its own)."""
+    """Remove arenas of processes that died (a killed worker cannot remove its own), and
+    their claim files once old (an uploader may still look at a young one)."""
     for path in directory.glob("rank-*.arena") if directory.is_dir() else []:
         match = _NAME_RE.match(path.name)
         if match is None:
@@ -68,6 +81,41 @@ def sweep_dead(directory: Path) -> None:
         if not pid_alive(pid):
             path.unlink(missing_ok=True)
             logger.info("removed the snapshot arena of dead process %d", pid)
+    now = time.time()
+    for path in directory.glob("rank-*.claim") if directory.is_dir() else []:
+        match = _CLAIM_RE.match(path.name)
+        if match is None or pid_alive(int(match.group(1))):
+            continue
+        try:
+            if now - path.stat().st_mtime > _CLAIM_SWEEP_AGE_S:
+                path.unlink(missing_ok=True)
+        except FileNotFoundError:
+            pass
+
+
+def claim_path(arena_path: str | os.PathLike, key: str) -> Path:
+    """The claim file of job ``key`` on the arena at ``arena_path``."""
+    digest = hashlib.blake2b(key.encode(), digest_size=8).hexdigest()
+    return Path(f"{os.fspath(arena_path)}.{digest}.claim")
+
+
+def claim(arena_path: str | os.PathLike, key: str) -> bool:
+    """Claim job ``key``'s snapshot: True for the first caller only, of the worker (to
+    supersede the job and reuse its arena) and the uploader (to start reading it). One
+    atomic creation of an empty file (``O_EXCL``; microseconds on tmpfs, no data block
+    even on a full disk): neither side waits for the other, however busy, niced or
+    starved it is."""
+    try:
+        os.close(os.open(claim_path(arena_path, key), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+    except FileExistsError:
+        return False
+    return True
+
+
+def drop_claim(arena_path: str | os.PathLike, key: str) -> None:
+    """Remove job ``key``'s claim file (the uploader, once the job ended: nobody looks at
+    it again; a worker claiming an ended job afterwards only reuses a free arena)."""
+    claim_path(arena_path, key).unlink(missing_ok=True)
 
 
 def aligned(nbytes: int) -> int:

@@ -3,7 +3,8 @@ ahead of the first save.
 
 A save copies into an arena that no job holds; while one job is written from an arena and
 another waits in the other, a third save supersedes the waiting one (the newest state goes
-next) and takes its arena once the uploader lets go of it. Arena 0 is sized and touched
+next) by claiming its snapshot (``_arena.claim``) and copies into its arena at once: the
+decision is the worker's alone, never a question to the uploader. Arena 0 is sized and touched
 (pinned on a GPU) in a background thread before the first save needs it (``_first_save``):
 from ``restore()``, or for a fresh start from its optimizers' first step.
 """
@@ -19,15 +20,16 @@ from concurrent.futures import wait as wait_futures
 from pathlib import Path
 from typing import Any
 
-from ray_goodput.checkpoint.save._arena import Arena, arena_names, pick_dir, sweep_dead
+from ray_goodput.checkpoint.save._arena import Arena, arena_names, claim, pick_dir, sweep_dead
 from ray_goodput.checkpoint.save._first_save import after_first_steps, snapshot_device, snapshot_size
 from ray_goodput.checkpoint.save._handoff import Handoff
 from ray_goodput.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
 
-# Bound on a wait for the uploader to let go of an arena (both held by running jobs;
-# immediate unless the uploader is wedged).
+# Bound on a wait for the release of an arena after the uploader started the waiting job
+# (the older one ended, so its release is on its way; immediate unless the uploader is
+# wedged).
 _ARENA_WAIT_S = 600.0
 # Bound on a wait for the background preparation of arena 0 (touching, pinning).
 _PREPARE_WAIT_S = 60.0
@@ -96,12 +98,13 @@ class ArenaPair:
         self._preparing = None
 
     # -- a save --
-    def take(
-        self, need_bytes: int, *, cancel: Callable[[str], bool], step_of: Callable[[Handoff], int]
-    ) -> tuple[int, Arena]:
+    def take(self, need_bytes: int, *, step_of: Callable[[Handoff], int]) -> tuple[int, Arena]:
         """``(index, arena)`` of an arena no job holds, for ``need_bytes``. When both are
-        held (one being written, one waiting), the waiting job (the newer by ``step_of``) is
-        superseded by ``cancel(key)`` and its arena taken once released (bounded)."""
+        held (one being written, one waiting), the waiting job (the newer by ``step_of``)
+        is superseded by claiming its snapshot before the uploader starts reading it; its
+        arena is free at once. Only when the uploader claimed it first (it started: the
+        older job has ended) does this wait, for the older arena's release, already sent
+        (bounded)."""
         self.wait_prepared()
         if not self.arenas:
             self.arenas = self._new(need_bytes)
@@ -109,11 +112,12 @@ class ArenaPair:
         if free:
             return free[0], self.arenas[free[0]]
         newer = max((0, 1), key=lambda i: step_of(self._holders[i]))
-        if cancel(self._holders[newer].key):
+        if claim(self.arenas[newer].path, self._holders[newer].key):
             logger.info(
                 "superseding the waiting save of step %d: a newer save came before it started",
                 step_of(self._holders[newer]),
             )
+            return newer, self.arenas[newer]
         done, _ = wait_futures([h.released for h in self._holders], timeout=_ARENA_WAIT_S, return_when=FIRST_COMPLETED)
         if not done:
             raise CheckpointError(

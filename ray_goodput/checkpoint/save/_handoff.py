@@ -2,7 +2,9 @@
 
 Two backends implement it in ``checkpoint.uploader``: ``ThreadBackend`` runs the shard job in
 a thread of the worker; ``ActorBackend`` hands it to the node's ``CheckpointUploader`` actor.
-Both queue a rank's jobs in a ``RankLane`` (one running, one waiting)."""
+Both queue a rank's jobs in a ``RankLane`` (one running, one waiting). Superseding a
+waiting job is not asked of the backend: the worker claims the job's snapshot
+(``_arena.claim``), and the lane finds the job superseded when it comes to start it."""
 
 from __future__ import annotations
 
@@ -29,8 +31,5 @@ class UploadBackend(Protocol):
         """Hand ``job`` over so that it survives this process (in the uploader, or in a
         queue the uploader reads even after this process died); never waits for uploads.
         The caller keeps the arena until ``released``, and unlinks it only after ``close``."""
-
-    def cancel(self, key: str) -> bool:
-        """Supersede job ``key`` if it is still waiting; False when it started or ended."""
 
     def close(self) -> None: ...

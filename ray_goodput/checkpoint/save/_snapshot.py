@@ -54,11 +54,9 @@ class Snapshotter:
         self._rank = rank
         self._owner_cache: tuple[int, dict[str, int]] | None = None
 
-    def take(
-        self, roles: _state_dict.Roles, *, cancel: Callable[[str], bool], step_of: Callable[[Handoff | None], int]
-    ) -> Snapshot:
+    def take(self, roles: _state_dict.Roles, *, step_of: Callable[[Handoff | None], int]) -> Snapshot:
         """Copy this rank's share of ``roles`` (blocking: the copy is the save's stall).
-        ``cancel``/``step_of`` let the pair supersede a waiting save to free an arena.
+        ``step_of`` tells the pair which waiting save to supersede to free an arena.
         Collective only when the state's structure changed (see :meth:`_owners`)."""
         with _state_dict.saving(roles) as (sd, unstepped):
             flat, mappings = flatten_state_dict(sd)
@@ -67,7 +65,7 @@ class Snapshotter:
             tensors = {k: _local(flat[k]) for k in keys if leaves[k].kind != _shard_plan.OBJECT}
             objects = {k: pickle.dumps(flat[k]) for k in keys if leaves[k].kind == _shard_plan.OBJECT}
             index, arena = self._arenas.take(
-                sum(t.numel() * t.element_size() for t in tensors.values()), cancel=cancel, step_of=step_of
+                sum(t.numel() * t.element_size() for t in tensors.values()), step_of=step_of
             )
             slots = arena.snapshot(tensors)
         return Snapshot(

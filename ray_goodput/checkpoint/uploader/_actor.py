@@ -136,8 +136,6 @@ class CheckpointUploader:
         if body[0] == "submit":
             self._accept(body[1], body[2], peer)
             return None
-        if body[0] == "cancel":
-            return self.cancel(body[1])
         raise CheckpointError(f"unknown uploader request {body[0]!r}")
 
     def _on_close(self, peer: Peer) -> None:
@@ -192,12 +190,6 @@ class CheckpointUploader:
         except BaseException as exc:  # the lane did not take it: end it here, or it stays "busy" for ever
             ticket.finish(None, exc)
             raise
-
-    def cancel(self, key: str) -> bool:
-        """Supersede job ``key`` when it is still waiting."""
-        ticket = self._jobs.get(key)
-        lane = self._lanes.get(ticket.job.lane) if ticket is not None else None
-        return lane is not None and lane.cancel(key)
 
     def wait_connection(self, conn: str, timeout_s: float | None) -> bool:
         """Wait until connection ``conn`` (one that broke or closed; "" for none) has had

@@ -233,17 +233,6 @@ class ActorBackend:
         _chain(actor.wait_durable.remote(light.key, self._durable_timeout_s).future(), attempt.durable)
         return attempt
 
-    def cancel(self, key: str) -> bool:
-        if self._actor is None:
-            return False
-        try:
-            if self._channel is not None:
-                return bool(self._channel.request(("cancel", key), 60))
-            return bool(ray.get(self._actor.cancel.remote(key), timeout=60))
-        except Exception as exc:  # noqa: BLE001 - a dead uploader runs nothing: its jobs fail
-            logger.warning("could not cancel waiting save %s: %s", key, exc)
-            return False
-
     def close(self) -> None:
         """Leave the uploader: a connection says bye (once every job it sent is accepted:
         the caller unlinks the arenas next); a registration is dropped."""

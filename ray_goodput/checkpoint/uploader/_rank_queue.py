@@ -6,7 +6,9 @@ go. Jobs run one at a time, in order, so per rank a save never overtakes an olde
 
 A job's snapshot arena is mapped when the job is *accepted* (:class:`Ticket`): the
 mapping keeps the data alive even if the arena file is unlinked meanwhile (a worker
-leaving ``with Checkpointer`` on an error, or sweeping a dead process's arenas).
+leaving ``with Checkpointer`` on an error, or sweeping a dead process's arenas). Before it
+reads the snapshot, a job claims it (``_arena.claim``); a job whose worker claimed it first
+was superseded there (its arena already holds a newer snapshot) and ends unread.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ray_goodput._faults import fault_point
-from ray_goodput.checkpoint.save._arena import open_slots
+from ray_goodput.checkpoint.save._arena import claim, drop_claim, open_slots
 from ray_goodput.checkpoint.save._save_state import SaveRecord, SaveState
 from ray_goodput.checkpoint.uploader._shard_job import ShardJob, ShardResult, run_shard_job
 from ray_goodput.storage import RetryPolicy
@@ -51,19 +53,32 @@ class Ticket:
         self.result, self.error = result, error
         if not self.released.is_set():
             self.release()
+        self._drop_claim()
         self.done.set()
         for callback in self.callbacks:
             callback(self)
 
-    def supersede(self) -> None:
+    def _drop_claim(self) -> None:
+        try:
+            drop_claim(self.job.arena_path, self.job.key)
+        except OSError as exc:  # a stray empty file, swept with its dead worker's arenas
+            logger.debug("could not remove the claim of %s: %s", self.job.key, exc)
+
+    def supersede(self, by: str = "the uploader") -> None:
         self.record.advance(SaveState.SUPERSEDED)
         logger.info(
-            "save of step %d rank %d superseded by a newer save before it started", self.job.step, self.job.rank
+            "save of step %d rank %d superseded by a newer save before it started (decided by %s)",
+            self.job.step,
+            self.job.rank,
+            by,
         )
         self.finish(ShardResult.superseded(self.job), None)
 
     def run(self, *, concurrency: int, policy: RetryPolicy, newer: Callable[[], bool] = lambda: False) -> None:
         try:
+            if not claim(self.job.arena_path, self.job.key):
+                self.supersede(by="its worker")  # the arena already holds a newer snapshot: read nothing
+                return
             result = run_shard_job(
                 self.job,
                 self.record,
@@ -98,15 +113,6 @@ class RankLane:
         if old is not None:
             old.supersede()
         self._pool.submit(self._drain)
-
-    def cancel(self, key: str) -> bool:
-        """Supersede the waiting ticket ``key``; False when it is not waiting (running or over)."""
-        with self._lock:
-            if self._waiting is None or self._waiting.job.key != key:
-                return False
-            old, self._waiting = self._waiting, None
-        old.supersede()
-        return True
 
     def _drain(self) -> None:
         with self._lock:

@@ -55,9 +55,6 @@ class ThreadBackend:
         self._lane(job).submit(ticket)
         return handoff
 
-    def cancel(self, key: str) -> bool:
-        return any(lane.cancel(key) for lane in self._lanes.values())
-
     def close(self) -> None:
         for lane in self._lanes.values():
             lane.shutdown(wait=True)
