@@ -1,8 +1,17 @@
 """Checkpoint tax: how long training is blocked, and how long until a save is durable.
 
 Compares, on 2 ranks of a ``ray_goodput.TorchTrainer`` (Ray's, which also starts the node
-uploaders; gloo on CPU, FSDP2-sharded state so each rank holds its own distinct shard of
-model + AdamW state):
+uploaders; ``--trainer ray``: Ray Train's own ``TorchTrainer``, where each Checkpointer
+starts its node's uploader itself), gloo on CPU, for one state shape (``--shape``):
+
+  * ``objects`` (default): an FSDP2-sharded model and its AdamW, passed as the objects
+    (each rank holds its own distinct shard of model + AdamW state)
+  * ``state_dicts``: the same, passed as ``{"model": model.state_dict(), "optim":
+    optim.state_dict()}`` (DTensors in plain dicts)
+  * ``tensor_dict``: ``{"params": {"0": t0, ..., "3": t3}}``, the same four fp32 tensors on
+    every rank (replicated, as a DDP job's)
+
+each way to checkpoint:
 
   * ``torch.save`` of the gathered full state on rank 0 (S3: to a local file, then uploaded)
   * DCP ``dcp.save`` (S3: DCP into a local dir, then each rank uploads its files)
@@ -20,9 +29,13 @@ and the floors, measured in the same run, interleaved with the methods:
   * upload floor: the rank's bytes written from memory with pyarrow to one file per rank,
     both ranks in parallel, 8 MiB writes (the same write size as ray_goodput's uploads)
 
-Then the slowdown of a compute-bound step (~100 ms, calibrated) while a ray_goodput save
-is being written/uploaded in the background. Then the read: ``--saves`` rounds of
-``Checkpointer.restore`` of the newest committed checkpoint by a new Checkpointer (as a
+Then, with ``--burst N``, saves faster than uploads: N saves ``--burst-gap-ms`` apart
+(training steps between them) with ray_goodput, DCP ``async_save`` (which waits for the
+previous save before it starts the next, as torchtitan does) and Ray Train's ASYNC report,
+each save's blocking against the copy floor. Then the slowdown of a compute-bound step
+(~100 ms, calibrated) while a ray_goodput save is being written/uploaded in the
+background. Then the read: ``--saves`` rounds of ``Checkpointer.restore`` of the newest
+committed checkpoint by a new Checkpointer (as a
 restarted worker makes), once with a fresh staging dir (every file from storage) and once
 with the staging dir the save left; each once as a first attempt does (rank 0 finds the
 newest checkpoint) and once with the step decided by the driver, as ``Recovery`` decides it
@@ -34,6 +47,7 @@ results to ``benchmarks/results/checkpoint_tax_<cpu|cuda_gpu>.json`` (``--out``)
 
     python benchmarks/checkpoint_tax.py                         # defaults: 256 MB/rank, 3 saves
     python benchmarks/checkpoint_tax.py --mb-per-rank 64 --saves 2   # quick mode
+    python benchmarks/checkpoint_tax.py --shape state_dicts --storage s3 --burst 4 --out ...
     python benchmarks/checkpoint_tax.py --device cuda --params 1e9 --storage local
     python benchmarks/checkpoint_tax.py --render benchmarks/results/checkpoint_tax_cpu.json
 
@@ -84,6 +98,10 @@ os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
 CHUNK = 8 << 20
 CPU_METHODS = ["torch_save", "dcp_sync", "dcp_async", "rt_sync", "rt_async", "rg"]
 CUDA_METHODS = ["dcp_async", "rg"]
+SHAPES = ["objects", "state_dicts", "tensor_dict"]
+BURST_METHODS = ["rg", "dcp_async", "rt_async"]
+#: The methods that take any state dict (torch_save gathers the model and optimizer objects).
+ANY_SHAPE_METHODS = ["dcp_sync", "dcp_async", "rt_sync", "rt_async", "rg"]
 LABELS = {
     "copy_floor": "floor: in-memory copy (empty_like+copy_)",
     "copy_warm": "  (copy into preallocated buffers)",
@@ -260,11 +278,19 @@ def _walk_tensors(x, out: list) -> None:
             _walk_tensors(v, out)
 
 
-def _local_tensors(state: dict) -> list:
-    """The rank's tensors (local shards) of the sharded DCP state dict."""
+def _local_tensors(sd: dict) -> list:
+    """The rank's tensors (local shards) of a DCP state dict."""
     out: list = []
-    _walk_tensors(_sharded_sd(state), out)  # modules first, then the optimizer state
+    _walk_tensors(sd, out)  # modules first, then the optimizer state
     return out
+
+
+def _tensor_dict(cfg: dict) -> dict:
+    """``{"params": {"0": t0, ..., "3": t3}}``: ``mb_per_rank`` MiB of fp32, the same on every
+    rank (seeded), as a replicated (DDP) job holds it."""
+    gen = torch.Generator().manual_seed(0)
+    n = cfg["mb_per_rank"] * 2**20 // 4 // 4
+    return {"params": {str(i): torch.randn(n, generator=gen) for i in range(4)}}
 
 
 # ----------------------------------------------------------------------------- one rank's bench
@@ -281,8 +307,12 @@ class _Bench:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         if self.dev == "cuda":
             torch.cuda.set_device(ray.train.get_context().get_local_rank())
-        self.state, self.trainable = _build_state(cfg, self.world)
-        self.tensors = _local_tensors(self.state)
+        self.shape = cfg.get("shape", "objects")
+        if self.shape == "tensor_dict":
+            self.state, self.trainable = _tensor_dict(cfg), None
+        else:
+            self.state, self.trainable = _build_state(cfg, self.world)
+        self.tensors = _local_tensors(self.dcp_sd())
         self.rank_bytes = sum(t.numel() * t.element_size() for t in self.tensors)
         self.fs, self.base = _storage(cfg)
         self.stage = Path(cfg["work"]) / "stage"
@@ -305,6 +335,16 @@ class _Bench:
         self.rg_step = 0
         self.results: dict[str, dict[str, list[float]]] = {}
         self.restores: dict[str, list[float]] = {}  # restore phase: seconds (or counts) per round
+
+    def saved(self) -> dict:
+        """What ``Checkpointer.save``/``restore`` get, as a user with this state shape writes it."""
+        if self.shape == "state_dicts":
+            return {"model": self.state["model"].state_dict(), "optim": self.state["optim"].state_dict()}
+        return self.state
+
+    def dcp_sd(self) -> dict:
+        """What DCP and Ray Train's report save: the same tensors as ``saved()``."""
+        return _sharded_sd(self.state) if self.shape == "objects" else self.saved()
 
     def sync(self) -> None:
         if self.dev == "cuda":
@@ -366,7 +406,12 @@ class _Bench:
         dist.barrier()
 
     def train_step(self) -> None:
-        """Mutate the state between saves (what training does): one AdamW step."""
+        """Mutate the state between saves (what training does): one AdamW step (a tensor
+        dict: an in-place add)."""
+        if self.trainable is None:
+            for t in self.tensors:
+                t.add_(1e-3)
+            return
         for p in self.trainable.parameters():
             p.grad = torch.full_like(p, 1e-3)
         self.state["optim"].step()
@@ -458,7 +503,7 @@ def m_torch_save(b: _Bench, i: int) -> None:
 def m_dcp_sync(b: _Bench, i: int) -> None:
     dest, local = b.dcp_dirs(f"dcp-sync-{i}")
     t0 = b.start()
-    dcp.save(_sharded_sd(b.state), storage_writer=FileSystemWriter(local, sync_files=False))
+    dcp.save(b.dcp_sd(), storage_writer=FileSystemWriter(local, sync_files=False))
     if b.s3:
         _upload_rank_files(b.fs, local, dest, b.rank)
     dist.barrier()
@@ -515,7 +560,7 @@ def m_dcp_async(b: _Bench, i: int) -> None:
     dest, local = b.dcp_dirs(f"dcp-async-{i}")
     t0 = b.start()
     resp = dcp.async_save(
-        _sharded_sd(b.state),
+        b.dcp_sd(),
         storage_writer=FileSystemWriter(local, sync_files=False),
         async_checkpointer_type=AsyncCheckpointerType.THREAD,
         async_stager=stager,
@@ -535,7 +580,7 @@ def _m_ray_train(b: _Bench, i: int, mode: CheckpointUploadMode) -> None:
     name = f"rt-{mode.value.lower()}-{i:03d}"
     local = b.stage / name / f"rank-{b.rank}"
     t0 = b.start()
-    dcp.save(_sharded_sd(b.state), storage_writer=FileSystemWriter(local, sync_files=False))
+    dcp.save(b.dcp_sd(), storage_writer=FileSystemWriter(local, sync_files=False))
     ray.train.report(
         {"i": i},
         checkpoint=ray.train.Checkpoint.from_directory(str(local)),
@@ -565,7 +610,7 @@ def _rg_save(b: _Bench) -> tuple[float, float, float]:
     """(save() wall, stats.last_block_seconds, t0) of one save; durable not awaited."""
     b.rg_step += 1
     t0 = b.start()
-    b.ckpt.save(b.rg_step, b.state)
+    b.ckpt.save(b.rg_step, b.saved())
     wall = time.perf_counter() - t0
     return wall, b.ckpt.stats.last_block_seconds, t0
 
@@ -626,6 +671,132 @@ def run_rounds(b: _Bench) -> list[str]:
                 log.append(f"round {i} {name}: {time.perf_counter() - t:.1f}s")
                 print(log[-1], flush=True)
         b.train_step()
+    return log
+
+
+# ----------------------------------------------------------------------------- saves faster than uploads
+
+
+def _between_saves(b: _Bench, gap_s: float) -> None:
+    """Training between two saves of a burst: one step, then the rest of ``gap_s`` idle
+    (compute would compete with the uploads for the same cores; the idle gap gives the
+    uploads every chance, so what a save blocks is its own cost)."""
+    t0 = time.perf_counter()
+    b.train_step()
+    time.sleep(max(0.0, gap_s - (time.perf_counter() - t0)))
+
+
+def burst_rg(b: _Bench, n: int, gap_s: float) -> None:
+    blocked = []
+    t_first = b.start()
+    for k in range(n):
+        _, block, _ = _rg_save(b)
+        blocked.append(b.allmax(block))
+        if k < n - 1:
+            _between_saves(b, gap_s)
+    b.ckpt.wait()
+    r = b.results.setdefault("burst_rg", {"blocked": [], "durable": []})
+    r["blocked"] += blocked
+    r["durable"].append(b.allmax(time.perf_counter() - t_first))
+    r.setdefault("superseded", []).append(len(b.ckpt.stats.superseded))
+
+
+def burst_dcp_async(b: _Bench, n: int, gap_s: float) -> None:
+    """DCP's async_save, one in flight at a time: each save first waits for the previous
+    one to be durable (DCP keeps no queue; torchtitan waits likewise)."""
+    stager = _dcp_stager(b)
+    blocked, prev, dests = [], None, []
+    t_first = b.start()
+    for k in range(n):
+        dest, local = b.dcp_dirs(f"dcp-burst-{k}")
+        dests.append((dest, local))
+        t0 = b.start()
+        if prev is not None:
+            prev.join()
+        resp = dcp.async_save(
+            b.dcp_sd(),
+            storage_writer=FileSystemWriter(local, sync_files=False),
+            async_checkpointer_type=AsyncCheckpointerType.THREAD,
+            async_stager=stager,
+            process_group=b.async_group,
+        )
+        staged = getattr(resp, "staging_completion", None)
+        if staged is not None:
+            staged.result()
+        blocked.append(b.allmax(time.perf_counter() - t0))
+        prev = _finish_in_background(b, getattr(resp, "upload_completion", resp), local, dest)
+        if k < n - 1:
+            _between_saves(b, gap_s)
+    prev.join()
+    r = b.results.setdefault("burst_dcp_async", {"blocked": [], "durable": []})
+    r["blocked"] += blocked
+    r["durable"].append(b.allmax(time.perf_counter() - t_first))
+    for dest, local in dests:
+        b.rm_dcp(dest, local)
+
+
+def _finish_in_background(b: _Bench, fut, local: Path, dest: str) -> threading.Thread:
+    """A thread that waits for DCP's write and then uploads the rank's files (S3)."""
+
+    def finish() -> None:
+        fut.result()
+        if b.s3:
+            _upload_rank_files(b.fs, local, dest, b.rank)
+
+    th = threading.Thread(target=finish, daemon=True)
+    th.start()
+    return th
+
+
+def burst_rt_async(b: _Bench, n: int, gap_s: float) -> None:
+    blocked, names = [], []
+    t_first = b.start()
+    for k in range(n):
+        name = f"rt-burst-{b.rg_step}-{k:03d}"
+        names.append(name)
+        local = b.stage / name / f"rank-{b.rank}"
+        t0 = b.start()
+        dcp.save(b.dcp_sd(), storage_writer=FileSystemWriter(local, sync_files=False))
+        ray.train.report(
+            {"burst": k},
+            checkpoint=ray.train.Checkpoint.from_directory(str(local)),
+            checkpoint_dir_name=name,
+            checkpoint_upload_mode=CheckpointUploadMode.ASYNC,
+            delete_local_checkpoint_after_upload=False,
+        )
+        blocked.append(b.allmax(time.perf_counter() - t0))
+        if k < n - 1:
+            _between_saves(b, gap_s)
+    ray.train.get_all_reported_checkpoints(consistency_mode=CheckpointConsistencyMode.COMMITTED)
+    r = b.results.setdefault("burst_rt_async", {"blocked": [], "durable": []})
+    r["blocked"] += blocked
+    r["durable"].append(b.allmax(time.perf_counter() - t_first))
+    for name in names:
+        shutil.rmtree(b.stage / name, ignore_errors=True)
+        b.rm_remote(f"{b.run_dir}/{name}")
+
+
+BURSTS: dict[str, Callable[[_Bench, int, float], None]] = {
+    "rg": burst_rg,
+    "dcp_async": burst_dcp_async,
+    "rt_async": burst_rt_async,
+}
+
+
+def measure_burst(b: _Bench) -> list[str]:
+    """``--burst`` saves ``--burst-gap-ms`` apart per method (and a copy floor before each),
+    ``--saves`` rounds in rotating order; returns rank 0's progress log."""
+    n, gap_s, log = b.cfg["burst"], b.cfg["burst_gap_s"], []
+    order = [m for m in BURST_METHODS if m in b.cfg["methods"]]
+    for i in range(b.cfg["saves"] if n else 0):
+        for name in order[i % len(order) :] + order[: i % len(order)]:
+            gc.collect()
+            m_copy_floor(b, i)
+            t = time.perf_counter()
+            BURSTS[name](b, n, gap_s)
+            if b.rank == 0:
+                log.append(f"burst round {i} {name}: {time.perf_counter() - t:.1f}s")
+                print(log[-1], flush=True)
     return log
 
 
@@ -771,7 +942,7 @@ def _restore_with(b: _Bench, staging_dir: Path, step: int, *, decided: bool = Fa
         # uploader, only the arena its restore prepared for a first save, released here.
         ck = Checkpointer(keep_last=1, staging_dir=str(staging_dir), uploader="thread")
         got: list = []
-        seconds = _timed(b, lambda: got.append(ck.restore(b.state)))
+        seconds = _timed(b, lambda: got.append(ck.restore(b.saved())))
         ck._release()  # after the timing: joins the arena's prefault, unlinks it
     finally:
         set_decision(None)
@@ -839,7 +1010,7 @@ def _peer_ranges(b: _Bench, manifest, loc, own: list[str]) -> list[tuple[str, in
 
     with loc.fs.open_input_file(loc.join(_layout.DCP_METADATA)) as f:
         metadata = pickle.loads(f.read())  # the benchmark's own checkpoint
-    roles = _state_dict.classify(b.state)
+    roles = _state_dict.classify(b.saved())
     with _state_dict.made_up_state(roles, keep=True):
         planner = DefaultLoadPlanner()
         planner.set_up_planner(_state_dict.to_state_dict(roles), metadata, is_coordinator=False)
@@ -943,6 +1114,7 @@ def _write_result(b: _Bench, log: list[str], slow: dict[str, Any], *, final: boo
             json.dumps(
                 {
                     "storage": b.cfg["storage"],
+                    "shape": b.shape,
                     "world": b.world,
                     "rank_bytes": sizes,
                     "results": b.results,
@@ -965,6 +1137,8 @@ def train_loop(cfg: dict) -> None:
     """Ray Train worker: every measurement on this rank; rank 0 writes ``cfg["out"]``."""
     b = _Bench(cfg)
     log = run_rounds(b)
+    _write_result(b, log, {}, final=False)
+    log += measure_burst(b)
     _write_result(b, log, {}, final=False)
     slow = measure_slowdown(b)
     _write_result(b, log, slow, final=False)
@@ -1228,6 +1402,49 @@ def _restore_table(runs: list[dict]) -> list[str]:
     return head + rows + [""] + [v for run in runs for v in _restore_verdicts(run)]
 
 
+BURST_LABELS = {
+    "burst_rg": "ray_goodput Checkpointer.save",
+    "burst_dcp_async": "DCP dcp.async_save (one in flight)",
+    "burst_rt_async": "Ray Train report ASYNC",
+}
+
+
+def _burst_table(runs: list[dict], args) -> list[str]:
+    """Saves faster than uploads: each save's blocking in a burst against the copy floor."""
+    rows, verdicts = [], []
+    for run in runs:
+        floor = _copy_floor(_medians(run))
+        for key, label in BURST_LABELS.items():
+            res = run["results"].get(key)
+            if not res or not res["blocked"]:
+                continue
+            worst, mid = max(res["blocked"]), _med(res["blocked"])
+            extra = f"; {sum(res['superseded'])} superseded" if res.get("superseded") else ""
+            rows.append(
+                f"| {label} | {run['storage']} | {len(res['blocked'])}{extra} | {mid:.2f} | {worst:.2f} "
+                f"| {_f(mid / floor if floor else None, '{:.2f}×')} "
+                f"| {_f(worst / floor if floor else None, '{:.2f}×')} "
+                f"| {_f(_med(res['durable']))} |"
+            )
+            if key == "burst_rg" and floor:
+                verdicts.append(
+                    f"- {run['storage']}: saves faster than uploads, the slowest ray_goodput save() of "
+                    f"{len(res['blocked'])} blocked {worst:.2f} s = {worst / floor:.2f}× the copy floor "
+                    f"({floor:.2f} s) → {TARGETS['burst_blocked'].verdict(worst / floor)}"
+                )
+    if not rows:
+        return []
+    head = [
+        f"Saves faster than uploads: bursts of {getattr(args, 'burst', '?')} saves "
+        f"{getattr(args, 'burst_gap_ms', '?')} ms apart, every save of every round (slowest rank):",
+        "",
+        "| method | storage | saves | blocked s (median) | blocked s (slowest) | median / copy floor "
+        "| slowest / copy floor | burst until the last durable s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    return head + rows + [""] + verdicts
+
+
 def render(runs: list[dict], args) -> str:
     cuda = any("d2h_pinned" in run["results"] for run in runs)
     lines = [
@@ -1243,11 +1460,14 @@ def render(runs: list[dict], args) -> str:
         verdict += _target_verdicts(run, med) + _phase_verdicts(run, med, args.device) + _slowdown_verdicts(run)
     sizes = ", ".join(f"{r['storage']}: {[round(b / 2**20) for b in r['rank_bytes']]} MiB/rank" for r in runs)
     head = [
-        f"State per rank ({sizes}); {args.saves} saves per method (median over all saves, the first "
-        f"one included), {runs[0]['world'] if runs else '?'} ranks, device {args.device}."
+        f"State per rank ({sizes}), passed as `{getattr(args, 'shape', 'objects')}`; {args.saves} saves per "
+        f"method (median over all saves, the first one included), {runs[0]['world'] if runs else '?'} ranks "
+        f"of {getattr(args, 'trainer', 'ray_goodput')}'s TorchTrainer, device {args.device}."
     ]
-    restore = _restore_table(runs)
-    return "\n".join(head + [""] + lines + [""] + verdict + ([""] + restore if restore else []))
+    restore, burst = _restore_table(runs), _burst_table(runs, args)
+    return "\n".join(
+        head + [""] + lines + [""] + verdict + ([""] + burst if burst else []) + ([""] + restore if restore else [])
+    )
 
 
 # ----------------------------------------------------------------------------- main
@@ -1261,6 +1481,15 @@ def _parse_args() -> argparse.Namespace:
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--params", type=float, default=1.0e9, help="CUDA: parameters (bf16 + fp32 master + AdamW)")
     ap.add_argument("--methods", default=None, help=f"comma list of {CPU_METHODS}")
+    ap.add_argument("--shape", choices=SHAPES, default="objects", help="how the state is passed (see above)")
+    ap.add_argument(
+        "--trainer",
+        choices=["ray_goodput", "ray"],
+        default="ray_goodput",
+        help="run the workers under ray_goodput.TorchTrainer or Ray Train's own TorchTrainer",
+    )
+    ap.add_argument("--burst", type=int, default=0, help="saves per burst (saves faster than uploads); 0: none")
+    ap.add_argument("--burst-gap-ms", type=float, default=300.0, help="time between two saves of a burst")
     ap.add_argument("--slowdown-rounds", type=int, default=2, help="ray_goodput saves with steps running")
     ap.add_argument("--step-ms", type=float, default=100.0, help="compute step length to calibrate to")
     ap.add_argument(
@@ -1281,10 +1510,17 @@ def _parse_args() -> argparse.Namespace:
     args = ap.parse_args()
     if args.device == "cuda" and args.params < 1e9:
         ap.error("--device cuda measures a >=1B-parameter model: --params >= 1e9")
-    args.methods = args.methods.split(",") if args.methods else (CPU_METHODS if args.device == "cpu" else CUDA_METHODS)
+    if args.device == "cuda" and args.shape != "objects":
+        ap.error("--device cuda measures the model and optimizer objects: --shape objects")
+    default = CPU_METHODS if args.device == "cpu" else CUDA_METHODS
+    if args.shape != "objects":
+        default = [m for m in default if m in ANY_SHAPE_METHODS]
+    args.methods = args.methods.split(",") if args.methods else default
     unknown = [m for m in args.methods if m not in CPU_METHODS]
     if unknown:
         ap.error(f"--methods: unknown {unknown}; choose from {CPU_METHODS}")
+    if args.shape != "objects" and "torch_save" in args.methods:
+        ap.error("--methods torch_save gathers the model and optimizer objects: --shape objects")
     return args
 
 
@@ -1303,6 +1539,9 @@ def _worker_cfg(st: str, args: argparse.Namespace, work: Path, endpoint: str | N
         "methods": args.methods,
         "slowdown_rounds": args.slowdown_rounds,
         "step_s": args.step_ms / 1e3,
+        "shape": args.shape,
+        "burst": args.burst,
+        "burst_gap_s": args.burst_gap_ms / 1e3,
         "work": str(work / st),
         "out": str(work / f"result-{st}.json"),
         "endpoint": endpoint,
@@ -1331,18 +1570,22 @@ def _run_config(cfg: dict, work: Path):
 
 def _fit(cfg: dict, args: argparse.Namespace, work: Path) -> dict | None:
     """One storage's run on a fresh TorchTrainer; its results, or None if it failed."""
+    import ray.train.torch
     from ray.train import ScalingConfig
     from ray.train.torch import TorchConfig
 
-    from ray_goodput import TorchTrainer
+    import ray_goodput
     from ray_goodput.runtime import _services
 
     # ray_goodput's trainer (Ray's plus callbacks) starts each node's uploader when the
     # worker group starts, as a user of the library gets it; no driver-side Recovery here.
-    trainer = TorchTrainer(
+    # Ray Train's own: each worker's Checkpointer starts its node's uploader itself.
+    extra = {"recovery": None} if args.trainer == "ray_goodput" else {}
+    trainer_class = ray_goodput.TorchTrainer if args.trainer == "ray_goodput" else ray.train.torch.TorchTrainer
+    trainer = trainer_class(
         train_loop,
         train_loop_config=cfg,
-        recovery=None,
+        **extra,
         scaling_config=ScalingConfig(num_workers=_worker_count(args.device), use_gpu=args.device == "cuda"),
         torch_config=TorchConfig(backend="cpu:gloo,cuda:nccl" if args.device == "cuda" else "gloo"),
         run_config=_run_config(cfg, work),
@@ -1396,7 +1639,7 @@ def _rendered(paths: list[str], args: argparse.Namespace) -> str:
     for path in paths:
         doc = json.loads(Path(path).read_text())
         if isinstance(doc, dict) and "runs" in doc:
-            for key in ("saves", "device"):  # the head line says what the run did
+            for key in ("saves", "device", "shape", "trainer", "burst", "burst_gap_ms"):  # the head line
                 setattr(args, key, doc.get("args", {}).get(key, getattr(args, key)))
         runs += doc["runs"] if isinstance(doc, dict) and "runs" in doc else doc if isinstance(doc, list) else [doc]
     return render(runs, args)
