@@ -531,8 +531,9 @@ def _dcp_stager(b: _Bench):
     return b.stager
 
 
-def _durable_at(b: _Bench, fut, local: Path, dest: str) -> float:
-    """Wait for DCP's write (then upload it) in a thread; returns when that finished.
+def _finish_in_background(b: _Bench, fut, local: Path, dest: str) -> Callable[[], float]:
+    """Wait for DCP's write (then upload the rank's files, S3) in a thread; returns a join
+    that gives when that finished (re-raising its error in the caller's thread).
 
     The main thread joins rather than waits itself so it makes no collective while DCP's
     thread uses the process group."""
@@ -547,18 +548,21 @@ def _durable_at(b: _Bench, fut, local: Path, dest: str) -> float:
         except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
             done["error"] = exc
 
-    th = threading.Thread(target=finish)
+    th = threading.Thread(target=finish, daemon=True)
     th.start()
-    th.join()
-    if "error" in done:
-        raise done["error"]
-    return done["t"]
+
+    def join() -> float:
+        th.join()
+        if "error" in done:
+            raise done["error"]
+        return done["t"]
+
+    return join
 
 
-def m_dcp_async(b: _Bench, i: int) -> None:
-    stager = _dcp_stager(b)
-    dest, local = b.dcp_dirs(f"dcp-async-{i}")
-    t0 = b.start()
+def _dcp_async_staged(b: _Bench, stager, local: Path):
+    """Start DCP's ``async_save`` of the rank's state into ``local`` and return once it is
+    staged (the state may be mutated only then): the future of its write."""
     resp = dcp.async_save(
         b.dcp_sd(),
         storage_writer=FileSystemWriter(local, sync_files=False),
@@ -566,12 +570,19 @@ def m_dcp_async(b: _Bench, i: int) -> None:
         async_stager=stager,
         process_group=b.async_group,
     )
-    fut = getattr(resp, "upload_completion", resp)
     staged = getattr(resp, "staging_completion", None)
     if staged is not None:
-        staged.result()  # the state may be mutated only after staging completed
+        staged.result()
+    return getattr(resp, "upload_completion", resp)
+
+
+def m_dcp_async(b: _Bench, i: int) -> None:
+    stager = _dcp_stager(b)
+    dest, local = b.dcp_dirs(f"dcp-async-{i}")
+    t0 = b.start()
+    fut = _dcp_async_staged(b, stager, local)
     blocked = time.perf_counter() - t0
-    durable_at = _durable_at(b, fut, local, dest)
+    durable_at = _finish_in_background(b, fut, local, dest)()
     b.record("dcp_async", b.allmax(blocked), b.allmax(durable_at - t0))
     b.rm_dcp(dest, local)
 
@@ -712,40 +723,18 @@ def burst_dcp_async(b: _Bench, n: int, gap_s: float) -> None:
         dests.append((dest, local))
         t0 = b.start()
         if prev is not None:
-            prev.join()
-        resp = dcp.async_save(
-            b.dcp_sd(),
-            storage_writer=FileSystemWriter(local, sync_files=False),
-            async_checkpointer_type=AsyncCheckpointerType.THREAD,
-            async_stager=stager,
-            process_group=b.async_group,
-        )
-        staged = getattr(resp, "staging_completion", None)
-        if staged is not None:
-            staged.result()
+            prev()
+        fut = _dcp_async_staged(b, stager, local)
         blocked.append(b.allmax(time.perf_counter() - t0))
-        prev = _finish_in_background(b, getattr(resp, "upload_completion", resp), local, dest)
+        prev = _finish_in_background(b, fut, local, dest)
         if k < n - 1:
             _between_saves(b, gap_s)
-    prev.join()
+    prev()
     r = b.results.setdefault("burst_dcp_async", {"blocked": [], "durable": []})
     r["blocked"] += blocked
     r["durable"].append(b.allmax(time.perf_counter() - t_first))
     for dest, local in dests:
         b.rm_dcp(dest, local)
-
-
-def _finish_in_background(b: _Bench, fut, local: Path, dest: str) -> threading.Thread:
-    """A thread that waits for DCP's write and then uploads the rank's files (S3)."""
-
-    def finish() -> None:
-        fut.result()
-        if b.s3:
-            _upload_rank_files(b.fs, local, dest, b.rank)
-
-    th = threading.Thread(target=finish, daemon=True)
-    th.start()
-    return th
 
 
 def burst_rt_async(b: _Bench, n: int, gap_s: float) -> None:
