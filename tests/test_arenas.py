@@ -211,3 +211,21 @@ def test_a_checkpointer_that_only_restores_leaves_another_ones_arenas_alone(tmp_
         trainer.save(2, trainer_state)
         trainer.wait()
         assert trainer.stats.committed == [1, 2]
+
+
+def test_a_dead_workers_claim_files_are_swept_only_once_no_uploader_can_still_look(tmp_path):
+    # An uploader whose lane still holds a job the dead worker superseded must find its
+    # claim, or it would read an arena that holds a newer snapshot: young claims stay.
+    from ray_goodput.checkpoint.save._arena import _CLAIM_SWEEP_AGE_S, claim, claim_path, sweep_dead
+    from tests._helpers import dead_pid
+
+    dead = tmp_path / f"rank-00000-{dead_pid()}-0-0.arena"
+    alive = tmp_path / f"rank-00000-{os.getpid()}-0-0.arena"
+    old, young, mine = claim_path(dead, "old"), claim_path(dead, "young"), claim_path(alive, "old")
+    for arena, key in ((dead, "old"), (dead, "young"), (alive, "old")):
+        assert claim(arena, key)
+    past = os.stat(old).st_mtime - _CLAIM_SWEEP_AGE_S - 60
+    os.utime(old, (past, past))
+    os.utime(mine, (past, past))
+    sweep_dead(tmp_path)
+    assert not old.exists() and young.exists() and mine.exists()

@@ -35,8 +35,9 @@ logger = logging.getLogger(__name__)
 _ALIGN = 64
 _PAGE = 4096
 _SHM = Path("/dev/shm")
-_NAME_RE = re.compile(r"^rank-\d+-(\d+)(?:-\d+)?(?:-[0-9a-f]+)?\.arena$")
-_CLAIM_RE = re.compile(r"^rank-\d+-(\d+)(?:-\d+)?(?:-[0-9a-f]+)?\.arena\.[0-9a-f]+\.claim$")
+_ARENA_NAME = r"^rank-\d+-(\d+)(?:-\d+)?(?:-[0-9a-f]+)?\.arena"  # group 1: the worker's pid
+_NAME_RE = re.compile(_ARENA_NAME + "$")
+_CLAIM_RE = re.compile(_ARENA_NAME + r"\.[0-9a-f]+\.claim$")
 #: A dead worker's claim files older than this are swept: an uploader has looked at its
 #: claim long before (a job waits at most for the running one's deadline).
 _CLAIM_SWEEP_AGE_S = 24 * 3600.0
