@@ -3,8 +3,10 @@ staging disk that is full: retried and committed, or failed loudly while trainin
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -14,7 +16,9 @@ import torch
 
 from ray_goodput import Checkpointer, CheckpointError, list_checkpoints, storage
 from ray_goodput.checkpoint.protocol import _catalog
+from ray_goodput.checkpoint.save._arena import open_slots
 from ray_goodput.checkpoint.uploader import _shard_job
+from ray_goodput.checkpoint.uploader._thread_backend import ThreadBackend
 from ray_goodput.cli import main
 from ray_goodput.storage import RetryPolicy
 from ray_goodput.testing import FlakyProxy
@@ -161,3 +165,43 @@ def test_a_staging_write_that_fails_while_its_upload_follows_it_leaves_no_object
     left = [i.path for i in step2.fs.get_file_info(pafs.FileSelector(step2.root, allow_not_found=True, recursive=True))]
     assert not [p for p in left if p.endswith(".distcp")], left
     assert [i.step for i in list_checkpoints(root) if i.committed] == [1, 3]
+
+
+class _Recording(ThreadBackend):
+    """The thread uploader, recording each job with a copy of its snapshot's tensors."""
+
+    def __init__(self) -> None:
+        super().__init__(concurrency=1, policy=RetryPolicy())
+        self.jobs: list[tuple[_shard_job.ShardJob, dict[str, torch.Tensor]]] = []
+
+    def submit(self, job):
+        tensors = open_slots(job.arena_path, list(job.slots)) if job.slots else {}
+        self.jobs.append((job, {k: v.clone() for k, v in tensors.items()}))
+        return super().submit(job)
+
+
+def test_a_rank_that_finds_staging_full_leaves_its_node_peers_staged_shard_alone(tiny_disk, tmp_path):
+    """The ranks of a node stage one step into one directory. A rank whose write ran out of
+    room cleared the whole directory before going to memory, so the shard of a peer, staged
+    or being staged there, vanished under it (the fault soak at world 2: the peer's save
+    failed with FileNotFoundError, and the run with it)."""
+    recording = _Recording()
+    with Checkpointer(str(tmp_path / "root"), staging_dir=str(tmp_path / "s"), uploader="thread") as ckpt:
+        ckpt._uploader = recording
+        for step, state in ((1, SMALL), (2, BIG)):
+            ckpt.save(step, state)
+            ckpt.wait()
+    (small, small_tensors), (big, big_tensors) = recording.jobs
+    step_dir = tiny_disk / "run" / "step-000000001"
+    peer = dataclasses.replace(small, rank=1, local_dir=str(step_dir))
+    names = _shard_job.write_local(peer, small_tensors)  # the peer's shard fits
+    mine = dataclasses.replace(big, rank=0, step=1, local_dir=str(step_dir))
+    with pytest.raises(_shard_job.StagingFullError) as full:
+        _shard_job.write_local(mine, big_tensors)
+    moved, mine_names = _shard_job._write_in_memory(mine, big_tensors, {}, full.value)
+    try:
+        assert all((step_dir / n).is_file() for n in names), sorted(p.name for p in step_dir.rglob("*"))
+        assert all((Path(moved.local_dir) / n).is_file() for n in mine_names)
+        assert not [p for p in step_dir.rglob("*") if p.name.startswith(".part-0-")]  # its cut-short write is gone
+    finally:
+        shutil.rmtree(Path(moved.local_dir).parent, ignore_errors=True)

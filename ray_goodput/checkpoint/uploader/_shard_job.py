@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from ray_goodput._faults import fault_point
 from ray_goodput.checkpoint.protocol import _catalog, _layout, _lineage, _retention
 from ray_goodput.checkpoint.protocol._commit import COMMITTED, OUTRANKED, CommitProtocol
-from ray_goodput.checkpoint.protocol._dcp_parts import data_file, write_part, writing_path
+from ray_goodput.checkpoint.protocol._dcp_parts import data_file, part_file, write_part, writing_path
 from ray_goodput.checkpoint.protocol._shard_plan import Leaf
 from ray_goodput.checkpoint.save._arena import TensorSlot, open_slots
 from ray_goodput.checkpoint.save._save_state import SaveRecord, SaveState
@@ -212,6 +212,19 @@ def write_local(
     return [*names, _layout.extras_file(job.rank, job.save_id)]
 
 
+def _drop_own_files(job: ShardJob) -> None:
+    """Delete what this rank wrote of ``job`` into its staging dir, and nothing else: the
+    ranks of a node stage the same step into the same directory."""
+    out = Path(job.local_dir)
+    shutil.rmtree(writing_path(out, job.rank, job.save_id).parent, ignore_errors=True)
+    for name in (
+        data_file(job.rank, job.save_id),
+        part_file(job.rank, job.save_id),
+        _layout.extras_file(job.rank, job.save_id),
+    ):
+        (out / name).unlink(missing_ok=True)
+
+
 def _write_in_memory(
     job: ShardJob, tensors: dict[str, Any], written: dict[str, Written], full: StagingFullError
 ) -> tuple[ShardJob, list[str]]:
@@ -220,7 +233,7 @@ def _write_in_memory(
     bytes, when memory has no room either. Returns the job with its new ``local_dir`` and
     the names written."""
     staged = Path(job.local_dir)
-    shutil.rmtree(staged, ignore_errors=True)  # the cut-short write: give its room back
+    _drop_own_files(job)  # the cut-short write: give its room back (the dir is its node peers' too)
     need = job.staged_bytes
     free = shutil.disk_usage(MEMORY_DIR).free if MEMORY_DIR.is_dir() else 0
     if free < need * _MEMORY_MARGIN:
