@@ -1,26 +1,34 @@
 """Randomized fault soak: do committed checkpoints survive any timing of failures?
 
 Each trial is one short training job on real processes (``ray_goodput.testing.run_world``:
-gloo, no Ray): a tiny MLP with AdamW, a ``ray_goodput.data`` FileDataset of 16 one-file
-samples read by the library's DataLoader (4 samples per global step whatever the world
-size, 8 steps = 2 epochs), ``Checkpointer(uploader="thread")``. Run 1 gets a fault; resume
+gloo; Ray only for the uploader actor): a tiny MLP with AdamW, a ``ray_goodput.data``
+FileDataset of 16 one-file samples read by the library's DataLoader (4 samples per global
+step whatever the world size, 8 steps = 2 epochs), a ``Checkpointer`` (the in-process
+thread uploader, or the node's uploader actor for the production-path kinds). Run 1 gets a fault; resume
 runs follow until the schedule completes. Gradients are summed per sample in global sample
 order, so the weights do not depend on the world size: a run that resumed at another world
 size must still match a failure-free run bit for bit.
 
-Fault kinds (one per trial, rotated in a seeded order so any ``--trials`` >= 15 runs each):
+Fault kinds (one per trial, rotated in a seeded order so any ``--trials`` >= 18 runs each):
 ``kill_step`` (SIGKILL of one rank at a random step: mid-step, before/after ``save``, after
 ``wait``); ``kill_random_time`` (a timer kills a rank 0-0.1 s after a save returned, while
 its snapshot is written/uploaded/committed: the thread uploader dies with its worker);
 ``hook:<phase>`` (the library's named fault points, ``RAY_GOODPUT_FAULT=<phase>:1``, armed in
-the chosen rank right before a chosen save); ``uploader_kill_ray`` (the only Ray trials: the
+the chosen rank right before a chosen save); ``uploader_kill_ray`` (the
 node's CheckpointUploader actor is killed 0-0.1 s after a save); ``flaky_storage`` (moto's S3
 server behind ``FlakyProxy`` failing 5-20 % of requests, plus a kill); ``damage_truncate`` /
 ``damage_bitflip`` (a file of the newest committed checkpoint is cut in half or has one bit
 flipped between runs); ``late_commit`` (the newest committed checkpoint is turned back into
 an orphan whose ranks are all durable and hidden; in the middle of the resumed run its files
 come back and it is committed, as a dead attempt's uploader would); ``world_change`` (2->1
-or 1->2 on resume); ``fast_saves`` (a save every step, never waiting). Every trial also draws
+or 1->2 on resume); ``fast_saves`` (a save every step, never waiting). Four kinds run the
+production path, the node's ``CheckpointUploader`` actor over its socket channel at world
+>= 2 (the others run ``uploader="thread"``): ``uploader_kill_ray``; ``worker_kill_actor`` (a
+timer kills a rank 0-0.1 s after a save, while the actor uploads its shard to S3 at 50 ms a
+request); ``storage_outage`` (after a drawn step rank 0 has the soak take S3 down, every
+connection reset, for ``--outage-s`` 1-20 s; the saves after it meet the outage); and
+``staging_full`` (the staging dir is a tmpfs filled to its last byte, so each shard goes to
+storage from memory; mounting it needs root). Every trial also draws
 ``keep_last`` in {1, 2, 3}, a world-size schedule, a save cadence (every 2 steps; every 2
 steps + ``wait``; every step), local or S3 storage (S3: 0-20 % failed requests), whether the
 resumed run is on the same node (staging dir kept) and ``verify_checksums``.
@@ -39,12 +47,14 @@ Invariants, checked after every run and at the end of each trial:
   and every step's state and samples equal that run's; each sample is seen exactly once
   per epoch;
 - a run with no injected fault never fails, ranks never disagree (one raises, another does
-  not), and every run ends within ``--run-timeout`` (no hang).
+  not), and every run ends within ``--run-timeout`` (no hang);
+- a run with a storage outage shorter than the recovery-point bound (the default, at least
+  600 s) or a full staging disk completes, its last step committed.
 
 The checks themselves (what storage holds, and each invariant) are library test code, the
 soak's oracle: ``ray_goodput.testing`` (``scan_storage``, ``check_*``, ``judge_run``).
 
-    python benchmarks/chaos_soak.py --trials 200 --seed 0 --world 1
+    python benchmarks/chaos_soak.py --trials 200 --seed 0 --world 2
     python benchmarks/chaos_soak.py --seed 0 --only 17 --keep     # re-run trial 17, keep its files
     python benchmarks/chaos_soak.py --seed 0 --trials 30 --draw-only   # the trials, as JSON lines
 
@@ -57,6 +67,7 @@ any violation. Trial ``i`` of ``--seed S`` is the same trial whatever ``--trials
 from __future__ import annotations
 
 import argparse
+import errno
 import hashlib
 import json
 import os
@@ -115,7 +126,13 @@ KINDS = (
     "late_commit",
     "world_change",
     "fast_saves",
+    "worker_kill_actor",
+    "storage_outage",
+    "staging_full",
 )
+# The production path: the node's CheckpointUploader actor over its socket channel, at
+# world >= 2 (every other kind runs the in-process thread uploader).
+ACTOR_KINDS = ("uploader_kill_ray", "worker_kill_actor", "storage_outage", "staging_full")
 MAX_RUNS = 4
 STEP_S = 0.03
 STASH = "chaos-stash"
@@ -140,7 +157,7 @@ class RunSpec:
     verify: bool
     backend: str  # "thread" | "actor"
     ray_address: str | None = None
-    fault: dict | None = None
+    fault: dict | None = None  # run 1's (or run 2's) injected fault
     late: dict | None = None
     peer_kill_delay: float = 0.1
     grace_s: float = 15.0
@@ -312,6 +329,23 @@ def _fault(spec: RunSpec, rank: int, step: int, phase: str, ckpt: Any) -> None:
         _arm_hook(f["hook"])
     elif kind == "ray_kill" and phase == "after_save" and rank == 0:
         _kill_uploaders(spec, rank, f["delay"])
+    elif kind == "outage" and phase == "after_step" and mine:
+        _start_outage(spec, rank, f["seconds"])
+
+
+OUTAGE_ACK_S = 30.0
+
+
+def _start_outage(spec: RunSpec, rank: int, seconds: float) -> None:
+    """Ask the soak (which owns the S3 proxy) to take storage down for ``seconds``, and go
+    on once it is down: the saves that follow are made during the outage."""
+    _mark(spec, rank, "outage", str(seconds))
+    ack = _runs_dir(spec) / f"a{spec.attempt}.outage_on"
+    deadline = time.monotonic() + OUTAGE_ACK_S
+    while not ack.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the soak did not start the storage outage ({ack}) within {OUTAGE_ACK_S} s")
+        time.sleep(0.01)
 
 
 def _late_commit(spec: RunSpec, rank: int, step: int, restored: int | None) -> None:
@@ -534,10 +568,17 @@ class Trial:
     peer_kill_delay: float
     extra: dict
     resume_fault: dict | None = None  # run 2's
+    uploader: str = "thread"  # "actor": the node's CheckpointUploader actor (ACTOR_KINDS)
 
     def tags(self) -> list[str]:
         w0, w1 = self.schedule
-        tags = [self.kind, f"keep_last={self.keep_last}", f"cadence={self.cadence}", f"storage={self.storage}"]
+        tags = [
+            self.kind,
+            f"keep_last={self.keep_last}",
+            f"cadence={self.cadence}",
+            f"storage={self.storage}",
+            f"uploader={self.uploader}",
+        ]
         if w0 != w1:
             tags.append(f"world {w0}->{w1}")
         if self.flaky_rate > 0:
@@ -563,17 +604,21 @@ def draw_trial(seed: int, index: int, args: argparse.Namespace) -> Trial:
     rng = random.Random(trial_seed)
     same, changes = _schedules(args.world)
     schedule = rng.choice(changes) if kind == "world_change" or rng.random() < 0.4 else same
+    if kind in ACTOR_KINDS:
+        schedule = (max(2, args.world),) * 2  # the production path runs at world >= 2
+    mixed_s3 = args.storage == "mixed" and rng.random() < args.s3_share
     storage = (
         "s3"
-        if kind == "flaky_storage"
-        or (args.storage == "s3" and kind != "uploader_kill_ray")
-        or (args.storage == "mixed" and rng.random() < args.s3_share and kind != "uploader_kill_ray")
+        if kind in ("flaky_storage", "storage_outage", "worker_kill_actor")
+        or (kind != "uploader_kill_ray" and (args.storage == "s3" or mixed_s3))
         else "local"
     )
     flaky = rng.uniform(0.05, 0.2) if kind == "flaky_storage" else (rng.uniform(0.0, 0.2) if storage == "s3" else 0.0)
+    if kind in ("storage_outage", "staging_full"):
+        flaky = 0.0  # the one fault is the outage / the full disk: the run must complete
     cadence = "burst" if kind == "fast_saves" else rng.choice(["async", "async", "sync", "burst"])
     keep_last = rng.choice([1, 2, 3])
-    fault = _draw_fault(kind, rng, args.steps, schedule[0])
+    fault = _draw_fault(kind, rng, args.steps, schedule[0], tuple(args.outage_s))
     resume_fault = None
     if kind == "hook:retention":
         # Its point lies between two deletions of one retention pass: run 1 keeps 3
@@ -593,7 +638,9 @@ def draw_trial(seed: int, index: int, args: argparse.Namespace) -> Trial:
         kind=kind,
         storage=storage,
         flaky_rate=round(flaky, 3),
-        latency_s=0.02 if storage == "s3" and cadence == "burst" else 0.0,
+        # A worker killed mid-upload: 50 ms a request makes each upload outlast the
+        # 0-0.1 s between the save's return and the kill.
+        latency_s=0.05 if kind == "worker_kill_actor" else 0.02 if storage == "s3" and cadence == "burst" else 0.0,
         keep_last=keep_last,
         schedule=schedule,
         cadence=cadence,
@@ -603,16 +650,26 @@ def draw_trial(seed: int, index: int, args: argparse.Namespace) -> Trial:
         peer_kill_delay=round(rng.uniform(0.0, 0.3), 3),
         extra={"frac": rng.random(), "drop_metadata": rng.random() < 0.5, "damage_seed": rng.randrange(1 << 30)},
         resume_fault=resume_fault,
+        uploader="actor" if kind in ACTOR_KINDS else "thread",
     )
 
 
-def _draw_fault(kind: str, rng: random.Random, steps: int, world: int) -> dict:
+def _draw_fault(kind: str, rng: random.Random, steps: int, world: int, outage_s: tuple[float, float]) -> dict:
     rank = rng.randrange(world)
     where = rng.choice(["after_step", "before_save", "after_save", "after_wait"])
     if kind.startswith("hook:"):
         return {"type": "hook", "hook": kind[5:], "rank": rank, "step": rng.randint(1, steps - 1)}
+    if kind == "storage_outage":  # rank 0 asks for it after a step; the saves after it meet it
+        return {
+            "type": "outage",
+            "rank": 0,
+            "step": rng.randint(1, steps - 2),
+            "seconds": round(rng.uniform(*outage_s), 2),
+        }
+    if kind == "staging_full":  # the staging dir is a full tmpfs from the start
+        return {"type": "staging_full", "rank": 0, "step": 0}
     # Timers start early enough (3+ steps of STEP_S left, then close) to always fire.
-    if kind in ("kill_random_time", "fast_saves"):
+    if kind in ("kill_random_time", "fast_saves", "worker_kill_actor"):
         return {
             "type": "timer",
             "rank": rank,
@@ -763,21 +820,75 @@ class _TrialStorage:
     direct: str  # what the harness reads and damages
     workers: str  # what the ranks use (through the faulty proxy on S3)
     proxy: Any = None
+    full_staging: Path | None = None  # staging_full: a tmpfs with no room left
 
 
 def _storage(soak: Soak, trial: Trial, root: Path) -> _TrialStorage:
+    full = _full_tmpfs(root / "staging-full") if trial.kind == "staging_full" else None
     if trial.storage == "local":
-        return _TrialStorage(str(root / "store"), str(root / "store"))
+        return _TrialStorage(str(root / "store"), str(root / "store"), full_staging=full)
     from ray_goodput.testing import FlakyProxy
 
     bucket, endpoint = soak.s3_bucket()
     proxy = FlakyProxy(endpoint, trial.flaky_rate, seed=trial.seed, latency_s=trial.latency_s)
     uri = "s3://{}/run?endpoint_override={}&scheme=http"
-    return _TrialStorage(uri.format(bucket, endpoint), uri.format(bucket, proxy.endpoint), proxy)
+    return _TrialStorage(uri.format(bucket, endpoint), uri.format(bucket, proxy.endpoint), proxy, full)
+
+
+FULL_TMPFS = "64k"
+
+
+def _full_tmpfs(path: Path) -> Path:
+    """A tmpfs of ``FULL_TMPFS`` at ``path``, filled to its last byte: a staging disk that
+    has no room for any shard (mounting needs root, as the storage-fault tests do)."""
+    path.mkdir(parents=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={FULL_TMPFS}", "tmpfs", str(path)], check=True, timeout=30)
+    try:
+        fd = os.open(path / "filler", os.O_WRONLY | os.O_CREAT, 0o644)
+        try:
+            while os.write(fd, b"\0" * 4096):
+                pass
+        except OSError as exc:  # ENOSPC: full
+            if exc.errno != errno.ENOSPC:
+                raise
+        finally:
+            os.close(fd)
+    except BaseException:
+        _unmount(path)
+        raise
+    return path
+
+
+def _unmount(path: Path) -> None:
+    subprocess.run(["umount", "-l", str(path)], check=False, timeout=30)
+
+
+RAY_LOGS = Path(tempfile.gettempdir()) / "ray" / "session_latest" / "logs"  # the soak's own Ray
+
+
+def _warned_full(staging: Path | None) -> bool:
+    """Whether an uploader actor logged that ``staging`` was full (its warning names the
+    dir) -- the sign that the shard went to storage from memory."""
+    needle = f"staging dir {staging}/".encode()
+    return staging is not None and any(needle in f.read_bytes() for f in RAY_LOGS.glob("worker-*") if f.is_file())
+
+
+def _outage_when_asked(root: Path, attempt: int, proxy: Any, stop: threading.Event, info: dict) -> None:
+    """storage_outage: when rank 0 asks (its ``outage`` mark), take the proxy down for the
+    seconds asked and tell the rank (``a<attempt>.outage_on``)."""
+    ask = root / "runs" / f"a{attempt}-r0.outage"
+    while not stop.wait(0.01):
+        if ask.exists() and ask.read_text():
+            seconds = float(ask.read_text())
+            proxy.outage(seconds)
+            _mark_file(root / "runs" / f"a{attempt}.outage_on", str(seconds))
+            info["outage_s"] = seconds
+            return
 
 
 def _spec(soak: Soak, trial: Trial, root: Path, store: _TrialStorage, attempt: int, late: dict | None) -> RunSpec:
-    ray_trial = trial.fault["type"] == "ray_kill"
+    ray_trial = trial.uploader == "actor"
+    staging = root / ("staging" if trial.same_node else f"staging-a{attempt}")
     return RunSpec(
         trial_dir=str(root),
         uri=store.workers,
@@ -787,7 +898,7 @@ def _spec(soak: Soak, trial: Trial, root: Path, store: _TrialStorage, attempt: i
         stop_at=soak.args.steps,
         cadence=trial.cadence,
         keep_last=(_fault_of(trial, attempt) or {}).get("keep_last", trial.keep_last),
-        staging=str(root / ("staging" if trial.same_node else f"staging-a{attempt}")),
+        staging=str(store.full_staging or staging),
         verify=trial.verify,
         backend="actor" if ray_trial else "thread",
         ray_address=soak.ray_address() if ray_trial else None,
@@ -846,8 +957,10 @@ def _fired(trial: Trial, root: Path, result: dict, store: _TrialStorage) -> bool
     runs, kind = root / "runs", trial.fault["type"]
     if trial.kind in ("damage_truncate", "damage_bitflip", "late_commit"):
         return "step" in result["info"].get("applied", "no ")[:5]
-    if trial.kind == "flaky_storage":
+    if trial.kind in ("flaky_storage", "storage_outage"):
         return store.proxy is not None and store.proxy.counts["failed"] > 0
+    if trial.kind == "staging_full":  # the uploader found it full and uploaded from memory
+        return _warned_full(store.full_staging)
     if trial.kind == "world_change":
         return len(result["runs"]) > 1
     if kind == "ray_kill":
@@ -906,6 +1019,8 @@ def run_trial(soak: Soak, trial: Trial) -> dict:
         if store is not None and store.proxy is not None:
             result["info"]["requests"] = dict(store.proxy.counts)
             store.proxy.close()
+        if store is not None and store.full_staging is not None:
+            _unmount(store.full_staging)
     result["wall_s"] = round(time.monotonic() - t0, 2)
     if result["violations"] or soak.args.keep:
         result["dir"] = str(root)
@@ -920,10 +1035,16 @@ def _run_attempts(soak: Soak, trial: Trial, root: Path, store: _TrialStorage, re
     for attempt in range(MAX_RUNS):
         world = trial.schedule[0 if attempt == 0 else 1]
         worlds[attempt] = world
-        began = time.monotonic()
-        problem = _launch(_spec(soak, trial, root, store, attempt, late), world, soak.args.run_timeout)
+        began, stop = time.monotonic(), threading.Event()
+        if (_fault_of(trial, attempt) or {}).get("type") == "outage":
+            args = (root, attempt, store.proxy, stop, result["info"])
+            threading.Thread(target=_outage_when_asked, args=args, daemon=True).start()
+        try:
+            problem = _launch(_spec(soak, trial, root, store, attempt, late), world, soak.args.run_timeout)
+        finally:
+            stop.set()
         run_s = round(time.monotonic() - began, 2)
-        if trial.fault["type"] == "ray_kill" and not _wait_uploaders_idle():
+        if trial.uploader == "actor" and not _wait_uploaders_idle():
             violations.append("hang: the node uploader stayed busy for 60 s after the run")
         post = scan_storage(store.direct)
         outcome = read_outcome(root, attempt, world)
@@ -942,6 +1063,13 @@ def _run_attempts(soak: Soak, trial: Trial, root: Path, store: _TrialStorage, re
             known_bad |= {s for s in pre.having("damaged") if pre.order.get(s, (-1, s)) > pick}
         found += check_kept(pre, post, (_fault_of(trial, attempt) or {}).get("keep_last", trial.keep_last), known_bad)
         found += check_no_rot(post, {result["info"].get("damaged_step")})
+        if trial.kind in ("storage_outage", "staging_full") and attempt == 0 and status != "completed":
+            # Neither is a reason to stop: an outage shorter than the recovery-point bound
+            # (600 s by default) is retried through; a full staging disk uploads from memory.
+            what = (
+                f"an outage of {result['info'].get('outage_s')} s" if trial.kind == "storage_outage" else "full staging"
+            )
+            found.append(f"{trial.kind}_ended_run: {what} ended the run ({status}); it must complete")
         violations += [f"run {attempt + 1}: {v}" for v in found]
         done = root / "runs" / f"a{attempt}-r0.done"
         result["runs"].append(
@@ -1051,6 +1179,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--run-timeout", type=float, default=120.0, help="seconds per run (no hang)")
     p.add_argument("--grace", type=float, default=15.0, help="seconds a rank gets to raise after a peer raised")
+    p.add_argument(
+        "--outage-s",
+        type=float,
+        nargs=2,
+        default=(1.0, 20.0),
+        metavar=("LOW", "HIGH"),
+        help="storage_outage trials: the outage lasts LOW-HIGH seconds (drawn)",
+    )
     p.add_argument("--only", type=int, nargs="*", help="run only these trial indices")
     p.add_argument("--kinds", nargs="*", choices=KINDS, help="run only trials of these kinds")
     p.add_argument(

@@ -32,7 +32,7 @@ from tests.conftest import kill_tree
 ROOT = Path(__file__).resolve().parents[1]
 SOAK = "benchmarks/chaos_soak.py"
 SOAK_TIMEOUT_S = 540  # under the 600 s pytest-timeout: the test reports, not the plugin
-KINDS = 15  # the soak's fault kinds (its --kinds choices): one rotation of the trials
+KINDS = 18  # the soak's fault kinds (its --kinds choices): one rotation of the trials
 DATA = {"n_samples": 16, "global_batch": 4}  # the soak's dataset: 16 samples, 4 per step
 REF = ReferenceRun(
     schedule=(1, 1),
@@ -209,11 +209,22 @@ def test_trials_are_reproducible_and_one_rotation_draws_every_kind():
     assert _drawn("--seed", "4", "--only", "7") != [first[7]]
 
 
+def test_the_production_path_kinds_run_through_the_uploader_actor_at_world_two():
+    # Drawn at --world 1 (the CI soak's), they still run two ranks on the node's actor.
+    drawn = _drawn("--seed", "5", "--trials", str(KINDS), "--world", "1", "--outage-s", "1", "4")
+    by_kind = {t["kind"]: t for t in drawn}
+    for kind in ("uploader_kill_ray", "worker_kill_actor", "storage_outage", "staging_full"):
+        assert by_kind[kind]["uploader"] == "actor" and by_kind[kind]["schedule"] == [2, 2], by_kind[kind]
+    outage = by_kind["storage_outage"]
+    assert outage["storage"] == "s3" and outage["flaky_rate"] == 0.0 and 1 <= outage["fault"]["seconds"] <= 4
+    assert {t["uploader"] for t in drawn if t["kind"].startswith("hook:")} == {"thread"}
+
+
 def _start_ci_soak(directory: Path) -> subprocess.Popen:
-    """20 trials, the issue's CI size: one rotation of the kinds (the first 15, each kind
-    once) and 5 more; world size 1 (2 on the world-change draws), local storage except the
-    S3 ones. About 50 s on 2 idle cores (ranks fork from a preloaded server), half of it
-    with one core idle: it starts when collection ends and runs beside the quick tests."""
+    """20 trials, the issue's CI size: one rotation of the kinds (the first 18, each kind
+    once) and 2 more; world size 1 (2 on the world-change draws and on the production-path
+    kinds, through the uploader actor), local storage except the S3 ones, outages of 1-4 s.
+    It starts when collection ends and runs beside the quick tests."""
     with open(directory / "stdout", "w") as stdout, open(directory / "stderr", "w") as stderr:
         return subprocess.Popen(
             [
@@ -229,6 +240,9 @@ def _start_ci_soak(directory: Path) -> subprocess.Popen:
                 "0.1",
                 "--run-timeout",
                 "90",
+                "--outage-s",
+                "1",
+                "4",
                 "--out",
                 str(directory / "soak.json"),
             ],
