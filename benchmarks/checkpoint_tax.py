@@ -1013,7 +1013,11 @@ def _peer_ranges(b: _Bench, manifest, loc, own: list[str]) -> list[tuple[str, in
     out = []
     for name, ranges in sorted(wanted.items()):
         want = entries[name]
-        for first, last in _block_runs(want, ranges):
+        runs = _block_runs(want, ranges)
+        if runs is None:  # most of the file (a replicated state is all in rank 0's): read whole
+            out.append((name, 0, want.size))
+            continue
+        for first, last in runs:
             start = first * want.block_bytes
             out.append((name, start, min((last + 1) * want.block_bytes, want.size) - start))
     return out
@@ -1434,7 +1438,31 @@ def _burst_table(runs: list[dict], args) -> list[str]:
     return head + rows + [""] + verdicts
 
 
+def _one(value: Any, default: str) -> str:
+    """A results file's shape/trainer: one name (older files), or the first of a list."""
+    if isinstance(value, list):
+        return value[0] if value else default
+    return value or default
+
+
 def render(runs: list[dict], args) -> str:
+    """Every (shape, trainer) of the runs, each with its own tables, in the order run."""
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for run in runs:
+        key = (
+            run.get("shape") or _one(getattr(args, "shape", None), "objects"),
+            run.get("trainer") or _one(getattr(args, "trainer", None), "ray_goodput"),
+        )
+        groups.setdefault(key, []).append(run)
+    parts = [_render_group(group, args, shape, trainer) for (shape, trainer), group in groups.items()]
+    if len(parts) == 1:
+        return parts[0]
+    return "\n\n".join(
+        f"### `{shape}` on {trainer}'s TorchTrainer\n\n{part}" for (shape, trainer), part in zip(groups, parts)
+    )
+
+
+def _render_group(runs: list[dict], args, shape: str, trainer: str) -> str:
     cuda = any("d2h_pinned" in run["results"] for run in runs)
     lines = [
         f"| method | storage | blocked s (median) | durable s (median) | blocked / "
@@ -1449,9 +1477,9 @@ def render(runs: list[dict], args) -> str:
         verdict += _target_verdicts(run, med) + _phase_verdicts(run, med, args.device) + _slowdown_verdicts(run)
     sizes = ", ".join(f"{r['storage']}: {[round(b / 2**20) for b in r['rank_bytes']]} MiB/rank" for r in runs)
     head = [
-        f"State per rank ({sizes}), passed as `{getattr(args, 'shape', 'objects')}`; {args.saves} saves per "
+        f"State per rank ({sizes}), passed as `{shape}`; {args.saves} saves per "
         f"method (median over all saves, the first one included), {runs[0]['world'] if runs else '?'} ranks "
-        f"of {getattr(args, 'trainer', 'ray_goodput')}'s TorchTrainer, device {args.device}."
+        f"of {trainer}'s TorchTrainer, device {args.device}."
     ]
     restore, burst = _restore_table(runs), _burst_table(runs, args)
     return "\n".join(
@@ -1470,12 +1498,19 @@ def _parse_args() -> argparse.Namespace:
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--params", type=float, default=1.0e9, help="CUDA: parameters (bf16 + fp32 master + AdamW)")
     ap.add_argument("--methods", default=None, help=f"comma list of {CPU_METHODS}")
-    ap.add_argument("--shape", choices=SHAPES, default="objects", help="how the state is passed (see above)")
+    ap.add_argument(
+        "--shape",
+        nargs="+",
+        choices=[*SHAPES, "all"],
+        default=["objects"],
+        help="how the state is passed (see above); several, or all: one run each",
+    )
     ap.add_argument(
         "--trainer",
-        choices=["ray_goodput", "ray"],
-        default="ray_goodput",
-        help="run the workers under ray_goodput.TorchTrainer or Ray Train's own TorchTrainer",
+        nargs="+",
+        choices=["ray_goodput", "ray", "both"],
+        default=["ray_goodput"],
+        help="run the workers under ray_goodput.TorchTrainer, Ray Train's own TorchTrainer, or both",
     )
     ap.add_argument("--burst", type=int, default=0, help="saves per burst (saves faster than uploads); 0: none")
     ap.add_argument("--burst-gap-ms", type=float, default=300.0, help="time between two saves of a burst")
@@ -1499,18 +1534,25 @@ def _parse_args() -> argparse.Namespace:
     args = ap.parse_args()
     if args.device == "cuda" and args.params < 1e9:
         ap.error("--device cuda measures a >=1B-parameter model: --params >= 1e9")
-    if args.device == "cuda" and args.shape != "objects":
+    args.shape = SHAPES if "all" in args.shape else list(dict.fromkeys(args.shape))
+    args.trainer = ["ray_goodput", "ray"] if "both" in args.trainer else list(dict.fromkeys(args.trainer))
+    if args.device == "cuda" and args.shape != ["objects"]:
         ap.error("--device cuda measures the model and optimizer objects: --shape objects")
-    default = CPU_METHODS if args.device == "cpu" else CUDA_METHODS
-    if args.shape != "objects":
-        default = [m for m in default if m in ANY_SHAPE_METHODS]
-    args.methods = args.methods.split(",") if args.methods else default
-    unknown = [m for m in args.methods if m not in CPU_METHODS]
+    args.methods = args.methods.split(",") if args.methods else None
+    unknown = [m for m in args.methods or [] if m not in CPU_METHODS]
     if unknown:
         ap.error(f"--methods: unknown {unknown}; choose from {CPU_METHODS}")
-    if args.shape != "objects" and "torch_save" in args.methods:
+    if args.shape != ["objects"] and "torch_save" in (args.methods or []):
         ap.error("--methods torch_save gathers the model and optimizer objects: --shape objects")
     return args
+
+
+def _methods(args: argparse.Namespace, shape: str) -> list[str]:
+    """``--methods``, else every method that takes ``shape`` on ``--device``."""
+    if args.methods:
+        return args.methods
+    default = CPU_METHODS if args.device == "cpu" else CUDA_METHODS
+    return default if shape == "objects" else [m for m in default if m in ANY_SHAPE_METHODS]
 
 
 def _worker_count(device: str) -> int:
@@ -1518,17 +1560,17 @@ def _worker_count(device: str) -> int:
     return max(1, min(2, torch.cuda.device_count())) if device == "cuda" else 2
 
 
-def _worker_cfg(st: str, args: argparse.Namespace, work: Path, endpoint: str | None) -> dict:
+def _worker_cfg(st: str, shape: str, args: argparse.Namespace, work: Path, endpoint: str | None) -> dict:
     return {
         "storage": st,
         "device": args.device,
         "mb_per_rank": args.mb_per_rank,
         "params": args.params,
         "saves": args.saves,
-        "methods": args.methods,
+        "methods": _methods(args, shape),
         "slowdown_rounds": args.slowdown_rounds,
         "step_s": args.step_ms / 1e3,
-        "shape": args.shape,
+        "shape": shape,
         "burst": args.burst,
         "burst_gap_s": args.burst_gap_ms / 1e3,
         "work": str(work / st),
@@ -1542,22 +1584,21 @@ def _run_config(cfg: dict, work: Path):
     from ray.train import FailureConfig, RunConfig
 
     st = cfg["storage"]
+    name = f"tax-{cfg['shape']}-{st}-{uuid.uuid4().hex[:6]}"  # Ray Train's run dir: one per run
     if st != "s3":
-        return RunConfig(
-            name=f"tax-{st}", storage_path=str(work / "ray_local"), failure_config=FailureConfig(max_failures=0)
-        )
+        return RunConfig(name=name, storage_path=str(work / "ray_local"), failure_config=FailureConfig(max_failures=0))
     cfg["bucket"] = f"tax-{uuid.uuid4().hex[:10]}"
     fs = s3fs(cfg["endpoint"])
     fs.create_dir(cfg["bucket"])
     return RunConfig(
-        name=f"tax-{st}",
+        name=name,
         storage_path=f"{cfg['bucket']}/ray",
         storage_filesystem=fs,
         failure_config=FailureConfig(max_failures=0),
     )
 
 
-def _fit(cfg: dict, args: argparse.Namespace, work: Path) -> dict | None:
+def _fit(cfg: dict, args: argparse.Namespace, work: Path, trainer_name: str) -> dict | None:
     """One storage's run on a fresh TorchTrainer; its results, or None if it failed."""
     import ray.train.torch
     from ray.train import ScalingConfig
@@ -1569,8 +1610,8 @@ def _fit(cfg: dict, args: argparse.Namespace, work: Path) -> dict | None:
     # ray_goodput's trainer (Ray's plus callbacks) starts each node's uploader when the
     # worker group starts, as a user of the library gets it; no driver-side Recovery here.
     # Ray Train's own: each worker's Checkpointer starts its node's uploader itself.
-    extra = {"recovery": None} if args.trainer == "ray_goodput" else {}
-    trainer_class = ray_goodput.TorchTrainer if args.trainer == "ray_goodput" else ray.train.torch.TorchTrainer
+    extra = {"recovery": None} if trainer_name == "ray_goodput" else {}
+    trainer_class = ray_goodput.TorchTrainer if trainer_name == "ray_goodput" else ray.train.torch.TorchTrainer
     trainer = trainer_class(
         train_loop,
         train_loop_config=cfg,
@@ -1586,7 +1627,7 @@ def _fit(cfg: dict, args: argparse.Namespace, work: Path) -> dict | None:
         return None
     finally:
         _services.shutdown("uploader")
-    return json.loads(Path(cfg["out"]).read_text())
+    return {**json.loads(Path(cfg["out"]).read_text()), "trainer": trainer_name}
 
 
 def _delete_bucket(endpoint: str, bucket: str) -> None:
@@ -1607,17 +1648,20 @@ def _save(args: argparse.Namespace, meta: dict, runs: list[dict], table: str | N
 
 def _run_all(args: argparse.Namespace, meta: dict, work: Path, endpoint: str | None) -> list[dict]:
     runs = []
-    for st in ["local", "s3"] if args.storage == "both" else [args.storage]:
-        cfg = _worker_cfg(st, args, work, endpoint)
-        t = time.perf_counter()
-        run = _fit(cfg, args, work)
-        if run is None:
-            continue
-        runs.append(run)
-        _save(args, meta, runs)
-        print(f"[{st}] run took {time.perf_counter() - t:.0f} s", flush=True)
-        if st == "s3":
-            _delete_bucket(endpoint, cfg["bucket"])
+    for trainer in args.trainer:
+        for shape in args.shape:
+            for st in ["local", "s3"] if args.storage == "both" else [args.storage]:
+                (work / f"{trainer}-{shape}").mkdir(parents=True, exist_ok=True)
+                cfg = _worker_cfg(st, shape, args, work / f"{trainer}-{shape}", endpoint)
+                t = time.perf_counter()
+                run = _fit(cfg, args, work, trainer)
+                if run is None:
+                    continue
+                runs.append(run)
+                _save(args, meta, runs)
+                print(f"[{trainer} {shape} {st}] run took {time.perf_counter() - t:.0f} s", flush=True)
+                if st == "s3":
+                    _delete_bucket(endpoint, cfg["bucket"])
     return runs
 
 
