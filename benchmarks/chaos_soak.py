@@ -703,6 +703,10 @@ class Soak:
         self.refs: dict[tuple[int, int], ReferenceRun] = {}
         self._moto: Any = None
         self.endpoint: str | None = None
+        # The soak's own Ray temp dir: ``<tmp>/ray/session_latest`` follows whichever Ray
+        # started last on the machine (the test suite starts several beside the CI soak),
+        # so the uploader's logs are looked up here. Short, for Ray's Unix socket paths.
+        self.ray_temp = Path(tempfile.mkdtemp(prefix="rgs-", dir="/tmp"))
 
     def _dataset(self) -> Path:
         data = self.work / "data"
@@ -728,7 +732,14 @@ class Soak:
 
         if not ray.is_initialized():
             # address="local": a Ray of its own, never a cluster someone else started here.
-            ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+            ray.init(
+                address="local",
+                num_cpus=2,
+                include_dashboard=False,
+                log_to_driver=False,
+                configure_logging=False,
+                _temp_dir=str(self.ray_temp),
+            )
         return ray.get_runtime_context().gcs_address
 
     def close(self, keep: bool = False) -> None:
@@ -744,9 +755,10 @@ class Soak:
         if "ray" in sys.modules and sys.modules["ray"].is_initialized():
             sys.modules["ray"].shutdown()
         if keep or self.args.keep:
-            print(f"kept {self.work}", flush=True)
+            print(f"kept {self.work} (Ray's logs: {self.ray_temp})", flush=True)
         else:
             shutil.rmtree(self.work, ignore_errors=True)
+            shutil.rmtree(self.ray_temp, ignore_errors=True)
 
     def reference(self, schedule: tuple[int, int]) -> ReferenceRun:
         if schedule not in self.refs:
@@ -863,14 +875,13 @@ def _unmount(path: Path) -> None:
     subprocess.run(["umount", "-l", str(path)], check=False, timeout=30)
 
 
-RAY_LOGS = Path(tempfile.gettempdir()) / "ray" / "session_latest" / "logs"  # the soak's own Ray
-
-
-def _warned_full(staging: Path | None) -> bool:
-    """Whether an uploader actor logged that ``staging`` was full (its warning names the
-    dir) -- the sign that the shard went to storage from memory."""
+def _warned_full(staging: Path | None, ray_temp: Path) -> bool:
+    """Whether an uploader actor of the soak's Ray (temp dir ``ray_temp``) logged that
+    ``staging`` was full (its warning names the dir) -- the sign that the shard went to
+    storage from memory."""
     needle = f"staging dir {staging}/".encode()
-    return staging is not None and any(needle in f.read_bytes() for f in RAY_LOGS.glob("worker-*") if f.is_file())
+    logs = ray_temp / "session_latest" / "logs"
+    return staging is not None and any(needle in f.read_bytes() for f in logs.glob("worker-*") if f.is_file())
 
 
 def _outage_when_asked(root: Path, attempt: int, proxy: Any, stop: threading.Event, info: dict) -> None:
@@ -952,7 +963,7 @@ def _between_runs(trial: Trial, store: _TrialStorage, pre: StorageScan, info: di
     return scan_storage(store.direct), None
 
 
-def _fired(trial: Trial, root: Path, result: dict, store: _TrialStorage) -> bool:
+def _fired(trial: Trial, root: Path, result: dict, store: _TrialStorage, ray_temp: Path) -> bool:
     """Whether the trial's fault actually happened."""
     runs, kind = root / "runs", trial.fault["type"]
     if trial.kind in ("damage_truncate", "damage_bitflip", "late_commit"):
@@ -960,7 +971,7 @@ def _fired(trial: Trial, root: Path, result: dict, store: _TrialStorage) -> bool
     if trial.kind in ("flaky_storage", "storage_outage"):
         return store.proxy is not None and store.proxy.counts["failed"] > 0
     if trial.kind == "staging_full":  # the uploader found it full and uploaded from memory
-        return _warned_full(store.full_staging)
+        return _warned_full(store.full_staging, ray_temp)
     if trial.kind == "world_change":
         return len(result["runs"]) > 1
     if kind == "ray_kill":
@@ -1089,7 +1100,7 @@ def _run_attempts(soak: Soak, trial: Trial, root: Path, store: _TrialStorage, re
         pre = post
         if attempt == 0:
             pre, late = _between_runs(trial, store, pre, result["info"])
-    result["fired"] = _fired(trial, root, result, store)
+    result["fired"] = _fired(trial, root, result, store, soak.ray_temp)
     if not any(v.split(": ", 2)[1].startswith("hang") for v in violations):
         violations += _final_checks(root, trial, ref, worlds, max(worlds), store, soak.args.steps)
 
