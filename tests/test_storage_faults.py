@@ -4,7 +4,9 @@ staging disk that is full: retried and committed, or failed loudly while trainin
 from __future__ import annotations
 
 import dataclasses
+import errno
 import logging
+import os
 import re
 import shutil
 import subprocess
@@ -17,7 +19,7 @@ import torch
 from ray_goodput import Checkpointer, CheckpointError, list_checkpoints, storage
 from ray_goodput.checkpoint.protocol import _catalog
 from ray_goodput.checkpoint.save._arena import open_slots
-from ray_goodput.checkpoint.uploader import _shard_job
+from ray_goodput.checkpoint.uploader import _direct_upload, _shard_job
 from ray_goodput.checkpoint.uploader._thread_backend import ThreadBackend
 from ray_goodput.cli import main
 from ray_goodput.storage import RetryPolicy
@@ -65,11 +67,35 @@ def tiny_disk(tmp_path):
     subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
+def _fill(mount: Path) -> Path:
+    """Write ``mount`` full, to its last byte."""
+    fd = os.open(mount / "filler", os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        while os.write(fd, b"\0" * 4096):
+            pass
+    except OSError as exc:
+        if exc.errno != errno.ENOSPC:
+            raise
+    finally:
+        os.close(fd)
+    return mount
+
+
 @pytest.fixture
-def tiny_memory(tmp_path, monkeypatch):
-    """Memory (where a shard goes when staging is full) with no room either."""
-    mount = _tmpfs(tmp_path / "tiny-memory", "256k")
-    monkeypatch.setattr(_shard_job, "MEMORY_DIR", mount)
+def small_memory(tmp_path, monkeypatch):
+    """Memory (where a shard's small files go when staging is full) with room for them, not
+    for a copy of a BIG shard."""
+    mount = _tmpfs(tmp_path / "small-memory", "1m")
+    monkeypatch.setattr(_direct_upload, "MEMORY_DIR", mount)
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+@pytest.fixture
+def full_memory(tmp_path, monkeypatch):
+    """Memory with no room for anything: no snapshot's files can be made at all."""
+    mount = _fill(_tmpfs(tmp_path / "full-memory", "256k"))
+    monkeypatch.setattr(_direct_upload, "MEMORY_DIR", mount)
     yield mount
     subprocess.run(["umount", "-l", str(mount)], check=False)
 
@@ -79,12 +105,13 @@ BIG = {"model": torch.nn.Linear(8, 8), "extra": torch.nn.Linear(512, 512)}  # 1 
 
 
 @pytest.mark.parametrize("where", ["local", "s3"])
-def test_a_full_staging_disk_degrades_to_an_upload_from_memory_with_one_warning(
-    where, tiny_disk, tmp_path, s3_server, caplog
+def test_a_full_staging_disk_sends_the_shard_straight_from_its_snapshot_with_one_warning(
+    where, tiny_disk, small_memory, tmp_path, s3_server, caplog
 ):
-    """A full staging disk failed the run; the shard goes to storage from memory instead,
-    without a node-local copy (on S3, after the upload that followed the cut-short write
-    took back what it sent)."""
+    """A full staging disk failed the run; then the shard went to storage through a copy in
+    memory, and failed when memory could not hold that copy either. It goes to storage
+    straight from its snapshot now, without a node-local copy or one in memory (on S3,
+    after the upload that followed the cut-short write took back what it sent)."""
     root = str(tmp_path / "root") if where == "local" else s3_server.bucket_uri("tiny-degrade")
     big = {"model": torch.nn.Linear(8, 8), "extra": torch.nn.Linear(512, 512)}
     with caplog.at_level(logging.WARNING), Checkpointer(root, staging_dir=str(tiny_disk), uploader="thread") as ckpt:
@@ -94,11 +121,11 @@ def test_a_full_staging_disk_degrades_to_an_upload_from_memory_with_one_warning(
             ckpt.save(step, big)
             ckpt.wait()
         assert ckpt.stats.committed == [1, 2, 3] and ckpt.stats.failed_saves == 0
-    warned = [r.getMessage() for r in caplog.records if "uploading from memory" in r.getMessage()]
+    warned = [r.getMessage() for r in caplog.records if "straight from its snapshot" in r.getMessage()]
     assert len(warned) == 1, warned  # once per staging dir
     assert str(tiny_disk) in warned[0] and "bytes free" in warned[0], warned[0]
     assert not list(tiny_disk.rglob("*.distcp")), list(tiny_disk.rglob("*"))  # no node-local copy
-    assert not list((_shard_job.MEMORY_DIR / "ray_goodput-direct").rglob("*.distcp"))  # nor one in memory
+    assert not [p for p in small_memory.rglob("*") if p.is_file()], list(small_memory.rglob("*"))  # nor in memory
     fresh = {"model": torch.nn.Linear(8, 8), "extra": torch.nn.Linear(512, 512)}
     with Checkpointer(root, staging_dir=str(tmp_path / "r"), uploader="thread") as ckpt:
         assert ckpt.restore(fresh) == 3
@@ -107,8 +134,49 @@ def test_a_full_staging_disk_degrades_to_an_upload_from_memory_with_one_warning(
             assert torch.equal(a, b)
 
 
+def test_a_shard_sent_from_its_snapshot_is_written_again_from_it_when_storage_cuts_the_upload_short(
+    tiny_disk, small_memory, tmp_path, s3_server, caplog
+):
+    """With the staging dir full there is no staged file to upload again: an upload of the
+    data file that storage failed is written again from the snapshot, which stays held
+    until the upload ends."""
+    proxy = FlakyProxy(s3_server.endpoint)
+    direct = s3_server.bucket_uri("direct-retry")
+    retry = RetryPolicy(attempts=30, initial_delay=0.05, max_delay=0.2)
+    big = {"model": torch.nn.Linear(8, 8), "extra": torch.nn.Linear(512, 512)}
+    try:
+        with (
+            caplog.at_level(logging.WARNING),
+            Checkpointer(
+                direct.replace(s3_server.endpoint, proxy.endpoint),
+                staging_dir=str(tiny_disk),
+                retry=retry,
+                uploader="thread",
+            ) as ckpt,
+        ):
+            for step in (1, 2, 3):
+                if step == 2:
+                    proxy.outage(1.5)  # longer than the S3 client's own retries
+                ckpt.save(step, big)
+                ckpt.wait()
+            assert ckpt.stats.committed == [1, 2, 3] and ckpt.stats.failed_saves == 0
+    finally:
+        proxy.close()
+    messages = [r.getMessage() for r in caplog.records]
+    resent = [m for m in messages if "from the snapshot" in m and "retry" in m]
+    assert resent, proxy.counts  # the data file's upload failed, and was written again
+    assert main(["verify", direct]) == 0  # what storage holds matches every manifest
+    fresh = {"model": torch.nn.Linear(8, 8), "extra": torch.nn.Linear(512, 512)}
+    with Checkpointer(direct, staging_dir=str(tmp_path / "r"), uploader="thread") as ckpt:
+        assert ckpt.restore(fresh) == 3
+    for name in ("model", "extra"):
+        assert all(
+            torch.equal(a, b) for a, b in zip(big[name].state_dict().values(), fresh[name].state_dict().values())
+        )
+
+
 def test_full_staging_disk_and_memory_fail_that_save_loudly_and_training_goes_on(
-    tiny_disk, tiny_memory, tmp_path, caplog
+    tiny_disk, full_memory, tmp_path, caplog
 ):
     root = str(tmp_path / "root")
     ckpt = Checkpointer(root, staging_dir=str(tiny_disk), uploader="thread")
@@ -118,7 +186,7 @@ def test_full_staging_disk_and_memory_fail_that_save_loudly_and_training_goes_on
         ckpt.save(2, BIG)  # returns: the failure happens in the background
         with pytest.raises(CheckpointError, match="No space left|Errno 28") as err:
             ckpt.wait()  # (waited for before the next save, which would supersede it)
-    assert f"{tiny_memory} has" in str(err.value) and "too few to upload it from memory" in str(err.value)
+    assert f"{full_memory} has" in str(err.value) and "too few for the shard's small files" in str(err.value)
     ckpt.save(3, SMALL)  # training goes on and checkpoints again
     ckpt.wait()
     assert ckpt.stats.failed_saves == 1 and "step 2" in ckpt.stats.last_error
@@ -129,7 +197,7 @@ def test_full_staging_disk_and_memory_fail_that_save_loudly_and_training_goes_on
 
 
 def test_a_full_staging_disk_names_the_bytes_the_shard_needs_also_for_tensors_passed_as_plain_values(
-    tiny_disk, tiny_memory, tmp_path
+    tiny_disk, full_memory, tmp_path
 ):
     """The message said "the shard needs ~0" for 24 MiB of tensors in a plain dict: it
     counted the arena's tensors only, not the pickled plain values."""
@@ -145,7 +213,7 @@ def test_a_full_staging_disk_names_the_bytes_the_shard_needs_also_for_tensors_pa
 
 
 def test_a_staging_write_that_fails_while_its_upload_follows_it_leaves_no_object_in_storage(
-    tiny_disk, tiny_memory, tmp_path, s3_server
+    tiny_disk, full_memory, tmp_path, s3_server
 ):
     """On object storage the data file is uploaded while DCP writes it (``_follow_upload``): a
     write that fails midway (the staging disk filled up, and memory has no room either) must
@@ -198,10 +266,10 @@ def test_a_rank_that_finds_staging_full_leaves_its_node_peers_staged_shard_alone
     mine = dataclasses.replace(big, rank=0, step=1, local_dir=str(step_dir))
     with pytest.raises(_shard_job.StagingFullError) as full:
         _shard_job.write_local(mine, big_tensors)
-    moved, mine_names = _shard_job._write_in_memory(mine, big_tensors, {}, full.value)
+    moved, _ = _direct_upload.prepare(mine, full.value)
     try:
         assert all((step_dir / n).is_file() for n in names), sorted(p.name for p in step_dir.rglob("*"))
-        assert all((Path(moved.local_dir) / n).is_file() for n in mine_names)
         assert not [p for p in step_dir.rglob("*") if p.name.startswith(".part-0-")]  # its cut-short write is gone
+        assert Path(moved.local_dir).parent != step_dir.parent
     finally:
         shutil.rmtree(Path(moved.local_dir).parent, ignore_errors=True)

@@ -7,11 +7,12 @@ import logging
 import os
 import posixpath
 import threading
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import pyarrow.fs as pafs
 
@@ -332,6 +333,34 @@ def write_bytes(loc: StorageLocation, name: str, data: bytes, policy: RetryPolic
         fsync_dir(posixpath.dirname(dest))
 
     policy.call(f"write of {loc.uri}/{name}", _write)
+
+
+@contextmanager
+def open_output(loc: StorageLocation, name: str) -> Iterator[Any]:
+    """A stream to ``<loc>/<name>`` for a writer that makes the bytes as it goes (there is
+    no local file to upload). On a file system it is written aside, fsynced and renamed into
+    place; an object appears when the stream closes. A write that raises leaves nothing
+    under ``name`` (on object storage the partial object is deleted, best effort). Not
+    retried: the caller retries the whole write."""
+    dest = loc.join(name)
+    parent = posixpath.dirname(dest)
+    target = f"{dest}.tmp-{os.getpid()}-{threading.get_ident()}" if loc.is_local else dest
+    if loc.is_local:
+        loc.fs.create_dir(parent, recursive=True)
+    out = loc.fs.open_output_stream(target)
+    try:
+        yield out
+        out.close()
+        if loc.is_local:
+            fsync_file(target)
+            loc.fs.move(target, dest)
+            fsync_dir(parent)
+    except BaseException:
+        with suppress(OSError):
+            out.close()
+        with suppress(OSError):  # not there (nothing was sent), or unreachable: nothing names it
+            loc.fs.delete_file(target)
+        raise
 
 
 def touch(loc: StorageLocation, name: str, policy: RetryPolicy = DEFAULT_POLICY) -> None:

@@ -17,14 +17,15 @@ import os
 import pickle
 import shutil
 import threading
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
@@ -36,7 +37,14 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ray_goodput.checkpoint.protocol._shard_plan import SHARD, Leaf
-from ray_goodput.storage import DEFAULT_ALGORITHM, ChecksummedWrite, Written, upload_block_bytes
+from ray_goodput.storage import (
+    DEFAULT_ALGORITHM,
+    ChecksummedWrite,
+    StorageLocation,
+    Written,
+    open_output,
+    upload_block_bytes,
+)
 
 try:  # torch >= 2.6
     from torch.utils.serialization import config as _serialization_config
@@ -127,15 +135,20 @@ def writing_path(out_dir: Path, rank: int, save_id: str) -> Path:
     return out_dir / f".part-{rank}-{save_id}-{os.getpid()}" / "__0_0.distcp"  # DCP's own name
 
 
-class _SummingFs(FileSystem):
-    """DCP's local file system, with the data file checksummed while DCP writes it (and,
-    with ``writeback``, its write-back to disk started as it goes): see ``storage._written``."""
+class _DataFileFs(FileSystem):
+    """DCP's local file system, with the data file checksummed while DCP writes it into
+    ``open_data()``: the local file (with ``writeback``, its write to disk started as it
+    goes: see ``storage._written``) or a stream straight to storage. The error that ended
+    the data file's write is kept in ``error`` (DCP wraps it), for the caller to classify."""
 
-    def __init__(self, data_path: Path, writeback: bool, size_hint: int) -> None:
+    def __init__(
+        self, data_path: Path, open_data: Callable[[], AbstractContextManager[Any]], writeback: bool, size_hint: int
+    ) -> None:
         super().__init__()
-        self._data_path, self._writeback = data_path, writeback
+        self._data_path, self._open_data, self._writeback = data_path, open_data, writeback
         self._block_bytes = upload_block_bytes(size_hint + (size_hint >> 6))  # + DCP's records
         self.written: Written | None = None
+        self.error: BaseException | None = None
 
     @contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
@@ -143,10 +156,15 @@ class _SummingFs(FileSystem):
             with super().create_stream(path, mode) as stream:
                 yield stream
             return
-        with ChecksummedWrite(
-            open(path, "wb"), DEFAULT_ALGORITHM, self._block_bytes, writeback=self._writeback
-        ) as stream:
-            yield stream
+        try:
+            with (
+                self._open_data() as raw,
+                ChecksummedWrite(raw, DEFAULT_ALGORITHM, self._block_bytes, writeback=self._writeback) as stream,
+            ):
+                yield stream
+        except BaseException as exc:
+            self.error = exc
+            raise
         self.written = stream.result()
 
 
@@ -160,40 +178,52 @@ def write_part(
     *,
     written: dict[str, Written] | None = None,
     writeback: bool = False,
+    direct: StorageLocation | None = None,
 ) -> list[str]:
     """DCP-write ``flat`` (this rank's leaves) into ``out_dir``; returns the file names.
 
     ``mappings`` is DCP's flatten mapping of the rank's whole state dict. ``written``
     receives the data file's size and checksums, computed as it was written (none when
     DCP wrote it out of order); ``writeback`` starts its write to disk as it goes (for a
-    file that storage takes as a hard link, and then fsyncs).
+    file that storage takes as a hard link, and then fsyncs). ``direct``: the data file
+    goes straight to that storage directory instead of ``out_dir`` (only the small files
+    are written there); a failed write there raises its storage error, unwrapped.
     """
     tmp = writing_path(out_dir, rank, save_id).parent
     shutil.rmtree(tmp, ignore_errors=True)
+    data = data_file(rank, save_id)
     try:
         writer = FileSystemWriter(tmp, single_file_per_rank=True, sync_files=False, thread_count=1)
         fs = None
-        if written is not None or writeback:
+        if written is not None or writeback or direct is not None:
             tensor_bytes = sum(v.numel() * v.element_size() for v in flat.values() if isinstance(v, torch.Tensor))
-            writer.fs = fs = _SummingFs(writing_path(out_dir, rank, save_id), writeback, tensor_bytes)
-        with _without_zip_crc32():
-            dcp.save(
-                _small_first(flat),
-                storage_writer=writer,
-                no_dist=True,
-                planner=DefaultSavePlanner(flatten_state_dict=False),
-            )
+            data_path = writing_path(out_dir, rank, save_id)
+            opener = (lambda: open(data_path, "wb")) if direct is None else (lambda: open_output(direct, data))  # noqa: SIM115 - closed by _DataFileFs
+            writer.fs = fs = _DataFileFs(data_path, opener, writeback and direct is None, tensor_bytes)
+        try:
+            with _without_zip_crc32():
+                dcp.save(
+                    _small_first(flat),
+                    storage_writer=writer,
+                    no_dist=True,
+                    planner=DefaultSavePlanner(flatten_state_dict=False),
+                )
+        except CheckpointException:
+            if direct is not None and fs is not None and fs.error is not None:
+                raise fs.error from None  # a storage error, as retries classify it
+            raise
         with open(tmp / ".metadata", "rb") as f:
             meta = pickle.load(f)  # noqa: S301 - written just now by DCP
-        os.replace(writing_path(out_dir, rank, save_id), out_dir / data_file(rank, save_id))
+        if direct is None:
+            os.replace(writing_path(out_dir, rank, save_id), out_dir / data)
         if written is not None and fs is not None and fs.written is not None:
-            written[data_file(rank, save_id)] = fs.written
-        (out_dir / "parts").mkdir(exist_ok=True)
+            written[data] = fs.written
+        (out_dir / "parts").mkdir(parents=True, exist_ok=True)
         with open(out_dir / part_file(rank, save_id), "wb") as f:
             pickle.dump(_globalize(meta, rank, save_id, leaves, mappings), f)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # a failed write must not keep eating the disk
-    return [data_file(rank, save_id), part_file(rank, save_id)]
+    return [data, part_file(rank, save_id)]
 
 
 def merge_parts(parts: list[bytes], step: int) -> tuple[bytes, str]:

@@ -7,7 +7,6 @@ It advances the job's :class:`SaveRecord` (staged, uploaded, committed) as it go
 
 from __future__ import annotations
 
-import dataclasses
 import errno
 import logging
 import os
@@ -24,10 +23,11 @@ from torch.distributed.checkpoint.api import CheckpointException
 from ray_goodput._faults import fault_point
 from ray_goodput.checkpoint.protocol import _catalog, _layout, _lineage, _retention
 from ray_goodput.checkpoint.protocol._commit import COMMITTED, OUTRANKED, CommitProtocol
-from ray_goodput.checkpoint.protocol._dcp_parts import data_file, part_file, write_part, writing_path
+from ray_goodput.checkpoint.protocol._dcp_parts import data_file, write_part, writing_path
 from ray_goodput.checkpoint.protocol._shard_plan import Leaf
 from ray_goodput.checkpoint.save._arena import TensorSlot, open_slots
 from ray_goodput.checkpoint.save._save_state import SaveRecord, SaveState
+from ray_goodput.checkpoint.uploader import _direct_upload
 from ray_goodput.checkpoint.uploader._follow_upload import FollowUpload
 from ray_goodput.errors import CheckpointError, FencedError, StorageError, StorageUnusableError
 from ray_goodput.storage import (
@@ -46,12 +46,6 @@ logger = logging.getLogger(__name__)
 _FOLLOW_END_S = 3600.0
 #: Bound on a follower letting go once the write failed (it deletes what it sent).
 _FOLLOW_STOP_S = 60.0
-#: Where a shard is written when the staging dir has no room for it: memory, so the upload
-#: goes on without a node-local copy (the next restore reads that step from storage).
-MEMORY_DIR = Path("/dev/shm")
-#: Room left free in MEMORY_DIR beside such a shard (the arenas live there too).
-_MEMORY_MARGIN = 1.1
-_warned_full: set[str] = set()  # staging dirs found full, warned about once per process
 #: Longest pause between two rounds of an upload retried through an outage.
 _OUTAGE_PAUSE_MAX_S = 5.0
 
@@ -170,6 +164,13 @@ def _same_file_system(staging: Path, root: StorageLocation) -> bool:
         return False
 
 
+def _leaves(job: ShardJob, tensors: dict[str, Any]) -> dict[str, Any]:
+    """The rank's leaves to write: the snapshot's tensors and its unpickled plain values."""
+    flat: dict[str, Any] = dict(tensors)
+    flat.update({fqn: pickle.loads(raw) for fqn, raw in job.objects.items()})  # noqa: S301 - this rank's own snapshot
+    return flat
+
+
 def write_local(
     job: ShardJob, tensors: dict[str, Any] | None = None, written: dict[str, Written] | None = None
 ) -> list[str]:
@@ -181,8 +182,7 @@ def write_local(
     out.mkdir(parents=True, exist_ok=True)
     if tensors is None:
         tensors = open_slots(job.arena_path, list(job.slots)) if job.slots else {}
-    flat: dict[str, Any] = dict(tensors)
-    flat.update({fqn: pickle.loads(raw) for fqn, raw in job.objects.items()})  # noqa: S301 - this rank's own snapshot
+    flat = _leaves(job, tensors)
     try:
         linked = _same_file_system(out, job.root)  # else the upload reads the file anyway
         names = write_part(
@@ -210,51 +210,6 @@ def write_local(
     extras.parent.mkdir(parents=True, exist_ok=True)
     extras.write_bytes(job.rng)
     return [*names, _layout.extras_file(job.rank, job.save_id)]
-
-
-def _drop_own_files(job: ShardJob) -> None:
-    """Delete what this rank wrote of ``job`` into its staging dir, and nothing else: the
-    ranks of a node stage the same step into the same directory."""
-    out = Path(job.local_dir)
-    shutil.rmtree(writing_path(out, job.rank, job.save_id).parent, ignore_errors=True)
-    for name in (
-        data_file(job.rank, job.save_id),
-        part_file(job.rank, job.save_id),
-        _layout.extras_file(job.rank, job.save_id),
-    ):
-        (out / name).unlink(missing_ok=True)
-
-
-def _write_in_memory(
-    job: ShardJob, tensors: dict[str, Any], written: dict[str, Written], full: StagingFullError
-) -> tuple[ShardJob, list[str]]:
-    """The staging dir is full: write the shard under MEMORY_DIR instead (the caller deletes
-    it once uploaded) and warn once per staging dir. Raises ``full``, with the memory's free
-    bytes, when memory has no room either. Returns the job with its new ``local_dir`` and
-    the names written."""
-    staged = Path(job.local_dir)
-    _drop_own_files(job)  # the cut-short write: give its room back (the dir is its node peers' too)
-    need = job.staged_bytes
-    free = shutil.disk_usage(MEMORY_DIR).free if MEMORY_DIR.is_dir() else 0
-    if free < need * _MEMORY_MARGIN:
-        raise StagingFullError(
-            f"{full}; {MEMORY_DIR} has {free} bytes free, too few to upload it from memory"
-        ) from full
-    if str(staged.parent) not in _warned_full:
-        _warned_full.add(str(staged.parent))
-        logger.warning(
-            "%s; uploading from memory (%s) without a node-local copy instead, so a restore reads "
-            "from storage (warned once per staging dir)",
-            full,
-            MEMORY_DIR,
-        )
-    memory = MEMORY_DIR / "ray_goodput-direct" / staged.parent.name / f"{job.rank}-{job.save_id}" / staged.name
-    moved = dataclasses.replace(job, local_dir=str(memory))
-    try:
-        return moved, write_local(moved, tensors, written)
-    except BaseException:
-        shutil.rmtree(memory.parent, ignore_errors=True)
-        raise
 
 
 def upload_and_commit(
@@ -350,6 +305,12 @@ def check_fence(job: ShardJob) -> None:
     )
 
 
+def _nothing_sent() -> Sequence[FileEntry]:
+    """What an upload round sent before :func:`upload_and_commit` (from the staging dir:
+    nothing; it uploads every file)."""
+    return ()
+
+
 def _outage(exc: BaseException) -> bool:
     """A storage error that only its retries running out made final: the storage may answer
     again (not a refusal, a missing file or a full disk)."""
@@ -367,15 +328,19 @@ def _upload_through_outages(
     newer: Callable[[], bool],
     concurrency: int,
     policy: RetryPolicy,
-    uploaded: Sequence[FileEntry],
+    uploaded: Sequence[FileEntry] | None,
     written: Mapping[str, Written],
+    resend: Callable[[], Sequence[FileEntry]] = _nothing_sent,
 ) -> tuple[int, SaveState, float | None] | None:
     """:func:`upload_and_commit`, retried while storage is out (``_outage``) until
     ``job.retry_for_s`` from ``started`` or a newer save of the rank waits (then None: this
-    save is superseded, the newer one goes next)."""
+    save is superseded, the newer one goes next). ``uploaded``: files already sent (None:
+    ask ``resend``, as each later round does: what it sent itself, nothing by default)."""
     rounds = 0
     while True:
         try:
+            if uploaded is None:
+                uploaded = resend()
             return upload_and_commit(
                 job, names, concurrency=concurrency, policy=policy, uploaded=uploaded, written=written
             )
@@ -400,7 +365,7 @@ def _upload_through_outages(
             end = time.monotonic() + pause
             while time.monotonic() < end and not newer():
                 time.sleep(min(0.2, max(0.0, end - time.monotonic())))
-            uploaded = ()  # sent again: a file may have gone with the outage
+            uploaded = None  # sent again: a file may have gone with the outage
 
 
 def _follow_data_file(job: ShardJob) -> FollowUpload | None:
@@ -443,11 +408,14 @@ def run_shard_job(
 ) -> ShardResult:
     """Write locally, release the arena (``on_released``), upload, commit; ``record``
     advances staged -> uploaded (-> committed). Raises on failure (the caller marks it).
+    With the staging dir full, the data file goes to storage straight from the arena
+    (``_direct_upload``), which is released only when the job ends.
     ``newer``: whether a newer save of the rank waits (an upload retried through a storage
     outage then gives way: the result is ``superseded``)."""
     start = time.monotonic()
     follow = _follow_data_file(job)
-    memory: Path | None = None  # the shard's dir when it went to memory (staging full)
+    memory: Path | None = None  # the shard's small files' dir when staging was full
+    resend = _nothing_sent
     try:
         sums: dict[str, Written] = {}
         try:
@@ -457,12 +425,15 @@ def run_shard_job(
                 follow.abandon(timeout_s=_FOLLOW_STOP_S)
                 follow = None
             sums.clear()
-            job, names = _write_in_memory(job, tensors, sums, full)
+            job, names = _direct_upload.prepare(job, full)
             memory = Path(job.local_dir).parent
+            resend = _direct_upload.sender(job, _leaves(job, tensors), policy)
         written = time.monotonic()
         record.advance(SaveState.STAGED)
-        on_released()
-        uploaded = _followed(job, follow)
+        uploaded: Sequence[FileEntry] | None = None
+        if memory is None:  # else the arena stays held: each upload round writes from it
+            on_released()
+            uploaded = _followed(job, follow)
     except BaseException:
         if follow is not None:  # before the failure is reported: the next save needs the disk
             follow.abandon(timeout_s=_FOLLOW_STOP_S)
@@ -479,9 +450,10 @@ def run_shard_job(
             policy=policy,
             uploaded=uploaded,
             written=sums,
+            resend=resend,
         )
     finally:
-        if memory is not None:  # no node-local copy of a shard written to memory
+        if memory is not None:  # no node-local copy of a shard sent from its snapshot
             shutil.rmtree(memory, ignore_errors=True)
     if done is None:
         record.advance(SaveState.SUPERSEDED)
