@@ -257,9 +257,13 @@ def verdicts(results: list[dict]) -> str:
     targets = _targets.load("goodput_under_failures")
     by = {(r["seed"], r["system"]): r for r in results}
     seeds = sorted({r["seed"] for r in results})
+    # Goodput counts a step's time as productive however long it took, so a system whose
+    # background saves slow its steps gains goodput by it; time to train the same steps
+    # (Ray's wall / the system's: above 1 is faster) is shown beside it, for information.
     lines = [
-        "| seed | replica / Ray goodput | rg whole-group / Ray goodput | survivor max gap s |",
-        "|---:|---:|---:|---:|",
+        "| seed | replica / Ray goodput | rg whole-group / Ray goodput | survivor max gap s "
+        "| Ray wall / replica wall | Ray wall / rg whole-group wall |",
+        "|---:|---:|---:|---:|---:|---:|",
     ]
     rep, whole, gaps = [], [], []
     for s in seeds:
@@ -275,6 +279,9 @@ def verdicts(results: list[dict]) -> str:
         if gap is not None:
             gaps.append(gap)
         row.append("-" if gap is None else f"{gap:.2f}")
+        for system in ("rg_replicas", "rg_whole"):
+            both = (s, "rt_async_dcp") in by and (s, system) in by
+            row.append(f"{by[(s, 'rt_async_dcp')]['wall_s'] / by[(s, system)]['wall_s']:.2f}×" if both else "-")
         lines.append("| " + " | ".join(row) + " |")
     if rep:
         lines.append(
