@@ -134,16 +134,26 @@ def test_a_full_staging_disk_sends_the_shard_straight_from_its_snapshot_with_one
             assert torch.equal(a, b)
 
 
-def test_a_shard_sent_from_its_snapshot_is_written_again_from_it_when_storage_cuts_the_upload_short(
+def _layers() -> dict[str, torch.nn.Module]:
+    """12 MiB in several tensors: past the S3 client's part size, so the upload is sent in
+    parts while DCP writes the file (a failed part fails a write inside torch.save)."""
+    return {
+        "model": torch.nn.Linear(8, 8),
+        "layers": torch.nn.Sequential(*(torch.nn.Linear(1024, 1024) for _ in range(3))),
+    }
+
+
+def test_a_shard_sent_from_its_snapshot_is_written_again_from_it_after_a_storage_outage(
     tiny_disk, small_memory, tmp_path, s3_server, caplog
 ):
-    """With the staging dir full there is no staged file to upload again: an upload of the
-    data file that storage failed is written again from the snapshot, which stays held
-    until the upload ends."""
+    """With the staging dir full there is no staged file to upload again: when an outage
+    outlasts the retry policy, each later round writes the data file again from the
+    snapshot, which stays held until the upload ends. A write that failed inside
+    torch.save must fail as the storage error it is, or no round retries it."""
     proxy = FlakyProxy(s3_server.endpoint)
     direct = s3_server.bucket_uri("direct-retry")
-    retry = RetryPolicy(attempts=30, initial_delay=0.05, max_delay=0.2)
-    big = {"model": torch.nn.Linear(8, 8), "extra": torch.nn.Linear(512, 512)}
+    retry = RetryPolicy(attempts=2, initial_delay=0.05, max_delay=0.1)
+    state = _layers()
     try:
         with (
             caplog.at_level(logging.WARNING),
@@ -156,23 +166,22 @@ def test_a_shard_sent_from_its_snapshot_is_written_again_from_it_when_storage_cu
         ):
             for step in (1, 2, 3):
                 if step == 2:
-                    proxy.outage(1.5)  # longer than the S3 client's own retries
-                ckpt.save(step, big)
+                    proxy.outage(3.0)  # longer than the policy's 2 attempts
+                ckpt.save(step, state)
                 ckpt.wait()
             assert ckpt.stats.committed == [1, 2, 3] and ckpt.stats.failed_saves == 0
     finally:
         proxy.close()
-    messages = [r.getMessage() for r in caplog.records]
-    resent = [m for m in messages if "from the snapshot" in m and "retry" in m]
-    assert resent, proxy.counts  # the data file's upload failed, and was written again
+    rounds = [r.getMessage() for r in caplog.records if "storage is out" in r.getMessage()]
+    assert [m for m in rounds if "from the snapshot" in m], rounds  # the data file was written again
     assert main(["verify", direct]) == 0  # what storage holds matches every manifest
-    fresh = {"model": torch.nn.Linear(8, 8), "extra": torch.nn.Linear(512, 512)}
+    fresh = _layers()
     with Checkpointer(direct, staging_dir=str(tmp_path / "r"), uploader="thread") as ckpt:
         assert ckpt.restore(fresh) == 3
-    for name in ("model", "extra"):
-        assert all(
-            torch.equal(a, b) for a, b in zip(big[name].state_dict().values(), fresh[name].state_dict().values())
-        )
+    for name in ("model", "layers"):
+        saved, loaded = state[name].state_dict().values(), fresh[name].state_dict().values()
+        assert all(torch.equal(a, b) for a, b in zip(saved, loaded))
+    assert not [p for p in small_memory.rglob("*") if p.is_file()]
 
 
 def test_full_staging_disk_and_memory_fail_that_save_loudly_and_training_goes_on(
@@ -273,3 +282,15 @@ def test_a_rank_that_finds_staging_full_leaves_its_node_peers_staged_shard_alone
         assert Path(moved.local_dir).parent != step_dir.parent
     finally:
         shutil.rmtree(Path(moved.local_dir).parent, ignore_errors=True)
+
+
+def test_telling_a_full_disk_from_an_error_ends_on_a_cause_chain_that_loops():
+    """An error re-raised while handling itself makes its own ``__context__`` chain a loop:
+    looking for ENOSPC along it spun forever (a save's upload thread stuck at 100 % CPU
+    after a storage outage, its wait() never returning)."""
+    first, second = OSError("connection reset"), RuntimeError("unexpected pos")
+    first.__context__, second.__context__ = second, first
+    assert _direct_upload.out_of_space(second) is False
+    full = OSError(errno.ENOSPC, "No space left on device")
+    second.__cause__ = full
+    assert _direct_upload.out_of_space(first) is True

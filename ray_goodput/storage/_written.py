@@ -55,7 +55,9 @@ class ChecksummedWrite:
     """A binary stream over ``raw`` that checksums what is written, in order, per block of
     ``block_bytes`` (as an upload records it), and with ``writeback`` starts writing each
     ``WRITEBACK_BYTES`` to disk as soon as it was written. A seek makes the checksums
-    unknown: :meth:`result` is then None and the caller reads the file back."""
+    unknown: :meth:`result` is then None and the caller reads the file back. ``error``: the
+    first exception ``raw`` raised (a writer such as torch's zip writer may replace it with
+    its own on the way out)."""
 
     def __init__(self, raw: BinaryIO, algorithm: str, block_bytes: int, *, writeback: bool) -> None:
         self._raw = raw
@@ -66,9 +68,18 @@ class ChecksummedWrite:
         self._writeback = writeback and _START_WRITEBACK is not None
         self._flushed_to = 0  # write-back started below this offset
         self._whole: int | None = None
+        self.error: BaseException | None = None
+
+    def _record(self, exc: BaseException) -> None:
+        if self.error is None:
+            self.error = exc
 
     def write(self, data: Any) -> int:
-        n = self._raw.write(data)
+        try:
+            n = self._raw.write(data)
+        except BaseException as exc:
+            self._record(exc)
+            raise
         if n is None or n != memoryview(data).nbytes:  # a short write: unknown from here
             self._blocks = None
             n = n or 0
@@ -101,7 +112,11 @@ class ChecksummedWrite:
         return True
 
     def flush(self) -> None:
-        self._raw.flush()
+        try:
+            self._raw.flush()
+        except BaseException as exc:
+            self._record(exc)
+            raise
 
     def fileno(self) -> int:
         return self._raw.fileno()
@@ -113,8 +128,9 @@ class ChecksummedWrite:
     def close(self) -> None:
         try:
             self._raw.close()
-        except BaseException:
+        except BaseException as exc:
             self._blocks = None  # a failed final flush: what is on disk is unknown
+            self._record(exc)
             raise
         if self._blocks is not None and self._whole is None:
             self._whole = self._blocks.finish()

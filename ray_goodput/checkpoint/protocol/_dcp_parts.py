@@ -156,16 +156,17 @@ class _DataFileFs(FileSystem):
             with super().create_stream(path, mode) as stream:
                 yield stream
             return
+        summed: ChecksummedWrite | None = None
         try:
-            with (
-                self._open_data() as raw,
-                ChecksummedWrite(raw, DEFAULT_ALGORITHM, self._block_bytes, writeback=self._writeback) as stream,
-            ):
-                yield stream
+            with self._open_data() as raw:
+                with ChecksummedWrite(raw, DEFAULT_ALGORITHM, self._block_bytes, writeback=self._writeback) as summed:
+                    yield summed
         except BaseException as exc:
-            self.error = exc
+            # The stream's own error first: torch's zip writer replaces a failed write's
+            # error with its own ("unexpected pos") on the way out.
+            self.error = (summed.error if summed is not None else None) or exc
             raise
-        self.written = stream.result()
+        self.written = summed.result()
 
 
 def write_part(

@@ -12,9 +12,11 @@ of that step reads from storage.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import logging
 import shutil
 from collections.abc import Callable, Sequence
+from contextlib import suppress
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -24,7 +26,7 @@ from ray_goodput.errors import CheckpointError
 from ray_goodput.storage import FileEntry, RetryPolicy, Written, write_local_file
 
 if TYPE_CHECKING:
-    from ray_goodput.checkpoint.uploader._shard_job import ShardJob, StagingFullError
+    from ray_goodput.checkpoint.uploader._shard_job import ShardJob
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +37,41 @@ MEMORY_DIR = Path("/dev/shm")
 #: leaves than this holds fails its write there, as a full disk does.
 SMALL_FILES_BYTES = 512 << 10
 _warned_full: set[str] = set()  # staging dirs found full, warned about once per process
+
+
+class StagingFullError(CheckpointError):
+    """The staging dir has no room for a shard (its message names the dir, the free bytes and
+    the bytes needed)."""
+
+
+def out_of_space(exc: BaseException) -> bool:
+    """ENOSPC anywhere in the cause chain (DCP and torch's zip writer wrap it; when they
+    hide it entirely, the caller goes by free space). Chains can loop (an error re-raised
+    while handling itself): each error is looked at once."""
+    todo: list[BaseException] = [exc]
+    seen: set[int] = set()
+    while todo:
+        err = todo.pop()
+        if id(err) in seen:
+            continue
+        seen.add(id(err))
+        if getattr(err, "errno", None) == errno.ENOSPC:
+            return True
+        todo += [e for e in (err.__cause__, err.__context__) if e is not None]
+        # DCP's CheckpointException carries each rank's error in ``failures``.
+        todo += [
+            f[0] if isinstance(f, tuple) else f
+            for f in getattr(err, "failures", {}).values()
+            if isinstance(f, (tuple, BaseException))
+        ]
+    return False
+
+
+def _memory_full(full: StagingFullError, free: int) -> StagingFullError:
+    return StagingFullError(
+        f"{full}; {MEMORY_DIR} has {free} bytes free, too few for the shard's small files "
+        f"(~{SMALL_FILES_BYTES} bytes) to send its data straight from the snapshot"
+    )
 
 
 def drop_own_files(job: ShardJob) -> None:
@@ -57,12 +94,9 @@ def prepare(job: ShardJob, full: StagingFullError) -> tuple[ShardJob, list[str]]
     files. Returns the job with its new ``local_dir`` and the names to upload."""
     staged = Path(job.local_dir)
     drop_own_files(job)  # the cut-short write: give its room back (the dir is its node peers' too)
-    free = shutil.disk_usage(MEMORY_DIR).free if MEMORY_DIR.is_dir() else 0
+    free = _free()
     if free < SMALL_FILES_BYTES:
-        raise type(full)(
-            f"{full}; {MEMORY_DIR} has {free} bytes free, too few for the shard's small files "
-            f"(~{SMALL_FILES_BYTES} bytes) to send its data straight from the snapshot"
-        ) from full
+        raise _memory_full(full, free) from full
     if str(staged.parent) not in _warned_full:
         _warned_full.add(str(staged.parent))
         logger.warning(
@@ -73,20 +107,46 @@ def prepare(job: ShardJob, full: StagingFullError) -> tuple[ShardJob, list[str]]
     memory = MEMORY_DIR / "ray_goodput-direct" / staged.parent.name / f"{job.rank}-{job.save_id}" / staged.name
     moved = dataclasses.replace(job, local_dir=str(memory))
     extras = _layout.extras_file(job.rank, job.save_id)
-    write_local_file(memory / extras, job.rng)
+    try:
+        write_local_file(memory / extras, job.rng)
+    except BaseException:
+        remove(memory.parent)
+        raise
     return moved, [data_file(job.rank, job.save_id), part_file(job.rank, job.save_id), extras]
 
 
-def sender(job: ShardJob, flat: dict[str, Any], policy: RetryPolicy) -> Callable[[], Sequence[FileEntry]]:
+def _free() -> int:
+    return shutil.disk_usage(MEMORY_DIR).free if MEMORY_DIR.is_dir() else 0
+
+
+def remove(memory: Path) -> None:
+    """Delete a shard's small files (``memory``: its dir) and its run's dir once empty."""
+    shutil.rmtree(memory, ignore_errors=True)
+    with suppress(OSError):  # not empty: another rank's or save's files are there
+        memory.parent.rmdir()
+
+
+def sender(
+    job: ShardJob, flat: dict[str, Any], policy: RetryPolicy, full: StagingFullError
+) -> Callable[[], Sequence[FileEntry]]:
     """A function that DCP-writes ``job``'s data file (``flat``: its leaves, over the
     arena) straight to storage, and its part file to ``job.local_dir``; retried by
-    ``policy``; returns the data file's entry. Called once per upload round."""
+    ``policy``; returns the data file's entry. Called once per upload round. Memory found
+    full meanwhile (the arenas live there too) raises ``full`` with its free bytes."""
     loc = _catalog.step_location(job.root, job.step)
     name = data_file(job.rank, job.save_id)
 
     def _write() -> FileEntry:
         sums: dict[str, Written] = {}
-        write_part(flat, job.leaves, job.mappings, job.rank, job.save_id, Path(job.local_dir), written=sums, direct=loc)
+        try:
+            write_part(
+                flat, job.leaves, job.mappings, job.rank, job.save_id, Path(job.local_dir), written=sums, direct=loc
+            )
+        except Exception as exc:
+            free = _free()
+            if out_of_space(exc) and free < SMALL_FILES_BYTES:
+                raise _memory_full(full, free) from exc
+            raise
         w = sums.get(name)
         if w is None:  # DCP wrote it out of order (never seen): its checksums are unknown
             raise CheckpointError(f"DCP did not write the data file {name} front to back; its checksums are unknown")

@@ -109,13 +109,16 @@ class FollowUpload:
         """The writer finished (``ok``) or failed: a follower stops at the end, or at once."""
         (self._done if ok else self._failed).set()
 
-    def abandon(self, timeout_s: float) -> None:
+    def abandon(self, timeout_s: float) -> bool:
         """The write failed: stop following, and wait (bounded) until the follower let go
-        of the file (its disk space) and took back what it sent."""
+        of the file (its disk space) and took back what it sent. False when it did not stop
+        in ``timeout_s`` (it may still send or delete the object)."""
         self._failed.set()
         self._thread.join(timeout_s)
         if self._thread.is_alive():
             logger.warning("the upload following %s did not stop in %.0f s", self.name, timeout_s)
+            return False
+        return True
 
     def result(self, written: Path, timeout_s: float, stop_s: float) -> FileEntry | None:
         """The uploaded file's entry once the follower ended; None when it failed, or sent

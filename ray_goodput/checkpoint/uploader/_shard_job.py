@@ -7,7 +7,6 @@ It advances the job's :class:`SaveRecord` (staged, uploaded, committed) as it go
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import pickle
@@ -28,6 +27,7 @@ from ray_goodput.checkpoint.protocol._shard_plan import Leaf
 from ray_goodput.checkpoint.save._arena import TensorSlot, open_slots
 from ray_goodput.checkpoint.save._save_state import SaveRecord, SaveState
 from ray_goodput.checkpoint.uploader import _direct_upload
+from ray_goodput.checkpoint.uploader._direct_upload import StagingFullError, out_of_space
 from ray_goodput.checkpoint.uploader._follow_upload import FollowUpload
 from ray_goodput.errors import CheckpointError, FencedError, StorageError, StorageUnusableError
 from ray_goodput.storage import (
@@ -127,29 +127,6 @@ class ShardResult:
         )
 
 
-class StagingFullError(CheckpointError):
-    """The staging dir has no room for a shard (its message names the dir, the free bytes and
-    the bytes needed)."""
-
-
-def _out_of_space(exc: BaseException) -> bool:
-    """ENOSPC anywhere in the cause chain (DCP and torch's zip writer wrap it; when they
-    hide it entirely, the caller goes by free space)."""
-    todo: list[BaseException] = [exc]
-    while todo:
-        seen = todo.pop()
-        if getattr(seen, "errno", None) == errno.ENOSPC:
-            return True
-        todo += [e for e in (seen.__cause__, seen.__context__) if e is not None]
-        # DCP's CheckpointException carries each rank's error in ``failures``.
-        todo += [
-            f[0] if isinstance(f, tuple) else f
-            for f in getattr(seen, "failures", {}).values()
-            if isinstance(f, (tuple, BaseException))
-        ]
-    return False
-
-
 def _same_file_system(staging: Path, root: StorageLocation) -> bool:
     """Whether storage takes staged files as hard links (local storage on the staging
     dir's file system, judged by its nearest existing directory)."""
@@ -198,7 +175,7 @@ def write_local(
     except (Exception, CheckpointException) as exc:
         free = shutil.disk_usage(out).free
         # torch's zip writer can turn ENOSPC into "unexpected pos": go by free space too.
-        if _out_of_space(exc) or free < job.staged_bytes * 1.1:
+        if out_of_space(exc) or free < job.staged_bytes * 1.1:
             raise StagingFullError(
                 f"staging dir {out} is out of space ({free} bytes free, the shard needs "
                 f"~{job.staged_bytes}): set Checkpointer(staging_dir=...) or "
@@ -421,13 +398,17 @@ def run_shard_job(
         try:
             names = write_local(job, tensors, sums)
         except StagingFullError as full:
-            if follow is not None:
-                follow.abandon(timeout_s=_FOLLOW_STOP_S)
-                follow = None
+            if follow is not None and not follow.abandon(timeout_s=_FOLLOW_STOP_S):
+                raise CheckpointError(
+                    f"step {job.step} rank {job.rank}: the upload that followed the cut-short staging write "
+                    f"did not stop in {_FOLLOW_STOP_S:.0f} s; not sending the shard from its snapshot to the "
+                    "same object (check the storage)"
+                ) from full
+            follow = None
             sums.clear()
             job, names = _direct_upload.prepare(job, full)
             memory = Path(job.local_dir).parent
-            resend = _direct_upload.sender(job, _leaves(job, tensors), policy)
+            resend = _direct_upload.sender(job, _leaves(job, tensors), policy, full)
         written = time.monotonic()
         record.advance(SaveState.STAGED)
         uploaded: Sequence[FileEntry] | None = None
@@ -438,7 +419,7 @@ def run_shard_job(
         if follow is not None:  # before the failure is reported: the next save needs the disk
             follow.abandon(timeout_s=_FOLLOW_STOP_S)
         if memory is not None:
-            shutil.rmtree(memory, ignore_errors=True)
+            _direct_upload.remove(memory)
         raise
     try:
         done = _upload_through_outages(
@@ -454,7 +435,7 @@ def run_shard_job(
         )
     finally:
         if memory is not None:  # no node-local copy of a shard sent from its snapshot
-            shutil.rmtree(memory, ignore_errors=True)
+            _direct_upload.remove(memory)
     if done is None:
         record.advance(SaveState.SUPERSEDED)
         return ShardResult.superseded(job)
