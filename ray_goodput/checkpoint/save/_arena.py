@@ -179,6 +179,7 @@ class Arena:
         self._buf: torch.Tensor | None = None
         self.size = 0
         self.pinned = False
+        self.device: torch.device | None = None  # the CUDA device it is pinned for
         self._refused_size = -1
 
     def _pin(self, device: torch.device) -> None:
@@ -188,6 +189,7 @@ class Arena:
             return
         with torch.cuda.device(device):  # a failure's error is taken off this device's runtime
             self.pinned = _cuda_register(self._buf, self.size, self.path)
+        self.device = device if self.pinned else None
         if not self.pinned:
             self._refused_size = self.size
 

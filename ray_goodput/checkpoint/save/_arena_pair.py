@@ -6,7 +6,10 @@ another waits in the other, a third save supersedes the waiting one (the newest 
 next) by claiming its snapshot (``_arena.claim``) and copies into its arena at once: the
 decision is the worker's alone, never a question to the uploader. Arena 0 is sized and touched
 (pinned on a GPU) in a background thread before the first save needs it (``_first_save``):
-from ``restore()``, or for a fresh start from its optimizers' first step.
+from ``restore()``, or for a fresh start from its optimizers' first step. The other arena is
+touched in the background once a save used the first: saves that wait for their uploads
+never need it, and the first save that does (saves faster than uploads) would pay every
+page's first touch on the training thread.
 """
 
 from __future__ import annotations
@@ -43,7 +46,8 @@ class ArenaPair:
         self._rank, self._world_size = rank, world_size
         self.arenas: list[Arena] = []  # none until sized (by a save, or ahead of the first)
         self._holders: list[Handoff | None] = [None, None]
-        self._preparing: threading.Thread | None = None  # arena 0 touched (pinned) ahead of the first save
+        self._preparing: dict[int, threading.Thread] = {}  # arenas being touched (pinned) ahead of use
+        self._touched: set[int] = set()  # arenas touched ahead, or by a snapshot
         self._first_steps: list[Any] = []  # hooks that size arena 0 after a fresh start's first step
         self._closed = False
 
@@ -66,15 +70,20 @@ class ArenaPair:
             if not size:
                 return False
             arenas = self._new(size)
-            preparing = threading.Thread(
-                target=arenas[0].prefault, args=(size, snapshot_device(state)), name="rg-arena-prefault", daemon=True
-            )
-            preparing.start()
+            self.arenas = arenas
+            self._prefault(0, size, snapshot_device(state))
         except Exception as exc:  # noqa: BLE001 - an optimisation: the save sizes the arena itself
             logger.warning("could not prepare the first save's snapshot arena: %s", exc)
-            return True
-        self.arenas, self._preparing = arenas, preparing
         return True
+
+    def _prefault(self, index: int, size: int, device: Any) -> None:
+        """Touch (and pin) arena ``index`` for ``size`` bytes in a background thread."""
+        thread = threading.Thread(
+            target=self.arenas[index].prefault, args=(size, device), name="rg-arena-prefault", daemon=True
+        )
+        self._touched.add(index)
+        self._preparing[index] = thread
+        thread.start()
 
     def stop_watching_steps(self) -> None:
         """Remove the first-step hooks (before a save's or restore's made-up steps; never
@@ -83,19 +92,21 @@ class ArenaPair:
             handle.remove()
         self._first_steps = []
 
-    def wait_prepared(self) -> None:
-        """Wait for arena 0's background preparation (milliseconds; seconds to pin GBs on a
-        GPU; bounded): an arena is not thread-safe, and a snapshot must not be copied under
-        its zeros."""
-        if self._preparing is None:
-            return
-        self._preparing.join(_PREPARE_WAIT_S)
-        if self._preparing.is_alive():
-            raise CheckpointError(
-                f"touching (and pinning) the snapshot arena's pages took over "
-                f"{_PREPARE_WAIT_S:.0f}s; is the node out of memory?"
-            )
-        self._preparing = None
+    def wait_prepared(self, index: int | None = None) -> None:
+        """Wait for the background preparation of arena ``index`` (None: of both; milliseconds,
+        seconds to pin GBs on a GPU; bounded): an arena is not thread-safe, and a snapshot
+        must not be copied under its zeros."""
+        for i in [index] if index is not None else list(self._preparing):
+            thread = self._preparing.get(i)
+            if thread is None:
+                continue
+            thread.join(_PREPARE_WAIT_S)
+            if thread.is_alive():
+                raise CheckpointError(
+                    f"touching (and pinning) the snapshot arena's pages took over "
+                    f"{_PREPARE_WAIT_S:.0f}s; is the node out of memory?"
+                )
+            del self._preparing[i]
 
     # -- a save --
     def take(self, need_bytes: int, *, step_of: Callable[[Handoff], int]) -> tuple[int, Arena]:
@@ -105,31 +116,39 @@ class ArenaPair:
         arena is free at once. Only when the uploader claimed it first (it started: the
         older job has ended) does this wait, for the older arena's release, already sent
         (bounded)."""
-        self.wait_prepared()
+        index = self._pick(need_bytes, step_of)
+        self.wait_prepared(index)
+        self._touched.add(index)  # by the snapshot about to be copied into it
+        return index, self.arenas[index]
+
+    def _pick(self, need_bytes: int, step_of: Callable[[Handoff], int]) -> int:
         if not self.arenas:
             self.arenas = self._new(need_bytes)
         free = [i for i, h in enumerate(self._holders) if h is None or h.released.done()]
         if free:
-            return free[0], self.arenas[free[0]]
+            return free[0]
         newer = max((0, 1), key=lambda i: step_of(self._holders[i]))
         if claim(self.arenas[newer].path, self._holders[newer].key):
             logger.info(
                 "superseding the waiting save of step %d: a newer save came before it started",
                 step_of(self._holders[newer]),
             )
-            return newer, self.arenas[newer]
+            return newer
         done, _ = wait_futures([h.released for h in self._holders], timeout=_ARENA_WAIT_S, return_when=FIRST_COMPLETED)
         if not done:
             raise CheckpointError(
                 f"no snapshot arena was released by the uploader within {_ARENA_WAIT_S:.0f}s; "
                 "check the uploader's health (ray-goodput status)"
             )
-        index = next(i for i, h in enumerate(self._holders) if h.released in done)
-        return index, self.arenas[index]
+        return next(i for i, h in enumerate(self._holders) if h.released in done)
 
     def hold(self, index: int, handoff: Handoff) -> None:
-        """Arena ``index`` is the job's until ``handoff.released``."""
+        """Arena ``index`` is the job's until ``handoff.released``; the other arena, never
+        used yet, is touched (and pinned like this one) in the background."""
         self._holders[index] = handoff
+        other, used = 1 - index, self.arenas[index]
+        if other not in self._touched and not self._closed:
+            self._prefault(other, used.size, used.device if used.pinned else None)
 
     def _new(self, need_bytes: int) -> list[Arena]:
         base = pick_dir(self._staging, 2 * need_bytes) / self._run_key
@@ -142,16 +161,16 @@ class ArenaPair:
         is gone): it may be pinning it."""
         self._closed = True
         self.stop_watching_steps()
-        busy = None
-        if self._preparing is not None:
-            self._preparing.join(_PREPARE_WAIT_S)
-            if self._preparing.is_alive():
-                busy = self.arenas[0]
+        busy = set()
+        for index, thread in self._preparing.items():
+            thread.join(_PREPARE_WAIT_S)
+            if thread.is_alive():
+                busy.add(index)
                 logger.warning(
                     "the snapshot arena %s was still being prepared after %.0fs; left in place",
-                    busy.path,
+                    self.arenas[index].path,
                     _PREPARE_WAIT_S,
                 )
-        for arena in self.arenas:
-            if arena is not busy:
+        for index, arena in enumerate(self.arenas):
+            if index not in busy:
                 arena.close()
