@@ -88,10 +88,11 @@ def drop_own_files(job: ShardJob) -> None:
 
 
 def prepare(job: ShardJob, full: StagingFullError) -> tuple[ShardJob, list[str]]:
-    """The staging dir is full: move ``job``'s small files to MEMORY_DIR (the caller
-    deletes ``Path(local_dir).parent`` once uploaded) and warn once per staging dir.
-    Raises ``full``, with the memory's free bytes, when memory cannot take even the small
-    files. Returns the job with its new ``local_dir`` and the names to upload."""
+    """The staging dir is full (``full``): move ``job``'s small files to MEMORY_DIR (the
+    caller removes ``Path(local_dir).parent`` with :func:`remove` once uploaded) and warn
+    once per staging dir. Raises StagingFullError, with ``full``'s message and the memory's
+    free bytes, when memory cannot take even the small files. Returns the job with its new
+    ``local_dir`` and the names to upload."""
     staged = Path(job.local_dir)
     drop_own_files(job)  # the cut-short write: give its room back (the dir is its node peers' too)
     free = _free()
@@ -132,7 +133,7 @@ def sender(
     """A function that DCP-writes ``job``'s data file (``flat``: its leaves, over the
     arena) straight to storage, and its part file to ``job.local_dir``; retried by
     ``policy``; returns the data file's entry. Called once per upload round. Memory found
-    full meanwhile (the arenas live there too) raises ``full`` with its free bytes."""
+    full meanwhile (the arenas live there too) raises StagingFullError, as :func:`prepare`."""
     loc = _catalog.step_location(job.root, job.step)
     name = data_file(job.rank, job.save_id)
 
