@@ -21,10 +21,13 @@ Fixtures:
   back). Every test starts with both worker nodes; a test that pulls one calls
   ``top_up()`` itself if it needs the nodes again.
 
-``early(start)`` (marker): the test's long-running subprocess is started by ``start(dir)``
-when collection ends, and the test, which gets ``(process, dir)`` from the ``early``
-fixture, runs after the quick tests that need no Ray and before the slow ones: a process
-that leaves a core idle (the CI soak) runs beside the quick tests instead of after them.
+``early(start, wave=1)`` (marker): the test's long-running subprocess is started by
+``start(dir)`` in the background, and the test, which gets ``(process, dir)`` from the ``early``
+fixture (a module fixture calls ``early_process(start)``), only waits for its result. Wave 1
+starts when collection ends, beside the quick tests that need no Ray (each leaves about one
+core idle); each later wave starts once every process of the waves before it has exited, so
+that a long run does not compete with the ones already running. Tests sharing one ``start``
+share its process. A test that reaches its process before its wave started starts it.
 
 Each Ray kind starts once per session: tests are ordered (no Ray, then ``ray_local``,
 then ``ray_cluster``, then tests marked ``ray``/``cluster`` that start their own Ray,
@@ -40,7 +43,9 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -58,7 +63,11 @@ os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
 ROOT = str(Path(__file__).resolve().parents[1])
 _ORDER = {"none": 0, "local": 1, "cluster": 2, "own": 3}
 _shared = None  # the SharedRay, made on first use so that tests without Ray never import it
-_early: dict[str, tuple[subprocess.Popen, Path]] = {}  # nodeid -> started process, its directory
+Start = Callable[[Path], subprocess.Popen]
+_early: dict[Start, tuple[subprocess.Popen, Path]] = {}  # start function -> started process, its directory
+_waves: dict[int, list[Start]] = {}  # later waves' start functions, not started yet
+_early_lock = threading.Lock()
+_session_over = threading.Event()
 
 
 class S3Server:
@@ -152,23 +161,60 @@ def _slot(item: pytest.Item) -> int:
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """Start the subprocess of every selected ``early`` test (see the module docstring)."""
+    """Start wave 1 of the selected ``early`` tests' subprocesses, and a thread that starts
+    each later wave once the processes before it have exited (see the module docstring)."""
     if session.config.option.collectonly:
         return
+    waves: dict[int, list[Start]] = {}
     for item in session.items:
         if item.get_closest_marker("early") is not None:
-            _start_early(item)
+            start, wave = _early_marker(item)
+            if start not in waves.setdefault(wave, []):
+                waves[wave].append(start)
+    if not waves:
+        return
+    first = min(waves)
+    with _early_lock:
+        _waves.update({w: starts for w, starts in waves.items() if w != first})
+    for start in waves[first]:
+        early_process(start)
+    if _waves:
+        threading.Thread(target=_start_later_waves, name="early-waves", daemon=True).start()
 
 
-def _start_early(item: pytest.Item) -> tuple[subprocess.Popen, Path]:
+def _early_marker(item: pytest.Item) -> tuple[Start, int]:
     marker = item.get_closest_marker("early")
-    if len(marker.args) != 1 or not callable(marker.args[0]):
+    wave = marker.kwargs.get("wave", 1)
+    if len(marker.args) != 1 or not callable(marker.args[0]) or set(marker.kwargs) - {"wave"} or wave < 1:
         raise pytest.UsageError(
-            f"{item.nodeid}: use @pytest.mark.early.with_args(start), start(directory) -> subprocess.Popen"
+            f"{item.nodeid}: use @pytest.mark.early.with_args(start[, wave=N]), start(directory) -> subprocess.Popen"
         )
-    directory = Path(tempfile.mkdtemp(prefix="ray_goodput-early-"))
-    _early[item.nodeid] = (marker.args[0](directory), directory)
-    return _early[item.nodeid]
+    return marker.args[0], wave
+
+
+def _start_later_waves() -> None:
+    while not _session_over.is_set():
+        with _early_lock:
+            if not _waves:
+                return
+            running = any(proc.poll() is None for proc, _ in _early.values())
+            starts = [] if running else _waves.pop(min(_waves))
+        for start in starts:
+            early_process(start)
+        _session_over.wait(0.2)
+
+
+def early_process(start: Start) -> tuple[subprocess.Popen, Path]:
+    """``(process, directory)`` of the early subprocess that ``start`` starts: the one already
+    started, else started now (also when its wave has not come yet)."""
+    with _early_lock:
+        if start not in _early:
+            for starts in _waves.values():
+                if start in starts:
+                    starts.remove(start)
+            directory = Path(tempfile.mkdtemp(prefix="ray_goodput-early-"))
+            _early[start] = (start(directory), directory)
+        return _early[start]
 
 
 def kill_tree(proc: subprocess.Popen) -> None:
@@ -190,9 +236,9 @@ def kill_tree(proc: subprocess.Popen) -> None:
 
 @pytest.fixture
 def early(request):
-    """``(process, directory)`` of this test's ``early`` subprocess (started now when the
-    collection did not start it)."""
-    return _early.get(request.node.nodeid) or _start_early(request.node)
+    """``(process, directory)`` of this test's ``early`` subprocess (started now when its
+    wave has not started it yet)."""
+    return early_process(_early_marker(request.node)[0])
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -209,6 +255,9 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
+    _session_over.set()
+    with _early_lock:
+        _waves.clear()
     for proc, directory in _early.values():
         kill_tree(proc)  # what it left running, too (or all of it, when its test did not run)
         shutil.rmtree(directory, ignore_errors=True)

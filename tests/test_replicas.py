@@ -4,7 +4,9 @@ A replica is SIGKILLed mid-run (``FailAt``): Ray replaces only it, the survivor 
 process and steps on, the replacement heals from the survivor; both replicas killed: Ray
 restarts the whole group and replica 0 restores the durable checkpoint. Each scenario is
 one run of ``examples/train_ddp_replicas.py --smoke`` as a user runs it (a subprocess with
-its own Ray), shared by the tests below.
+its own Ray), shared by the tests below. Both runs are ``early`` (see conftest), in the wave
+after the CI soak and the other examples: they run side by side, beside the quick tests,
+and the tests only read their results.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 from ray_goodput import Checkpointer
 from ray_goodput.replica import ReplicaGroups
 from ray_goodput.replica import _position as pos
-from tests.conftest import kill_tree
+from tests.conftest import early_process, kill_tree
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
@@ -33,34 +35,51 @@ KILL_AT = 20  # --kill-at's default
 TIMEOUT_S = 300
 
 
-def _run(root: Path, *extra: str) -> dict:
-    root.mkdir(parents=True, exist_ok=True)
-    with open(root / "stdout", "w") as stdout, open(root / "stderr", "w") as stderr:
-        proc = subprocess.Popen(
+def _start(directory: Path, *extra: str) -> subprocess.Popen:
+    """Output goes to files (a pipe nobody reads while the other run is awaited would fill)."""
+    root = directory / "run"
+    root.mkdir(parents=True)
+    with open(directory / "stdout", "w") as stdout, open(directory / "stderr", "w") as stderr:
+        return subprocess.Popen(
             [sys.executable, str(EXAMPLE), "--smoke", "--root", str(root), *extra], stdout=stdout, stderr=stderr
         )
-        try:
-            proc.wait(timeout=TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            kill_tree(proc)
-            raise AssertionError(
-                f"still running after {TIMEOUT_S} s: {(root / 'stderr').read_text()[-4000:]}"
-            ) from None
-    out = (root / "stdout").read_text()
-    assert proc.returncode == 0, (root / "stderr").read_text()[-6000:]
-    return json.loads(out.strip().splitlines()[-1])  # the example's last line
+
+
+def _start_one_killed(directory: Path) -> subprocess.Popen:
+    return _start(directory)
+
+
+def _start_all_killed(directory: Path) -> subprocess.Popen:
+    return _start(directory, "--kill-all", "--steps", str(ALL_KILLED_STEPS))
+
+
+def _result(start) -> tuple[Path, dict]:
+    """The run's root and the example's last line, once its process has exited."""
+    proc, directory = early_process(start)
+    try:
+        proc.wait(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc)  # and the Ray it started
+        raise AssertionError(
+            f"still running after {TIMEOUT_S} s: {(directory / 'stderr').read_text()[-4000:]}"
+        ) from None
+    out = (directory / "stdout").read_text()
+    assert proc.returncode == 0, (directory / "stderr").read_text()[-6000:]
+    return directory / "run", json.loads(out.strip().splitlines()[-1])  # the example's last line
+
+
+one_killed_run = pytest.mark.early.with_args(_start_one_killed, wave=2)
+all_killed_run = pytest.mark.early.with_args(_start_all_killed, wave=2)
 
 
 @pytest.fixture(scope="module")
-def one_killed(tmp_path_factory):
-    root = tmp_path_factory.mktemp("one-killed")
-    return root, _run(root)
+def one_killed():
+    return _result(_start_one_killed)
 
 
 @pytest.fixture(scope="module")
-def all_killed(tmp_path_factory):
-    root = tmp_path_factory.mktemp("all-killed")
-    return root, _run(root, "--kill-all", "--steps", str(ALL_KILLED_STEPS))
+def all_killed():
+    return _result(_start_all_killed)
 
 
 def _records(root: Path) -> dict[tuple[int, int], list[dict]]:
@@ -71,6 +90,7 @@ def _records(root: Path) -> dict[tuple[int, int], list[dict]]:
     return out
 
 
+@one_killed_run
 def test_the_survivor_keeps_its_process_and_steps_through_a_replica_kill(one_killed):
     root, res = one_killed
     survivors = [k for k in _records(root) if k[0] == 0]
@@ -81,6 +101,7 @@ def test_the_survivor_keeps_its_process_and_steps_through_a_replica_kill(one_kil
     assert steps == list(range(1, STEPS + 1)), steps  # no step lost, none redone
 
 
+@one_killed_run
 def test_the_replacement_heals_to_the_survivors_step_with_identical_weights(one_killed):
     root, res = one_killed
     recs = _records(root)
@@ -95,6 +116,7 @@ def test_the_replacement_heals_to_the_survivors_step_with_identical_weights(one_
     assert res["weights_equal"] and res["positions_equal"] and res["final_steps"] == [STEPS, STEPS], res
 
 
+@one_killed_run
 def test_replica_mode_reads_every_sample_once_across_the_replacement(one_killed):
     """The position every replica ends at is the one the committed steps' participant counts
     give (each step takes P*B fresh samples of the epoch, the tail before a new epoch is
@@ -112,6 +134,7 @@ def test_replica_mode_reads_every_sample_once_across_the_replacement(one_killed)
     assert {r["n"] for r in survivor} == {1, 2}  # it ran degraded, then with the healed replica again
 
 
+@one_killed_run
 def test_replica_zero_commits_durable_checkpoints_without_ray_train_report(one_killed):
     root, res = one_killed
     assert res["checkpoints"] and res["checkpoints"][-1] == STEPS, res
@@ -124,6 +147,7 @@ def test_replica_zero_commits_durable_checkpoints_without_ray_train_report(one_k
     assert len(finals) == 1 and _digest(model) in finals  # the checkpoint holds the final weights
 
 
+@all_killed_run
 def test_killing_every_replica_resumes_from_the_durable_checkpoint(all_killed):
     """Both replicas die in one step. Ray restarts the group (or replaces them one by one
     when it sees the deaths apart); either way replica 0's next process resumes from a
