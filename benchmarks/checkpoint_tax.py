@@ -41,9 +41,10 @@ with the staging dir the save left; each once as a first attempt does (rank 0 fi
 newest checkpoint) and once with the step decided by the driver, as ``Recovery`` decides it
 for a restarted worker group; against plain reads of the same files (the rank's
 ``.metadata``, data file and RNG extras) from the same storage and from the node-local
-copy. Starts its own moto S3 server (subprocess) and its own Ray. Prints markdown tables
-and each target's verdict (MET / MISSED against ``benchmarks/targets.toml``), and writes the
-results to ``benchmarks/results/checkpoint_tax_<cpu|cuda_gpu>.json`` (``--out``).
+copy. Starts its own moto S3 server (a subprocess at the Ray workers' niceness, 15: it stands
+in for remote storage, and at niceness 0 it would outrank the training processes for the
+shared cores) and its own Ray. Prints markdown tables and each target's verdict (MET /
+MISSED against ``benchmarks/targets.toml``), and writes the results to ``benchmarks/results/checkpoint_tax_<cpu|cuda_gpu>.json`` (``--out``).
 
     python benchmarks/checkpoint_tax.py                         # defaults: 256 MB/rank, 3 saves
     python benchmarks/checkpoint_tax.py --mb-per-rank 64 --saves 2   # quick mode
@@ -77,6 +78,7 @@ from typing import Any
 
 import _results
 import _targets
+import psutil
 import ray
 import ray.train
 import torch
@@ -327,6 +329,7 @@ class _Bench:
         # the first save ready (the owner plan, the arena's pages, the uploader connection).
         self.ckpt.restore(self.state)
         self.stager = None  # DCP's async stager, made by the first dcp_async save
+        self.last_save_cpu = (0.0, 0.0)  # see _rg_save
         self.attempts_made = 0  # restores measured with a driver decision (each a new attempt)
         self.stagers_made = 0
         # dcp.async_save's collectives run in a background thread: on a group of their own,
@@ -618,12 +621,28 @@ def m_rt_async(b: _Bench, i: int) -> None:
 
 
 def _rg_save(b: _Bench) -> tuple[float, float, float]:
-    """(save() wall, stats.last_block_seconds, t0) of one save; durable not awaited."""
+    """(save() wall, stats.last_block_seconds, t0) of one save; durable not awaited.
+    ``b.last_save_cpu``: the calling thread's (on CPU, in save(): torch copies on it with
+    one thread on CPU; waiting runnable for a core) seconds, to tell a save's own work
+    from its waits for a core and from its waits on a lock or I/O (the rest)."""
     b.rg_step += 1
     t0 = b.start()
+    c0 = _thread_schedstat()
     b.ckpt.save(b.rg_step, b.saved())
     wall = time.perf_counter() - t0
+    c1 = _thread_schedstat()
+    b.last_save_cpu = (c1[0] - c0[0], c1[1] - c0[1])
     return wall, b.ckpt.stats.last_block_seconds, t0
+
+
+def _thread_schedstat() -> tuple[float, float]:
+    """This thread's (seconds on CPU, seconds runnable but waiting for a core) so far, from
+    Linux's schedstat; (thread CPU time, 0) where it is missing."""
+    try:
+        on_cpu, run_delay, _ = Path("/proc/thread-self/schedstat").read_text().split()
+        return int(on_cpu) / 1e9, int(run_delay) / 1e9
+    except (OSError, ValueError):
+        return time.thread_time(), 0.0
 
 
 def _rg_committed(b: _Bench, step: int) -> bool:
@@ -698,16 +717,21 @@ def _between_saves(b: _Bench, gap_s: float) -> None:
 
 
 def burst_rg(b: _Bench, n: int, gap_s: float) -> None:
-    blocked = []
+    blocked, cpu = [], []
     t_first = b.start()
     for k in range(n):
         _, block, _ = _rg_save(b)
-        blocked.append(b.allmax(block))
+        pairs: list[tuple[float, tuple[float, float]]] = [(0.0, (0.0, 0.0))] * b.world
+        dist.all_gather_object(pairs, (block, b.last_save_cpu))
+        slowest = max(pairs)  # the slowest rank's blocking, with its on-CPU and runnable shares
+        blocked.append(slowest[0])
+        cpu.append(slowest[1])
         if k < n - 1:
             _between_saves(b, gap_s)
     b.ckpt.wait()
     r = b.results.setdefault("burst_rg", {"blocked": [], "durable": []})
     r["blocked"] += blocked
+    r.setdefault("cpu", []).extend(cpu)
     r["durable"].append(b.allmax(time.perf_counter() - t_first))
     r.setdefault("superseded", []).append(len(b.ckpt.stats.superseded))
 
@@ -1425,6 +1449,13 @@ def _burst_table(runs: list[dict], args) -> list[str]:
                     f"{len(res['blocked'])} blocked {worst:.2f} s = {worst / floor:.2f}× the copy floor "
                     f"({floor:.2f} s) → {TARGETS['burst_blocked'].verdict(worst / floor)}"
                 )
+                if res.get("cpu"):
+                    on_cpu, runnable = res["cpu"][res["blocked"].index(worst)]
+                    verdicts.append(
+                        f"- {run['storage']}: of that save's {worst:.2f} s, its thread was {on_cpu:.2f} s on a core "
+                        f"({on_cpu / floor:.2f}× the copy floor), {runnable:.2f} s runnable waiting for one, and "
+                        f"{max(0.0, worst - on_cpu - runnable):.2f} s blocked (a lock, a page fault's I/O, a reply)"
+                    )
     if not rows:
         return []
     head = [
@@ -1479,7 +1510,12 @@ def _render_group(runs: list[dict], args, shape: str, trainer: str) -> str:
     head = [
         f"State per rank ({sizes}), passed as `{shape}`; {args.saves} saves per "
         f"method (median over all saves, the first one included), {runs[0]['world'] if runs else '?'} ranks "
-        f"of {trainer}'s TorchTrainer, device {args.device}."
+        f"of {trainer}'s TorchTrainer, device {args.device}"
+        + (
+            f"; the S3 server at niceness {args.storage_server_nice} (Ray workers: 15)."
+            if any(r["storage"] == "s3" for r in runs) and getattr(args, "storage_server_nice", None) is not None
+            else "."
+        )
     ]
     restore, burst = _restore_table(runs), _burst_table(runs, args)
     return "\n".join(
@@ -1514,6 +1550,13 @@ def _parse_args() -> argparse.Namespace:
     )
     ap.add_argument("--burst", type=int, default=0, help="saves per burst (saves faster than uploads); 0: none")
     ap.add_argument("--burst-gap-ms", type=float, default=300.0, help="time between two saves of a burst")
+    ap.add_argument(
+        "--storage-server-nice",
+        type=int,
+        default=15,
+        help="niceness of the local S3 server (default 15, Ray's worker niceness: it stands in for remote "
+        "storage and must not outrank the training workers for the shared cores; at 0 it did, 28 to 1)",
+    )
     ap.add_argument("--slowdown-rounds", type=int, default=2, help="ray_goodput saves with steps running")
     ap.add_argument("--step-ms", type=float, default=100.0, help="compute step length to calibrate to")
     ap.add_argument(
@@ -1674,6 +1717,8 @@ def _rendered(paths: list[str], args: argparse.Namespace) -> str:
         if isinstance(doc, dict) and "runs" in doc:
             for key in ("saves", "device", "shape", "trainer", "burst", "burst_gap_ms"):  # the head line
                 setattr(args, key, doc.get("args", {}).get(key, getattr(args, key)))
+            # Runs before the flag existed had the server at moto's default niceness, 0.
+            args.storage_server_nice = doc.get("args", {}).get("storage_server_nice", 0)
         runs += doc["runs"] if isinstance(doc, dict) and "runs" in doc else doc if isinstance(doc, list) else [doc]
     return render(runs, args)
 
@@ -1694,6 +1739,7 @@ def main() -> None:
     try:
         if args.storage in ("s3", "both"):
             moto, endpoint = start_moto_server()
+            psutil.Process(moto.pid).nice(args.storage_server_nice)
         ray.init(
             address="local",
             num_cpus=4,
