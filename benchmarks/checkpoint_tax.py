@@ -41,10 +41,11 @@ with the staging dir the save left; each once as a first attempt does (rank 0 fi
 newest checkpoint) and once with the step decided by the driver, as ``Recovery`` decides it
 for a restarted worker group; against plain reads of the same files (the rank's
 ``.metadata``, data file and RNG extras) from the same storage and from the node-local
-copy. Starts its own moto S3 server (a subprocess at the Ray workers' niceness, 15: it stands
-in for remote storage, and at niceness 0 it would outrank the training processes for the
-shared cores) and its own Ray. Prints markdown tables and each target's verdict (MET /
-MISSED against ``benchmarks/targets.toml``), and writes the results to ``benchmarks/results/checkpoint_tax_<cpu|cuda_gpu>.json`` (``--out``).
+copy. Starts its own moto S3 server (a subprocess at the Ray workers' niceness, 15: it
+stands in for remote storage, and at niceness 0 it would outrank the training processes
+for the shared cores) and its own Ray. Prints markdown tables and each target's verdict
+(MET / MISSED against ``benchmarks/targets.toml``), and writes the results to
+``benchmarks/results/checkpoint_tax_<cpu|cuda_gpu>.json`` (``--out``).
 
     python benchmarks/checkpoint_tax.py                         # defaults: 256 MB/rank, 3 saves
     python benchmarks/checkpoint_tax.py --mb-per-rank 64 --saves 2   # quick mode
