@@ -108,10 +108,13 @@ def kill_every_replica(out: Path) -> None:
         return
     marker.parent.mkdir(parents=True, exist_ok=True)
     marker.write_text(str(time.time()))
-    for p in out.glob("pid-*"):
-        if p.name != "pid-0":
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(p.read_text()), signal.SIGKILL)
+    # Every pid is read before the first signal, so the kills follow each other with no
+    # file access between them: a health check that finds one replica dead and another
+    # alive makes Ray replace one replica while the other dies (see above).
+    peers = [int(p.read_text()) for p in out.glob("pid-*") if p.name != "pid-0"]
+    for pid in peers:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
     os.kill(os.getpid(), signal.SIGKILL)
 
 

@@ -4,9 +4,9 @@ A replica is SIGKILLed mid-run (``FailAt``): Ray replaces only it, the survivor 
 process and steps on, the replacement heals from the survivor; both replicas killed: Ray
 restarts the whole group and replica 0 restores the durable checkpoint. Each scenario is
 one run of ``examples/train_ddp_replicas.py --smoke`` as a user runs it (a subprocess with
-its own Ray), shared by the tests below. Both runs are ``early`` (see conftest), in the wave
-after the CI soak and the other examples: they run side by side, beside the quick tests,
-and the tests only read their results.
+its own Ray), shared by the tests below. Both runs are ``early`` (see conftest), in the two
+waves after the CI soak and the other examples, one after the other, beside the quick
+tests; the tests only read their results.
 """
 
 from __future__ import annotations
@@ -68,8 +68,10 @@ def _result(start) -> tuple[Path, dict]:
     return directory / "run", json.loads(out.strip().splitlines()[-1])  # the example's last line
 
 
-one_killed_run = pytest.mark.early.with_args(_start_one_killed, wave=2)
+# One at a time: beside the other run, both replicas' deaths were once seen apart, and Ray
+# 2.60 ended the run with a ControllerError (docs/guide/replicas.md, limits).
 all_killed_run = pytest.mark.early.with_args(_start_all_killed, wave=2)
+one_killed_run = pytest.mark.early.with_args(_start_one_killed, wave=3)
 
 
 @pytest.fixture(scope="module")
