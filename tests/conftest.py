@@ -193,15 +193,13 @@ def _early_marker(item: pytest.Item) -> tuple[Start, int]:
 
 
 def _start_later_waves() -> None:
-    while not _session_over.is_set():
-        with _early_lock:
+    while not _session_over.wait(0.2):
+        with _early_lock:  # processes start under the lock, so the session's end sees each one
             if not _waves:
                 return
-            running = any(proc.poll() is None for proc, _ in _early.values())
-            starts = [] if running else _waves.pop(min(_waves))
-        for start in starts:
-            early_process(start)
-        _session_over.wait(0.2)
+            if not any(proc.poll() is None for proc, _ in _early.values()):
+                for start in _waves.pop(min(_waves)):
+                    _start_early(start)
 
 
 def early_process(start: Start) -> tuple[subprocess.Popen, Path]:
@@ -212,9 +210,13 @@ def early_process(start: Start) -> tuple[subprocess.Popen, Path]:
             for starts in _waves.values():
                 if start in starts:
                     starts.remove(start)
-            directory = Path(tempfile.mkdtemp(prefix="ray_goodput-early-"))
-            _early[start] = (start(directory), directory)
+            _start_early(start)
         return _early[start]
+
+
+def _start_early(start: Start) -> None:
+    directory = Path(tempfile.mkdtemp(prefix="ray_goodput-early-"))
+    _early[start] = (start(directory), directory)
 
 
 def kill_tree(proc: subprocess.Popen) -> None:
@@ -256,9 +258,10 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
     _session_over.set()
-    with _early_lock:
+    with _early_lock:  # no wave starts after this
         _waves.clear()
-    for proc, directory in _early.values():
+        started = list(_early.values())
+    for proc, directory in started:
         kill_tree(proc)  # what it left running, too (or all of it, when its test did not run)
         shutil.rmtree(directory, ignore_errors=True)
     if _shared is not None:
