@@ -653,8 +653,33 @@ def _rg_committed(b: _Bench, step: int) -> bool:
     return read_manifest(step_location(b.ckpt.root, step)) is not None
 
 
+def _process_schedstat(pid: int | None) -> tuple[float, float]:
+    """(seconds on a core, seconds runnable waiting for one) of process ``pid``'s threads so
+    far, from Linux's schedstat; (0, 0) without a pid (a thread that ends meanwhile takes
+    its share along)."""
+    on_cpu = run_delay = 0.0
+    tasks = Path(f"/proc/{pid}/task")
+    for task in tasks.iterdir() if pid is not None and tasks.is_dir() else ():
+        try:
+            on, delay, _ = (task / "schedstat").read_text().split()
+        except (OSError, ValueError):
+            continue
+        on_cpu, run_delay = on_cpu + int(on) / 1e9, run_delay + int(delay) / 1e9
+    return on_cpu, run_delay
+
+
+def _uploader_pid(b: _Bench) -> int | None:
+    """Rank 0: the pid of the node uploader both ranks hand their saves to (one node)."""
+    actor = getattr(b.ckpt._uploader, "_actor", None)
+    if b.rank != 0 or actor is None:
+        return None
+    return ray.get(actor.__ray_call__.remote(lambda _self: os.getpid()), timeout=60)
+
+
 def m_rg(b: _Bench, i: int) -> None:
     started = time.time() - time.perf_counter()  # wall clock at perf_counter 0 (same host)
+    pid = _uploader_pid(b)
+    up0 = _process_schedstat(pid)
     wall, block, t0 = _rg_save(b)
     # Durable = when the COMMITTED write returned, in the job that wrote it (its wall clock,
     # this host's). Polling storage for it instead (every 25 ms, before the sixteenth
@@ -665,6 +690,7 @@ def m_rg(b: _Bench, i: int) -> None:
     if not math.isfinite(first_commit) or not _rg_committed(b, b.rg_step):
         raise RuntimeError(f"ray_goodput step {b.rg_step}: no job of any rank committed it")
     durable = first_commit - started - t0
+    up1 = _process_schedstat(pid)  # the uploader over this save's write, upload and commit
     # Off the save path: the outcome agreement and Ray Train report run in wait().
     t_wait = time.perf_counter()
     b.ckpt.wait()
@@ -673,6 +699,8 @@ def m_rg(b: _Bench, i: int) -> None:
     b.record("rg_wall", b.allmax(wall), None)
     b.record("rg_write", b.allmax(res.write_seconds), None)
     b.record("rg_upload", b.allmax(res.upload_seconds), None)
+    b.record("rg_uploader_on_cpu", b.allmax(up1[0] - up0[0]), None)
+    b.record("rg_uploader_runnable", b.allmax(up1[1] - up0[1]), None)
 
 
 MEASURES: dict[str, Callable[[_Bench, int], None]] = {
@@ -1284,6 +1312,12 @@ def _phase_verdicts(run: dict, med: dict, device: str) -> list[str]:
         out.append(
             f"- {st}: ray_goodput background phases (median, slowest rank): local DCP write "
             f"{med['rg_write'][0]:.2f} s, upload+marker+commit {med['rg_upload'][0]:.2f} s"
+        )
+    if "rg_uploader_on_cpu" in med:
+        out.append(
+            f"- {st}: the node uploader, all its threads, from save() to the end of rank 0's job "
+            f"(median; both ranks' jobs): {med['rg_uploader_on_cpu'][0]:.2f} s on a core, "
+            f"{med['rg_uploader_runnable'][0]:.2f} s runnable waiting for one"
         )
     if "rg_wait_sync" in med:
         out.append(
