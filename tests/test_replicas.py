@@ -69,7 +69,9 @@ def _result(start) -> tuple[Path, dict]:
 
 
 # One at a time: beside the other run, both replicas' deaths were once seen apart, and Ray
-# 2.60 ended the run with a ControllerError (docs/guide/replicas.md, limits).
+# 2.60 ended the run with a ControllerError (docs/guide/replicas.md, limits). The kill-all
+# run's test comes first in this module, so that run alone (pytest tests/test_replicas.py)
+# also waits for it before the one-replica run starts.
 all_killed_run = pytest.mark.early.with_args(_start_all_killed, wave=2)
 one_killed_run = pytest.mark.early.with_args(_start_one_killed, wave=3)
 
@@ -90,6 +92,20 @@ def _records(root: Path) -> dict[tuple[int, int], list[dict]]:
         _, slot, pid = p.stem.split("-")
         out[(int(slot), int(pid))] = [json.loads(line) for line in p.read_text().splitlines()]
     return out
+
+
+@all_killed_run
+def test_killing_every_replica_resumes_from_the_durable_checkpoint(all_killed):
+    """Both replicas die in one step. Ray restarts the group (or replaces them one by one
+    when it sees the deaths apart); either way replica 0's next process resumes from a
+    durable checkpoint, not from scratch, and the replicas end equal."""
+    root, res = all_killed
+    zero = sorted((recs for (slot, _), recs in _records(root).items() if slot == 0 and recs), key=lambda r: r[0]["t"])
+    assert len(zero) == 2, [r[0] for r in zero]  # replica 0 ran in two processes
+    resumed_at = zero[1][0]["step"] - 1  # the step its first committed step followed
+    assert resumed_at in res["checkpoints"] or resumed_at % 10 == 0, (resumed_at, res)
+    assert 0 < resumed_at < KILL_AT, resumed_at  # a durable save before the kill, not step 0
+    assert res["weights_equal"] and res["final_steps"] == [ALL_KILLED_STEPS, ALL_KILLED_STEPS], res
 
 
 @one_killed_run
@@ -147,20 +163,6 @@ def test_replica_zero_commits_durable_checkpoints_without_ray_train_report(one_k
         assert ckpt.restore({"model": model, "optim": optim}) == STEPS
     finals = {json.loads(p.read_text())["digest"] for p in (root / "out").glob("final-*")}
     assert len(finals) == 1 and _digest(model) in finals  # the checkpoint holds the final weights
-
-
-@all_killed_run
-def test_killing_every_replica_resumes_from_the_durable_checkpoint(all_killed):
-    """Both replicas die in one step. Ray restarts the group (or replaces them one by one
-    when it sees the deaths apart); either way replica 0's next process resumes from a
-    durable checkpoint, not from scratch, and the replicas end equal."""
-    root, res = all_killed
-    zero = sorted((recs for (slot, _), recs in _records(root).items() if slot == 0 and recs), key=lambda r: r[0]["t"])
-    assert len(zero) == 2, [r[0] for r in zero]  # replica 0 ran in two processes
-    resumed_at = zero[1][0]["step"] - 1  # the step its first committed step followed
-    assert resumed_at in res["checkpoints"] or resumed_at % 10 == 0, (resumed_at, res)
-    assert 0 < resumed_at < KILL_AT, resumed_at  # a durable save before the kill, not step 0
-    assert res["weights_equal"] and res["final_steps"] == [ALL_KILLED_STEPS, ALL_KILLED_STEPS], res
 
 
 def _digest(model: torch.nn.Module) -> str:
