@@ -39,15 +39,15 @@ def _checksummed_files(monkeypatch) -> list[tuple[str, str, int | None]]:
 
 def _slow_choice(monkeypatch, seconds: float) -> None:
     """Make rank 0's choice take ``seconds`` longer (a slow object store)."""
-    from ray_goodput.checkpoint import _checkpointer
+    from ray_goodput.checkpoint.restore import _choose_and_load
 
-    real = _checkpointer.choose
+    real = _choose_and_load.choose
 
     def slow(*args, **kwargs):
         time.sleep(seconds)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(_checkpointer, "choose", slow)
+    monkeypatch.setattr(_choose_and_load, "choose", slow)
 
 
 def _own_file(local: Path, step: int) -> Path:
@@ -93,8 +93,7 @@ def _checks_until_stopped(monkeypatch, seen: list) -> None:
     takes seconds, so a stopped one is known to have been stopped mid-way. Rank 0's
     choice waits (bounded) for the first chunk: on local storage it can come before the
     guess's thread checked anything, and stop it there."""
-    from ray_goodput.checkpoint import _checkpointer
-    from ray_goodput.checkpoint.restore import _local_precheck
+    from ray_goodput.checkpoint.restore import _choose_and_load, _local_precheck
 
     made: list = []  # (guess, its directory), recorded before its thread starts
     checking = threading.Event()
@@ -103,7 +102,7 @@ def _checks_until_stopped(monkeypatch, seen: list) -> None:
         _local_precheck._guess,
         _local_precheck.combine_checksums,
     )
-    real_choose = _checkpointer.choose
+    real_choose = _choose_and_load.choose
 
     def choose(*args, **kwargs):
         checking.wait(30)
@@ -125,7 +124,7 @@ def _checks_until_stopped(monkeypatch, seen: list) -> None:
         guess._stop.wait(10)
         return real_combine(*args)
 
-    monkeypatch.setattr(_checkpointer, "choose", choose)
+    monkeypatch.setattr(_choose_and_load, "choose", choose)
     monkeypatch.setattr(_local_precheck.LocalGuess, "__init__", init)
     monkeypatch.setattr(_local_precheck, "_guess", guess)
     monkeypatch.setattr(_local_precheck, "combine_checksums", combine)

@@ -12,7 +12,6 @@ every ``sync_every``-th save (a count, so every rank syncs at the same save).
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import logging
 import os
@@ -27,7 +26,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from ray_goodput import _env
 from ray_goodput.checkpoint._outcomes import Outcomes, Pending, SaveStats
 from ray_goodput.checkpoint.protocol import _collective, _layout, _lineage
-from ray_goodput.checkpoint.restore._load import RestoreInfo, choose, failed_load_verdict, load_checkpoint
+from ray_goodput.checkpoint.restore._choose_and_load import choose_and_load
+from ray_goodput.checkpoint.restore._load import RestoreInfo
 from ray_goodput.checkpoint.restore._local_precheck import LocalGuess
 from ray_goodput.checkpoint.save import _state_dict
 from ray_goodput.checkpoint.save._arena_pair import ArenaPair
@@ -41,7 +41,7 @@ from ray_goodput.checkpoint.uploader._client import ActorBackend
 from ray_goodput.checkpoint.uploader._metrics import SaveMetrics
 from ray_goodput.checkpoint.uploader._shard_job import ShardJob
 from ray_goodput.checkpoint.uploader._thread_backend import ThreadBackend
-from ray_goodput.errors import CheckpointError, ConfigError, StateMismatchError
+from ray_goodput.errors import CheckpointError, ConfigError
 from ray_goodput.goodput import get_recorder
 from ray_goodput.runtime import WorkerContext, ray_initialized
 from ray_goodput.runtime._resume import resume_decision
@@ -55,8 +55,6 @@ __all__ = ["Checkpointer", "SaveStats"]
 #: (seconds for a GPU-sized shard); what is left is collected by the run's next
 #: Checkpointer on the node.
 _DROP_JOIN_S = 60.0
-#: How many times one restore chooses again after its pick left storage during the load.
-_CHOICES_AFTER_GONE = 3
 
 
 def _best_effort(what: str, fn: Any) -> None:
@@ -402,67 +400,36 @@ class Checkpointer:
             self._restored(None, t0)
             return None
         step = decision.step if decision is not None else None
-        before: tuple[int, int] | None = None
         # The own node-local data file of the likely pick, checked while rank 0 chooses.
         guess = LocalGuess(self.staging, self.rank, step)
-        gone = 0
         try:
-            while True:
-                manifest = self._choose(step, before, guess.step)
-                if manifest is None and gone:  # never start fresh for want of a pick that left
-                    raise CheckpointError(
-                        "the checkpoint chosen to restore left storage while it was loaded, and none is "
-                        "left to fall back to within this attempt's bounds; restart the attempt (a new "
-                        "restore chooses among the commits made since)"
-                    )
-                if manifest is None:
-                    self._restored(None, t0)
-                    return None
-                try:
-                    self._load_agreed(state, manifest, guess)
-                except StateMismatchError:
-                    raise  # the state passed in does not fit: no other checkpoint would
-                except Exception as exc:  # every rank alike: agreed in _load_agreed
-                    verdict = _collective.on_rank0(
-                        functools.partial(failed_load_verdict, self.root, manifest, exc),
-                        "checking the checkpoint whose load failed",
-                    )
-                    if verdict == "damaged":  # quarantined by rank 0: every rank falls back
-                        logger.warning("checkpoint step %d is damaged (%s); falling back", manifest.step, exc)
-                        before = manifest.order
-                        continue
-                    gone += 1
-                    if verdict == "failed" or gone > _CHOICES_AFTER_GONE:
-                        raise  # the load's own error; "gone" again and again: say so, do not loop
-                    logger.warning(
-                        "checkpoint step %d left storage while it was loaded (%s); choosing again", manifest.step, exc
-                    )
-                    continue
-                if decision is None and self.rank == 0:  # a Recovery pins its own choice
-                    self._pin_resume(manifest.step)
-                self._restored(manifest.step, t0)
-                self._last_step = manifest.step
-                return manifest.step
+            info = choose_and_load(
+                state,
+                root=self.root,
+                staging=self.staging,
+                rank=self.rank,
+                world_size=self.world_size,
+                policy=self._retry,
+                verify_checksums=self.verify_checksums,
+                step=step,
+                guess=guess,
+            )
         finally:
             guess.close()  # a guess the load did not take
+        if info is None:
+            self._restored(None, t0)
+            return None
+        self.last_restore = info
+        if decision is None and self.rank == 0:  # a Recovery pins its own choice
+            self._pin_resume(info.step)
+        self._restored(info.step, t0)
+        self._last_step = info.step
+        return info.step
 
     def _restored(self, step: int | None, t0: float) -> None:
         now = time.time()
         self._recorder.restored(step, t0, now)
         self._outcomes.restored(step, now)
-
-    def _choose(self, step: int | None, before: tuple[int, int] | None, hint: int | None) -> Any:
-        """Rank 0's pick of the checkpoint to load (see ``choose``), broadcast. It does not
-        wait for this attempt's generation claim: that is written in the background from
-        construction on and agreed at the first save (``_ensure_generation``). A dead
-        attempt's uploader that commits late stops pruning once a newer generation is
-        claimed; one that prunes the pick before that makes the load fail on a missing
-        file, and ``restore`` then chooses again (``failed_load_verdict``). ``hint``: rank
-        0's guess of the pick (the newest step of its node-local copy)."""
-        return _collective.on_rank0(
-            lambda: choose(self.root, step=step, before=before, checksums=self.verify_checksums, hint=hint),
-            "choosing the checkpoint to restore",
-        )
 
     def _pin_resume(self, step: int) -> None:
         """Rank 0: record the resume step for retention (see ``pin_resume``) in the
@@ -483,19 +450,6 @@ class Checkpointer:
             target=_best_effort, name="rg-resume-pin", daemon=True, args=("pinning the resume step", pin)
         )
         self._pinning.start()
-
-    def _load_agreed(self, state: dict[str, Any], manifest: Any, guess: LocalGuess) -> None:
-        # Collective: every rank loads it or raises the same error (agreed in load_checkpoint).
-        self.last_restore = load_checkpoint(
-            state,
-            root=self.root,
-            manifest=manifest,
-            staging=self.staging,
-            rank=self.rank,
-            world_size=self.world_size,
-            policy=self._retry,
-            guess=guess,
-        )
 
     # ---- lifecycle ------------------------------------------------------------------------
 

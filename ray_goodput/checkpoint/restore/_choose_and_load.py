@@ -1,0 +1,95 @@
+"""A restore's collective loop: rank 0 chooses a committed checkpoint, every rank loads it.
+
+A pick found damaged is quarantined (by rank 0) and every rank falls back to the previous
+intact one; a pick that left storage while it was loaded (a dead attempt's uploader pruned
+it) is chosen again, a bounded number of times. Every rank takes the same branch: the
+choice, the load's outcome and the verdict on a failed load are agreed.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+from typing import Any
+
+from ray_goodput.checkpoint.protocol import _collective
+from ray_goodput.checkpoint.restore._load import RestoreInfo, choose, failed_load_verdict, load_checkpoint
+from ray_goodput.checkpoint.restore._local_precheck import LocalGuess
+from ray_goodput.errors import CheckpointError, StateMismatchError
+from ray_goodput.storage import RetryPolicy, StorageLocation
+
+logger = logging.getLogger(__name__)
+
+#: How many times one restore chooses again after its pick left storage during the load.
+_CHOICES_AFTER_GONE = 3
+
+
+def choose_and_load(
+    state: dict[str, Any],
+    *,
+    root: StorageLocation,
+    staging: Path,
+    rank: int,
+    world_size: int,
+    policy: RetryPolicy,
+    verify_checksums: bool,
+    step: int | None,
+    guess: LocalGuess,
+) -> RestoreInfo | None:
+    """Collective: load ``step`` (None: the newest intact committed checkpoint) into
+    ``state`` in place; None when there is none to load.
+
+    Rank 0's choice does not wait for the attempt's generation claim: that is written in
+    the background and agreed at the first save. A dead attempt's uploader that commits
+    late stops pruning once a newer generation is claimed; one that prunes the pick before
+    that makes the load fail on a missing file, and the pick is made again
+    (``failed_load_verdict``). ``guess``: this rank's node-local guess of the pick (rank
+    0's hints the choice). Raises StateMismatchError when ``state`` does not fit (no other
+    checkpoint would), the load's own error when it failed for another reason, and
+    CheckpointError when picks kept leaving storage.
+    """
+    before: tuple[int, int] | None = None
+    gone = 0
+    while True:
+        manifest = _collective.on_rank0(
+            functools.partial(choose, root, step=step, before=before, checksums=verify_checksums, hint=guess.step),
+            "choosing the checkpoint to restore",
+        )
+        if manifest is None and gone:  # never start fresh for want of a pick that left
+            raise CheckpointError(
+                "the checkpoint chosen to restore left storage while it was loaded, and none is "
+                "left to fall back to within this attempt's bounds; restart the attempt (a new "
+                "restore chooses among the commits made since)"
+            )
+        if manifest is None:
+            return None
+        try:
+            # Collective: every rank loads it or raises the same error (agreed in load_checkpoint).
+            return load_checkpoint(
+                state,
+                root=root,
+                manifest=manifest,
+                staging=staging,
+                rank=rank,
+                world_size=world_size,
+                policy=policy,
+                guess=guess,
+            )
+        except StateMismatchError:
+            raise  # the state passed in does not fit: no other checkpoint would
+        except Exception as exc:  # every rank alike: agreed in load_checkpoint
+            verdict = _collective.on_rank0(
+                functools.partial(failed_load_verdict, root, manifest, exc),
+                "checking the checkpoint whose load failed",
+            )
+            if verdict == "damaged":  # quarantined by rank 0: every rank falls back
+                logger.warning("checkpoint step %d is damaged (%s); falling back", manifest.step, exc)
+                before = manifest.order
+                continue
+            gone += 1
+            if verdict == "failed" or gone > _CHOICES_AFTER_GONE:
+                raise  # the load's own error; "gone" again and again: say so, do not loop
+            logger.warning(
+                "checkpoint step %d left storage while it was loaded (%s); choosing again", manifest.step, exc
+            )
