@@ -1,5 +1,6 @@
-"""Replica mode's settings, the trainer arguments it sets, and what workers are told (no Ray
-cluster: the driver's hooks get stand-ins of Ray's worker-group objects)."""
+"""Replica mode's settings, the trainer arguments it sets, and what workers are told (the
+driver's hooks get stand-ins of Ray's worker-group objects; the lighthouse test starts real
+actors on the shared local Ray)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import pytest
 import ray.train
 from ray.train.v2.torch.torchft_config import TorchftConfig
 
-from ray_goodput.driver._replicas import ReplicaSupport, replica_kwargs
+from ray_goodput.driver import _replicas
+from ray_goodput.driver._replicas import EarlyLighthouseConfig, ReplicaSupport, replica_kwargs
 from ray_goodput.errors import ConfigError
 from ray_goodput.replica import ReplicaGroups
 from ray_goodput.runtime import WorkerContext, world_of_one
@@ -33,7 +35,8 @@ def test_replica_settings_are_validated_with_the_setting_named():
 
 def test_replica_mode_sets_torchfts_backend_and_a_failure_budget_for_replacements():
     run_config, kwargs = replica_kwargs(ReplicaGroups(max_failures=7), ray.train.RunConfig(), {})
-    assert isinstance(kwargs["torch_config"], TorchftConfig) and kwargs["torch_config"].backend == "gloo"
+    assert isinstance(kwargs["torch_config"], EarlyLighthouseConfig) and kwargs["torch_config"].backend == "gloo"
+    assert isinstance(kwargs["torch_config"], TorchftConfig)  # Ray's replica-group path
     assert kwargs["torch_config"].lighthouse_kwargs["min_replicas"] == 1
     assert run_config.failure_config.max_failures == 7  # Ray's default 0 would end the run at the first failure
     mine = ray.train.RunConfig(failure_config=ray.train.FailureConfig(max_failures=3))
@@ -217,3 +220,27 @@ def test_a_replacement_shut_down_before_its_peers_finish_is_not_told_anything():
         assert len(gone.ran) == 1 and len(stale.ran) == 1  # only the join each got at its start
     finally:
         set_join(None)
+
+
+def test_the_lighthouse_starts_with_the_controller_and_the_backend_takes_it_instead_of_making_one(ray_local):
+    """Ray's backend would create the lighthouse after the workers are up and wait for it;
+    ReplicaSupport starts it at the controller's start and the backend uses that actor."""
+    import ray
+
+    settings = ReplicaGroups()
+    config = replica_kwargs(settings, ray.train.RunConfig(), {})[1]["torch_config"]
+    support = ReplicaSupport(settings, lighthouse_kwargs=config.lighthouse_kwargs)
+    support.after_controller_start(SimpleNamespace())
+    started = _replicas._started_lighthouse
+    assert started is not None
+    backend = config.backend_cls()
+    address = backend._maybe_create_lighthouse_actor(config)
+    try:
+        assert backend.lighthouse_actor is started  # Ray's path creates one only when none is set
+        assert _replicas._started_lighthouse is None
+        assert address == ray.get(started.address.remote(), timeout=60)
+        assert address.startswith("http://")
+        # A later call (a replacement's start) reads the same actor's address.
+        assert backend._maybe_create_lighthouse_actor(config) == address
+    finally:
+        ray.kill(started)

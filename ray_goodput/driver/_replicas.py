@@ -1,4 +1,13 @@
-"""Driver side of replica mode: what the workers are told when they start or replace one."""
+"""Driver side of replica mode: what the workers are told when they start or replace one,
+and torchft's lighthouse started with the controller.
+
+Ray's torchft backend creates the lighthouse (a new actor: a process, ``import ray``,
+torchft) in ``on_start``, after the worker actors are up and their train context is
+initialized, and waits for it there: seconds on the critical path of every run's start.
+``ReplicaSupport`` starts it when the controller starts, so it comes up beside the worker
+actors, and the backend of :class:`EarlyLighthouseConfig` takes that actor instead of
+creating its own.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +19,12 @@ from typing import Any
 import ray
 import ray.train
 from ray.train.v2._internal.execution.callback import ControllerCallback, ReplicaGroupCallback, WorkerGroupCallback
+from ray.train.v2.torch.torchft_config import (
+    LighthouseServerActor,
+    TorchftConfig,
+    _TorchftBackend,  # no public way to hand it a lighthouse
+)
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ray_goodput.errors import ConfigError
 from ray_goodput.replica import ReplicaGroups
@@ -18,20 +33,64 @@ from ray_goodput.runtime._join import WorkerJoin, set_join
 
 logger = logging.getLogger(__name__)
 
+#: The lighthouse ReplicaSupport started in this (the controller's) process, until the
+#: backend takes it. One run per controller process.
+_started_lighthouse: Any = None
+
+
+def start_lighthouse(lighthouse_kwargs: dict[str, Any]) -> Any:
+    """Start torchft's lighthouse on this node without waiting for it; the backend of
+    :class:`EarlyLighthouseConfig` in this process takes it. Returns its actor handle."""
+    global _started_lighthouse  # noqa: PLW0603 - handed from the controller callback to the backend
+    _started_lighthouse = LighthouseServerActor.options(
+        num_cpus=0,  # a coordinator: it must not wait for, or hold, a CPU the workers are placed on
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False),
+    ).remote(lighthouse_kwargs={"bind": "[::]:0", **lighthouse_kwargs})
+    return _started_lighthouse
+
+
+def _take_started_lighthouse() -> Any:
+    global _started_lighthouse
+    handle, _started_lighthouse = _started_lighthouse, None
+    return handle
+
+
+class EarlyLighthouseConfig(TorchftConfig):
+    """Ray's ``TorchftConfig`` whose backend uses the lighthouse :func:`start_lighthouse`
+    started (and Ray's own path, creating one in ``on_start``, when none was)."""
+
+    @property
+    def backend_cls(self) -> type:
+        return _EarlyLighthouseBackend
+
+
+class _EarlyLighthouseBackend(_TorchftBackend):
+    def _maybe_create_lighthouse_actor(self, backend_config: Any) -> str:
+        # Ray 2.60's backend reads the address of self.lighthouse_actor when it is set
+        # (tests/test_replica_config.py holds it to that).
+        if self.lighthouse_actor is None:
+            self.lighthouse_actor = _take_started_lighthouse()
+        return super()._maybe_create_lighthouse_actor(backend_config)
+
 
 class ReplicaSupport(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):
     """Tells each worker how it joined (whole-group start, replacement, or a replacement
     whose peers finished) and the mode's settings, before its training function starts;
-    counts and logs replacements; publishes the goodput ledger when the run ends.
+    counts and logs replacements; publishes the goodput ledger when the run ends; starts
+    the lighthouse with the controller (``lighthouse_kwargs``: its settings, None to leave
+    it to Ray's backend).
 
     A worker-group callback (Ray passes only those to the worker group) that is also a
     replica-group callback (the hooks Ray 2.60 calls on a replacement) and a controller
     callback (``goodput``: the run's GoodputCallback, whose ``after_report`` never comes in
     this mode)."""
 
-    def __init__(self, settings: ReplicaGroups, goodput: Any = None) -> None:
+    def __init__(
+        self, settings: ReplicaGroups, goodput: Any = None, lighthouse_kwargs: dict[str, Any] | None = None
+    ) -> None:
         self.settings = settings
         self.goodput = goodput
+        self.lighthouse_kwargs = lighthouse_kwargs
         self._run_context: Any = None
         self.replacements: list[dict[str, Any]] = []
         self._ranks: set[int] = set()
@@ -46,6 +105,8 @@ class ReplicaSupport(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallba
 
     def after_controller_start(self, train_run_context: Any) -> None:
         self._run_context = train_run_context
+        if self.lighthouse_kwargs is not None:
+            start_lighthouse(self.lighthouse_kwargs)
 
     def after_controller_finish(self, result: Any) -> None:
         if self.goodput is not None and self._run_context is not None:
@@ -101,8 +162,6 @@ def replica_kwargs(settings: ReplicaGroups, run_config: Any, kwargs: dict[str, A
     if not isinstance(settings, ReplicaGroups):
         raise ConfigError(f"fault_tolerance must be a ray_goodput.ReplicaGroups or None, got {settings!r}")
     require_torchft()
-    from ray.train.v2.torch.torchft_config import TorchftConfig  # noqa: PLC0415 - replica mode only
-
     if kwargs.get("datasets"):
         raise ConfigError(
             "replica mode does not take Ray Data datasets=: a replacement would get the whole "
@@ -115,7 +174,7 @@ def replica_kwargs(settings: ReplicaGroups, run_config: Any, kwargs: dict[str, A
     if scaling is not None and getattr(scaling, "use_gpu", False):
         raise ConfigError("replica mode runs on CPU with gloo in this release; set ScalingConfig(use_gpu=False)")
     out = dict(kwargs)
-    out["torch_config"] = given or TorchftConfig(lighthouse_kwargs=settings.lighthouse_kwargs(), backend="gloo")
+    out["torch_config"] = given or EarlyLighthouseConfig(lighthouse_kwargs=settings.lighthouse_kwargs(), backend="gloo")
     failure = run_config.failure_config or ray.train.FailureConfig()
     if failure.max_failures == 0:  # Ray's default: the first replacement would end the run
         failure = dataclasses.replace(failure, max_failures=settings.max_failures)

@@ -21,7 +21,7 @@ from ray.train.v2.api.callback import RayTrainCallback
 from ray_goodput.driver._callback import GoodputCallback
 from ray_goodput.driver._node_services import NodeServices
 from ray_goodput.driver._recovery import Recovery, load_state
-from ray_goodput.driver._replicas import ReplicaSupport, replica_kwargs
+from ray_goodput.driver._replicas import EarlyLighthouseConfig, ReplicaSupport, replica_kwargs
 from ray_goodput.errors import ConfigError
 from ray_goodput.replica import ReplicaGroups
 from ray_goodput.runtime import run_root
@@ -59,7 +59,9 @@ class TorchTrainer(ray.train.torch.TorchTrainer):
         if fault_tolerance is not None:
             run_config, kwargs = replica_kwargs(fault_tolerance, run_config, kwargs)
             goodput = next((c for c in merged if isinstance(c, GoodputCallback)), None)
-            merged.append(ReplicaSupport(fault_tolerance, goodput))
+            ours = isinstance(kwargs["torch_config"], EarlyLighthouseConfig)  # not a TorchftConfig the user gave
+            lighthouse = kwargs["torch_config"].lighthouse_kwargs if ours else None
+            merged.append(ReplicaSupport(fault_tolerance, goodput, lighthouse_kwargs=lighthouse))
         self.recovery = _pick_recovery(merged, recovery)
         if self.recovery is not None and fault_tolerance is not None:
             self.recovery.checks_at_failure = False  # a replica's failure is no restart
