@@ -108,6 +108,46 @@ def test_decision_for_another_root_is_ignored(tmp_path):
         _resume.set_decision(None)
 
 
+def test_a_checkpoint_the_dead_attempt_commits_while_the_new_group_starts_is_the_one_it_resumes_from(tmp_path):
+    """The resume step is chosen when the new group is about to be placed; the dead
+    attempt's uploader can still commit a newer checkpoint while the new workers start
+    (seconds: processes, imports). The step handed to the workers, just before their
+    training function runs, is the newest committed then, and that one is pinned."""
+    from types import SimpleNamespace
+
+    from ray_goodput import Checkpointer, list_checkpoints
+    from ray_goodput.checkpoint.protocol import _layout
+    from ray_goodput.checkpoint.protocol._lineage import checkpoints_location
+    from ray_goodput.storage import read_bytes
+
+    root = str(tmp_path / "ckpt")
+    model = torch.nn.Linear(8, 8)
+    with Checkpointer(root, staging_dir=str(tmp_path / "stage"), uploader="thread", keep_last=1) as ckpt:
+        ckpt.save(10, {"model": model})
+    rec = Recovery(health_check=None, storage_path=root)
+    rec.after_controller_start(SimpleNamespace(run_config=None))
+    scaling = ScalingConfig(num_workers=1)
+    rec.on_controller_start_worker_group(scaling_config=scaling, num_workers=1)  # attempt 1
+    rec.on_controller_start_worker_group(scaling_config=scaling, num_workers=1)  # attempt 2, after a failure
+    assert rec.attempts[-1]["resume_step"] == 10
+    # The dead attempt's uploader commits step 20 (and prunes to keep_last=1) meanwhile.
+    with Checkpointer(root, staging_dir=str(tmp_path / "stage"), uploader="thread", keep_last=1) as ckpt:
+        ckpt.save(20, {"model": model})
+    handed = []
+    group = SimpleNamespace(
+        get_workers=lambda: [
+            SimpleNamespace(distributed_context=SimpleNamespace(world_rank=0), metadata=SimpleNamespace(node_id="n"))
+        ],
+        execute=lambda fn, decision: handed.append(decision),
+    )
+    rec.after_worker_group_start(group)
+    assert [d.step for d in handed] == [20]
+    assert rec.attempts[-1]["resume_step"] == 20
+    assert load_state(root)["attempts"][-1]["resume_step"] == 20
+    assert json.loads(read_bytes(checkpoints_location(root), _layout.RESUME))["step"] == 20
+    assert [c.step for c in list_checkpoints(root)] == [20]
+
+
 def test_gpu_check_comparison_catches_nan_inf_and_wrong_results():
     a = torch.randn(8, 8)
     assert _gpu_check.compare_results(a.clone(), a) is None

@@ -4,7 +4,10 @@ It runs in the Ray Train controller (Ray 2.60 DeveloperAPI hooks) and does three
 
 * **Resume point chosen once.** Before every attempt after the first it finds the newest
   intact committed checkpoint and hands that step to every worker of the new group
-  (``ray_goodput.runtime._resume``) before the training function starts.
+  (``ray_goodput.runtime._resume``) before the training function starts. It looks when the
+  group is about to be placed (and pins that step against retention), and once more just
+  before handing it over: a checkpoint the dead attempt's uploaders committed while the new
+  workers started is newer, and is the one they resume from.
 * **Futile retries stopped.** When a worker raised an error that a restart cannot fix
   (``ray_goodput.errors.NOT_RETRYABLE``, classified by type after unwrapping Ray's
   wrappers), Ray's RETRY decision is vetoed: the hook re-raises that error, Ray turns it into
@@ -213,6 +216,8 @@ class Recovery(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):
     def after_worker_group_start(self, worker_group: Any) -> None:
         workers = worker_group.get_workers()
         self._rank_nodes = {w.distributed_context.world_rank: w.metadata.node_id for w in workers}
+        if self._pending_decision is not None:
+            self._pending_decision = self._newer_resume(self._pending_decision)
         # Before the training function starts: every rank of this attempt gets the same step.
         worker_group.execute(set_decision, self._pending_decision)
 
@@ -286,6 +291,37 @@ class Recovery(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):
             except OSError as exc:
                 logger.warning("attempt %d: could not pin step %d against retention: %s", self.attempt, step, exc)
         return ResumeDecision(attempt=self.attempt, step=step, root_key=root_key(self._root))
+
+    def _newer_resume(self, decision: ResumeDecision) -> ResumeDecision:
+        """Just before the training function starts: a checkpoint newer than the chosen one,
+        committed since by the dead attempt's uploaders while the new workers started (their
+        processes, imports and process group: seconds), is the better resume point; it is
+        pinned and handed over instead. The chosen step stands when storage cannot say."""
+        assert self._root is not None, "after_controller_start sets the root"
+        try:
+            found = newest_valid(self._root)
+        except OSError as exc:
+            logger.warning(
+                "attempt %d: could not look for a newer checkpoint (%s); it resumes as chosen", self.attempt, exc
+            )
+            return decision
+        step = found[1].step if found else None
+        if step is None or (decision.step is not None and step <= decision.step):
+            return decision
+        try:
+            pin_resume(self._root, attempt=next_generation(self._root, self.attempt), step=step)
+        except OSError as exc:
+            logger.warning("attempt %d: could not pin step %d (%s); it resumes as chosen", self.attempt, step, exc)
+            return decision
+        logger.info(
+            "attempt %d resumes from step %d, committed while its workers started (chosen before: %s)",
+            self.attempt,
+            step,
+            decision.step,
+        )
+        self.attempts[-1]["resume_step"] = step
+        self._save()
+        return ResumeDecision(attempt=decision.attempt, step=step, root_key=decision.root_key)
 
     def _candidate_nodes(self, scaling_config: Any) -> list[str]:
         per_worker = worker_resources(scaling_config)
