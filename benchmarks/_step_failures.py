@@ -32,6 +32,7 @@ from pathlib import Path
 import _results
 import _savers
 import _targets
+import psutil
 import torch
 
 SYSTEMS = {
@@ -235,7 +236,8 @@ def _survivor_gap(markers: Path, fail_at: list[int]) -> float | None:
 def table(results: list[dict], args) -> str:
     out = [
         f"{args.steps} steps, 2 workers, DDP with {args.mb_per_rank} MiB of state per rank, checkpoints every "
-        f"{args.every} steps on moto S3; rank 1 SIGKILLed during the steps of `fail at`, seeded per seed\n",
+        f"{args.every} steps on moto S3 (the server at niceness {getattr(args, 'storage_server_nice', 0)}; Ray "
+        "workers: 15); rank 1 SIGKILLed during the steps of `fail at`, seeded per seed\n",
         "| seed | system | fail at | wall s | goodput | productive s | degraded s | lost s | checkpoint stall s "
         "| restore s | restart downtime s | startup s | other s | cost per failure s | survivor max gap s |",
         "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
@@ -314,6 +316,7 @@ def main(args, meta: dict) -> int:
     for k, v in env.items():
         os.environ.setdefault(k, v)
     moto, endpoint = start_moto_server()
+    psutil.Process(moto.pid).nice(args.storage_server_nice)
     root = Path(tempfile.mkdtemp(prefix="goodput-steps-"))
     out = args.out
     results = []

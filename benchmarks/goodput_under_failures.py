@@ -39,6 +39,7 @@ import _results
 import _savers
 import _step_failures
 import _targets
+import psutil
 import torch
 
 SAMPLES, BATCH = 256, 4
@@ -604,6 +605,7 @@ def main_s3(args, meta: dict) -> int:
         os.environ.setdefault(k, v)
     failures = poisson_failures(args.seed, args.mtbf_s, args.horizon_s)
     moto, endpoint = start_moto_server()
+    psutil.Process(moto.pid).nice(args.storage_server_nice)
     root = Path(tempfile.mkdtemp(prefix="goodput-s3-"))
     results = []
     try:
@@ -669,6 +671,14 @@ def main() -> int:
     parser.add_argument("--horizon-s", type=float, default=900.0, help="s3-poisson: schedule length")
     parser.add_argument("--systems", nargs="+", choices=list(S3_SYSTEMS), default=list(S3_SYSTEMS))
     parser.add_argument("--table", action="store_true", help="s3-poisson: only print the table of --out")
+    parser.add_argument(
+        "--storage-server-nice",
+        type=int,
+        default=15,
+        help="S3 modes: niceness of the local S3 server (default 15, Ray's worker niceness: it stands in for "
+        "remote storage, which takes no CPU from the node; at moto's default, 0, it outranks every Ray "
+        "worker for the shared cores, 28 to 1, and slows whichever process waits on a core while it serves)",
+    )
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="step-failures: schedule seeds")
     parser.add_argument("--failures", type=int, default=3, help="step-failures: failures per run")
     parser.add_argument("--state-mb", type=int, default=72, help="step-failures: DDP state per rank, MiB")

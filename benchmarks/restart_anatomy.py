@@ -1,9 +1,11 @@
 """Where a whole-group restart's seconds go, phase by phase, for Ray Train and ray_goodput.
 
-    python benchmarks/restart_anatomy.py [--failures 3] [--mb-per-rank 16]
+    python benchmarks/restart_anatomy.py [--failures 3] [--mb-per-rank 16] [--storage local|s3]
 
 Each system runs the step-failures benchmark's DDP loop (2 CPU workers over gloo,
-checkpoints every ``--every`` steps on a local directory); rank 1 is SIGKILLed at
+checkpoints every ``--every`` steps on a local directory, or with ``--storage s3`` on a
+local moto S3 server at the Ray workers' niceness, as ``goodput_under_failures.py --mode
+step-failures`` runs it); rank 1 is SIGKILLed at
 ``--failures`` steps. The controller's hooks are timed by two callbacks (``_anatomy.py``)
 and the workers' side by the kill markers, the goodput events (restore) and the step
 logs. Per restart:
@@ -17,8 +19,9 @@ logs. Per restart:
     train context      -> init_train_context returned (Ray Train's worker module, its imports)
     process group      -> the backend's process group and the after-start callbacks
     launch             -> the training function runs
-    restore            -> the checkpoint is loaded (the loop builds its model and optimizer,
-                          then restores; the end is the goodput events' restore)
+    set-up             -> the restore begins (the loop builds its model, optimizer and
+                          checkpointer; the start of the goodput events' restore)
+    restore            -> the checkpoint is loaded (the end of the goodput events' restore)
     first step         -> the first step after the restore ended
 
 Both systems run in one invocation, interleaved per repeat; the table gives each phase's
@@ -39,6 +42,10 @@ from pathlib import Path
 import _anatomy
 import _results
 import _step_failures
+import psutil
+
+from ray_goodput.goodput._events import read_events
+from ray_goodput.storage import StorageLocation
 
 PHASES = [
     "detection",
@@ -48,11 +55,18 @@ PHASES = [
     "train context",
     "process group",
     "launch",
+    "set-up",
     "restore",
     "first step",
 ]
 SYSTEMS = {"rt_async_dcp": "Ray Train (ASYNC dcp report)", "rg_whole": "ray_goodput whole-group"}
 RESULTS = _results.default_path("restart_anatomy")
+S3_ENV = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+    "AWS_EC2_METADATA_DISABLED": "true",
+}
 
 
 def _marks(path: Path) -> list[dict]:
@@ -84,10 +98,12 @@ def restarts(marks: list[dict], kills: list[float], restores: list[dict], first_
         hooks_began = _after(marks, "early:start_worker_group", points.get("shutdown") or kill)
         if points.get("launch") is not None:
             restore = next((r for r in sorted(restores, key=lambda r: r["t"]) if r["t"] >= points["launch"]), None)
+            points["restore_began"] = restore["t0"] if restore else None
             points["restored"] = restore["t"] if restore else None
             first = next((t for t in sorted(first_steps) if t >= (points["restored"] or points["launch"])), None)
             points["first"] = first
-        keys = ["kill", "seen", "shutdown", "hooks", "actors", "context", "pg", "launch", "restored", "first"]
+        keys = ["kill", "seen", "shutdown", "hooks", "actors", "context", "pg", "launch", "restore_began", "restored",
+                "first"]  # fmt: skip
         row = {}
         for phase, (a, b) in zip(PHASES, zip(keys, keys[1:])):
             ta, tb = points.get(a), points.get(b)
@@ -97,6 +113,23 @@ def restarts(marks: list[dict], kills: list[float], restores: list[dict], first_
         row["total"] = None if points.get("first") is None else round(points["first"] - kill, 3)
         rows.append(row)
     return rows
+
+
+def _storage(system: str, rep: int, work: Path, args) -> tuple[dict, StorageLocation]:
+    """RunConfig's storage arguments, and where the run's goodput events land."""
+    import pyarrow.fs as pafs
+
+    if args.storage == "local":
+        run_dir = str(work / "runs" / system)
+        return {"storage_path": str(work / "runs")}, StorageLocation(
+            uri=run_dir, fs=pafs.LocalFileSystem(), root=run_dir
+        )
+    fs = pafs.S3FileSystem(endpoint_override=args.endpoint, scheme="http", allow_bucket_creation=True)
+    bucket = f"anatomy-{system.replace('_', '-')}-{rep}-{os.getpid()}"
+    fs.create_dir(bucket)
+    run_dir = f"{bucket}/runs/{system}"
+    location = StorageLocation(uri=f"s3://{run_dir}", fs=fs, root=run_dir)
+    return {"storage_path": f"{bucket}/runs", "storage_filesystem": fs}, location
 
 
 def run_one(system: str, rep: int, root: Path, args) -> dict:
@@ -123,11 +156,8 @@ def run_one(system: str, rep: int, root: Path, args) -> dict:
     os.environ["ANATOMY_OUT"] = str(clocks)  # read by both clocks where they are built, here
     late = _anatomy.Clock()
     goodput = ray_goodput.GoodputCallback(tracking_uri=f"sqlite:///{work}/mlflow.db")
-    run_config = RunConfig(
-        name=system,
-        storage_path=str(work / "runs"),
-        failure_config=FailureConfig(max_failures=args.failures + 2),
-    )
+    storage, events_at = _storage(system, rep, work, args)
+    run_config = RunConfig(name=system, failure_config=FailureConfig(max_failures=args.failures + 2), **storage)
     common = {"train_loop_config": cfg, "scaling_config": ScalingConfig(num_workers=2)}
     if system == "rt_async_dcp":
         run_config = run_config.__class__(**{**run_config.__dict__, "callbacks": [goodput, late]})
@@ -141,8 +171,7 @@ def run_one(system: str, rep: int, root: Path, args) -> dict:
     trainer.fit()
     wall = time.time() - began
     kills = [p.stat().st_mtime for p in markers.glob("*.fired")]
-    events = [json.loads(line) for p in (work / "runs" / system / "goodput" / "events").glob("*.jsonl")
-              for line in p.read_text().splitlines()]  # fmt: skip
+    events = [e for attempt in read_events(events_at).values() for e in attempt]
     restores = [e for e in events if e.get("e") == "restore"]
     first_steps = []
     for p in markers.glob("steps-0-*.jsonl"):
@@ -191,8 +220,18 @@ def main() -> int:
     parser.add_argument("--every", type=int, default=5)
     parser.add_argument("--compute-s", type=float, default=0.05)
     parser.add_argument("--mb-per-rank", type=int, default=16)
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--storage", choices=["local", "s3"], default="local", help="where checkpoints go")
+    parser.add_argument(
+        "--storage-server-nice",
+        type=int,
+        default=15,
+        help="--storage s3: niceness of the local S3 server (default 15, Ray's worker niceness: it stands in "
+        "for remote storage, which takes no CPU from the node)",
+    )
+    parser.add_argument("--out", type=Path, default=None, help="default: restart_anatomy_<kind>[_s3].json")
     args = parser.parse_args()
+    if args.out is None:
+        args.out = RESULTS if args.storage == "local" else _results.default_path("restart_anatomy_s3")
     run = _results.start_run("restart_anatomy")
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")
     # Ray builds the env-var callbacks in the driver and ships them to the controller by
@@ -202,16 +241,30 @@ def main() -> int:
     import ray.cloudpickle
 
     ray.cloudpickle.register_pickle_by_value(_anatomy)
-    interval = os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"]
-    ray.init(log_to_driver=False, runtime_env={"env_vars": {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": interval}})
+    env = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"]}
+    moto = None
+    if args.storage == "s3":
+        from ray_goodput.testing._s3 import start_moto_server
+
+        for k, v in S3_ENV.items():
+            os.environ.setdefault(k, v)
+        env.update(S3_ENV)
+        moto, args.endpoint = start_moto_server()
+        psutil.Process(moto.pid).nice(args.storage_server_nice)
+    ray.init(log_to_driver=False, runtime_env={"env_vars": env})
     results = []
-    with tempfile.TemporaryDirectory(prefix="anatomy-") as tmp:
-        for rep in range(args.repeats):
-            for system in SYSTEMS:
-                results.append(run_one(system, rep, Path(tmp), args))
-                print(f"[{system} #{rep}] {results[-1]['wall_s']:.0f} s, {len(results[-1]['restarts'])} restarts",
-                      file=sys.stderr)  # fmt: skip
-    ray.shutdown()
+    try:
+        with tempfile.TemporaryDirectory(prefix="anatomy-") as tmp:
+            for rep in range(args.repeats):
+                for system in SYSTEMS:
+                    results.append(run_one(system, rep, Path(tmp), args))
+                    print(f"[{system} #{rep}] {results[-1]['wall_s']:.0f} s, {len(results[-1]['restarts'])} "
+                          "restarts", file=sys.stderr)  # fmt: skip
+    finally:
+        ray.shutdown()
+        if moto is not None:
+            moto.terminate()
+            moto.wait(timeout=10)
     summary = summarize(results)
     text = table(summary)
     print(text)
