@@ -148,6 +148,46 @@ def test_a_checkpoint_the_dead_attempt_commits_while_the_new_group_starts_is_the
     assert [c.step for c in list_checkpoints(root)] == [20]
 
 
+def test_the_resume_step_is_chosen_when_the_failure_is_seen_not_when_the_next_group_is_placed(tmp_path):
+    """The choice (a listing, a manifest read, the pin) runs in a thread from the poll that
+    sees the failure, beside Ray's shutdown and placement; the next start only takes it,
+    and the look before the training function starts still finds a newer commit."""
+    from types import SimpleNamespace
+
+    from ray_goodput import Checkpointer
+    from ray_goodput.checkpoint.protocol import _layout
+    from ray_goodput.checkpoint.protocol._lineage import checkpoints_location
+    from ray_goodput.storage import read_bytes
+
+    root = str(tmp_path / "ckpt")
+    model = torch.nn.Linear(8, 8)
+    with Checkpointer(root, staging_dir=str(tmp_path / "stage"), uploader="thread") as ckpt:
+        ckpt.save(10, {"model": model})
+    rec = Recovery(health_check=None, storage_path=root)
+    rec.after_controller_start(SimpleNamespace(run_config=None))
+    scaling = ScalingConfig(num_workers=1)
+    rec.on_controller_start_worker_group(scaling_config=scaling, num_workers=1)  # attempt 1
+
+    def pinned() -> int | None:
+        try:
+            return json.loads(read_bytes(checkpoints_location(root), _layout.RESUME))["step"]
+        except FileNotFoundError:
+            return None
+
+    assert pinned() is None
+    rec.after_worker_group_poll_status(SimpleNamespace(errors={0: RuntimeError("a worker died")}))
+    wait_for(lambda: pinned() == 10, timeout_s=60, what="the resume choice begun at the failure")
+    with Checkpointer(root, staging_dir=str(tmp_path / "stage"), uploader="thread") as ckpt:
+        ckpt.save(20, {"model": model})  # committed after the choice, before the next start
+    rec.on_controller_start_worker_group(scaling_config=scaling, num_workers=1)  # attempt 2
+    assert rec.attempts[-1]["resume_step"] == 10  # the choice made at the failure, taken
+    handed = []
+    worker = SimpleNamespace(distributed_context=SimpleNamespace(world_rank=0), metadata=SimpleNamespace(node_id="n"))
+    group = SimpleNamespace(get_workers=lambda: [worker], execute=lambda fn, decision: handed.append(decision))
+    rec.after_worker_group_start(group)
+    assert [d.step for d in handed] == [20] and pinned() == 20
+
+
 def test_gpu_check_comparison_catches_nan_inf_and_wrong_results():
     a = torch.randn(8, 8)
     assert _gpu_check.compare_results(a.clone(), a) is None

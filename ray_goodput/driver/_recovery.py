@@ -5,9 +5,10 @@ It runs in the Ray Train controller (Ray 2.60 DeveloperAPI hooks) and does three
 * **Resume point chosen once.** Before every attempt after the first it finds the newest
   intact committed checkpoint and hands that step to every worker of the new group
   (``ray_goodput.runtime._resume``) before the training function starts. It looks when the
-  group is about to be placed (and pins that step against retention), and once more just
-  before handing it over: a checkpoint the dead attempt's uploaders committed while the new
-  workers started is newer, and is the one they resume from.
+  failure is seen (in a thread, beside Ray's shutdown and placement; it pins that step
+  against retention), and once more just before handing it over: a checkpoint the dead
+  attempt's uploaders committed while the new workers started is newer, and is the one
+  they resume from.
 * **Futile retries stopped.** When a worker raised an error that a restart cannot fix
   (``ray_goodput.errors.NOT_RETRYABLE``, classified by type after unwrapping Ray's
   wrappers), Ray's RETRY decision is vetoed: the hook re-raises that error, Ray turns it into
@@ -27,6 +28,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -49,6 +51,8 @@ TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S = "TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S
 #: Ray's built-in node label; a value ``"!in(a,b)"`` keeps bundles off nodes a and b.
 NODE_ID_LABEL = "ray.io/node-id"
 STATE_FILE = "recovery/state.json"
+#: How long a start waits for the resume choice begun when the failure was seen.
+RESUME_CHOICE_WAIT_S = 300.0
 
 
 def unwrap(exc: BaseException) -> list[BaseException]:
@@ -155,6 +159,7 @@ class Recovery(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):
         self._pending_decision: ResumeDecision | None = None
         self._scaling: Any = None  # the run's ScalingConfig, for checks started at a failure
         self._early_checks: dict[Any, str] | None = None  # started when the failure was seen
+        self._early_resume: tuple[threading.Thread, dict[str, Any]] | None = None  # likewise
         # Off in replica mode (the trainer says so): a replica's failure is replaced, not
         # restarted, and checks then would only load the survivors' nodes.
         self.checks_at_failure = True
@@ -175,7 +180,7 @@ class Recovery(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):
         self.attempt += 1
         self._counted = set()
         self._scaling = scaling_config
-        decision = self._choose_resume() if self.attempt > 1 else None
+        decision = self._take_resume_choice() if self.attempt > 1 else None
         unhealthy = self._check_health(scaling_config)
         excluded = sorted(set(self.ledger.isolated) | set(unhealthy))
         self._warn_if_short(scaling_config, num_workers, excluded)
@@ -230,12 +235,14 @@ class Recovery(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):
         for ref in self._early_checks or {}:  # no group start follows to read them
             ray.cancel(ref, force=True)
         self._early_checks = None
+        self._early_resume = None
 
     def after_worker_group_poll_status(self, worker_group_status: Any) -> None:
         errors = worker_group_status.errors
         if not errors:
             return
         self._start_checks_early()
+        self._start_resume_choice_early()
         for rank, exc in sorted(errors.items()):
             self._count_failure(rank, exc)
             hit = futile(exc)
@@ -265,32 +272,66 @@ class Recovery(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):
             )
             self._save()
 
-    def _choose_resume(self) -> ResumeDecision | None:
+    def _start_resume_choice_early(self) -> None:
+        """At the poll that first sees this attempt's failure: choose the next attempt's
+        resume step (a listing, a manifest read, the pin) in a thread, while Ray decides,
+        shuts the old group down and places the new one; the next start takes its result.
+        A checkpoint the dead attempt's uploader commits after it is still caught: the
+        choice is looked at again before the training function starts (``_newer_resume``)."""
+        if not self.checks_at_failure or self._root is None or self._early_resume is not None:
+            return
+        box: dict[str, Any] = {}
+        attempt = self.attempt + 1
+        thread = threading.Thread(
+            target=lambda: box.update(decision=self._choose_resume(attempt)),
+            name="rg-recovery-resume-choice",
+            daemon=True,
+        )
+        thread.start()
+        self._early_resume = (thread, box)
+
+    def _take_resume_choice(self) -> ResumeDecision | None:
+        """The resume choice begun at the failure, or one made now."""
+        early, self._early_resume = self._early_resume, None
+        if early is None:
+            return self._choose_resume(self.attempt)
+        thread, box = early
+        thread.join(timeout=RESUME_CHOICE_WAIT_S)
+        if thread.is_alive() or "decision" not in box:
+            logger.warning(
+                "attempt %d: the resume choice begun at the failure did not finish in %.0f s (storage %s); "
+                "each worker restore will look on its own",
+                self.attempt,
+                RESUME_CHOICE_WAIT_S,
+                self._root.uri if self._root is not None else "?",
+            )
+            return None
+        return box["decision"]
+
+    def _choose_resume(self, attempt: int) -> ResumeDecision | None:
         assert self._root is not None, "after_controller_start sets the root"
         try:
             found = newest_valid(self._root)
         except OSError as exc:  # StorageError is an OSError: the workers will look themselves
             logger.warning(
                 "attempt %d: could not list checkpoints under %s (%s); each worker restore will look on its own",
-                self.attempt,
+                attempt,
                 self._root.uri,
                 exc,
             )
             return None
         step = found[1].step if found else None
         if step is None:
-            logger.info(
-                "attempt %d resumes from scratch: no committed checkpoint under %s", self.attempt, self._root.uri
-            )
+            logger.info("attempt %d resumes from scratch: no committed checkpoint under %s", attempt, self._root.uri)
         else:
-            logger.info("attempt %d resumes from step %d", self.attempt, step)
+            logger.info("attempt %d resumes from step %d", attempt, step)
             try:  # before any worker starts: a dead attempt's late retention must keep it
                 # Pinned for the generation the attempt will claim: on a storage root used
                 # before, generations run ahead of this run's attempt count.
-                pin_resume(self._root, attempt=next_generation(self._root, self.attempt), step=step)
+                pin_resume(self._root, attempt=next_generation(self._root, attempt), step=step)
             except OSError as exc:
-                logger.warning("attempt %d: could not pin step %d against retention: %s", self.attempt, step, exc)
-        return ResumeDecision(attempt=self.attempt, step=step, root_key=root_key(self._root))
+                logger.warning("attempt %d: could not pin step %d against retention: %s", attempt, step, exc)
+        return ResumeDecision(attempt=attempt, step=step, root_key=root_key(self._root))
 
     def _newer_resume(self, decision: ResumeDecision) -> ResumeDecision:
         """Just before the training function starts: a checkpoint newer than the chosen one,
@@ -335,9 +376,7 @@ class Recovery(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):
 
     def _start_checks_early(self) -> None:
         """At the poll that first sees this attempt's failure: start the node checks now, so
-        they run while Ray decides and shuts the old group down, not after. (The resume
-        choice stays at the next start: the dead attempt's uploader can still commit a
-        newer checkpoint during the shutdown.)"""
+        they run while Ray decides and shuts the old group down, not after."""
         if not self.checks_at_failure or self.health_check is None or self._scaling is None:
             return
         if self._early_checks is not None:
