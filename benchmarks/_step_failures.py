@@ -190,12 +190,15 @@ def run_one(system: str, seed: int, fail_at: list[int], root: Path, endpoint: st
         "mb_per_rank": args.mb_per_rank,
         "fail_at": fail_at,
     }
+    goodput = ray_goodput.GoodputCallback(tracking_uri=f"sqlite:///{root}/mlflow.db")
     run_config = RunConfig(
         name=system,
         storage_path=f"{bucket}/runs",
         storage_filesystem=fs,
         failure_config=FailureConfig(max_failures=len(fail_at) + 2),
-        callbacks=[ray_goodput.GoodputCallback(tracking_uri=f"sqlite:///{root}/mlflow.db")],
+        # Its controller hooks too, for every system (ray_goodput's trainer would add them):
+        # the accounting's MLflow work must not hold up any system's reports.
+        callbacks=[goodput, goodput.controller_callback()],
     )
     common = {"train_loop_config": cfg, "scaling_config": ScalingConfig(num_workers=2), "run_config": run_config}
     if system == "rt_async_dcp":

@@ -45,6 +45,15 @@ import torch
 SAMPLES, BATCH = 256, 4
 
 
+def _goodput_callbacks(root: Path) -> list:
+    """The goodput ledger's callback and its controller hooks, for every system alike
+    (ray_goodput's trainer would add the hooks): its MLflow work holds up no report."""
+    from ray_goodput import GoodputCallback
+
+    goodput = GoodputCallback(tracking_uri=f"sqlite:///{root}/mlflow.db")
+    return [goodput, goodput.controller_callback()]
+
+
 def _model() -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(8)])  # 32 MiB + Adam
@@ -167,8 +176,6 @@ def run(kind: str, root: Path, args) -> dict:
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    from ray_goodput import GoodputCallback
-
     markers = root / f"{kind}-markers"
     markers.mkdir(parents=True)
     cfg = {
@@ -187,7 +194,7 @@ def run(kind: str, root: Path, args) -> dict:
             name=kind,
             storage_path=str(root / "runs"),
             failure_config=FailureConfig(max_failures=len(args.fail_at) + 1),
-            callbacks=[GoodputCallback(tracking_uri=f"sqlite:///{root}/mlflow.db")],
+            callbacks=_goodput_callbacks(root),
         ),
     )
     start = time.time()
@@ -491,7 +498,6 @@ def run_s3(system: str, root: Path, endpoint: str, args, failures: list[float]) 
     from ray.train import FailureConfig, RunConfig, ScalingConfig
 
     import ray_goodput
-    from ray_goodput import GoodputCallback
     from ray_goodput.goodput import compute
     from ray_goodput.goodput._events import read_events
     from ray_goodput.goodput._report import summary
@@ -518,7 +524,7 @@ def run_s3(system: str, root: Path, endpoint: str, args, failures: list[float]) 
         storage_path=f"{bucket}/runs",
         storage_filesystem=fs,
         failure_config=FailureConfig(max_failures=len(failures) + 2),
-        callbacks=[GoodputCallback(tracking_uri=f"sqlite:///{root}/mlflow.db")],
+        callbacks=_goodput_callbacks(root),
     )
     extra = {}
     if system == "ray_goodput":

@@ -160,7 +160,8 @@ def run_one(system: str, rep: int, root: Path, args) -> dict:
     run_config = RunConfig(name=system, failure_config=FailureConfig(max_failures=args.failures + 2), **storage)
     common = {"train_loop_config": cfg, "scaling_config": ScalingConfig(num_workers=2)}
     if system == "rt_async_dcp":
-        run_config = run_config.__class__(**{**run_config.__dict__, "callbacks": [goodput, late]})
+        callbacks = [goodput, goodput.controller_callback(), late]  # the hooks ray_goodput's trainer adds
+        run_config = run_config.__class__(**{**run_config.__dict__, "callbacks": callbacks})
         trainer = ray.train.torch.TorchTrainer(_step_failures.whole_group_loop, run_config=run_config, **common)
     else:
         recovery = ray_goodput.Recovery(max_failures_per_node=args.failures + 3)  # one node

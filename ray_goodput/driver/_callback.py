@@ -6,11 +6,13 @@ import json
 import logging
 import os
 import queue
+import sys
 import threading
 import time
 from typing import Any
 
 from ray.train import Checkpoint, UserCallback
+from ray.train.v2._internal.execution.callback import ControllerCallback
 
 from ray_goodput.driver._publish import MlflowSink, RayGauges
 from ray_goodput.driver._recovery import load_state
@@ -20,6 +22,9 @@ from ray_goodput.runtime import run_root
 from ray_goodput.storage import StorageLocation, write_bytes
 
 logger = logging.getLogger(__name__)
+
+#: How long the controller's end waits for the MLflow thread to finish the run.
+_MLFLOW_DRAIN_S = 120.0
 
 
 class GoodputCallback(UserCallback):
@@ -33,6 +38,14 @@ class GoodputCallback(UserCallback):
     cleanly; ``<run dir>/goodput/summary.json`` too (with the nodes a Recovery isolated).
     While it runs: ledger metrics and the data wait per step (``data/fetch_seconds_p50``,
     ``_p95``, ``_max`` per logging interval) go to MLflow, live values to Ray metrics.
+
+    MLflow calls run in one background thread of the controller at the lowest CPU priority.
+    With its :meth:`controller_callback` in the run too (``ray_goodput.TorchTrainer`` adds
+    it), the MLflow run is opened when the controller starts (importing MLflow and creating
+    a sqlite store take seconds), no report waits on MLflow, and the controller's end waits
+    for the thread to finish the run (at most 120 s). Without it (Ray's own TorchTrainer
+    with only this callback: Ray calls a ``UserCallback`` at reports and exceptions only),
+    the report that makes the ledger final waits for MLflow to finish the run.
     """
 
     def __init__(
@@ -45,6 +58,11 @@ class GoodputCallback(UserCallback):
         self.ledger: Ledger | None = None
         self._failures: list[str] = []
         self._state: dict[str, Any] = {}
+
+    def controller_callback(self) -> ControllerCallback:
+        """A Ray Train controller callback for this GoodputCallback: pass both in the run's
+        callbacks (``ray_goodput.TorchTrainer`` adds it itself)."""
+        return GoodputControllerHooks(self)
 
     def __getstate__(self) -> dict[str, Any]:
         d = dict(self.__dict__)
@@ -69,6 +87,7 @@ class GoodputCallback(UserCallback):
         return self._state["queue"]
 
     def _drain(self, q: queue.Queue) -> None:
+        _lowest_cpu_priority()
         sink = None
         while True:
             kind, payload, done = q.get()
@@ -94,19 +113,27 @@ class GoodputCallback(UserCallback):
         self.ledger.failures = max(self.ledger.failures, len(self._failures))
         return self.ledger
 
-    def _publish(self, run_context: Any, ledger: Ledger, final: bool) -> None:
+    def _wait_for_mlflow(self, timeout_s: float) -> bool:
+        """Whether every MLflow call queued so far has run (waits at most ``timeout_s``)."""
+        if "queue" not in self._state:
+            return True
+        done = threading.Event()
+        self._state["queue"].put(("flush", (), done))
+        return done.wait(timeout=timeout_s)
+
+    def _publish(self, run_context: Any, ledger: Ledger, final: bool, wait: bool = False) -> None:
         step = int(time.time() - self.job_start)
         gauges = self._state.setdefault("gauges", _safe_gauges(self._state.get("name", "run")))
         if gauges is not None:
             gauges.set(ledger)
         if final:
-            self._finish(run_context, ledger, step)
+            self._finish(run_context, ledger, step, wait)
         elif time.time() - self._state.get("last_log", 0.0) >= self.log_every_s:
             since, self._state["last_log"] = self._state.get("last_log", 0.0), time.time()
             latest = self._state["attempts"][-1] if self._state["attempts"] else []
             self._worker().put(("log", ({**ledger.as_metrics(), **fetch_stats(latest, since)}, step), None))
 
-    def _finish(self, run_context: Any, ledger: Ledger, step: int) -> None:
+    def _finish(self, run_context: Any, ledger: Ledger, step: int, wait: bool) -> None:
         root = self._root(run_context)
         recovery = _recovery_state(root)
         isolated = recovery.get("isolated_nodes", [])
@@ -116,15 +143,31 @@ class GoodputCallback(UserCallback):
             if a.get("excluded_nodes")
         }
         result = {**summary(ledger), "isolated_nodes": isolated, "stopped": recovery.get("stopped")}
-        done = threading.Event()
         if isolated:
             self._worker().put(("tag", ("ray_goodput.isolated_nodes", ",".join(isolated)), None))
-        self._worker().put(("finish", (ledger, step, result, self._state["attempts"], notes), done))
+        self._worker().put(("finish", (ledger, step, result, self._state["attempts"], notes), None))
         write_bytes(root, "goodput/summary.json", json.dumps(result, indent=1).encode())
-        done.wait(timeout=120)
+        if wait or not self._state.get("drained_at_end"):
+            self._wait_for_mlflow(_MLFLOW_DRAIN_S)
         logger.info(
             "goodput of the job:\n%s%s", table(ledger), f"\nisolated nodes: {', '.join(isolated)}" if isolated else ""
         )
+
+    # -- the controller's start and end (GoodputControllerHooks) --
+    def controller_started(self, train_run_context: Any) -> None:
+        """Open the MLflow run now, in the background (ready before the first report), and
+        leave the wait for MLflow to the controller's end."""
+        self._state["drained_at_end"] = True
+        try:
+            self._root(train_run_context)
+            self._worker().put(("flush", (), None))
+        except Exception as exc:  # noqa: BLE001 - never fail the run over accounting
+            logger.warning("goodput MLflow run not opened at the start: %s", exc)
+
+    def controller_finished(self) -> None:
+        """The controller's process ends after this: let the MLflow thread finish the run."""
+        if not self._wait_for_mlflow(_MLFLOW_DRAIN_S):
+            logger.warning("goodput MLflow calls still running after %.0f s; the run may stay open", _MLFLOW_DRAIN_S)
 
     # -- Ray Train hooks --
     def after_report(self, run_context: Any, metrics: list[dict[str, Any]], checkpoint: Checkpoint | None) -> None:
@@ -145,7 +188,7 @@ class GoodputCallback(UserCallback):
         try:
             # The run's end, not its last step: a replacement still starting, or the last
             # upload, is time the job took.
-            self._publish(run_context, self.refresh(run_context, job_end=time.time()), final=True)
+            self._publish(run_context, self.refresh(run_context, job_end=time.time()), final=True, wait=True)
             self._state["finished"] = True
         except Exception as exc:  # noqa: BLE001 - never fail the run over accounting
             logger.warning("goodput ledger update failed: %s", exc)
@@ -164,10 +207,36 @@ class GoodputCallback(UserCallback):
             )
             self._worker().put(("tag", ("ray_goodput.stopped_by", futile[0]), None))
             try:
-                self._publish(run_context, self.refresh(run_context), final=True)
+                self._publish(run_context, self.refresh(run_context), final=True, wait=True)
                 self._state["finished"] = True
             except Exception as exc:  # noqa: BLE001 - never fail the run over accounting
                 logger.warning("goodput ledger update failed: %s", exc)
+
+
+class GoodputControllerHooks(ControllerCallback):
+    """The controller's start and end for a :class:`GoodputCallback` (Ray Train calls a
+    ``UserCallback`` at reports and exceptions only). Made by
+    :meth:`GoodputCallback.controller_callback`."""
+
+    def __init__(self, goodput: GoodputCallback) -> None:
+        self.goodput = goodput
+
+    def after_controller_start(self, train_run_context: Any) -> None:
+        self.goodput.controller_started(train_run_context)
+
+    def after_controller_finish(self, result: Any) -> None:
+        self.goodput.controller_finished()
+
+
+def _lowest_cpu_priority() -> None:
+    """This thread at niceness 19 (Linux: a thread is a task), so accounting never takes a
+    core from training processes on the same node."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except OSError as exc:
+        logger.debug("could not lower the MLflow thread's priority: %s", exc)
 
 
 def _recovery_state(root: StorageLocation) -> dict[str, Any]:

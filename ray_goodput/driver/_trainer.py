@@ -18,7 +18,7 @@ import ray.train
 import ray.train.torch
 from ray.train.v2.api.callback import RayTrainCallback
 
-from ray_goodput.driver._callback import GoodputCallback
+from ray_goodput.driver._callback import GoodputCallback, GoodputControllerHooks
 from ray_goodput.driver._node_services import NodeServices
 from ray_goodput.driver._recovery import Recovery, load_state
 from ray_goodput.driver._replicas import EarlyLighthouseConfig, ReplicaSupport, replica_kwargs
@@ -67,6 +67,9 @@ class TorchTrainer(ray.train.torch.TorchTrainer):
             self.recovery.checks_at_failure = False  # a replica's failure is no restart
         if self.recovery is not None and not any(c is self.recovery for c in merged):
             merged.append(self.recovery)
+        for goodput in [c for c in merged if isinstance(c, GoodputCallback)]:
+            if not any(isinstance(c, GoodputControllerHooks) and c.goodput is goodput for c in merged):
+                merged.append(goodput.controller_callback())  # MLflow opened early, no report waits on it
         if not any(isinstance(c, NodeServices) for c in merged):
             # Node uploaders up before the first save, in the workers' runtime env.
             merged.append(NodeServices(run_config.worker_runtime_env))

@@ -1,0 +1,62 @@
+"""GoodputCallback's MLflow thread against a real MLflow (sqlite store) and real event files,
+with its hooks called directly (no Ray run: the controller is not the point here)."""
+
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+
+import pyarrow.fs as pafs
+
+from ray_goodput import GoodputCallback
+from ray_goodput.driver import _publish
+from ray_goodput.goodput._events import EventLog
+from ray_goodput.goodput._recorder import StepRecorder
+from ray_goodput.storage import StorageLocation
+
+
+def _finished_job(root: str) -> None:
+    """One attempt that stepped twice and ended cleanly, as rank 0's recorder writes it."""
+    rec = StepRecorder(EventLog(StorageLocation(uri=root, fs=pafs.LocalFileSystem(), root=root), rank=0, world_size=1))
+    rec.step(1)
+    rec.step(2)
+    rec.end()
+
+
+def test_a_report_never_waits_for_mlflow_and_the_controllers_end_waits_for_the_finished_run(tmp_path, monkeypatch):
+    """The final report used to wait inside Ray Train's report path for MLflow to finish the
+    run (charts, artifacts; seconds when the store is new), while every worker waited in
+    its report. With the controller hooks in the run, the report only queues it and the
+    controller's end waits for it."""
+    import mlflow
+
+    root = str(tmp_path / "run")
+    _finished_job(root)
+    entered, release = threading.Event(), threading.Event()
+    original = _publish.MlflowSink.finish
+
+    def held_finish(self, *args):
+        entered.set()
+        assert release.wait(60), "the test never released MLflow's finish"
+        original(self, *args)
+
+    monkeypatch.setattr(_publish.MlflowSink, "finish", held_finish)
+    storage = SimpleNamespace(storage_filesystem=pafs.LocalFileSystem(), experiment_fs_path=root)
+    ctx = SimpleNamespace(get_run_config=lambda: SimpleNamespace(storage_context=storage, name="held"))
+    ctx.run_config = ctx.get_run_config()
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    cb = GoodputCallback(tracking_uri=uri)
+    hooks = cb.controller_callback()  # ray_goodput.TorchTrainer adds it
+    hooks.after_controller_start(ctx)  # opens the MLflow run in the background
+    cb.after_report(ctx, [{"step": 2}], None)  # the ledger is finished: the final publish
+    # after_report returned while MLflow's finish is held: it did not wait for it.
+    assert entered.wait(60), "the final publish never reached MLflow"
+    assert cb.ledger is not None and cb.ledger.finished
+    assert (tmp_path / "run" / "goodput" / "summary.json").exists()  # written by the report itself
+    threading.Timer(0.5, release.set).start()
+    hooks.after_controller_finish(None)  # returns once MLflow finished the run
+    client = mlflow.MlflowClient(tracking_uri=uri)
+    exp = client.get_experiment_by_name("ray_goodput")
+    (run,) = client.search_runs([exp.experiment_id], filter_string="tags.mlflow.runName = 'held'")
+    assert run.info.status == "FINISHED"
+    assert {a.path for a in client.list_artifacts(run.info.run_id)} >= {"goodput_breakdown.png", "goodput_summary.json"}
