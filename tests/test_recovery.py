@@ -97,6 +97,15 @@ def test_trainer_merges_callbacks_into_run_config_and_recovery_none_turns_it_off
     t = TorchTrainer(lambda: None, recovery=None)
     assert not any(isinstance(c, Recovery) for c in t.run_config.callbacks) and t.recovery is None
     assert isinstance(TorchTrainer(lambda: None).recovery, Recovery)
+    # a GoodputCallback gets its controller hooks once, whether or not the user added them
+    from ray_goodput import GoodputCallback
+    from ray_goodput.driver._callback import GoodputControllerHooks
+
+    goodput = GoodputCallback()
+    for given in ([goodput], [goodput, goodput.controller_callback()]):
+        t = TorchTrainer(lambda: None, callbacks=given)
+        hooks = [c for c in t.run_config.callbacks if isinstance(c, GoodputControllerHooks)]
+        assert len(hooks) == 1 and hooks[0].goodput is goodput
 
 
 def test_decision_for_another_root_is_ignored(tmp_path):
@@ -109,10 +118,10 @@ def test_decision_for_another_root_is_ignored(tmp_path):
 
 
 def test_a_checkpoint_the_dead_attempt_commits_while_the_new_group_starts_is_the_one_it_resumes_from(tmp_path):
-    """The resume step is chosen when the new group is about to be placed; the dead
-    attempt's uploader can still commit a newer checkpoint while the new workers start
-    (seconds: processes, imports). The step handed to the workers, just before their
-    training function runs, is the newest committed then, and that one is pinned."""
+    """The resume step is chosen before the new workers start (here at the start: no poll
+    saw the failure); the dead attempt's uploader can still commit a newer checkpoint while
+    they start (seconds: processes, imports). The step handed to the workers, just before
+    their training function runs, is the newest committed then, and that one is pinned."""
     from types import SimpleNamespace
 
     from ray_goodput import Checkpointer, list_checkpoints
