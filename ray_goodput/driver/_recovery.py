@@ -325,13 +325,20 @@ class Recovery(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):
             logger.info("attempt %d resumes from scratch: no committed checkpoint under %s", attempt, self._root.uri)
         else:
             logger.info("attempt %d resumes from step %d", attempt, step)
-            try:  # before any worker starts: a dead attempt's late retention must keep it
-                # Pinned for the generation the attempt will claim: on a storage root used
-                # before, generations run ahead of this run's attempt count.
-                pin_resume(self._root, attempt=next_generation(self._root, attempt), step=step)
-            except OSError as exc:
-                logger.warning("attempt %d: could not pin step %d against retention: %s", attempt, step, exc)
+            self._pin(attempt, step)  # before any worker starts: a dead attempt's late retention must keep it
         return ResumeDecision(attempt=attempt, step=step, root_key=root_key(self._root))
+
+    def _pin(self, attempt: int, step: int) -> bool:
+        """Pin ``step`` against retention for the generation ``attempt`` will claim (on a
+        storage root used before, generations run ahead of this run's attempt count);
+        False, logged, when storage refused."""
+        assert self._root is not None, "after_controller_start sets the root"
+        try:
+            pin_resume(self._root, attempt=next_generation(self._root, attempt), step=step)
+        except OSError as exc:
+            logger.warning("attempt %d: could not pin step %d against retention: %s", attempt, step, exc)
+            return False
+        return True
 
     def _newer_resume(self, decision: ResumeDecision) -> ResumeDecision:
         """Just before the training function starts: a checkpoint newer than the chosen one,
@@ -349,11 +356,8 @@ class Recovery(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):
         step = found[1].step if found else None
         if step is None or (decision.step is not None and step <= decision.step):
             return decision
-        try:
-            pin_resume(self._root, attempt=next_generation(self._root, self.attempt), step=step)
-        except OSError as exc:
-            logger.warning("attempt %d: could not pin step %d (%s); it resumes as chosen", self.attempt, step, exc)
-            return decision
+        if not self._pin(self.attempt, step):
+            return decision  # it resumes as chosen
         logger.info(
             "attempt %d resumes from step %d, committed while its workers started (chosen before: %s)",
             self.attempt,
