@@ -58,6 +58,17 @@ def _modules() -> dict[str, Path]:
 MODULES = _modules()
 
 
+def _lazy_module_target(node: ast.AST) -> str | None:
+    if (
+        isinstance(node, ast.Call)
+        and getattr(node.func, "id", None) == "LazyModule"
+        and node.args
+        and isinstance(node.args[0], ast.Constant)
+    ):
+        return node.args[0].value
+    return None
+
+
 def _imports(name: str, path: Path) -> list[tuple[str, int, bool]]:
     """(imported ray_goodput module, line, inside a function) of every import in ``path``."""
     tree = ast.parse(path.read_text())
@@ -71,6 +82,8 @@ def _imports(name: str, path: Path) -> list[tuple[str, int, bool]]:
                 continue  # never executed
             if isinstance(child, ast.Import):
                 found.extend((a.name, child.lineno, in_function) for a in child.names)
+            elif _lazy_module_target(child) is not None:  # LazyModule("ray_goodput..."): an import too
+                found.append((_lazy_module_target(child), child.lineno, in_function))
             elif isinstance(child, ast.ImportFrom):
                 base = child.module or ""
                 if child.level:
@@ -203,4 +216,20 @@ def test_the_node_cache_actor_does_not_import_torch():
         "assert 'torch' not in sys.modules, 'torch imported'\n"
         "from ray_goodput.data import CacheConfig, DataLoader\n"  # the package's names still load
         "assert DataLoader.__module__ == 'ray_goodput.data._loader' and 'torch' in sys.modules\n"
+    )
+
+
+def test_the_node_uploader_imports_torch_only_after_it_lowered_its_priority():
+    """A node uploader imports the module of its class when it starts, beside the training
+    workers that are importing torch themselves. It imported torch and DCP there (~1.6 s of
+    CPU), at the workers' priority, before its ``__init__`` could lower its own: the workers
+    started later by the time that took on a small node."""
+    _in_a_fresh_interpreter(
+        "import sys\n"
+        "import ray_goodput.checkpoint.uploader._actor as actor\n"
+        "assert 'torch' not in sys.modules, 'torch imported with the actor module'\n"
+        "actor.job_modules()\n"  # what the actor's __init__ does once it lowered its priority
+        "assert 'torch.distributed.checkpoint' in sys.modules\n"
+        "import torch\n"
+        "assert torch.get_num_threads() == 1\n"
     )

@@ -18,9 +18,7 @@ import pickle
 import threading
 import time
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ray_goodput._lazy import LazyModule
 from ray_goodput.checkpoint.save._save_state import SaveState
@@ -32,13 +30,18 @@ from ray_goodput.checkpoint.uploader._channel import (
     portable_error,
 )
 from ray_goodput.checkpoint.uploader._metrics import UploaderMetrics
-from ray_goodput.checkpoint.uploader._rank_queue import RankLane, Ticket
-from ray_goodput.checkpoint.uploader._shard_job import ShardJob, ShardResult
 from ray_goodput.errors import CheckpointError
 from ray_goodput.runtime import _services, pid_alive
 from ray_goodput.storage import RetryPolicy, StorageLocation
 
+if TYPE_CHECKING:
+    from ray_goodput.checkpoint.uploader._rank_queue import RankLane, Ticket
+    from ray_goodput.checkpoint.uploader._shard_job import ShardJob, ShardResult
+
 ray = LazyModule("ray")  # a process that saves through the thread backend never imports it
+# Loaded by job_modules(), once the actor runs at its lowered priority.
+torch = LazyModule("torch")
+_rank_queue = LazyModule("ray_goodput.checkpoint.uploader._rank_queue")
 logger = logging.getLogger(__name__)
 
 KIND = "uploader"
@@ -51,7 +54,24 @@ _GRACE_AFTER_DEATH_S = 30.0
 # its model and made its Checkpointer (which can take minutes for a large model).
 _GRACE_BEFORE_FIRST_CLIENT_S = 600.0
 
-__all__ = ["CheckpointUploader", "UploaderExitingError", "UploaderGoneError", "start_node_uploader", "uploader_status"]
+__all__ = [
+    "CheckpointUploader",
+    "UploaderExitingError",
+    "UploaderGoneError",
+    "job_modules",
+    "start_node_uploader",
+    "uploader_status",
+]
+
+
+def job_modules() -> Any:
+    """The module that runs the jobs (``_rank_queue``), loaded with torch and DCP on first
+    use, and torch held to one thread. Not when this module loads: Ray imports it to start
+    the actor, beside training workers that are importing torch themselves, and the actor
+    lowers its priority only in ``__init__``."""
+    torch.set_num_threads(1)
+    _rank_queue.RankLane  # noqa: B018 - loads the module
+    return _rank_queue
 
 
 class CheckpointUploader:
@@ -60,7 +80,10 @@ class CheckpointUploader:
     def __init__(self, node_id: str, concurrency: int = 8, policy: RetryPolicy | None = None) -> None:
         # Background work: yield the CPU to the training processes on the same node.
         os.nice(10)
-        torch.set_num_threads(1)
+        # Torch and DCP load now, at that priority (not with this module, at the workers'):
+        # the training workers starting beside it are not slowed by them. Before any thread
+        # of this actor exists: two threads importing torch at once can crash the process.
+        job_modules()
         self.node_id = node_id
         self._roots: dict[bytes, StorageLocation] = {}
         self._concurrency = concurrency
@@ -172,7 +195,8 @@ class CheckpointUploader:
         ``root`` is the job's StorageLocation, pickled: building an S3 client from its
         pickle is slow, so it is done once per storage root, not once per save.
         """
-        ticket = Ticket(dataclasses.replace(job, root=self._resolve_root(root)))
+        queue = job_modules()
+        ticket = queue.Ticket(dataclasses.replace(job, root=self._resolve_root(root)))
         if peer is not None:  # first: the worker must hear whatever the bookkeeping does
             ticket.origin = peer.conn
             ticket.release_callbacks.append(lambda t: peer.send(("released", t.job.key)))
@@ -183,7 +207,7 @@ class CheckpointUploader:
             self._jobs[job.key] = ticket
             lane = self._lanes.get(job.lane)
             if lane is None:
-                lane = self._lanes[job.lane] = RankLane(concurrency=self._concurrency, policy=self._policy)
+                lane = self._lanes[job.lane] = queue.RankLane(concurrency=self._concurrency, policy=self._policy)
         self._metrics.queued(job.num_bytes, +1)
         try:
             lane.submit(ticket)
