@@ -60,3 +60,34 @@ def test_a_report_never_waits_for_mlflow_and_the_controllers_end_waits_for_the_f
     (run,) = client.search_runs([exp.experiment_id], filter_string="tags.mlflow.runName = 'held'")
     assert run.info.status == "FINISHED"
     assert {a.path for a in client.list_artifacts(run.info.run_id)} >= {"goodput_breakdown.png", "goodput_summary.json"}
+
+
+def test_a_job_that_records_its_end_after_its_last_report_still_gets_its_final_ledger(tmp_path):
+    """A training function under Ray's own TorchTrainer that calls ``record_end()`` after its
+    last ``ray.train.report`` (or a report whose ledger was not final yet): no report
+    follows the end, so ``after_report`` never saw a finished ledger, and the MLflow run
+    stayed open without its chart or summary. The controller's end publishes it."""
+    import mlflow
+
+    root = str(tmp_path / "run")
+    rec = StepRecorder(EventLog(StorageLocation(uri=root, fs=pafs.LocalFileSystem(), root=root), rank=0, world_size=1))
+    rec.step(1)
+    storage = SimpleNamespace(storage_filesystem=pafs.LocalFileSystem(), experiment_fs_path=root)
+    ctx = SimpleNamespace(get_run_config=lambda: SimpleNamespace(storage_context=storage, name="late-end"))
+    ctx.run_config = ctx.get_run_config()
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    cb = GoodputCallback(tracking_uri=uri)
+    hooks = cb.controller_callback()
+    hooks.after_controller_start(ctx)
+    cb.after_report(ctx, [{"step": 1}], None)  # the last report: the ledger is not finished yet
+    assert not cb.ledger.finished
+    rec.step(2)
+    rec.end()  # after the last report
+    hooks.after_controller_finish(None)
+    assert cb.ledger.finished
+    assert (tmp_path / "run" / "goodput" / "summary.json").exists()
+    client = mlflow.MlflowClient(tracking_uri=uri)
+    exp = client.get_experiment_by_name("ray_goodput")
+    (run,) = client.search_runs([exp.experiment_id], filter_string="tags.mlflow.runName = 'late-end'")
+    assert run.info.status == "FINISHED"
+    assert {a.path for a in client.list_artifacts(run.info.run_id)} >= {"goodput_breakdown.png", "goodput_summary.json"}

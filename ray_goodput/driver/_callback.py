@@ -35,7 +35,8 @@ class GoodputCallback(UserCallback):
     ``ray_goodput.record_step``. One MLflow run per job (``tracking_uri`` default: a sqlite
     file ``mlflow.db`` in the driver's working directory), left open across restarts and
     finished with a chart, a timeline and a summary when the training function ends
-    cleanly; ``<run dir>/goodput/summary.json`` too (with the nodes a Recovery isolated).
+    cleanly (at the report that sees the end, or with the controller hooks at the
+    controller's end); ``<run dir>/goodput/summary.json`` too (with the nodes a Recovery isolated).
     While it runs: ledger metrics and the data wait per step (``data/fetch_seconds_p50``,
     ``_p95``, ``_max`` per logging interval) go to MLflow, live values to Ray metrics.
 
@@ -158,6 +159,7 @@ class GoodputCallback(UserCallback):
         """Open the MLflow run now, in the background (ready before the first report), and
         leave the wait for MLflow to the controller's end."""
         self._state["drained_at_end"] = True
+        self._state["run_context"] = train_run_context
         try:
             self._root(train_run_context)
             self._worker().put(("flush", (), None))
@@ -165,7 +167,18 @@ class GoodputCallback(UserCallback):
             logger.warning("goodput MLflow run not opened at the start: %s", exc)
 
     def controller_finished(self) -> None:
-        """The controller's process ends after this: let the MLflow thread finish the run."""
+        """The controller's process ends after this. A ledger that became final after the
+        last report (a training function that records its end after it) is published
+        now; then the MLflow thread is let finish the run."""
+        ctx = self._state.get("run_context")
+        if ctx is not None and not self._state.get("finished"):
+            try:
+                ledger = self.refresh(ctx, job_end=time.time())
+                if ledger.finished:
+                    self._publish(ctx, ledger, final=True)
+                    self._state["finished"] = True
+            except Exception as exc:  # noqa: BLE001 - never fail the run over accounting
+                logger.warning("goodput ledger update at the controller's end failed: %s", exc)
         if not self._wait_for_mlflow(_MLFLOW_DRAIN_S):
             logger.warning("goodput MLflow calls still running after %.0f s; the run may stay open", _MLFLOW_DRAIN_S)
 
