@@ -5,10 +5,10 @@ It runs in the Ray Train controller (Ray 2.60 DeveloperAPI hooks) and does three
 * **Resume point chosen once.** Before every attempt after the first it finds the newest
   intact committed checkpoint and hands that step to every worker of the new group
   (``ray_goodput.runtime._resume``) before the training function starts. It looks when the
-  failure is seen (in a thread, beside Ray's shutdown and placement; it pins that step
-  against retention), and once more just before handing it over: a checkpoint the dead
-  attempt's uploaders committed while the new workers started is newer, and is the one
-  they resume from.
+  failure is seen (in a thread, beside Ray's shutdown, placement and the new workers' start;
+  it pins that step against retention; placement does not wait for it), and once more just
+  before handing it over: a checkpoint the dead attempt's uploaders committed while the
+  new workers started is newer, and is the one they resume from.
 * **Futile retries stopped.** When a worker raised an error that a restart cannot fix
   (``ray_goodput.errors.NOT_RETRYABLE``, classified by type after unwrapping Ray's
   wrappers), Ray's RETRY decision is vetoed: the hook re-raises that error, Ray turns it into
@@ -156,7 +156,6 @@ class Recovery(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):
         self._rank_nodes: dict[int, str] = {}
         self._counted: set[str] = set()
         self._stop: BaseException | None = None
-        self._pending_decision: ResumeDecision | None = None
         self._scaling: Any = None  # the run's ScalingConfig, for checks started at a failure
         self._early_checks: dict[Any, str] | None = None  # started when the failure was seen
         self._early_resume: tuple[threading.Thread, dict[str, Any]] | None = None  # likewise
@@ -180,19 +179,16 @@ class Recovery(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):
         self.attempt += 1
         self._counted = set()
         self._scaling = scaling_config
-        decision = self._take_resume_choice() if self.attempt > 1 else None
+        if self.attempt > 1:
+            # Taken once the workers are up (after_worker_group_start), not waited for here:
+            # placement needs the health checks only.
+            self._start_resume_choice(self.attempt)
         unhealthy = self._check_health(scaling_config)
         excluded = sorted(set(self.ledger.isolated) | set(unhealthy))
         self._warn_if_short(scaling_config, num_workers, excluded)
         self.attempts.append(
-            {
-                "attempt": self.attempt,
-                "resume_step": decision.step if decision else None,
-                "excluded_nodes": excluded,
-                "unhealthy": unhealthy,
-            }
+            {"attempt": self.attempt, "resume_step": None, "excluded_nodes": excluded, "unhealthy": unhealthy}
         )
-        self._pending_decision = decision
         self._save()
         return self._selector(scaling_config, excluded)
 
@@ -221,10 +217,15 @@ class Recovery(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):
     def after_worker_group_start(self, worker_group: Any) -> None:
         workers = worker_group.get_workers()
         self._rank_nodes = {w.distributed_context.world_rank: w.metadata.node_id for w in workers}
-        if self._pending_decision is not None:
-            self._pending_decision = self._newer_resume(self._pending_decision)
+        decision = None
+        if self.attempt > 1:
+            decision = self._take_resume_choice()
+            if decision is not None:
+                decision = self._newer_resume(decision)
+            self.attempts[-1]["resume_step"] = decision.step if decision else None
+            self._save()
         # Before the training function starts: every rank of this attempt gets the same step.
-        worker_group.execute(set_decision, self._pending_decision)
+        worker_group.execute(set_decision, decision)
 
     def after_replica_group_start(self, replica_group: Any) -> None:
         """Replica mode replaced a failed replica alone: its rank runs in a new process, maybe
@@ -278,10 +279,14 @@ class Recovery(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):
         shuts the old group down and places the new one; the next start takes its result.
         A checkpoint the dead attempt's uploader commits after it is still caught: the
         choice is looked at again before the training function starts (``_newer_resume``)."""
-        if not self.checks_at_failure or self._root is None or self._early_resume is not None:
+        if self.checks_at_failure:
+            self._start_resume_choice(self.attempt + 1)
+
+    def _start_resume_choice(self, attempt: int) -> None:
+        """Choose ``attempt``'s resume step in a thread, unless a choice is under way."""
+        if self._root is None or self._early_resume is not None:
             return
         box: dict[str, Any] = {}
-        attempt = self.attempt + 1
         thread = threading.Thread(
             target=lambda: box.update(decision=self._choose_resume(attempt)),
             name="rg-recovery-resume-choice",
@@ -291,7 +296,7 @@ class Recovery(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):
         self._early_resume = (thread, box)
 
     def _take_resume_choice(self) -> ResumeDecision | None:
-        """The resume choice begun at the failure, or one made now."""
+        """The resume choice begun at the failure or with the group, or one made now."""
         early, self._early_resume = self._early_resume, None
         if early is None:
             return self._choose_resume(self.attempt)
@@ -344,7 +349,8 @@ class Recovery(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):
         """Just before the training function starts: a checkpoint newer than the chosen one,
         committed since by the dead attempt's uploaders while the new workers started (their
         processes, imports and process group: seconds), is the better resume point; it is
-        pinned and handed over instead. The chosen step stands when storage cannot say."""
+        pinned and handed over instead (the caller records it). The chosen step stands when
+        storage cannot say."""
         assert self._root is not None, "after_controller_start sets the root"
         try:
             found = newest_valid(self._root)
@@ -364,8 +370,6 @@ class Recovery(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):
             step,
             decision.step,
         )
-        self.attempts[-1]["resume_step"] = step
-        self._save()
         return ResumeDecision(attempt=decision.attempt, step=step, root_key=decision.root_key)
 
     def _candidate_nodes(self, scaling_config: Any) -> list[str]:
