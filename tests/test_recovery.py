@@ -160,6 +160,7 @@ def test_a_checkpoint_the_dead_attempt_commits_while_the_new_group_starts_is_the
     rec.after_worker_group_start(group)
     assert [d.step for d in handed] == [20]
     assert rec.attempts[-1]["resume_step"] == 20
+    rec.after_controller_finish(None)  # the state file is written in the background until here
     assert load_state(root)["attempts"][-1]["resume_step"] == 20
     assert pinned() == 20
     assert [c.step for c in list_checkpoints(root)] == [20]
@@ -243,8 +244,46 @@ def test_placing_the_next_group_does_not_wait_for_the_resume_choice(tmp_path):
     rec.after_worker_group_start(
         SimpleNamespace(get_workers=lambda: [worker], execute=lambda fn, decision: handed.append(decision))
     )
-    assert [d.step for d in handed] == [10]
-    assert rec.attempts[-1]["resume_step"] == 10 and load_state(root)["attempts"][-1]["resume_step"] == 10
+    assert [d.step for d in handed] == [10] and rec.attempts[-1]["resume_step"] == 10
+    rec.after_controller_finish(None)
+    assert load_state(root)["attempts"][-1]["resume_step"] == 10
+
+
+def test_a_restarts_hooks_do_not_wait_for_storage_to_write_the_recovery_record(tmp_path, monkeypatch):
+    """The record (``recovery/state.json``, for people and ``ray-goodput status``) was
+    written inside the start hooks: one PUT in a restart's critical path, 0.2 s on the
+    local S3 server while the dead attempt's uploads still ran. It is written in the
+    background; the controller's end waits for the newest one."""
+    from types import SimpleNamespace
+
+    from ray_goodput.driver import _recovery
+
+    gate = threading.Event()
+    writes = []
+    real_write = _recovery.write_bytes
+
+    def held_write(root, name, data):  # storage that answers only when the test says so
+        assert gate.wait(60), "the test never released the write"
+        writes.append(json.loads(data))
+        real_write(root, name, data)
+
+    root = str(tmp_path / "ckpt")
+    rec = Recovery(health_check=None, storage_path=root)
+    rec.after_controller_start(SimpleNamespace(run_config=None))
+    monkeypatch.setattr(_recovery, "write_bytes", held_write)
+    try:
+        scaling = ScalingConfig(num_workers=1)
+        placing = threading.Thread(
+            target=rec.on_controller_start_worker_group, kwargs={"scaling_config": scaling, "num_workers": 1}
+        )
+        placing.start()
+        placing.join(30)
+        assert not placing.is_alive(), "the start hook waited for storage to write the recovery record"
+    finally:
+        gate.set()
+        rec.after_controller_finish(None)
+    assert writes and writes[-1]["attempts"][-1]["attempt"] == 1
+    assert load_state(root)["attempts"][-1]["attempt"] == 1
 
 
 def test_gpu_check_comparison_catches_nan_inf_and_wrong_results():

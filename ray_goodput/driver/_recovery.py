@@ -20,7 +20,9 @@ It runs in the Ray Train controller (Ray 2.60 DeveloperAPI hooks) and does three
 
 What it decided is kept in ``<root>/recovery/state.json`` (layout in :func:`load_state`)
 for the goodput summary, MLflow and ``ray-goodput status``: the controller runs on a copy of
-the Recovery the user built, so the user's object learns nothing by itself.
+the Recovery the user built, so the user's object learns nothing by itself. The record is
+written in a background thread (no hook of a restart waits for storage); the run's end and
+a stop wait for the newest one.
 """
 
 from __future__ import annotations
@@ -53,6 +55,8 @@ NODE_ID_LABEL = "ray.io/node-id"
 STATE_FILE = "recovery/state.json"
 #: How long a start waits for the resume choice begun when the failure was seen.
 RESUME_CHOICE_WAIT_S = 300.0
+#: How long the run's end (or a stop) waits for the recovery record to be written.
+STATE_WRITE_WAIT_S = 60.0
 
 
 def unwrap(exc: BaseException) -> list[BaseException]:
@@ -111,6 +115,51 @@ def workers_that_fit(node_resources: dict[str, float], per_worker: dict[str, flo
     return int(min(node_resources.get(r, 0.0) // v for r, v in per_worker.items()))
 
 
+class _StateWriter:
+    """Writes the newest recovery record in one background thread, so no hook of a restart
+    waits for storage; :meth:`flush` waits for the newest one (the run's end, a stop)."""
+
+    def __init__(self, root: StorageLocation) -> None:
+        self._root = root
+        self._cond = threading.Condition()
+        self._pending: bytes | None = None
+        self._busy = False
+        self._thread: threading.Thread | None = None
+
+    def put(self, data: bytes) -> None:
+        with self._cond:
+            self._pending = data  # an older one not yet written is replaced: the newest wins
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="rg-recovery-record", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._pending is not None)
+                data, self._pending, self._busy = self._pending, None, True
+            try:
+                write_bytes(self._root, STATE_FILE, data)
+            except OSError as exc:  # a record for people; never a reason to fail the run
+                logger.warning("could not write %s/%s: %s", self._root.uri, STATE_FILE, exc)
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+
+    def flush(self, timeout_s: float) -> None:
+        with self._cond:
+            done = self._cond.wait_for(lambda: self._pending is None and not self._busy, timeout=timeout_s)
+        if not done:
+            logger.warning(
+                "the recovery record %s/%s was not written within %.0f s; it may be stale",
+                self._root.uri,
+                STATE_FILE,
+                timeout_s,
+            )
+
+
 class Recovery(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):
     """Driver-side recovery for a Ray Train run; see the module docstring.
 
@@ -159,6 +208,7 @@ class Recovery(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):
         self._scaling: Any = None  # the run's ScalingConfig, for checks started at a failure
         self._early_checks: dict[Any, str] | None = None  # started when the failure was seen
         self._early_resume: tuple[threading.Thread, dict[str, Any]] | None = None  # likewise
+        self._writer: _StateWriter | None = None  # made in the controller, at the first record
         # Off in replica mode (the trainer says so): a replica's failure is replaced, not
         # restarted, and checks then would only load the survivors' nodes.
         self.checks_at_failure = True
@@ -203,7 +253,7 @@ class Recovery(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):
             type(error).__name__,
             error,
         )
-        self._save()
+        self._save(wait=True)
         raise error
 
     def after_controller_finish(self, result: Any) -> None:
@@ -211,7 +261,7 @@ class Recovery(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):
             logger.warning(
                 "run ended after %d attempt(s); isolated nodes: %s", self.attempt, ", ".join(self.ledger.isolated)
             )
-        self._save()
+        self._save(wait=True)
 
     # -- worker group hooks --
     def after_worker_group_start(self, worker_group: Any) -> None:
@@ -461,13 +511,15 @@ class Recovery(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):
             "stopped": self.stopped,
         }
 
-    def _save(self) -> None:
+    def _save(self, wait: bool = False) -> None:
+        """Record the state now (written in the background; ``wait``: until written)."""
         if self._root is None:
             return
-        try:
-            write_bytes(self._root, STATE_FILE, json.dumps(self.state(), indent=1).encode())
-        except OSError as exc:  # a record for people; never a reason to fail the run
-            logger.warning("could not write %s/%s: %s", self._root.uri, STATE_FILE, exc)
+        if self._writer is None:
+            self._writer = _StateWriter(self._root)
+        self._writer.put(json.dumps(self.state(), indent=1).encode())
+        if wait:
+            self._writer.flush(STATE_WRITE_WAIT_S)
 
 
 def _bound_process_group_shutdown(timeout_s: float | None) -> None:
