@@ -19,6 +19,7 @@ from typing import Any
 import ray
 import ray.train
 from ray.train.v2._internal.execution.callback import ControllerCallback, ReplicaGroupCallback, WorkerGroupCallback
+from ray.train.v2._internal.execution.worker_group.poll import WorkerStatus
 from ray.train.v2.torch.torchft_config import (
     LighthouseServerActor,
     TorchftConfig,
@@ -32,6 +33,9 @@ from ray_goodput.replica._config import require_torchft
 from ray_goodput.runtime._join import WorkerJoin, set_join
 
 logger = logging.getLogger(__name__)
+
+#: How long the look at a survivor before a replacement waits for its answer.
+SURVIVOR_CHECK_S = 5.0
 
 #: The lighthouse ReplicaSupport started in this (the controller's) process, until the
 #: backend takes it. One run per controller process.
@@ -83,7 +87,7 @@ class ReplicaSupport(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallba
     A worker-group callback (Ray passes only those to the worker group) that is also a
     replica-group callback (the hooks Ray 2.60 calls on a replacement) and a controller
     callback (``goodput``: the run's GoodputCallback, whose ``after_report`` never comes in
-    this mode)."""
+    this mode; and the look at the survivors before a replacement)."""
 
     def __init__(
         self, settings: ReplicaGroups, goodput: Any = None, lighthouse_kwargs: dict[str, Any] | None = None
@@ -99,6 +103,7 @@ class ReplicaSupport(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallba
         # finishes first, they are told to end (else each waits out ReplicaGroups.timeout_s).
         self._healing: list[tuple[set[int], Any]] = []
         self._told: list[Any] = []  # refs of those messages, dropped once delivered
+        self._group: Any = None  # the running worker group (for the look before a replacement)
 
     def _join(self, kind: str) -> WorkerJoin:
         return WorkerJoin(kind, dataclasses.asdict(self.settings))
@@ -112,7 +117,43 @@ class ReplicaSupport(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallba
         if self.goodput is not None and self._run_context is not None:
             self.goodput.publish_final(self._run_context)
 
+    def before_controller_execute_resize_decision(self, decision: Any) -> None:
+        """Before Ray replaces failed replica groups: mark a survivor that died since the
+        poll that saw the failure as failed too, in the poll status Ray decides on.
+
+        Ray 2.60's replacement first calls every replica it believes alive
+        (``clear_result_queue``, waited for without a bound); a dead one raises there,
+        which the controller ends the run with (a ``ControllerError`` its failure policy
+        does not retry). Marked failed, it is replaced as well, or, when no replica is left
+        alive, Ray restarts the whole group, which resumes from the durable checkpoint."""
+        group = self._group
+        status = group.get_latest_poll_status() if group is not None and group.has_started() else None
+        if status is None:
+            return
+        failing = status.failing_replica_group_indices
+        if not failing or failing == status.all_replica_group_indices:
+            return
+        for index, worker in enumerate(group.get_workers()):
+            current = status.worker_statuses.get(index)
+            if current is None or current.error is not None:
+                continue
+            try:
+                ray.get(worker.actor.__ray_ready__.remote(), timeout=SURVIVOR_CHECK_S)
+            except ray.exceptions.RayActorError as exc:
+                logger.warning(
+                    "rank %d died after the failure Ray is replacing replicas for; it is handled as failed too",
+                    worker.distributed_context.world_rank,
+                )
+                status.worker_statuses[index] = WorkerStatus(running=False, error=exc)
+            except ray.exceptions.GetTimeoutError:
+                logger.warning(
+                    "rank %d did not answer within %.0f s before the replacement; left to Ray",
+                    worker.distributed_context.world_rank,
+                    SURVIVOR_CHECK_S,
+                )
+
     def after_worker_group_start(self, worker_group: Any) -> None:
+        self._group = worker_group
         self._ranks = {w.distributed_context.world_rank for w in worker_group.get_workers()}
         self._finished = set()
         self._healing = []
