@@ -36,7 +36,14 @@ class KillSurvivorsBeforeReplacement(ControllerCallback, WorkerGroupCallback):
         for pid in pids:
             os.kill(pid, signal.SIGKILL)
         deadline = time.monotonic() + _GONE_WITHIN_S
-        while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
+        while any(_running(p) for p in pids):
             if time.monotonic() > deadline:
                 raise AssertionError(f"survivor processes {pids} still alive {_GONE_WITHIN_S} s after SIGKILL")
             time.sleep(0.01)
+
+
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:  # reaped by its raylet meanwhile
+        return False

@@ -34,7 +34,7 @@ from ray_goodput.runtime._join import WorkerJoin, set_join
 
 logger = logging.getLogger(__name__)
 
-#: How long the look at a survivor before a replacement waits for its answer.
+#: How long the look at the workers before a replacement waits for their answers.
 SURVIVOR_CHECK_S = 5.0
 
 #: The lighthouse ReplicaSupport started in this (the controller's) process, until the
@@ -118,39 +118,41 @@ class ReplicaSupport(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallba
             self.goodput.publish_final(self._run_context)
 
     def before_controller_execute_resize_decision(self, decision: Any) -> None:
-        """Before Ray replaces failed replica groups: mark a survivor that died since the
-        poll that saw the failure as failed too, in the poll status Ray decides on.
+        """Before Ray replaces failed replica groups: when that replacement would fail, make
+        Ray restart the whole group instead (it resumes from the durable checkpoint).
 
-        Ray 2.60's replacement first calls every replica it believes alive
-        (``clear_result_queue``, waited for without a bound); a dead one raises there,
-        which the controller ends the run with (a ``ControllerError`` its failure policy
-        does not retry). Marked failed, it is replaced as well, or, when no replica is left
-        alive, Ray restarts the whole group, which resumes from the durable checkpoint."""
+        Ray 2.60 replaces failed groups one at a time, and each replacement first calls
+        every other group not yet shut down (``clear_result_queue``, waited for without a
+        bound), failed ones included. A dead process there raises, and the controller ends
+        the run with a ``ControllerError`` its failure policy does not retry. So the
+        replacement succeeds only when at most one group has a dead process: a survivor
+        that died since the poll that saw the failure, or two groups dead at once, make
+        every worker marked failed in the poll status Ray decides on."""
         group = self._group
         status = group.get_latest_poll_status() if group is not None and group.has_started() else None
         if status is None:
             return
         failing = status.failing_replica_group_indices
         if not failing or failing == status.all_replica_group_indices:
+            return  # nothing to replace, or Ray restarts the whole group anyway
+        if decision.num_workers != len(group.get_workers()):
+            return  # a resize: Ray restarts the whole group anyway
+        workers = group.get_workers()
+        dead = _dead_workers(workers)
+        groups = status.worker_rank_to_replica_group_rank or {}
+        dead_groups = {groups.get(i, i) for i in dead}
+        if len(dead_groups) <= 1 and not dead_groups - failing:
             return
-        for index, worker in enumerate(group.get_workers()):
-            current = status.worker_statuses.get(index)
-            if current is None or current.error is not None:
-                continue
-            try:
-                ray.get(worker.actor.__ray_ready__.remote(), timeout=SURVIVOR_CHECK_S)
-            except ray.exceptions.RayActorError as exc:
-                logger.warning(
-                    "rank %d died after the failure Ray is replacing replicas for; it is handled as failed too",
-                    worker.distributed_context.world_rank,
-                )
-                status.worker_statuses[index] = WorkerStatus(running=False, error=exc)
-            except ray.exceptions.GetTimeoutError:
-                logger.warning(
-                    "rank %d did not answer within %.0f s before the replacement; left to Ray",
-                    worker.distributed_context.world_rank,
-                    SURVIVOR_CHECK_S,
-                )
+        logger.warning(
+            "rank(s) %s are dead, in %d replica groups, as Ray is about to replace %s: the whole "
+            "group restarts instead (from the durable checkpoint)",
+            sorted(workers[i].distributed_context.world_rank for i in dead),
+            len(dead_groups),
+            sorted(failing),
+        )
+        for index, current in list(status.worker_statuses.items()):
+            if current.error is None:
+                status.worker_statuses[index] = WorkerStatus(running=False, error=WholeGroupRestartError(sorted(dead)))
 
     def after_worker_group_start(self, worker_group: Any) -> None:
         self._group = worker_group
@@ -194,6 +196,33 @@ class ReplicaSupport(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallba
             sorted(ranks),
             "its peers had finished: it ends at once" if done else "the others kept running",
         )
+
+
+class WholeGroupRestartError(RuntimeError):
+    """Set as the poll error of the replicas still alive when a replacement would fail:
+    Ray then restarts the whole group instead."""
+
+    def __init__(self, dead: list[int]) -> None:
+        super().__init__(f"worker(s) {dead} are dead: the whole group restarts instead of replacing replicas")
+        self.dead = dead
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (WholeGroupRestartError, (self.dead,))
+
+
+def _dead_workers(workers: list[Any]) -> set[int]:
+    """Indices of the workers whose process is dead: one ``__ray_ready__`` call each, all
+    at once, waited for at most ``SURVIVOR_CHECK_S`` together (one that has not answered by
+    then counts as alive: Ray's own call will tell)."""
+    refs = {w.actor.__ray_ready__.remote(): i for i, w in enumerate(workers)}
+    done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=SURVIVOR_CHECK_S)
+    dead = set()
+    for ref in done:
+        try:
+            ray.get(ref, timeout=0)
+        except ray.exceptions.RayActorError:
+            dead.add(refs[ref])
+    return dead
 
 
 def replica_kwargs(settings: ReplicaGroups, run_config: Any, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
