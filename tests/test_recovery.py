@@ -286,6 +286,33 @@ def test_a_restarts_hooks_do_not_wait_for_storage_to_write_the_recovery_record(t
     assert load_state(root)["attempts"][-1]["attempt"] == 1
 
 
+def test_a_choice_begun_for_an_attempt_whose_group_never_started_is_not_handed_to_the_next(tmp_path):
+    """Ray can fail a group's start before its training function (a start timeout, too few
+    resources): the choice begun for that attempt was taken by the next one, with the old
+    attempt number (the generation its pin was for)."""
+    from types import SimpleNamespace
+
+    from ray_goodput import Checkpointer
+
+    root = str(tmp_path / "ckpt")
+    with Checkpointer(root, staging_dir=str(tmp_path / "stage"), uploader="thread") as ckpt:
+        ckpt.save(10, {"model": torch.nn.Linear(8, 8)})
+    rec = Recovery(health_check=None, storage_path=root)
+    rec.after_controller_start(SimpleNamespace(run_config=None))
+    scaling = ScalingConfig(num_workers=1)
+    rec.on_controller_start_worker_group(scaling_config=scaling, num_workers=1)  # attempt 1
+    rec.after_worker_group_poll_status(SimpleNamespace(errors={0: RuntimeError("a worker died")}))
+    rec.on_controller_start_worker_group(scaling_config=scaling, num_workers=1)  # attempt 2: its start fails
+    rec.on_controller_start_worker_group(scaling_config=scaling, num_workers=1)  # attempt 3
+    handed = []
+    worker = SimpleNamespace(distributed_context=SimpleNamespace(world_rank=0), metadata=SimpleNamespace(node_id="n"))
+    rec.after_worker_group_start(
+        SimpleNamespace(get_workers=lambda: [worker], execute=lambda fn, decision: handed.append(decision))
+    )
+    assert [(d.attempt, d.step) for d in handed] == [(3, 10)]
+    rec.after_controller_finish(None)
+
+
 def test_gpu_check_comparison_catches_nan_inf_and_wrong_results():
     a = torch.randn(8, 8)
     assert _gpu_check.compare_results(a.clone(), a) is None

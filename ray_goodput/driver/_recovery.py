@@ -57,6 +57,8 @@ STATE_FILE = "recovery/state.json"
 RESUME_CHOICE_WAIT_S = 300.0
 #: How long the run's end (or a stop) waits for the recovery record to be written.
 STATE_WRITE_WAIT_S = 60.0
+#: The same when the run is aborted (the user is waiting on Ctrl-C).
+ABORT_WRITE_WAIT_S = 10.0
 
 
 def unwrap(exc: BaseException) -> list[BaseException]:
@@ -207,7 +209,8 @@ class Recovery(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):
         self._stop: BaseException | None = None
         self._scaling: Any = None  # the run's ScalingConfig, for checks started at a failure
         self._early_checks: dict[Any, str] | None = None  # started when the failure was seen
-        self._early_resume: tuple[threading.Thread, dict[str, Any]] | None = None  # likewise
+        # Likewise, with the attempt it is for: (attempt, thread, result box).
+        self._early_resume: tuple[int, threading.Thread, dict[str, Any]] | None = None
         self._writer: _StateWriter | None = None  # made in the controller, at the first record
         # Off in replica mode (the trainer says so): a replica's failure is replaced, not
         # restarted, and checks then would only load the survivors' nodes.
@@ -262,6 +265,12 @@ class Recovery(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):
                 "run ended after %d attempt(s); isolated nodes: %s", self.attempt, ", ".join(self.ledger.isolated)
             )
         self._save(wait=True)
+
+    def before_controller_abort(self) -> None:
+        """The run is aborted (Ctrl-C in the driver): the newest record is written before
+        the controller goes."""
+        if self._writer is not None:
+            self._writer.flush(ABORT_WRITE_WAIT_S)
 
     # -- worker group hooks --
     def after_worker_group_start(self, worker_group: Any) -> None:
@@ -334,8 +343,12 @@ class Recovery(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):
 
     def _start_resume_choice(self, attempt: int) -> None:
         """Choose ``attempt``'s resume step in a thread, unless a choice is under way."""
-        if self._root is None or self._early_resume is not None:
+        if self._root is None:
             return
+        if self._early_resume is not None and self._early_resume[0] == attempt:
+            return
+        # One for another attempt is dropped: that attempt's group never started (Ray failed
+        # the start before its training function), so nobody takes its choice.
         box: dict[str, Any] = {}
         thread = threading.Thread(
             target=lambda: box.update(decision=self._choose_resume(attempt)),
@@ -343,14 +356,14 @@ class Recovery(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):
             daemon=True,
         )
         thread.start()
-        self._early_resume = (thread, box)
+        self._early_resume = (attempt, thread, box)
 
     def _take_resume_choice(self) -> ResumeDecision | None:
         """The resume choice begun at the failure or with the group, or one made now."""
         early, self._early_resume = self._early_resume, None
-        if early is None:
+        if early is None or early[0] != self.attempt:
             return self._choose_resume(self.attempt)
-        thread, box = early
+        _, thread, box = early
         thread.join(timeout=RESUME_CHOICE_WAIT_S)
         if thread.is_alive() or "decision" not in box:
             logger.warning(
