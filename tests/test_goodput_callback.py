@@ -23,12 +23,29 @@ def _finished_job(root: str) -> None:
     rec.end()
 
 
+def _run_context(root: str, name: str) -> SimpleNamespace:
+    """What Ray Train hands the hooks: the run's config with its storage."""
+    storage = SimpleNamespace(storage_filesystem=pafs.LocalFileSystem(), experiment_fs_path=root)
+    ctx = SimpleNamespace(get_run_config=lambda: SimpleNamespace(storage_context=storage, name=name))
+    ctx.run_config = ctx.get_run_config()
+    return ctx
+
+
+def _assert_finished_in_mlflow(uri: str, name: str) -> None:
+    import mlflow
+
+    client = mlflow.MlflowClient(tracking_uri=uri)
+    exp = client.get_experiment_by_name("ray_goodput")
+    (run,) = client.search_runs([exp.experiment_id], filter_string=f"tags.mlflow.runName = '{name}'")
+    assert run.info.status == "FINISHED"
+    assert {a.path for a in client.list_artifacts(run.info.run_id)} >= {"goodput_breakdown.png", "goodput_summary.json"}
+
+
 def test_a_report_never_waits_for_mlflow_and_the_controllers_end_waits_for_the_finished_run(tmp_path, monkeypatch):
     """The final report used to wait inside Ray Train's report path for MLflow to finish the
     run (charts, artifacts; seconds when the store is new), while every worker waited in
     its report. With the controller hooks in the run, the report only queues it and the
     controller's end waits for it."""
-    import mlflow
 
     root = str(tmp_path / "run")
     _finished_job(root)
@@ -41,9 +58,7 @@ def test_a_report_never_waits_for_mlflow_and_the_controllers_end_waits_for_the_f
         original(self, *args)
 
     monkeypatch.setattr(_publish.MlflowSink, "finish", held_finish)
-    storage = SimpleNamespace(storage_filesystem=pafs.LocalFileSystem(), experiment_fs_path=root)
-    ctx = SimpleNamespace(get_run_config=lambda: SimpleNamespace(storage_context=storage, name="held"))
-    ctx.run_config = ctx.get_run_config()
+    ctx = _run_context(root, "held")
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     cb = GoodputCallback(tracking_uri=uri)
     hooks = cb.controller_callback()  # ray_goodput.TorchTrainer adds it
@@ -55,11 +70,7 @@ def test_a_report_never_waits_for_mlflow_and_the_controllers_end_waits_for_the_f
     assert (tmp_path / "run" / "goodput" / "summary.json").exists()  # written by the report itself
     threading.Timer(0.5, release.set).start()
     hooks.after_controller_finish(None)  # returns once MLflow finished the run
-    client = mlflow.MlflowClient(tracking_uri=uri)
-    exp = client.get_experiment_by_name("ray_goodput")
-    (run,) = client.search_runs([exp.experiment_id], filter_string="tags.mlflow.runName = 'held'")
-    assert run.info.status == "FINISHED"
-    assert {a.path for a in client.list_artifacts(run.info.run_id)} >= {"goodput_breakdown.png", "goodput_summary.json"}
+    _assert_finished_in_mlflow(uri, "held")
 
 
 def test_a_job_that_records_its_end_after_its_last_report_still_gets_its_final_ledger(tmp_path):
@@ -67,14 +78,11 @@ def test_a_job_that_records_its_end_after_its_last_report_still_gets_its_final_l
     last ``ray.train.report`` (or a report whose ledger was not final yet): no report
     follows the end, so ``after_report`` never saw a finished ledger, and the MLflow run
     stayed open without its chart or summary. The controller's end publishes it."""
-    import mlflow
 
     root = str(tmp_path / "run")
     rec = StepRecorder(EventLog(StorageLocation(uri=root, fs=pafs.LocalFileSystem(), root=root), rank=0, world_size=1))
     rec.step(1)
-    storage = SimpleNamespace(storage_filesystem=pafs.LocalFileSystem(), experiment_fs_path=root)
-    ctx = SimpleNamespace(get_run_config=lambda: SimpleNamespace(storage_context=storage, name="late-end"))
-    ctx.run_config = ctx.get_run_config()
+    ctx = _run_context(root, "late-end")
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     cb = GoodputCallback(tracking_uri=uri)
     hooks = cb.controller_callback()
@@ -86,8 +94,17 @@ def test_a_job_that_records_its_end_after_its_last_report_still_gets_its_final_l
     hooks.after_controller_finish(None)
     assert cb.ledger.finished
     assert (tmp_path / "run" / "goodput" / "summary.json").exists()
-    client = mlflow.MlflowClient(tracking_uri=uri)
-    exp = client.get_experiment_by_name("ray_goodput")
-    (run,) = client.search_runs([exp.experiment_id], filter_string="tags.mlflow.runName = 'late-end'")
-    assert run.info.status == "FINISHED"
-    assert {a.path for a in client.list_artifacts(run.info.run_id)} >= {"goodput_breakdown.png", "goodput_summary.json"}
+    _assert_finished_in_mlflow(uri, "late-end")
+
+
+def test_a_run_that_ended_with_an_error_is_not_published_as_finished_at_the_controllers_end(tmp_path):
+    """The end record says a rank's function returned, not that the run succeeded: rank 0
+    can end cleanly while another rank's failure uses up the retries."""
+    root = str(tmp_path / "run")
+    _finished_job(root)
+    ctx = _run_context(root, "failed")
+    cb = GoodputCallback(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
+    hooks = cb.controller_callback()
+    hooks.after_controller_start(ctx)
+    hooks.after_controller_finish(SimpleNamespace(error=RuntimeError("rank 1 failed past max_failures")))
+    assert not (tmp_path / "run" / "goodput" / "summary.json").exists()

@@ -166,12 +166,14 @@ class GoodputCallback(UserCallback):
         except Exception as exc:  # noqa: BLE001 - never fail the run over accounting
             logger.warning("goodput MLflow run not opened at the start: %s", exc)
 
-    def controller_finished(self) -> None:
+    def controller_finished(self, result: Any = None) -> None:
         """The controller's process ends after this. A ledger that became final after the
         last report (a training function that records its end after it) is published
-        now; then the MLflow thread is let finish the run."""
+        now, unless the run ended with an error (``result.error``); then the MLflow thread
+        is let finish the run."""
         ctx = self._state.get("run_context")
-        if ctx is not None and not self._state.get("finished"):
+        failed = getattr(result, "error", None) is not None
+        if ctx is not None and not failed and not self._state.get("finished"):
             try:
                 ledger = self.refresh(ctx, job_end=time.time())
                 if ledger.finished:
@@ -238,7 +240,7 @@ class GoodputControllerHooks(ControllerCallback):
         self.goodput.controller_started(train_run_context)
 
     def after_controller_finish(self, result: Any) -> None:
-        self.goodput.controller_finished()
+        self.goodput.controller_finished(result)
 
 
 def _lowest_cpu_priority() -> None:
