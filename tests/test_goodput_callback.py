@@ -108,3 +108,13 @@ def test_a_run_that_ended_with_an_error_is_not_published_as_finished_at_the_cont
     hooks.after_controller_start(ctx)
     hooks.after_controller_finish(SimpleNamespace(error=RuntimeError("rank 1 failed past max_failures")))
     assert not (tmp_path / "run" / "goodput" / "summary.json").exists()
+    # Replica mode's controller callback publishes the ledger at the end (no report comes): likewise.
+    from ray_goodput.driver._replicas import ReplicaSupport
+    from ray_goodput.replica import ReplicaGroups
+
+    support = ReplicaSupport(ReplicaGroups(), goodput=cb)
+    support.after_controller_start(ctx)
+    support.after_controller_finish(SimpleNamespace(error=RuntimeError("every replica failed past max_failures")))
+    assert not (tmp_path / "run" / "goodput" / "summary.json").exists()
+    support.after_controller_finish(SimpleNamespace(error=None))  # a run that ended well
+    assert (tmp_path / "run" / "goodput" / "summary.json").exists()

@@ -114,7 +114,9 @@ class ReplicaSupport(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallba
             start_lighthouse(self.lighthouse_kwargs)
 
     def after_controller_finish(self, result: Any) -> None:
-        if self.goodput is not None and self._run_context is not None:
+        """The run's ledger is published as final, unless the run ended with an error (as
+        GoodputCallback's own controller hooks decide)."""
+        if self.goodput is not None and self._run_context is not None and getattr(result, "error", None) is None:
             self.goodput.publish_final(self._run_context)
 
     def before_controller_execute_resize_decision(self, decision: Any) -> None:
