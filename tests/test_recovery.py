@@ -23,7 +23,8 @@ from ray.train.v2.api.exceptions import ControllerError, WorkerGroupError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ray_goodput.driver import _gpu_check
-from ray_goodput.driver._recovery import NodeLedger, Recovery, futile, load_state, workers_that_fit
+from ray_goodput.driver._record import load_state
+from ray_goodput.driver._recovery import NodeLedger, Recovery, futile, workers_that_fit
 from ray_goodput.driver._trainer import TorchTrainer
 from ray_goodput.errors import ConfigError, StateMismatchError
 from ray_goodput.runtime import _resume
@@ -256,11 +257,11 @@ def test_a_restarts_hooks_do_not_wait_for_storage_to_write_the_recovery_record(t
     background; the controller's end waits for the newest one."""
     from types import SimpleNamespace
 
-    from ray_goodput.driver import _recovery
+    from ray_goodput.driver import _record
 
     gate = threading.Event()
     writes = []
-    real_write = _recovery.write_bytes
+    real_write = _record.write_bytes
 
     def held_write(root, name, data):  # storage that answers only when the test says so
         assert gate.wait(60), "the test never released the write"
@@ -270,7 +271,7 @@ def test_a_restarts_hooks_do_not_wait_for_storage_to_write_the_recovery_record(t
     root = str(tmp_path / "ckpt")
     rec = Recovery(health_check=None, storage_path=root)
     rec.after_controller_start(SimpleNamespace(run_config=None))
-    monkeypatch.setattr(_recovery, "write_bytes", held_write)
+    monkeypatch.setattr(_record, "write_bytes", held_write)
     try:
         scaling = ScalingConfig(num_workers=1)
         placing = threading.Thread(

@@ -16,7 +16,7 @@ from ray_goodput._lazy import lazy_exports
 _EXPORTS = {
     "GoodputCallback": "ray_goodput.driver._callback",
     "Recovery": "ray_goodput.driver._recovery",
-    "load_state": "ray_goodput.driver._recovery",
+    "load_state": "ray_goodput.driver._record",
     "TorchTrainer": "ray_goodput.driver._trainer",
 }
 
@@ -27,5 +27,6 @@ __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 if TYPE_CHECKING:
     from ray_goodput.driver._callback import GoodputCallback
-    from ray_goodput.driver._recovery import Recovery, load_state
+    from ray_goodput.driver._record import load_state
+    from ray_goodput.driver._recovery import Recovery
     from ray_goodput.driver._trainer import TorchTrainer

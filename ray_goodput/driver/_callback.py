@@ -15,7 +15,7 @@ from ray.train import Checkpoint, UserCallback
 from ray.train.v2._internal.execution.callback import ControllerCallback
 
 from ray_goodput.driver._publish import MlflowSink, RayGauges
-from ray_goodput.driver._recovery import load_state
+from ray_goodput.driver._record import load_state
 from ray_goodput.errors import not_retryable
 from ray_goodput.goodput import EventReader, Ledger, compute, fetch_stats, summary, table
 from ray_goodput.runtime import run_root

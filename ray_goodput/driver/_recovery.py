@@ -18,11 +18,10 @@ It runs in the Ray Train controller (Ray 2.60 DeveloperAPI hooks) and does three
   ``max_failures_per_node`` gets no worker of this run again: the worker group's label
   selector excludes it (``ray.io/node-id: "!in(...)"``).
 
-What it decided is kept in ``<root>/recovery/state.json`` (layout in :func:`load_state`)
-for the goodput summary, MLflow and ``ray-goodput status``: the controller runs on a copy of
-the Recovery the user built, so the user's object learns nothing by itself. The record is
-written in a background thread (no hook of a restart waits for storage); the run's end and
-a stop wait for the newest one.
+What it decided is kept in ``<root>/recovery/state.json`` (``_record``: the layout, and the
+background writer no restart hook waits for) for the goodput summary, MLflow and
+``ray-goodput status``: the controller runs on a copy of the Recovery the user built, so
+the user's object learns nothing by itself.
 """
 
 from __future__ import annotations
@@ -41,10 +40,11 @@ from ray.train.v2.api.exceptions import ControllerError, WorkerGroupError
 
 from ray_goodput.checkpoint import newest_valid, next_generation, pin_resume
 from ray_goodput.driver import _gpu_check, _health
+from ray_goodput.driver._record import ABORT_WRITE_WAIT_S, STATE_WRITE_WAIT_S, StateWriter
 from ray_goodput.errors import ConfigError, not_retryable
 from ray_goodput.runtime import run_root
 from ray_goodput.runtime._resume import ResumeDecision, root_key, set_decision
-from ray_goodput.storage import StorageLocation, read_bytes, resolve, write_bytes
+from ray_goodput.storage import StorageLocation, resolve
 
 logger = logging.getLogger(__name__)
 
@@ -52,13 +52,8 @@ logger = logging.getLogger(__name__)
 TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S = "TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S"
 #: Ray's built-in node label; a value ``"!in(a,b)"`` keeps bundles off nodes a and b.
 NODE_ID_LABEL = "ray.io/node-id"
-STATE_FILE = "recovery/state.json"
 #: How long a start waits for the resume choice begun when the failure was seen.
 RESUME_CHOICE_WAIT_S = 300.0
-#: How long the run's end (or a stop) waits for the recovery record to be written.
-STATE_WRITE_WAIT_S = 60.0
-#: The same when the run is aborted (the user is waiting on Ctrl-C).
-ABORT_WRITE_WAIT_S = 10.0
 
 
 def unwrap(exc: BaseException) -> list[BaseException]:
@@ -117,51 +112,6 @@ def workers_that_fit(node_resources: dict[str, float], per_worker: dict[str, flo
     return int(min(node_resources.get(r, 0.0) // v for r, v in per_worker.items()))
 
 
-class _StateWriter:
-    """Writes the newest recovery record in one background thread, so no hook of a restart
-    waits for storage; :meth:`flush` waits for the newest one (the run's end, a stop)."""
-
-    def __init__(self, root: StorageLocation) -> None:
-        self._root = root
-        self._cond = threading.Condition()
-        self._pending: bytes | None = None
-        self._busy = False
-        self._thread: threading.Thread | None = None
-
-    def put(self, data: bytes) -> None:
-        with self._cond:
-            self._pending = data  # an older one not yet written is replaced: the newest wins
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="rg-recovery-record", daemon=True)
-                self._thread.start()
-            self._cond.notify_all()
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                self._cond.wait_for(lambda: self._pending is not None)
-                data, self._pending, self._busy = self._pending, None, True
-            try:
-                write_bytes(self._root, STATE_FILE, data)
-            except OSError as exc:  # a record for people; never a reason to fail the run
-                logger.warning("could not write %s/%s: %s", self._root.uri, STATE_FILE, exc)
-            finally:
-                with self._cond:
-                    self._busy = False
-                    self._cond.notify_all()
-
-    def flush(self, timeout_s: float) -> None:
-        with self._cond:
-            done = self._cond.wait_for(lambda: self._pending is None and not self._busy, timeout=timeout_s)
-        if not done:
-            logger.warning(
-                "the recovery record %s/%s was not written within %.0f s; it may be stale",
-                self._root.uri,
-                STATE_FILE,
-                timeout_s,
-            )
-
-
 class Recovery(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):
     """Driver-side recovery for a Ray Train run; see the module docstring.
 
@@ -211,7 +161,7 @@ class Recovery(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):
         self._early_checks: dict[Any, str] | None = None  # started when the failure was seen
         # Likewise, with the attempt it is for: (attempt, thread, result box).
         self._early_resume: tuple[int, threading.Thread, dict[str, Any]] | None = None
-        self._writer: _StateWriter | None = None  # made in the controller, at the first record
+        self._writer: StateWriter | None = None  # made in the controller, at the first record
         # Off in replica mode (the trainer says so): a replica's failure is replaced, not
         # restarted, and checks then would only load the survivors' nodes.
         self.checks_at_failure = True
@@ -529,7 +479,7 @@ class Recovery(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):
         if self._root is None:
             return
         if self._writer is None:
-            self._writer = _StateWriter(self._root)
+            self._writer = StateWriter(self._root)
         self._writer.put(json.dumps(self.state(), indent=1).encode())
         if wait:
             self._writer.flush(STATE_WRITE_WAIT_S)
@@ -555,12 +505,3 @@ def _log_where_ray_train_logs() -> None:
         ours.addHandler(handler)
     ours.setLevel(logging.INFO)
     ours.propagate = False
-
-
-def load_state(root: str | StorageLocation) -> dict[str, Any] | None:
-    """What a Recovery recorded under ``root`` (``attempts``: attempt, resume_step,
-    excluded_nodes, unhealthy; ``node_failures``; ``isolated_nodes``; ``stopped``), or None."""
-    try:
-        return json.loads(read_bytes(resolve(root), STATE_FILE))
-    except FileNotFoundError:
-        return None

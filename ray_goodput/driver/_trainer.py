@@ -20,7 +20,8 @@ from ray.train.v2.api.callback import RayTrainCallback
 
 from ray_goodput.driver._callback import GoodputCallback, GoodputControllerHooks
 from ray_goodput.driver._node_services import NodeServices
-from ray_goodput.driver._recovery import Recovery, load_state
+from ray_goodput.driver._record import load_state
+from ray_goodput.driver._recovery import Recovery
 from ray_goodput.driver._replicas import EarlyLighthouseConfig, ReplicaSupport, replica_kwargs
 from ray_goodput.errors import ConfigError
 from ray_goodput.replica import ReplicaGroups
