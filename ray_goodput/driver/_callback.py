@@ -172,15 +172,8 @@ class GoodputCallback(UserCallback):
         now, unless the run ended with an error (``result.error``); then the MLflow thread
         is let finish the run."""
         ctx = self._state.get("run_context")
-        failed = getattr(result, "error", None) is not None
-        if ctx is not None and not failed and not self._state.get("finished"):
-            try:
-                ledger = self.refresh(ctx, job_end=time.time())
-                if ledger.finished:
-                    self._publish(ctx, ledger, final=True)
-                    self._state["finished"] = True
-            except Exception as exc:  # noqa: BLE001 - never fail the run over accounting
-                logger.warning("goodput ledger update at the controller's end failed: %s", exc)
+        if ctx is not None and getattr(result, "error", None) is None:
+            self.publish_final(ctx, only_if_finished=True)
         if not self._wait_for_mlflow(_MLFLOW_DRAIN_S):
             logger.warning("goodput MLflow calls still running after %.0f s; the run may stay open", _MLFLOW_DRAIN_S)
 
@@ -194,16 +187,22 @@ class GoodputCallback(UserCallback):
         except Exception as exc:  # noqa: BLE001 - never fail the run over accounting
             logger.warning("goodput ledger update failed: %s", exc)
 
-    def publish_final(self, run_context: Any) -> None:
-        """Publish the job's ledger as final, once. Ray calls ``after_report`` only on a
+    def publish_final(self, run_context: Any, *, only_if_finished: bool = False) -> None:
+        """Publish the job's ledger as final, once (``only_if_finished``: only when the
+        last attempt recorded its end). Ray calls ``after_report`` only on a
         ``ray.train.report``; replica mode never reports (its barrier would wait for a
-        replica being replaced), so its controller callback calls this when the run ends."""
+        replica being replaced), so its controller callback calls this when the run ends,
+        and so does the controller's end for a ledger that became final after the last
+        report."""
         if self._state.get("finished"):
             return
         try:
             # The run's end, not its last step: a replacement still starting, or the last
             # upload, is time the job took.
-            self._publish(run_context, self.refresh(run_context, job_end=time.time()), final=True, wait=True)
+            ledger = self.refresh(run_context, job_end=time.time())
+            if only_if_finished and not ledger.finished:
+                return
+            self._publish(run_context, ledger, final=True, wait=True)
             self._state["finished"] = True
         except Exception as exc:  # noqa: BLE001 - never fail the run over accounting
             logger.warning("goodput ledger update failed: %s", exc)
