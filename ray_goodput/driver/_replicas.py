@@ -137,9 +137,9 @@ class ReplicaSupport(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallba
         failing = status.failing_replica_group_indices
         if not failing or failing == status.all_replica_group_indices:
             return  # nothing to replace, or Ray restarts the whole group anyway
-        if decision.num_workers != len(group.get_workers()):
-            return  # a resize: Ray restarts the whole group anyway
         workers = group.get_workers()
+        if decision.num_workers != len(workers):
+            return  # a resize: Ray restarts the whole group anyway
         dead = _dead_workers(workers)
         groups = status.worker_rank_to_replica_group_rank or {}
         dead_groups = {groups.get(i, i) for i in dead}

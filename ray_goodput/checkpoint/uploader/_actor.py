@@ -195,8 +195,7 @@ class CheckpointUploader:
         ``root`` is the job's StorageLocation, pickled: building an S3 client from its
         pickle is slow, so it is done once per storage root, not once per save.
         """
-        queue = job_modules()
-        ticket = queue.Ticket(dataclasses.replace(job, root=self._resolve_root(root)))
+        ticket = _rank_queue.Ticket(dataclasses.replace(job, root=self._resolve_root(root)))
         if peer is not None:  # first: the worker must hear whatever the bookkeeping does
             ticket.origin = peer.conn
             ticket.release_callbacks.append(lambda t: peer.send(("released", t.job.key)))
@@ -207,7 +206,7 @@ class CheckpointUploader:
             self._jobs[job.key] = ticket
             lane = self._lanes.get(job.lane)
             if lane is None:
-                lane = self._lanes[job.lane] = queue.RankLane(concurrency=self._concurrency, policy=self._policy)
+                lane = self._lanes[job.lane] = _rank_queue.RankLane(concurrency=self._concurrency, policy=self._policy)
         self._metrics.queued(job.num_bytes, +1)
         try:
             lane.submit(ticket)
