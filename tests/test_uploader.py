@@ -170,7 +170,7 @@ def test_node_services_start_the_uploader_and_jobs_carry_their_settings(ray_loca
     from ray_goodput.runtime import _services
     from ray_goodput.storage import RetryPolicy
 
-    assert NodeServices().before_init_train_context([_Placed(_services.current_node_id())] * 2) == {}
+    NodeServices().start([_Placed(_services.current_node_id())] * 2)
     assert _services.current_node_id() in _services.find(KIND)
     model = torch.nn.Linear(16, 16)
     retry = RetryPolicy(attempts=2, initial_delay=0.01, max_delay=0.02)

@@ -107,8 +107,9 @@ class _Placed:
 
 def test_the_trainer_creates_each_workers_uploader_on_the_workers_node_in_their_runtime_env(ray_cluster):
     # Ray Train runs this callback in its controller (here: the driver, on the head node)
-    # before the workers initialize; the uploaders must go where the workers are, with
-    # the environment a worker-created one would have inherited.
+    # once a worker group is up, and once a replica replaced in replica mode is; the
+    # uploaders must go where the workers are, with the environment a worker-created one
+    # would have inherited.
     from ray.util.state import list_actors
 
     from ray_goodput.driver._node_services import NodeServices
@@ -116,7 +117,10 @@ def test_the_trainer_creates_each_workers_uploader_on_the_workers_node_in_their_
     nodes = list(ray_cluster.worker_ids)
     mark = f"placed-{os.getpid()}"
     services = NodeServices({"env_vars": {"RG_TEST_UPLOADER_MARK": mark}})
-    assert services.before_init_train_context([_Placed(n) for n in nodes + nodes]) == {}
+    group = SimpleNamespace(get_workers=lambda: [_Placed(nodes[0]), _Placed(nodes[0])])
+    replacement = SimpleNamespace(get_workers=lambda: [_Placed(nodes[1])])
+    services.after_worker_group_start(group)
+    services.after_replica_group_start(replacement)
 
     def placed() -> dict[str, str]:
         alive = list_actors(filters=[("state", "=", "ALIVE")])

@@ -395,7 +395,7 @@ def _actor_class() -> Any:
 def start_node_uploader(node_id: str, runtime_env: dict[str, Any] | None = None) -> None:
     """Find or create the uploader of node ``node_id`` without waiting for it to start.
 
-    Run by Ray Train's controller for every worker node once a worker group is placed
+    Run by Ray Train's controller for every worker node once a worker group has started
     (``driver._node_services``), so the actor is up before the first save needs it.
     ``runtime_env``: the workers' (``RunConfig.worker_runtime_env``), which an uploader
     a worker creates inherits. Settings travel with each job.

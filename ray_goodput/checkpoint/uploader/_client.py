@@ -61,10 +61,10 @@ class ActorBackend:
     worker being killed right after. The hand-off goes over the uploader's socket
     (``_channel``: one write, an order of magnitude cheaper than an actor call on a busy
     node), or by actor calls (the actor maps the arena before it answers) when the socket
-    cannot be reached. The trainer creates the uploaders before the workers initialize
-    their train context (``driver._node_services``), so the first save does not wait for
-    the actor to start; without it, a save made before the actor is up waits for it
-    (bounded), rather than holding a job that would die with the worker.
+    cannot be reached. The trainer creates the uploaders as the training function starts
+    (``driver._node_services``), so a first save a few steps in does not wait for the
+    actor to start; a save made before the actor is up waits for it (bounded), rather
+    than holding a job that would die with the worker.
     """
 
     def __init__(self, *, durable_timeout_s: float, root: StorageLocation | None = None) -> None:
