@@ -192,12 +192,16 @@ def test_a_storage_outage_shorter_than_the_bound_costs_a_ray_train_run_no_restar
         proxy.outage(OUTAGE_S)
 
     threading.Thread(target=take_down, daemon=True).start()
+    reports = tmp_path / "reports.jsonl"
     trainer = ray_goodput.TorchTrainer(
         _outage_loop,
         train_loop_config={"uri": uri, "signal": str(signal), "out": str(out)},
         scaling_config=ScalingConfig(num_workers=1),
         run_config=RunConfig(
-            storage_path=str(tmp_path / "runs"), name="outage", failure_config=FailureConfig(max_failures=0)
+            storage_path=str(tmp_path / "runs"),
+            name="outage",
+            failure_config=FailureConfig(max_failures=0),
+            callbacks=[_report_log(reports)],
         ),
     )
     trainer.fit()  # raises if the run failed
@@ -212,3 +216,20 @@ def test_a_storage_outage_shorter_than_the_bound_costs_a_ray_train_run_no_restar
     assert ledger.recovery_point_age_s is not None and ledger.recovery_point_age_s < OUTAGE_S / 2, ledger
     (line,) = checkpoint_lines(run_dir)
     assert f"superseded {ledger.checkpoints_superseded}" in line and "s old at the run's end" in line, line
+    # close() reported the last commit and no more: a report is a barrier of every worker,
+    # and a second one at the end only held up the run's end.
+    last = json.loads(reports.read_text().splitlines()[-1])
+    assert last == {"step": STEPS, "checkpoint": True}, last
+
+
+def _report_log(path: Path):
+    """A Ray Train callback (run in the controller) that logs each report's step and
+    whether it carried a checkpoint."""
+    import ray.train
+
+    class ReportLog(ray.train.UserCallback):
+        def after_report(self, run_context, metrics, checkpoint) -> None:
+            with open(path, "a") as f:
+                f.write(json.dumps({"step": metrics[0].get("step"), "checkpoint": checkpoint is not None}) + "\n")
+
+    return ReportLog()

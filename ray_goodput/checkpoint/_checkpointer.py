@@ -464,8 +464,11 @@ class Checkpointer:
             return
         self._recorder.end()
         try:
+            reports = self._outcomes.reports
             self.wait()
-            if self._ctx.in_ray_train:
+            if self._ctx.in_ray_train and self._outcomes.reports == reports:
+                # The goodput callback must see the end: a report after it, and only one
+                # (each is a barrier of every worker). Every rank agrees on what was reported.
                 report_closed(self._last_step)
             # Only on a clean close: an error on its way up (a restart coming) is not held
             # back; the restarted worker's Checkpointer deletes what is left.

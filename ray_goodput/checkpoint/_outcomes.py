@@ -135,6 +135,7 @@ class Outcomes:
         self._first_save_at: float | None = None
         self._last_save_at: float | None = None
         self._reported: int | None = None
+        self.reports = 0  # reports made to Ray Train (every rank alike: outcomes are agreed)
         self._newest_failed: tuple[str, BaseException | None] | None = None
 
     # ---- what the Checkpointer tells it ---------------------------------------------------
@@ -270,6 +271,7 @@ class Outcomes:
                 continue  # Ray Train's newest must stay the newest
             self._reported = step
             if self._ctx.in_ray_train:
+                self.reports += 1
                 report_checkpoint(self._ctx, _catalog.step_location(self._root, step), {**metrics, "step": step})
         if committed:
             newest = max(step for step, _ in committed)

@@ -47,8 +47,8 @@ def report_checkpoint(ctx: WorkerContext, step_loc: StorageLocation, metrics: di
 
 
 def report_closed(step: int | None) -> None:
-    """A last report when the Checkpointer closes (every rank calls), so the goodput
-    callback sees the end even when no checkpoint committed since the previous report."""
+    """A last report when the Checkpointer closes and its final ``wait()`` reported no
+    checkpoint (every rank calls), so the goodput callback sees the end."""
     import ray.train  # noqa: PLC0415 - see report_checkpoint
 
     ray.train.report({"step": step, "ray_goodput_closed": 1})
