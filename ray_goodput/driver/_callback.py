@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 from ray.train import Checkpoint, UserCallback
-from ray.train.v2._internal.execution.callback import ControllerCallback
+from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
 
 from ray_goodput.driver._publish import MlflowSink, RayGauges
 from ray_goodput.driver._record import load_state
@@ -25,6 +25,8 @@ logger = logging.getLogger(__name__)
 
 #: How long the controller's end waits for the MLflow thread to finish the run.
 _MLFLOW_DRAIN_S = 120.0
+#: How long a publication waits for a refresh already reading the events (storage reads).
+_REFRESH_WAIT_S = 60.0
 
 
 class GoodputCallback(UserCallback):
@@ -38,7 +40,9 @@ class GoodputCallback(UserCallback):
     cleanly (at the report that sees the end, or with the controller hooks at the
     controller's end); ``<run dir>/goodput/summary.json`` too (with the nodes a Recovery isolated).
     While it runs: ledger metrics and the data wait per step (``data/fetch_seconds_p50``,
-    ``_p95``, ``_max`` per logging interval) go to MLflow, live values to Ray metrics.
+    ``_p95``, ``_max`` per logging interval) go to MLflow, live values to Ray metrics, at
+    each report and, with the controller hooks below, every ``log_every_s`` between reports
+    (replica mode never reports).
 
     MLflow calls run in one background thread of the controller at the lowest CPU priority.
     With its :meth:`controller_callback` in the run too (``ray_goodput.TorchTrainer`` adds
@@ -59,6 +63,11 @@ class GoodputCallback(UserCallback):
         self.ledger: Ledger | None = None
         self._failures: list[str] = []
         self._state: dict[str, Any] = {}
+
+    @property
+    def run_context(self) -> Any:
+        """Ray Train's run context, once the controller hooks saw the controller start."""
+        return self._state.get("run_context")
 
     def controller_callback(self) -> ControllerCallback:
         """A Ray Train controller callback for this GoodputCallback: pass both in the run's
@@ -86,6 +95,11 @@ class GoodputCallback(UserCallback):
             self._state["queue"] = q
             threading.Thread(target=self._drain, args=(q,), name="rg-goodput-mlflow", daemon=True).start()
         return self._state["queue"]
+
+    def _lock(self) -> threading.RLock:
+        """Held while the ledger is refreshed and published: the controller's hooks and
+        the periodic refresh (a thread) take turns."""
+        return self._state.setdefault("lock", threading.RLock())
 
     def _drain(self, q: queue.Queue) -> None:
         _lowest_cpu_priority()
@@ -124,7 +138,9 @@ class GoodputCallback(UserCallback):
 
     def _publish(self, run_context: Any, ledger: Ledger, final: bool, wait: bool = False) -> None:
         step = int(time.time() - self.job_start)
-        gauges = self._state.setdefault("gauges", _safe_gauges(self._state.get("name", "run")))
+        if "gauges" not in self._state:
+            self._state["gauges"] = _safe_gauges(self._state.get("name", "run"))
+        gauges = self._state["gauges"]
         if gauges is not None:
             gauges.set(ledger)
         if final:
@@ -171,7 +187,7 @@ class GoodputCallback(UserCallback):
         last report (a training function that records its end after it) is published
         now, unless the run ended with an error (``result.error``); then the MLflow thread
         is let finish the run."""
-        ctx = self._state.get("run_context")
+        ctx = self.run_context
         if ctx is not None and getattr(result, "error", None) is None:
             self.publish_final(ctx, only_if_finished=True)
         if not self._wait_for_mlflow(_MLFLOW_DRAIN_S):
@@ -179,6 +195,9 @@ class GoodputCallback(UserCallback):
 
     # -- Ray Train hooks --
     def after_report(self, run_context: Any, metrics: list[dict[str, Any]], checkpoint: Checkpoint | None) -> None:
+        if not self._lock().acquire(timeout=_REFRESH_WAIT_S):
+            logger.warning("goodput ledger not updated at this report: a refresh has held it %.0f s", _REFRESH_WAIT_S)
+            return
         try:
             ledger = self.refresh(run_context)
             final = ledger.finished and not self._state.get("finished")
@@ -186,6 +205,23 @@ class GoodputCallback(UserCallback):
             self._state["finished"] = self._state.get("finished") or ledger.finished
         except Exception as exc:  # noqa: BLE001 - never fail the run over accounting
             logger.warning("goodput ledger update failed: %s", exc)
+        finally:
+            self._lock().release()
+
+    def publish_progress(self, run_context: Any) -> None:
+        """Refresh the ledger and publish it as it stands (never as final), at most every
+        ``log_every_s``. The controller hooks call it from a thread between reports: the
+        events read then are not read again by the next report, or by the run's end."""
+        _lowest_cpu_priority()
+        if not self._lock().acquire(blocking=False):
+            return  # a report or the run's end is publishing
+        try:
+            if not self._state.get("finished"):
+                self._publish(run_context, self.refresh(run_context), final=False)
+        except Exception as exc:  # noqa: BLE001 - never fail the run over accounting
+            logger.warning("goodput ledger update failed: %s", exc)
+        finally:
+            self._lock().release()
 
     def publish_final(self, run_context: Any, *, only_if_finished: bool = False) -> None:
         """Publish the job's ledger as final, once (``only_if_finished``: only when the
@@ -196,16 +232,23 @@ class GoodputCallback(UserCallback):
         report."""
         if self._state.get("finished"):
             return
+        end = time.time()  # the run's end, not its last step: a replacement still starting,
+        # or the last upload, is time the job took
+        if not self._lock().acquire(timeout=_REFRESH_WAIT_S):
+            logger.warning("goodput ledger not published: a refresh has held it %.0f s", _REFRESH_WAIT_S)
+            return
         try:
-            # The run's end, not its last step: a replacement still starting, or the last
-            # upload, is time the job took.
-            ledger = self.refresh(run_context, job_end=time.time())
+            if self._state.get("finished"):
+                return
+            ledger = self.refresh(run_context, job_end=end)
             if only_if_finished and not ledger.finished:
                 return
             self._publish(run_context, ledger, final=True, wait=True)
             self._state["finished"] = True
         except Exception as exc:  # noqa: BLE001 - never fail the run over accounting
             logger.warning("goodput ledger update failed: %s", exc)
+        finally:
+            self._lock().release()
 
     def after_exception(self, run_context: Any, worker_exceptions: dict[int, Exception]) -> None:
         self._root(run_context)  # names the MLflow run before its first entry
@@ -220,23 +263,42 @@ class GoodputCallback(UserCallback):
                 "NOT RETRYABLE (a restart will fail the same way; fix the cause and start a new run): %s", futile[0]
             )
             self._worker().put(("tag", ("ray_goodput.stopped_by", futile[0]), None))
+            if not self._lock().acquire(timeout=_REFRESH_WAIT_S):
+                logger.warning("goodput ledger not published: a refresh has held it %.0f s", _REFRESH_WAIT_S)
+                return
             try:
                 self._publish(run_context, self.refresh(run_context), final=True, wait=True)
                 self._state["finished"] = True
             except Exception as exc:  # noqa: BLE001 - never fail the run over accounting
                 logger.warning("goodput ledger update failed: %s", exc)
+            finally:
+                self._lock().release()
 
 
-class GoodputControllerHooks(ControllerCallback):
+class GoodputControllerHooks(ControllerCallback, WorkerGroupCallback):
     """The controller's start and end for a :class:`GoodputCallback` (Ray Train calls a
-    ``UserCallback`` at reports and exceptions only). Made by
-    :meth:`GoodputCallback.controller_callback`."""
+    ``UserCallback`` at reports and exceptions only), and a refresh of its ledger every
+    ``log_every_s`` between them, in a thread started from the controller's poll of the
+    workers. Made by :meth:`GoodputCallback.controller_callback`."""
 
     def __init__(self, goodput: GoodputCallback) -> None:
         self.goodput = goodput
+        self._refresher: threading.Thread | None = None
+        self._next_refresh = 0.0  # time.monotonic() of the next one
 
     def after_controller_start(self, train_run_context: Any) -> None:
         self.goodput.controller_started(train_run_context)
+
+    def after_worker_group_poll_status(self, worker_group_status: Any) -> None:
+        ctx = self.goodput.run_context
+        now = time.monotonic()
+        if ctx is None or now < self._next_refresh or (self._refresher is not None and self._refresher.is_alive()):
+            return
+        self._next_refresh = now + self.goodput.log_every_s
+        self._refresher = threading.Thread(
+            target=self.goodput.publish_progress, args=(ctx,), name="rg-goodput-refresh", daemon=True
+        )
+        self._refresher.start()
 
     def after_controller_finish(self, result: Any) -> None:
         self.goodput.controller_finished(result)

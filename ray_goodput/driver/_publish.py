@@ -41,6 +41,12 @@ class MlflowSink:
             else self._client.create_experiment(experiment, artifact_location=_artifacts_beside(tracking_uri))
         )
         self.run_id = self._client.create_run(exp_id, run_name=run_name, tags={"ray_goodput": "goodput"}).info.run_id
+        # The charts at the run's end need matplotlib: loaded now, in this background
+        # thread at the start, not in the run's tail (fit() returns after the charts).
+        import matplotlib  # noqa: PLC0415 - see above
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot  # noqa: PLC0415 - see above
 
     def flush(self) -> None:
         """Nothing: queued behind earlier calls, it says when they have run (the run is open)."""
