@@ -118,3 +118,41 @@ def test_a_run_that_ended_with_an_error_is_not_published_as_finished_at_the_cont
     assert not (tmp_path / "run" / "goodput" / "summary.json").exists()
     support.after_controller_finish(SimpleNamespace(error=None))  # a run that ended well
     assert (tmp_path / "run" / "goodput" / "summary.json").exists()
+
+
+def test_a_report_does_not_wait_for_a_refresh_under_way_and_the_controllers_end_publishes_the_final_ledger(
+    tmp_path, monkeypatch
+):
+    """The controller hooks refresh the ledger between reports in a thread at the lowest CPU
+    priority. A report (every worker waiting in it) must not wait for that thread, which a
+    busy node may starve; the controller's end then publishes the final ledger the report
+    skipped."""
+    root = str(tmp_path / "run")
+    _finished_job(root)
+    ctx = _run_context(root, "busy")
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    cb = GoodputCallback(tracking_uri=uri)
+    hooks = cb.controller_callback()
+    hooks.after_controller_start(ctx)
+    entered, release = threading.Event(), threading.Event()
+    original = GoodputCallback.refresh
+
+    def held_refresh(self, *args, **kwargs):
+        if threading.current_thread().name == "rg-goodput-refresh":
+            entered.set()
+            assert release.wait(120), "the test never released the refresh"
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(GoodputCallback, "refresh", held_refresh)
+    hooks.after_worker_group_poll_status(SimpleNamespace())  # starts the refresh: held inside it
+    assert entered.wait(60), "the controller's poll started no refresh"
+    report = threading.Thread(target=cb.after_report, args=(ctx, [{"step": 2}], None), daemon=True)
+    report.start()
+    report.join(timeout=30)
+    held = not release.is_set()
+    release.set()
+    assert not report.is_alive() and held, "the report waited for the refresh under way"
+    hooks.after_controller_finish(None)
+    assert cb.ledger is not None and cb.ledger.finished
+    assert (tmp_path / "run" / "goodput" / "summary.json").exists()
+    _assert_finished_in_mlflow(uri, "busy")

@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 
 #: How long the controller's end waits for the MLflow thread to finish the run.
 _MLFLOW_DRAIN_S = 120.0
-#: How long a publication waits for a refresh already reading the events (storage reads).
+#: How long the run's end (or a stop) waits for a refresh already reading the events.
 _REFRESH_WAIT_S = 60.0
 
 
@@ -195,8 +195,10 @@ class GoodputCallback(UserCallback):
 
     # -- Ray Train hooks --
     def after_report(self, run_context: Any, metrics: list[dict[str, Any]], checkpoint: Checkpoint | None) -> None:
-        if not self._lock().acquire(timeout=_REFRESH_WAIT_S):
-            logger.warning("goodput ledger not updated at this report: a refresh has held it %.0f s", _REFRESH_WAIT_S)
+        if not self._lock().acquire(blocking=False):
+            # The controller hooks' refresh (a thread at the lowest CPU priority) is reading
+            # the events: every worker waits in this report, so it does not wait for that.
+            # A final ledger this report would have published goes out at the controller's end.
             return
         try:
             ledger = self.refresh(run_context)
