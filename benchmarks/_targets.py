@@ -40,8 +40,9 @@ class Target:
 
     @property
     def bound(self) -> str:
-        """``≤ 1.2×`` or ``≥ 10×``; a target whose name ends in ``_s`` is in seconds (``≤ 3 s``)."""
-        unit = " s" if self.name.endswith("_s") else "×"
+        """``≤ 1.2×`` or ``≥ 10×``; a target whose name ends in ``_s`` is in seconds (``≤ 3 s``),
+        one whose name ends in ``_count`` a plain number (``≤ 5``)."""
+        unit = " s" if self.name.endswith("_s") else "" if self.name.endswith("_count") else "×"
         return f"≤ {self.at_most:g}{unit}" if self.at_most is not None else f"≥ {self.at_least:g}{unit}"
 
     def verdict(self, ratio: float) -> str:
