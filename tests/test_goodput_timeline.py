@@ -103,3 +103,26 @@ def test_mlflow_artifacts_go_beside_a_sqlite_store_not_into_the_working_director
     stored = {p.name for p in (tmp_path / "store" / "mlartifacts").rglob("*.png")}
     assert stored == {"goodput_breakdown.png", "goodput_timeline.png"}
     assert not (tmp_path / "cwd" / "mlruns").exists()
+
+
+def test_what_the_recorder_hears_after_the_end_reaches_object_storage_at_once(s3_server):
+    """``close()`` records the end, then settles the last saves: their commit's recovery point
+    came after the end and sat in the object-store log's buffer (pushed once a second), where
+    the final ledger, read right after, did not see it, and a process exiting first lost it."""
+    from ray_goodput.goodput._recorder import StepRecorder
+
+    root = storage.resolve(s3_server.bucket_uri("late"))
+    log = EventLog(root, rank=0, world_size=1)
+    rec = StepRecorder(log)
+    rec.step(1)
+    rec.recovery_point(1, at=1.0)  # before the end: the periodic flush carries it
+    rec.end()
+    rec.recovery_point(2, at=2.0)
+    rec.checkpoint_superseded(3)
+    events = EventReader(root).poll()[log.attempt]
+    assert [(e["e"], e.get("step")) for e in events if e["e"] != "start"][-3:] == [
+        ("end", None),
+        ("recovery_point", 2),
+        ("ckpt_superseded", 3),
+    ], events
+    log.close()

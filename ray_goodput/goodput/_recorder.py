@@ -32,6 +32,7 @@ class StepRecorder:
         self._fetch = 0.0
         self._ckpt = 0.0
         self.explicit = False
+        self._ended = False  # after the end, every event is pushed at once (see _emit_late)
 
     def add_fetch(self, seconds: float) -> None:
         """Time the loop waited for a batch (data stall), counted in the current step."""
@@ -60,16 +61,19 @@ class StepRecorder:
         """The checkpoint of ``step`` was dropped for a newer one before it was written."""
         if self.log is not None:
             self.log.emit("ckpt_superseded", step=step, t=time.time())
+            self._flush_if_ended()
 
     def checkpoint_failed(self, step: int) -> None:
         """The checkpoint of ``step`` failed after its retries (the run goes on)."""
         if self.log is not None:
             self.log.emit("ckpt_failed", step=step, t=time.time())
+            self._flush_if_ended()
 
     def recovery_point(self, step: int, at: float) -> None:
         """The newest committed checkpoint is now ``step``, holding the state as of ``at``."""
         if self.log is not None:
             self.log.emit("recovery_point", step=step, at=at, t=time.time())
+            self._flush_if_ended()
 
     def step(self, step: int, *, fetch_seconds: float = 0.0, explicit: bool = True, capacity: float = 1.0) -> None:
         """Step ``step`` just finished: everything since the previous mark belongs to it.
@@ -98,8 +102,16 @@ class StepRecorder:
 
     def end(self) -> None:
         """The training function finished cleanly."""
+        self._ended = True
         if self.log is not None:
             self.log.emit("end")
+            self.log.flush()
+
+    def _flush_if_ended(self) -> None:
+        """Events after the end (the last commit, settled by ``close()``) go to storage at
+        once: the process may exit before the next periodic flush, and the final ledger
+        is read right after them."""
+        if self._ended and self.log is not None:
             self.log.flush()
 
 
