@@ -3,7 +3,9 @@ with its hooks called directly (no Ray run: the controller is not the point here
 
 from __future__ import annotations
 
+import json
 import threading
+import time
 from types import SimpleNamespace
 
 import pyarrow.fs as pafs
@@ -41,11 +43,15 @@ def _assert_finished_in_mlflow(uri: str, name: str) -> None:
     assert {a.path for a in client.list_artifacts(run.info.run_id)} >= {"goodput_breakdown.png", "goodput_summary.json"}
 
 
-def test_a_report_never_waits_for_mlflow_and_the_controllers_end_waits_for_the_finished_run(tmp_path, monkeypatch):
-    """The final report used to wait inside Ray Train's report path for MLflow to finish the
-    run (charts, artifacts; seconds when the store is new), while every worker waited in
-    its report. With the controller hooks in the run, the report only queues it and the
-    controller's end waits for it."""
+def test_with_the_controller_hooks_the_final_ledger_spans_the_whole_job_and_no_report_waits_for_mlflow(
+    tmp_path, monkeypatch
+):
+    """The report that saw the job's end published the final ledger while every worker waited
+    in it: first it waited for MLflow to finish the run (charts, artifacts; seconds when the
+    store is new); then, with MLflow moved off it, the ledger still ended at that report, and
+    the job's tail after it (the workers' shutdown, the controller's end) was in no bucket.
+    With the controller hooks, a report queues live metrics only; the controller's end
+    publishes the final ledger up to its own time and waits for MLflow to finish the run."""
 
     root = str(tmp_path / "run")
     _finished_job(root)
@@ -63,13 +69,15 @@ def test_a_report_never_waits_for_mlflow_and_the_controllers_end_waits_for_the_f
     cb = GoodputCallback(tracking_uri=uri)
     hooks = cb.controller_callback()  # ray_goodput.TorchTrainer adds it
     hooks.after_controller_start(ctx)  # opens the MLflow run in the background
-    cb.after_report(ctx, [{"step": 2}], None)  # the ledger is finished: the final publish
-    # after_report returned while MLflow's finish is held: it did not wait for it.
-    assert entered.wait(60), "the final publish never reached MLflow"
+    cb.after_report(ctx, [{"step": 2}], None)  # the ledger is finished: not published as final here
     assert cb.ledger is not None and cb.ledger.finished
-    assert (tmp_path / "run" / "goodput" / "summary.json").exists()  # written by the report itself
+    assert not (tmp_path / "run" / "goodput" / "summary.json").exists()
+    ended = time.time()
     threading.Timer(0.5, release.set).start()
-    hooks.after_controller_finish(None)  # returns once MLflow finished the run
+    hooks.after_controller_finish(None)  # publishes, and returns once MLflow finished the run
+    assert entered.is_set()
+    final = json.loads((tmp_path / "run" / "goodput" / "summary.json").read_text())
+    assert final["finished"] and final["total_s"] >= ended - cb.job_start  # up to the controller's end
     _assert_finished_in_mlflow(uri, "held")
 
 

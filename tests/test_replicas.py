@@ -187,7 +187,7 @@ def _digest(model: torch.nn.Module) -> str:
     return h.hexdigest()[:16]
 
 
-@all_killed_run
+@one_killed_run
 def test_replica_mode_publishes_the_ledger_while_it_runs_not_only_at_its_end(one_killed):
     """Replica mode never reports to Ray Train, so no report refreshes the ledger: the goodput
     controller hooks' periodic refresh puts it in MLflow while the run goes on, and the
@@ -199,6 +199,6 @@ def test_replica_mode_publishes_the_ledger_while_it_runs_not_only_at_its_end(one
     (run,) = client.search_runs([client.get_experiment_by_name("ray_goodput").experiment_id])
     assert run.info.status == "FINISHED"
     history = client.get_metric_history(run.info.run_id, "goodput/goodput")  # step: seconds into the job
-    final = max(history, key=lambda m: m.step)
+    final = max(history, key=lambda m: (m.step, m.timestamp))  # a refresh may share the final's second
     assert final.value == run.data.metrics["goodput/goodput"] > 0
     assert len(history) >= 2 and min(m.step for m in history) < final.step, [(m.step, m.value) for m in history]

@@ -37,8 +37,9 @@ class GoodputCallback(UserCallback):
     ``ray_goodput.record_step``. One MLflow run per job (``tracking_uri`` default: a sqlite
     file ``mlflow.db`` in the driver's working directory), left open across restarts and
     finished with a chart, a timeline and a summary when the training function ends
-    cleanly (at the report that sees the end, or with the controller hooks at the
-    controller's end); ``<run dir>/goodput/summary.json`` too (with the nodes a Recovery isolated).
+    cleanly (with the controller hooks, at the controller's end, so the final ledger spans
+    all of ``fit()``; without them, at the report that sees the end);
+    ``<run dir>/goodput/summary.json`` too (with the nodes a Recovery isolated).
     While it runs: ledger metrics and the data wait per step (``data/fetch_seconds_p50``,
     ``_p95``, ``_max`` per logging interval) go to MLflow, live values to Ray metrics, at
     each report and, with the controller hooks below, every ``log_every_s`` between reports
@@ -183,10 +184,9 @@ class GoodputCallback(UserCallback):
             logger.warning("goodput MLflow run not opened at the start: %s", exc)
 
     def controller_finished(self, result: Any = None) -> None:
-        """The controller's process ends after this. A ledger that became final after the
-        last report (a training function that records its end after it) is published
-        now, unless the run ended with an error (``result.error``); then the MLflow thread
-        is let finish the run."""
+        """The controller's process ends after this. The final ledger (the last attempt
+        recorded its end) is published now, up to this moment, unless the run ended with
+        an error (``result.error``); then the MLflow thread is let finish the run."""
         ctx = self.run_context
         if ctx is not None and getattr(result, "error", None) is None:
             self.publish_final(ctx, only_if_finished=True)
@@ -202,9 +202,13 @@ class GoodputCallback(UserCallback):
             return
         try:
             ledger = self.refresh(run_context)
-            final = ledger.finished and not self._state.get("finished")
+            # With the controller hooks, the controller's end publishes the final ledger: it
+            # spans all of fit() (the last commit's report, the workers' shutdown) and every
+            # event. Without them, this report is the last chance.
+            final = ledger.finished and not self._state.get("finished") and not self._state.get("drained_at_end")
             self._publish(run_context, ledger, final)
-            self._state["finished"] = self._state.get("finished") or ledger.finished
+            if final:
+                self._state["finished"] = True
         except Exception as exc:  # noqa: BLE001 - never fail the run over accounting
             logger.warning("goodput ledger update failed: %s", exc)
         finally:
@@ -218,8 +222,9 @@ class GoodputCallback(UserCallback):
         if not self._lock().acquire(blocking=False):
             return  # a report or the run's end is publishing
         try:
-            if not self._state.get("finished"):
-                self._publish(run_context, self.refresh(run_context), final=False)
+            ledger = self.refresh(run_context)
+            if ledger.attempts and not self._state.get("finished"):  # nothing recorded yet: nothing to show
+                self._publish(run_context, ledger, final=False)
         except Exception as exc:  # noqa: BLE001 - never fail the run over accounting
             logger.warning("goodput ledger update failed: %s", exc)
         finally:
@@ -228,10 +233,9 @@ class GoodputCallback(UserCallback):
     def publish_final(self, run_context: Any, *, only_if_finished: bool = False) -> None:
         """Publish the job's ledger as final, once (``only_if_finished``: only when the
         last attempt recorded its end). Ray calls ``after_report`` only on a
-        ``ray.train.report``; replica mode never reports (its barrier would wait for a
-        replica being replaced), so its controller callback calls this when the run ends,
-        and so does the controller's end for a ledger that became final after the last
-        report."""
+        ``ray.train.report``; with the controller hooks, the controller's end calls this
+        (only if finished), and replica mode's controller callback too (replica mode never
+        reports: its barrier would wait for a replica being replaced)."""
         if self._state.get("finished"):
             return
         end = time.time()  # the run's end, not its last step: a replacement still starting,
@@ -300,7 +304,11 @@ class GoodputControllerHooks(ControllerCallback, WorkerGroupCallback):
         self._refresher = threading.Thread(
             target=self.goodput.publish_progress, args=(ctx,), name="rg-goodput-refresh", daemon=True
         )
-        self._refresher.start()
+        try:
+            self._refresher.start()
+        except RuntimeError as exc:  # no thread to be had: never fail the run over accounting
+            self._refresher = None
+            logger.warning("goodput ledger refresh not started: %s", exc)
 
     def after_controller_finish(self, result: Any) -> None:
         self.goodput.controller_finished(result)

@@ -30,8 +30,15 @@ class MlflowSink:
 
     def __init__(self, tracking_uri: str, experiment: str, run_name: str) -> None:
         # Slow to import: loaded by the controller that publishes, not by every worker
-        # process that imports this package to unpickle a training function.
+        # process that imports this package to unpickle a training function. matplotlib
+        # too: the charts at the run's end need it, and loading it here, in this background
+        # thread at the start, keeps it out of the run's tail (fit() returns after the
+        # charts); before the run is created, so a failed import leaves no empty run behind.
+        import matplotlib  # noqa: PLC0415 - see above
         from mlflow import MlflowClient  # noqa: PLC0415 - see above
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot  # noqa: PLC0415 - see above
 
         self._client = MlflowClient(tracking_uri=tracking_uri)
         exp = self._client.get_experiment_by_name(experiment)
@@ -41,12 +48,6 @@ class MlflowSink:
             else self._client.create_experiment(experiment, artifact_location=_artifacts_beside(tracking_uri))
         )
         self.run_id = self._client.create_run(exp_id, run_name=run_name, tags={"ray_goodput": "goodput"}).info.run_id
-        # The charts at the run's end need matplotlib: loaded now, in this background
-        # thread at the start, not in the run's tail (fit() returns after the charts).
-        import matplotlib  # noqa: PLC0415 - see above
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot  # noqa: PLC0415 - see above
 
     def flush(self) -> None:
         """Nothing: queued behind earlier calls, it says when they have run (the run is open)."""
