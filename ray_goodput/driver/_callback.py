@@ -198,7 +198,7 @@ class GoodputCallback(UserCallback):
         if not self._lock().acquire(blocking=False):
             # The controller hooks' refresh (a thread at the lowest CPU priority) is reading
             # the events: every worker waits in this report, so it does not wait for that.
-            # A final ledger this report would have published goes out at the controller's end.
+            # The next report, or the controller's end, reads what this one skips.
             return
         try:
             ledger = self.refresh(run_context)
