@@ -164,3 +164,39 @@ def test_a_report_does_not_wait_for_a_refresh_under_way_and_the_controllers_end_
     assert cb.ledger is not None and cb.ledger.finished
     assert (tmp_path / "run" / "goodput" / "summary.json").exists()
     _assert_finished_in_mlflow(uri, "busy")
+
+
+def test_refreshes_between_reports_take_a_bounded_share_of_the_controllers_time(tmp_path, monkeypatch):
+    """A refresh recomputes the ledger over every event of the run (about 0.9 s per million
+    steps): at a fixed ``log_every_s`` a long run's refreshes would take most of the
+    controller's time. The next one waits twenty times as long as the last one took."""
+    root = str(tmp_path / "run")
+    _finished_job(root)
+    ctx = _run_context(root, "costly")
+    cb = GoodputCallback(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db", log_every_s=0.01)
+    hooks = cb.controller_callback()
+    hooks.after_controller_start(ctx)
+    calls = []
+
+    def slow_progress(self, run_context):
+        calls.append(time.monotonic())
+        time.sleep(0.3)
+
+    monkeypatch.setattr(GoodputCallback, "publish_progress", slow_progress)
+    hooks.after_worker_group_poll_status(SimpleNamespace())
+    assert _wait_until(lambda: len(calls) == 1), "the controller's poll started no refresh"
+    hooks._refresher.join(timeout=30)
+    for _ in range(5):  # the controller polls every 0.1 s or so; log_every_s alone would allow these
+        time.sleep(0.02)
+        hooks.after_worker_group_poll_status(SimpleNamespace())
+    assert len(calls) == 1, calls  # the next refresh is at least 6 s (20 x 0.3 s) after the last
+    hooks.after_controller_finish(None)
+
+
+def _wait_until(condition, timeout_s: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True

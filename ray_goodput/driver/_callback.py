@@ -27,6 +27,10 @@ logger = logging.getLogger(__name__)
 _MLFLOW_DRAIN_S = 120.0
 #: How long the run's end (or a stop) waits for a refresh already reading the events.
 _REFRESH_WAIT_S = 60.0
+#: The share of the controller's time the refreshes between reports may take: the ledger is
+#: recomputed over every event of the run (about 0.9 s per million steps), so a long run's
+#: refreshes come further apart than ``log_every_s``.
+_REFRESH_SHARE = 0.05
 
 
 class GoodputCallback(UserCallback):
@@ -285,7 +289,8 @@ class GoodputControllerHooks(ControllerCallback, WorkerGroupCallback):
     """The controller's start and end for a :class:`GoodputCallback` (Ray Train calls a
     ``UserCallback`` at reports and exceptions only), and a refresh of its ledger every
     ``log_every_s`` between them, in a thread started from the controller's poll of the
-    workers. Made by :meth:`GoodputCallback.controller_callback`."""
+    workers (further apart when a refresh takes more than a twentieth of that). Made by
+    :meth:`GoodputCallback.controller_callback`."""
 
     def __init__(self, goodput: GoodputCallback) -> None:
         self.goodput = goodput
@@ -301,14 +306,20 @@ class GoodputControllerHooks(ControllerCallback, WorkerGroupCallback):
         if ctx is None or now < self._next_refresh or (self._refresher is not None and self._refresher.is_alive()):
             return
         self._next_refresh = now + self.goodput.log_every_s
-        self._refresher = threading.Thread(
-            target=self.goodput.publish_progress, args=(ctx,), name="rg-goodput-refresh", daemon=True
-        )
+        self._refresher = threading.Thread(target=self._refresh, args=(ctx,), name="rg-goodput-refresh", daemon=True)
         try:
             self._refresher.start()
         except RuntimeError as exc:  # no thread to be had: never fail the run over accounting
             self._refresher = None
             logger.warning("goodput ledger refresh not started: %s", exc)
+
+    def _refresh(self, ctx: Any) -> None:
+        start = time.monotonic()
+        try:
+            self.goodput.publish_progress(ctx)
+        finally:
+            took = time.monotonic() - start
+            self._next_refresh = max(self._next_refresh, time.monotonic() + took / _REFRESH_SHARE)
 
     def after_controller_finish(self, result: Any) -> None:
         self.goodput.controller_finished(result)
