@@ -116,16 +116,25 @@ def test_a_run_that_ended_with_an_error_is_not_published_as_finished_at_the_cont
     hooks.after_controller_start(ctx)
     hooks.after_controller_finish(SimpleNamespace(error=RuntimeError("rank 1 failed past max_failures")))
     assert not (tmp_path / "run" / "goodput" / "summary.json").exists()
-    # Replica mode's controller callback publishes the ledger at the end (no report comes): likewise.
-    from ray_goodput.driver._replicas import ReplicaSupport
-    from ray_goodput.replica import ReplicaGroups
+    hooks.after_controller_finish(SimpleNamespace(error=None))  # a run that ended well
+    assert json.loads((tmp_path / "run" / "goodput" / "summary.json").read_text())["finished"]
 
-    support = ReplicaSupport(ReplicaGroups(), goodput=cb)
-    support.after_controller_start(ctx)
-    support.after_controller_finish(SimpleNamespace(error=RuntimeError("every replica failed past max_failures")))
-    assert not (tmp_path / "run" / "goodput" / "summary.json").exists()
-    support.after_controller_finish(SimpleNamespace(error=None))  # a run that ended well
-    assert (tmp_path / "run" / "goodput" / "summary.json").exists()
+
+def test_a_run_that_ended_well_without_recording_its_end_is_still_published_at_the_controllers_end(tmp_path):
+    """Replica mode's rank 0 can be a replacement told its peers had finished (it records no
+    end), and a loop without a Checkpointer may never call ``record_end()``: the run ended
+    well all the same, and its ledger goes out, saying it saw no end."""
+    root = str(tmp_path / "run")
+    rec = StepRecorder(EventLog(StorageLocation(uri=root, fs=pafs.LocalFileSystem(), root=root), rank=0, world_size=1))
+    rec.step(1)
+    ctx = _run_context(root, "no-end")
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    cb = GoodputCallback(tracking_uri=uri)
+    hooks = cb.controller_callback()
+    hooks.after_controller_start(ctx)
+    hooks.after_controller_finish(SimpleNamespace(error=None))
+    assert json.loads((tmp_path / "run" / "goodput" / "summary.json").read_text())["finished"] is False
+    _assert_finished_in_mlflow(uri, "no-end")
 
 
 def test_a_report_does_not_wait_for_a_refresh_under_way_and_the_controllers_end_publishes_the_final_ledger(

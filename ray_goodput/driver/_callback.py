@@ -141,7 +141,7 @@ class GoodputCallback(UserCallback):
         self._state["queue"].put(("flush", (), done))
         return done.wait(timeout=timeout_s)
 
-    def _publish(self, run_context: Any, ledger: Ledger, final: bool, wait: bool = False) -> None:
+    def _publish(self, run_context: Any, ledger: Ledger, final: bool) -> None:
         step = int(time.time() - self.job_start)
         if "gauges" not in self._state:
             self._state["gauges"] = _safe_gauges(self._state.get("name", "run"))
@@ -149,13 +149,14 @@ class GoodputCallback(UserCallback):
         if gauges is not None:
             gauges.set(ledger)
         if final:
-            self._finish(run_context, ledger, step, wait)
+            self._finish(run_context, ledger, step)
         elif time.time() - self._state.get("last_log", 0.0) >= self.log_every_s:
             since, self._state["last_log"] = self._state.get("last_log", 0.0), time.time()
             latest = self._state["attempts"][-1] if self._state["attempts"] else []
             self._worker().put(("log", ({**ledger.as_metrics(), **fetch_stats(latest, since)}, step), None))
 
-    def _finish(self, run_context: Any, ledger: Ledger, step: int, wait: bool) -> None:
+    def _finish(self, run_context: Any, ledger: Ledger, step: int) -> None:
+        """The final publication; it returns once MLflow finished the run (bounded)."""
         root = self._root(run_context)
         recovery = _recovery_state(root)
         isolated = recovery.get("isolated_nodes", [])
@@ -169,8 +170,7 @@ class GoodputCallback(UserCallback):
             self._worker().put(("tag", ("ray_goodput.isolated_nodes", ",".join(isolated)), None))
         self._worker().put(("finish", (ledger, step, result, self._state["attempts"], notes), None))
         write_bytes(root, "goodput/summary.json", json.dumps(result, indent=1).encode())
-        if wait or not self._state.get("drained_at_end"):
-            self._wait_for_mlflow(_MLFLOW_DRAIN_S)
+        self._wait_for_mlflow(_MLFLOW_DRAIN_S)
         logger.info(
             "goodput of the job:\n%s%s", table(ledger), f"\nisolated nodes: {', '.join(isolated)}" if isolated else ""
         )
@@ -188,12 +188,14 @@ class GoodputCallback(UserCallback):
             logger.warning("goodput MLflow run not opened at the start: %s", exc)
 
     def controller_finished(self, result: Any = None) -> None:
-        """The controller's process ends after this. The final ledger (the last attempt
-        recorded its end) is published now, up to this moment, unless the run ended with
-        an error (``result.error``); then the MLflow thread is let finish the run."""
+        """The controller's process ends after this. The final ledger is published now, up
+        to this moment, unless the run ended with an error (``result.error``); then the
+        MLflow thread is let finish the run. A run whose training function recorded no end
+        (replica 0 replaced after its peers finished, or no ``Checkpointer``) is published
+        too: its summary says ``finished: false``."""
         ctx = self.run_context
         if ctx is not None and getattr(result, "error", None) is None:
-            self.publish_final(ctx, only_if_finished=True)
+            self._publish_final(ctx)
         if not self._wait_for_mlflow(_MLFLOW_DRAIN_S):
             logger.warning("goodput MLflow calls still running after %.0f s; the run may stay open", _MLFLOW_DRAIN_S)
 
@@ -234,26 +236,17 @@ class GoodputCallback(UserCallback):
         finally:
             self._lock().release()
 
-    def publish_final(self, run_context: Any, *, only_if_finished: bool = False) -> None:
-        """Publish the job's ledger as final, once (``only_if_finished``: only when the
-        last attempt recorded its end). Ray calls ``after_report`` only on a
-        ``ray.train.report``; with the controller hooks, the controller's end calls this
-        (only if finished), and replica mode's controller callback too (replica mode never
-        reports: its barrier would wait for a replica being replaced)."""
-        if self._state.get("finished"):
-            return
-        end = time.time()  # the run's end, not its last step: a replacement still starting,
-        # or the last upload, is time the job took
+    def _publish_final(self, run_context: Any) -> None:
+        """Publish the job's ledger as final, once, up to now: the run's end, not its last
+        step (a replacement still starting, or the last upload, is time the job took)."""
+        end = time.time()
         if not self._lock().acquire(timeout=_REFRESH_WAIT_S):
             logger.warning("goodput ledger not published: a refresh has held it %.0f s", _REFRESH_WAIT_S)
             return
         try:
             if self._state.get("finished"):
                 return
-            ledger = self.refresh(run_context, job_end=end)
-            if only_if_finished and not ledger.finished:
-                return
-            self._publish(run_context, ledger, final=True, wait=True)
+            self._publish(run_context, self.refresh(run_context, job_end=end), final=True)
             self._state["finished"] = True
         except Exception as exc:  # noqa: BLE001 - never fail the run over accounting
             logger.warning("goodput ledger update failed: %s", exc)
@@ -273,16 +266,7 @@ class GoodputCallback(UserCallback):
                 "NOT RETRYABLE (a restart will fail the same way; fix the cause and start a new run): %s", futile[0]
             )
             self._worker().put(("tag", ("ray_goodput.stopped_by", futile[0]), None))
-            if not self._lock().acquire(timeout=_REFRESH_WAIT_S):
-                logger.warning("goodput ledger not published: a refresh has held it %.0f s", _REFRESH_WAIT_S)
-                return
-            try:
-                self._publish(run_context, self.refresh(run_context), final=True, wait=True)
-                self._state["finished"] = True
-            except Exception as exc:  # noqa: BLE001 - never fail the run over accounting
-                logger.warning("goodput ledger update failed: %s", exc)
-            finally:
-                self._lock().release()
+            self._publish_final(run_context)
 
 
 class GoodputControllerHooks(ControllerCallback, WorkerGroupCallback):

@@ -80,22 +80,18 @@ class _EarlyLighthouseBackend(_TorchftBackend):
 class ReplicaSupport(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):
     """Tells each worker how it joined (whole-group start, replacement, or a replacement
     whose peers finished) and the mode's settings, before its training function starts;
-    counts and logs replacements; publishes the goodput ledger when the run ends; starts
-    the lighthouse with the controller (``lighthouse_kwargs``: its settings, None to leave
-    it to Ray's backend).
+    counts and logs replacements; starts the lighthouse with the controller
+    (``lighthouse_kwargs``: its settings, None to leave it to Ray's backend). The goodput
+    ledger, which no report refreshes in this mode, is the GoodputCallback's controller
+    hooks' to refresh and publish.
 
     A worker-group callback (Ray passes only those to the worker group) that is also a
     replica-group callback (the hooks Ray 2.60 calls on a replacement) and a controller
-    callback (``goodput``: the run's GoodputCallback, whose ``after_report`` never comes in
-    this mode; and the look at the survivors before a replacement)."""
+    callback (the lighthouse; the look at the survivors before a replacement)."""
 
-    def __init__(
-        self, settings: ReplicaGroups, goodput: Any = None, lighthouse_kwargs: dict[str, Any] | None = None
-    ) -> None:
+    def __init__(self, settings: ReplicaGroups, lighthouse_kwargs: dict[str, Any] | None = None) -> None:
         self.settings = settings
-        self.goodput = goodput
         self.lighthouse_kwargs = lighthouse_kwargs
-        self._run_context: Any = None
         self.replacements: list[dict[str, Any]] = []
         self._ranks: set[int] = set()
         self._finished: set[int] = set()  # ranks whose training function returned
@@ -109,15 +105,8 @@ class ReplicaSupport(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallba
         return WorkerJoin(kind, dataclasses.asdict(self.settings))
 
     def after_controller_start(self, train_run_context: Any) -> None:
-        self._run_context = train_run_context
         if self.lighthouse_kwargs is not None:
             start_lighthouse(self.lighthouse_kwargs)
-
-    def after_controller_finish(self, result: Any) -> None:
-        """The run's ledger is published as final, unless the run ended with an error (as
-        GoodputCallback's own controller hooks decide)."""
-        if self.goodput is not None and self._run_context is not None and getattr(result, "error", None) is None:
-            self.goodput.publish_final(self._run_context)
 
     def before_controller_execute_resize_decision(self, decision: Any) -> None:
         """Before Ray replaces failed replica groups: when that replacement would fail, make

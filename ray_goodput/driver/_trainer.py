@@ -58,16 +58,15 @@ class TorchTrainer(ray.train.torch.TorchTrainer):
         run_config = run_config or ray.train.RunConfig()
         merged = list(run_config.callbacks or []) + list(callbacks or [])
         self.recovery = _pick_recovery(merged, recovery)
-        # Before the callbacks added below: at the run's end its record is written before a
-        # goodput summary (ReplicaSupport's, the goodput hooks') reads it.
+        # Before the callbacks added below: at the run's end its record is written before the
+        # goodput hooks' summary reads it.
         if self.recovery is not None and not any(c is self.recovery for c in merged):
             merged.append(self.recovery)
         if fault_tolerance is not None:
             run_config, kwargs = replica_kwargs(fault_tolerance, run_config, kwargs)
-            goodput = next((c for c in merged if isinstance(c, GoodputCallback)), None)
             ours = isinstance(kwargs["torch_config"], EarlyLighthouseConfig)  # not a TorchftConfig the user gave
             lighthouse = kwargs["torch_config"].lighthouse_kwargs if ours else None
-            merged.append(ReplicaSupport(fault_tolerance, goodput, lighthouse_kwargs=lighthouse))
+            merged.append(ReplicaSupport(fault_tolerance, lighthouse_kwargs=lighthouse))
             if self.recovery is not None:
                 self.recovery.checks_at_failure = False  # a replica's failure is no restart
         for goodput in [c for c in merged if isinstance(c, GoodputCallback)]:
