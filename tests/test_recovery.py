@@ -207,7 +207,7 @@ def test_the_resume_step_is_chosen_when_the_failure_is_seen_not_when_the_next_gr
     assert [d.step for d in handed] == [20] and pinned() == 20
 
 
-def test_placing_the_next_group_does_not_wait_for_the_resume_choice(tmp_path):
+def test_placing_the_next_group_does_not_wait_for_the_resume_choice(tmp_path, monkeypatch):
     """The resume step is needed only when the training function starts, seconds after the
     group is placed (new processes, their imports, the process group). The start hook
     waited for the choice begun at the failure (a listing, a manifest read, the pin:
@@ -215,18 +215,20 @@ def test_placing_the_next_group_does_not_wait_for_the_resume_choice(tmp_path):
     from types import SimpleNamespace
 
     from ray_goodput import Checkpointer
+    from ray_goodput.driver import _resume_choice
 
     root = str(tmp_path / "ckpt")
     with Checkpointer(root, staging_dir=str(tmp_path / "stage"), uploader="thread") as ckpt:
         ckpt.save(10, {"model": torch.nn.Linear(8, 8)})
     gate = threading.Event()
+    real_newest = _resume_choice.newest_valid
 
-    class HeldChoice(Recovery):  # storage that answers only when the test says so
-        def _choose_resume(self, attempt):
-            assert gate.wait(60), "the test never released the resume choice"
-            return super()._choose_resume(attempt)
+    def held_newest(where):  # storage that answers only when the test says so
+        assert gate.wait(60), "the test never released the resume choice"
+        return real_newest(where)
 
-    rec = HeldChoice(health_check=None, storage_path=root)
+    monkeypatch.setattr(_resume_choice, "newest_valid", held_newest)
+    rec = Recovery(health_check=None, storage_path=root)
     rec.after_controller_start(SimpleNamespace(run_config=None))
     scaling = ScalingConfig(num_workers=1)
     rec.on_controller_start_worker_group(scaling_config=scaling, num_workers=1)  # attempt 1

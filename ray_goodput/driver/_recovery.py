@@ -4,11 +4,8 @@ It runs in the Ray Train controller (Ray 2.60 DeveloperAPI hooks) and does three
 
 * **Resume point chosen once.** Before every attempt after the first it finds the newest
   intact committed checkpoint and hands that step to every worker of the new group
-  (``ray_goodput.runtime._resume``) before the training function starts. It looks when the
-  failure is seen (in a thread, beside Ray's shutdown, placement and the new workers' start;
-  it pins that step against retention; placement does not wait for it), and once more just
-  before handing it over: a checkpoint the dead attempt's uploaders committed while the
-  new workers started is newer, and is the one they resume from.
+  (``ray_goodput.runtime._resume``) before the training function starts. The choice
+  (``_resume_choice``) begins when the failure is seen, and placement does not wait for it.
 * **Futile retries stopped.** When a worker raised an error that a restart cannot fix
   (``ray_goodput.errors.NOT_RETRYABLE``, classified by type after unwrapping Ray's
   wrappers), Ray's RETRY decision is vetoed: the hook re-raises that error, Ray turns it into
@@ -29,7 +26,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import threading
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -38,12 +34,12 @@ from ray.train.v2._internal.exceptions import WorkerHealthCheckFailedError
 from ray.train.v2._internal.execution.callback import ControllerCallback, ReplicaGroupCallback, WorkerGroupCallback
 from ray.train.v2.api.exceptions import ControllerError, WorkerGroupError
 
-from ray_goodput.checkpoint import newest_valid, next_generation, pin_resume
 from ray_goodput.driver import _gpu_check, _health
 from ray_goodput.driver._record import ABORT_WRITE_WAIT_S, STATE_WRITE_WAIT_S, StateWriter
+from ray_goodput.driver._resume_choice import ResumeChoice
 from ray_goodput.errors import ConfigError, not_retryable
 from ray_goodput.runtime import run_root
-from ray_goodput.runtime._resume import ResumeDecision, root_key, set_decision
+from ray_goodput.runtime._resume import set_decision
 from ray_goodput.storage import StorageLocation, resolve
 
 logger = logging.getLogger(__name__)
@@ -52,8 +48,6 @@ logger = logging.getLogger(__name__)
 TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S = "TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S"
 #: Ray's built-in node label; a value ``"!in(a,b)"`` keeps bundles off nodes a and b.
 NODE_ID_LABEL = "ray.io/node-id"
-#: How long a start waits for the resume choice begun when the failure was seen.
-RESUME_CHOICE_WAIT_S = 300.0
 
 
 def unwrap(exc: BaseException) -> list[BaseException]:
@@ -159,8 +153,7 @@ class Recovery(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):
         self._stop: BaseException | None = None
         self._scaling: Any = None  # the run's ScalingConfig, for checks started at a failure
         self._early_checks: dict[Any, str] | None = None  # started when the failure was seen
-        # Likewise, with the attempt it is for: (attempt, thread, result box).
-        self._early_resume: tuple[int, threading.Thread, dict[str, Any]] | None = None
+        self._choice: ResumeChoice | None = None  # made in the controller, with the root
         self._writer: StateWriter | None = None  # made in the controller, at the first record
         # Off in replica mode (the trainer says so): a replica's failure is replaced, not
         # restarted, and checks then would only load the survivors' nodes.
@@ -177,15 +170,16 @@ class Recovery(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):
         _bound_process_group_shutdown(self.pg_shutdown_timeout_s)
         run_config = train_run_context.run_config
         self._root = resolve(self.storage_path) if self.storage_path else run_root(run_config.storage_context)
+        self._choice = ResumeChoice(self._root)
 
     def on_controller_start_worker_group(self, *, scaling_config: Any, num_workers: int) -> dict[str, str] | None:
         self.attempt += 1
         self._counted = set()
         self._scaling = scaling_config
-        if self.attempt > 1:
+        if self.attempt > 1 and self._choice is not None:
             # Taken once the workers are up (after_worker_group_start), not waited for here:
             # placement needs the health checks only.
-            self._start_resume_choice(self.attempt)
+            self._choice.begin(self.attempt)
         unhealthy = self._check_health(scaling_config)
         excluded = sorted(set(self.ledger.isolated) | set(unhealthy))
         self._warn_if_short(scaling_config, num_workers, excluded)
@@ -227,10 +221,8 @@ class Recovery(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):
         workers = worker_group.get_workers()
         self._rank_nodes = {w.distributed_context.world_rank: w.metadata.node_id for w in workers}
         decision = None
-        if self.attempt > 1:
-            decision = self._take_resume_choice()
-            if decision is not None:
-                decision = self._newer_resume(decision)
+        if self.attempt > 1 and self._choice is not None:
+            decision = self._choice.take(self.attempt)
             self.attempts[-1]["resume_step"] = decision.step if decision else None
             self._save()
         # Before the training function starts: every rank of this attempt gets the same step.
@@ -245,7 +237,8 @@ class Recovery(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):
         for ref in self._early_checks or {}:  # no group start follows to read them
             ray.cancel(ref, force=True)
         self._early_checks = None
-        self._early_resume = None
+        if self._choice is not None:
+            self._choice.drop()
 
     def after_worker_group_poll_status(self, worker_group_status: Any) -> None:
         errors = worker_group_status.errors
@@ -283,107 +276,11 @@ class Recovery(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):
             self._save()
 
     def _start_resume_choice_early(self) -> None:
-        """At the poll that first sees this attempt's failure: choose the next attempt's
-        resume step (a listing, a manifest read, the pin) in a thread, while Ray decides,
-        shuts the old group down and places the new one; the next start takes its result.
-        A checkpoint the dead attempt's uploader commits after it is still caught: the
-        choice is looked at again before the training function starts (``_newer_resume``)."""
-        if self.checks_at_failure:
-            self._start_resume_choice(self.attempt + 1)
-
-    def _start_resume_choice(self, attempt: int) -> None:
-        """Choose ``attempt``'s resume step in a thread, unless a choice is under way."""
-        if self._root is None:
-            return
-        if self._early_resume is not None and self._early_resume[0] == attempt:
-            return
-        # One for another attempt is dropped: that attempt's group never started (Ray failed
-        # the start before its training function), so nobody takes its choice.
-        box: dict[str, Any] = {}
-        thread = threading.Thread(
-            target=lambda: box.update(decision=self._choose_resume(attempt)),
-            name="rg-recovery-resume-choice",
-            daemon=True,
-        )
-        thread.start()
-        self._early_resume = (attempt, thread, box)
-
-    def _take_resume_choice(self) -> ResumeDecision | None:
-        """The resume choice begun at the failure or with the group, or one made now."""
-        early, self._early_resume = self._early_resume, None
-        if early is None or early[0] != self.attempt:
-            return self._choose_resume(self.attempt)
-        _, thread, box = early
-        thread.join(timeout=RESUME_CHOICE_WAIT_S)
-        if thread.is_alive() or "decision" not in box:
-            logger.warning(
-                "attempt %d: the resume choice begun at the failure did not finish in %.0f s (storage %s); "
-                "each worker restore will look on its own",
-                self.attempt,
-                RESUME_CHOICE_WAIT_S,
-                self._root.uri if self._root is not None else "?",
-            )
-            return None
-        return box["decision"]
-
-    def _choose_resume(self, attempt: int) -> ResumeDecision | None:
-        assert self._root is not None, "after_controller_start sets the root"
-        try:
-            found = newest_valid(self._root)
-        except OSError as exc:  # StorageError is an OSError: the workers will look themselves
-            logger.warning(
-                "attempt %d: could not list checkpoints under %s (%s); each worker restore will look on its own",
-                attempt,
-                self._root.uri,
-                exc,
-            )
-            return None
-        step = found[1].step if found else None
-        if step is None:
-            logger.info("attempt %d resumes from scratch: no committed checkpoint under %s", attempt, self._root.uri)
-        else:
-            logger.info("attempt %d resumes from step %d", attempt, step)
-            self._pin(attempt, step)  # before any worker starts: a dead attempt's late retention must keep it
-        return ResumeDecision(attempt=attempt, step=step, root_key=root_key(self._root))
-
-    def _pin(self, attempt: int, step: int) -> bool:
-        """Pin ``step`` against retention for the generation ``attempt`` will claim (on a
-        storage root used before, generations run ahead of this run's attempt count);
-        False, logged, when storage refused."""
-        assert self._root is not None, "after_controller_start sets the root"
-        try:
-            pin_resume(self._root, attempt=next_generation(self._root, attempt), step=step)
-        except OSError as exc:
-            logger.warning("attempt %d: could not pin step %d against retention: %s", attempt, step, exc)
-            return False
-        return True
-
-    def _newer_resume(self, decision: ResumeDecision) -> ResumeDecision:
-        """Just before the training function starts: a checkpoint newer than the chosen one,
-        committed since by the dead attempt's uploaders while the new workers started (their
-        processes, imports and process group: seconds), is the better resume point; it is
-        pinned and handed over instead (the caller records it). The chosen step stands when
-        storage cannot say."""
-        assert self._root is not None, "after_controller_start sets the root"
-        try:
-            found = newest_valid(self._root)
-        except OSError as exc:
-            logger.warning(
-                "attempt %d: could not look for a newer checkpoint (%s); it resumes as chosen", self.attempt, exc
-            )
-            return decision
-        step = found[1].step if found else None
-        if step is None or (decision.step is not None and step <= decision.step):
-            return decision
-        if not self._pin(self.attempt, step):
-            return decision  # it resumes as chosen
-        logger.info(
-            "attempt %d resumes from step %d, committed while its workers started (chosen before: %s)",
-            self.attempt,
-            step,
-            decision.step,
-        )
-        return ResumeDecision(attempt=decision.attempt, step=step, root_key=decision.root_key)
+        """At the poll that first sees this attempt's failure: begin the next attempt's
+        resume choice (``_resume_choice``), while Ray decides, shuts the old group down and
+        places the new one."""
+        if self.checks_at_failure and self._choice is not None:
+            self._choice.begin(self.attempt + 1)
 
     def _candidate_nodes(self, scaling_config: Any) -> list[str]:
         per_worker = worker_resources(scaling_config)

@@ -1,0 +1,129 @@
+"""The step each attempt after the first resumes from, chosen once, in the driver.
+
+``Recovery`` begins the choice when a failure is seen: a thread lists the checkpoints,
+takes the newest intact committed one and pins it against retention for the generation
+the next attempt will claim, beside Ray's shutdown of the old group, the placement of the
+new one and its workers' start. The new group takes the choice just before its training
+function starts, and looks once more: a checkpoint the dead attempt's uploaders committed
+while the new workers started is newer, and is the one they resume from.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+from ray_goodput.checkpoint import newest_valid, next_generation, pin_resume
+from ray_goodput.runtime._resume import ResumeDecision, root_key
+from ray_goodput.storage import StorageLocation
+
+logger = logging.getLogger(__name__)
+
+#: How long a start waits for the resume choice begun when the failure was seen.
+RESUME_CHOICE_WAIT_S = 300.0
+
+
+class ResumeChoice:
+    """The resume choice of a run whose checkpoints are under ``root``: at most one under
+    way, tagged with the attempt it is for."""
+
+    def __init__(self, root: StorageLocation) -> None:
+        self.root = root
+        self._early: tuple[int, threading.Thread, dict[str, Any]] | None = None
+
+    def begin(self, attempt: int) -> None:
+        """Choose ``attempt``'s resume step in a thread, unless a choice for it is under way.
+        One for another attempt is dropped: that attempt's group never started (Ray failed
+        the start before its training function), so nobody takes its choice."""
+        if self._early is not None and self._early[0] == attempt:
+            return
+        box: dict[str, Any] = {}
+        thread = threading.Thread(
+            target=lambda: box.update(decision=self._choose(attempt)),
+            name="rg-recovery-resume-choice",
+            daemon=True,
+        )
+        thread.start()
+        self._early = (attempt, thread, box)
+
+    def drop(self) -> None:
+        """Forget a choice under way: no group start follows to take it (replica mode)."""
+        self._early = None
+
+    def take(self, attempt: int) -> ResumeDecision | None:
+        """``attempt``'s resume step, just before its training function starts: the choice
+        begun for it (or one made now), then a newer checkpoint if one committed since.
+        None: each worker's restore looks on its own (storage could not say in time)."""
+        decision = self._taken(attempt)
+        return self._newer(attempt, decision) if decision is not None else None
+
+    def _taken(self, attempt: int) -> ResumeDecision | None:
+        early, self._early = self._early, None
+        if early is None or early[0] != attempt:
+            return self._choose(attempt)
+        _, thread, box = early
+        thread.join(timeout=RESUME_CHOICE_WAIT_S)
+        if thread.is_alive() or "decision" not in box:
+            logger.warning(
+                "attempt %d: the resume choice begun at the failure did not finish in %.0f s (storage %s); "
+                "each worker restore will look on its own",
+                attempt,
+                RESUME_CHOICE_WAIT_S,
+                self.root.uri,
+            )
+            return None
+        return box["decision"]
+
+    def _choose(self, attempt: int) -> ResumeDecision | None:
+        try:
+            found = newest_valid(self.root)
+        except OSError as exc:  # StorageError is an OSError: the workers will look themselves
+            logger.warning(
+                "attempt %d: could not list checkpoints under %s (%s); each worker restore will look on its own",
+                attempt,
+                self.root.uri,
+                exc,
+            )
+            return None
+        step = found[1].step if found else None
+        if step is None:
+            logger.info("attempt %d resumes from scratch: no committed checkpoint under %s", attempt, self.root.uri)
+        else:
+            logger.info("attempt %d resumes from step %d", attempt, step)
+            self._pin(attempt, step)  # before any worker starts: a dead attempt's late retention must keep it
+        return ResumeDecision(attempt=attempt, step=step, root_key=root_key(self.root))
+
+    def _pin(self, attempt: int, step: int) -> bool:
+        """Pin ``step`` against retention for the generation ``attempt`` will claim (on a
+        storage root used before, generations run ahead of this run's attempt count);
+        False, logged, when storage refused."""
+        try:
+            pin_resume(self.root, attempt=next_generation(self.root, attempt), step=step)
+        except OSError as exc:
+            logger.warning("attempt %d: could not pin step %d against retention: %s", attempt, step, exc)
+            return False
+        return True
+
+    def _newer(self, attempt: int, decision: ResumeDecision) -> ResumeDecision:
+        """A checkpoint newer than the chosen one, committed by the dead attempt's uploaders
+        while the new workers started (their processes, imports and process group:
+        seconds), is the better resume point: it is pinned and handed over instead. The
+        chosen step stands when storage cannot say."""
+        try:
+            found = newest_valid(self.root)
+        except OSError as exc:
+            logger.warning("attempt %d: could not look for a newer checkpoint (%s); it resumes as chosen", attempt, exc)
+            return decision
+        step = found[1].step if found else None
+        if step is None or (decision.step is not None and step <= decision.step):
+            return decision
+        if not self._pin(attempt, step):
+            return decision  # it resumes as chosen
+        logger.info(
+            "attempt %d resumes from step %d, committed while its workers started (chosen before: %s)",
+            attempt,
+            step,
+            decision.step,
+        )
+        return ResumeDecision(attempt=decision.attempt, step=step, root_key=decision.root_key)
