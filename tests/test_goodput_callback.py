@@ -7,6 +7,7 @@ import json
 import threading
 import time
 from types import SimpleNamespace
+from typing import Any
 
 import pyarrow.fs as pafs
 
@@ -17,9 +18,25 @@ from ray_goodput.goodput._recorder import StepRecorder
 from ray_goodput.storage import StorageLocation
 
 
+def _recorder(root: str) -> StepRecorder:
+    """Rank 0's recorder of one attempt, its events under ``root``."""
+    return StepRecorder(EventLog(StorageLocation(uri=root, fs=pafs.LocalFileSystem(), root=root), rank=0, world_size=1))
+
+
+def _started(tmp_path, ctx, **kwargs) -> tuple[GoodputCallback, Any, str]:
+    """A GoodputCallback on a sqlite store, its controller hooks (ray_goodput.TorchTrainer
+    adds them) past the controller's start (the MLflow run opens in the background), and
+    the store's URI."""
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    cb = GoodputCallback(tracking_uri=uri, **kwargs)
+    hooks = cb.controller_callback()
+    hooks.after_controller_start(ctx)
+    return cb, hooks, uri
+
+
 def _finished_job(root: str) -> None:
     """One attempt that stepped twice and ended cleanly, as rank 0's recorder writes it."""
-    rec = StepRecorder(EventLog(StorageLocation(uri=root, fs=pafs.LocalFileSystem(), root=root), rank=0, world_size=1))
+    rec = _recorder(root)
     rec.step(1)
     rec.step(2)
     rec.end()
@@ -65,10 +82,7 @@ def test_with_the_controller_hooks_the_final_ledger_spans_the_whole_job_and_no_r
 
     monkeypatch.setattr(_publish.MlflowSink, "finish", held_finish)
     ctx = _run_context(root, "held")
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
-    cb = GoodputCallback(tracking_uri=uri)
-    hooks = cb.controller_callback()  # ray_goodput.TorchTrainer adds it
-    hooks.after_controller_start(ctx)  # opens the MLflow run in the background
+    cb, hooks, uri = _started(tmp_path, ctx)
     cb.after_report(ctx, [{"step": 2}], None)  # the ledger is finished: not published as final here
     assert cb.ledger is not None and cb.ledger.finished
     assert not (tmp_path / "run" / "goodput" / "summary.json").exists()
@@ -88,13 +102,10 @@ def test_a_job_that_records_its_end_after_its_last_report_still_gets_its_final_l
     stayed open without its chart or summary. The controller's end publishes it."""
 
     root = str(tmp_path / "run")
-    rec = StepRecorder(EventLog(StorageLocation(uri=root, fs=pafs.LocalFileSystem(), root=root), rank=0, world_size=1))
+    rec = _recorder(root)
     rec.step(1)
     ctx = _run_context(root, "late-end")
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
-    cb = GoodputCallback(tracking_uri=uri)
-    hooks = cb.controller_callback()
-    hooks.after_controller_start(ctx)
+    cb, hooks, uri = _started(tmp_path, ctx)
     cb.after_report(ctx, [{"step": 1}], None)  # the last report: the ledger is not finished yet
     assert not cb.ledger.finished
     rec.step(2)
@@ -111,9 +122,7 @@ def test_a_run_that_ended_with_an_error_is_not_published_as_finished_at_the_cont
     root = str(tmp_path / "run")
     _finished_job(root)
     ctx = _run_context(root, "failed")
-    cb = GoodputCallback(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
-    hooks = cb.controller_callback()
-    hooks.after_controller_start(ctx)
+    cb, hooks, _ = _started(tmp_path, ctx)
     hooks.after_controller_finish(SimpleNamespace(error=RuntimeError("rank 1 failed past max_failures")))
     assert not (tmp_path / "run" / "goodput" / "summary.json").exists()
     hooks.after_controller_finish(SimpleNamespace(error=None))  # a run that ended well
@@ -125,13 +134,10 @@ def test_a_run_that_ended_well_without_recording_its_end_is_still_published_at_t
     end), and a loop without a Checkpointer may never call ``record_end()``: the run ended
     well all the same, and its ledger goes out, saying it saw no end."""
     root = str(tmp_path / "run")
-    rec = StepRecorder(EventLog(StorageLocation(uri=root, fs=pafs.LocalFileSystem(), root=root), rank=0, world_size=1))
+    rec = _recorder(root)
     rec.step(1)
     ctx = _run_context(root, "no-end")
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
-    cb = GoodputCallback(tracking_uri=uri)
-    hooks = cb.controller_callback()
-    hooks.after_controller_start(ctx)
+    cb, hooks, uri = _started(tmp_path, ctx)
     hooks.after_controller_finish(SimpleNamespace(error=None))
     assert json.loads((tmp_path / "run" / "goodput" / "summary.json").read_text())["finished"] is False
     _assert_finished_in_mlflow(uri, "no-end")
@@ -147,10 +153,7 @@ def test_a_report_does_not_wait_for_a_refresh_under_way_and_the_controllers_end_
     root = str(tmp_path / "run")
     _finished_job(root)
     ctx = _run_context(root, "busy")
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
-    cb = GoodputCallback(tracking_uri=uri)
-    hooks = cb.controller_callback()
-    hooks.after_controller_start(ctx)
+    cb, hooks, uri = _started(tmp_path, ctx)
     entered, release = threading.Event(), threading.Event()
     original = GoodputCallback.refresh
 
@@ -182,9 +185,7 @@ def test_refreshes_between_reports_take_a_bounded_share_of_the_controllers_time(
     root = str(tmp_path / "run")
     _finished_job(root)
     ctx = _run_context(root, "costly")
-    cb = GoodputCallback(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db", log_every_s=0.01)
-    hooks = cb.controller_callback()
-    hooks.after_controller_start(ctx)
+    cb, hooks, _ = _started(tmp_path, ctx, log_every_s=0.01)
     calls = []
 
     def slow_progress(self, run_context):
