@@ -8,7 +8,8 @@ arenas; the third is traced with ``sys.setprofile`` / ``threading.setprofile`` o
 thread. For each thread that ran library code: the library functions in the order of their
 first call, the sequence of modules they belong to (consecutive calls in one module
 merged), and the re-entries: entries into a module the sequence had already left. Prints
-a table and the verdict on ``benchmarks/targets.toml``'s ``save_path_modules`` target;
+a table and the verdicts on ``benchmarks/targets.toml``'s ``save_path_modules`` targets
+(``save()``, and the rank's lane thread, where the job is written, uploaded and committed);
 writes ``benchmarks/results/save_path_modules_cpu.json`` (``--out``).
 
     python benchmarks/save_path_modules.py
@@ -123,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--show-calls", action="store_true", help="also print each thread's functions in order")
     args = p.parse_args(argv)
     meta = _results.start_run("save_path_modules", argv)
-    target = _targets.load("save_path_modules")["reentries_count"]
+    targets = _targets.load("save_path_modules")
     traced = trace_one_save()
     order = ["save()", "wait()"] + sorted(k for k in traced if k not in ("save()", "wait()"))
     threads = {name: reading_order(traced[name]) for name in order if name in traced}
@@ -138,7 +139,10 @@ def main(argv: list[str] | None = None) -> int:
             f"{', '.join(_short(m) for m in r['reentered'])} |"
         )
     save = threads["save()"]["reentries"]
-    lines += ["", f"- save() on the training thread: {save} re-entries → {target.verdict(save)}"]
+    lines += ["", f"- save() on the training thread: {save} re-entries → {targets['reentries_count'].verdict(save)}"]
+    lane = next((r["reentries"] for name, r in threads.items() if name.startswith("rg-lane")), None)
+    if lane is not None:
+        lines.append(f"- the rank's lane: {lane} re-entries → {targets['lane_reentries_count'].verdict(lane)}")
     for name, r in threads.items():
         lines.append(f"\n{name}: " + " > ".join(_short(m) for m in r["sequence"]))
         if args.show_calls:

@@ -36,6 +36,13 @@ def test_bad_schedule_arguments_name_the_fix(every, mtbf, match):
         SaveSchedule(every, world_size=1, mtbf_hours=mtbf)
 
 
+def test_saves_sync_at_every_sync_every_th_save_and_at_each_warmup_save_of_auto():
+    fixed = SaveSchedule(None, world_size=1, mtbf_hours=None, sync_every=3)
+    assert [n for n in range(1, 10) if fixed.after_save(0.01, saves_done=n)] == [3, 6, 9]
+    auto = SaveSchedule("auto", world_size=1, mtbf_hours=1.0, sync_every=8)
+    assert [n for n in range(1, 18) if auto.after_save(0.01, saves_done=n)] == [1, 2, 3, 8, 16]
+
+
 def test_maybe_save_without_a_schedule_names_the_setting(tmp_path):
     with Checkpointer(str(tmp_path / "root"), staging_dir=str(tmp_path / "s"), uploader="thread") as ckpt:
         with pytest.raises(ConfigError, match="every=N"):
@@ -47,7 +54,7 @@ def test_auto_schedule_moves_from_warmup_to_the_measured_optimum():
     assert s.interval_steps() == 10 and s.due(10, None) and not s.due(9, None)
     for _ in range(20):
         s.observe_step(0.01)
-    s.observe_save(0.005)
+    assert s.after_save(0.005, saves_done=1)  # the warmup's saves sync
     proposal = s.proposal()  # Daly: ~sqrt(2 * 0.005 * 3.6) = 0.19 s of 0.01 s steps
     assert 15 <= proposal <= 22
     assert s.adopt(proposal) and s.interval_steps() == proposal and not s.adopt(proposal)

@@ -226,12 +226,12 @@ def test_a_recovery_point_older_than_its_bound_is_raised_at_the_next_sync_naming
 
 def test_the_default_recovery_point_bound_follows_the_save_interval(fake):
     ckpt, backend = fake
-    assert ckpt._outcomes.bound_s() == AGE_FLOOR_S  # no interval measured yet
+    assert ckpt._outcomes.bound_s == AGE_FLOOR_S  # no interval measured yet
     ckpt.save(1, _state())
     ckpt._outcomes.pending[1].saved_at -= 2 * AGE_FLOOR_S  # as if saved long ago
     ckpt._outcomes._first_save_at = ckpt._outcomes.pending[1].saved_at
     ckpt.save(2, _state())
-    assert ckpt._outcomes.bound_s() == pytest.approx(AGE_INTERVALS * 2 * AGE_FLOOR_S, rel=0.01)
+    assert ckpt._outcomes.bound_s == pytest.approx(AGE_INTERVALS * 2 * AGE_FLOOR_S, rel=0.01)
     with pytest.raises(ConfigError, match="max_recovery_point_age_s"):
         Checkpointer(str(ckpt.root.uri), uploader=backend, max_recovery_point_age_s=0)
 

@@ -12,6 +12,7 @@ every ``sync_every``-th save (a count, so every rank syncs at the same save).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -29,7 +30,6 @@ from ray_goodput.checkpoint.protocol import _collective, _layout, _lineage
 from ray_goodput.checkpoint.restore._choose_and_load import choose_and_load
 from ray_goodput.checkpoint.restore._load import RestoreInfo
 from ray_goodput.checkpoint.restore._local_precheck import LocalGuess
-from ray_goodput.checkpoint.save import _state_dict
 from ray_goodput.checkpoint.save._arena_pair import ArenaPair
 from ray_goodput.checkpoint.save._handoff import Handoff, UploadBackend
 from ray_goodput.checkpoint.save._local_copies import LocalCopyDropper
@@ -144,7 +144,7 @@ class Checkpointer:
             max_recovery_point_age_s=max_recovery_point_age_s,
         )
         self._ctx = WorkerContext.detect()
-        schedule = SaveSchedule(every, world_size=self.world_size, mtbf_hours=mtbf_hours)
+        schedule = SaveSchedule(every, world_size=self.world_size, mtbf_hours=mtbf_hours, sync_every=sync_every)
         self.root = self._ctx.storage_root(storage_path)
         self._retry = retry or RetryPolicy()
         self._early_claim = self._probe_and_claim()
@@ -164,6 +164,7 @@ class Checkpointer:
         self._uploader: UploadBackend | None = None if isinstance(uploader, str) else uploader
         self._arenas = ArenaPair(self.staging, self._run_key, self.rank, self.world_size)
         self._snapshots = Snapshotter(self._arenas, self.rank)
+        self._sync_next = False  # whether the next save first agrees the outcomes so far
         self._last_step: int | None = None
         self._generation: int | None = None
         self._pinning: threading.Thread | None = None  # rank 0's resume pin, written in the background
@@ -179,7 +180,7 @@ class Checkpointer:
             dropper=self._dropper,
             max_age_s=max_recovery_point_age_s,
         )
-        if self._uploader is None and self._uploader_choice != "thread":
+        if self._uploader is None:  # the thread backend starts nothing before a save
             self._uploader = self._make_uploader()
             if hasattr(self._uploader, "start"):
                 self._uploader.start()
@@ -278,17 +279,30 @@ class Checkpointer:
             raise ConfigError(f"step {step} is not after the last saved step {self._last_step}")
         start = time.perf_counter()  # the loop is blocked for the whole call
         saved_at = time.time()
-        if self.stats.saves and (
-            self.stats.saves % self.sync_every == 0 or self._schedule.wants_sync(self.stats.saves)
-        ):
+        if self._sync_next:
             self._resolve(block=False)  # a count: every rank syncs at the same save
-        self._arenas.stop_watching_steps()  # the save's made-up steps are not the optimizers' first
         generation = self._ensure_generation()
+        rank, world_size = self.rank, self.world_size
         # Unique without a collective: a generation is claimed once per Checkpointer and
         # its steps only grow.
         save_id = _layout.save_id(generation, f"{self._token}{step:x}")
+        job = functools.partial(
+            ShardJob,
+            root=self.root,
+            step=step,
+            rank=rank,
+            world_size=world_size,
+            local_dir=str(self.staging / _layout.step_dir(step)),
+            keep_last=self.keep_last,
+            owner_pid=os.getpid(),
+            save_id=save_id,
+            generation=generation,
+            concurrency=self.upload_concurrency,
+            retry=self._retry,
+            retry_for_s=self._outcomes.bound_s,
+        )
         try:
-            handoff = self._hand_off(step, _state_dict.classify(state), save_id, generation)
+            handoff = self._snapshots.hand_off(state, job=job, backend=self._uploader, step_of=self._pending_step_of)
         except ConfigError:
             raise  # bad input (the same on every rank), not a failed save
         except (Exception, CheckpointException) as exc:  # noqa: BLE001 - agreed at the next sync
@@ -296,7 +310,6 @@ class Checkpointer:
             handoff = _failed_handoff(exc)
         block = time.perf_counter() - start
         self._last_step = step
-        self._schedule.observe_save(block)
         self._recorder.add_checkpoint_stall(block)
         self._recorder.step(step, explicit=False)
         self._outcomes.add(
@@ -309,6 +322,7 @@ class Checkpointer:
                 saved_at=saved_at,
             )
         )
+        self._sync_next = self._schedule.after_save(block, saves_done=self._outcomes.stats.saves)
 
     def maybe_save(self, step: int, state: dict[str, Any], *, metrics: dict[str, Any] | None = None) -> bool:
         """Call once per step: saves when the schedule (``every=N`` or ``every="auto"``) says
@@ -323,37 +337,6 @@ class Checkpointer:
             self.save(step, state, metrics=metrics)
         self._tick = time.perf_counter()
         return due
-
-    def _hand_off(self, step: int, roles: _state_dict.Roles, save_id: str, generation: int) -> Handoff:
-        snap = self._snapshots.take(roles, step_of=self._pending_step_of)
-        job = ShardJob(
-            root=self.root,
-            step=step,
-            rank=self.rank,
-            world_size=self.world_size,
-            arena_path=snap.arena_path,
-            slots=snap.slots,
-            objects=snap.objects,
-            leaves=snap.leaves,
-            mappings=snap.mappings,
-            rng=snap.rng,
-            local_dir=str(self.staging / _layout.step_dir(step)),
-            keep_last=self.keep_last,
-            owner_pid=os.getpid(),
-            save_id=save_id,
-            num_bytes=snap.num_bytes,
-            generation=generation,
-            concurrency=self.upload_concurrency,
-            retry=self._retry,
-            unstepped=snap.unstepped,
-            stepped=snap.stepped,
-            retry_for_s=self._outcomes.bound_s(),
-        )
-        if self._uploader is None:
-            self._uploader = self._make_uploader()
-        handoff = self._uploader.submit(job)
-        self._arenas.hold(snap.index, handoff)
-        return handoff
 
     def _resolve(self, block: bool) -> None:
         self._outcomes.resolve(block=block, timeout_s=self.wait_timeout_s)

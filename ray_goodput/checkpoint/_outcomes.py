@@ -134,6 +134,10 @@ class Outcomes:
         self._recovery_at = time.time()  # nothing durable of this attempt yet: its work is at risk
         self._first_save_at: float | None = None
         self._last_save_at: float | None = None
+        #: How old the recovery point may grow (seconds): ``max_recovery_point_age_s`` when
+        #: set, else ``AGE_INTERVALS`` mean save intervals, at least ``AGE_FLOOR_S``. Its
+        #: inputs change only in :meth:`add`, which updates it.
+        self.bound_s = self._bound()
         self._reported: int | None = None
         self.reports = 0  # reports made to Ray Train (every rank alike: outcomes are agreed)
         self._newest_failed: tuple[str, BaseException | None] | None = None
@@ -148,6 +152,7 @@ class Outcomes:
         if self._first_save_at is None:
             self._first_save_at = pending.saved_at
         self._last_save_at = pending.saved_at
+        self.bound_s = self._bound()
         if self._metrics is not None:
             self._metrics.recovery_point_age(pending.saved_at - self._recovery_at)
 
@@ -158,9 +163,7 @@ class Outcomes:
 
     # ---- the policy -------------------------------------------------------------------------
 
-    def bound_s(self) -> float:
-        """How old the recovery point may grow: ``max_recovery_point_age_s`` when set, else
-        ``AGE_INTERVALS`` mean save intervals, at least ``AGE_FLOOR_S``."""
+    def _bound(self) -> float:
         if self._max_age_s is not None:
             return self._max_age_s
         saves = self.stats.saves
@@ -178,7 +181,7 @@ class Outcomes:
             now=time.time(),
             recovery_at=self._recovery_at,
             saved_at={s: p.saved_at for s, p in self.pending.items()},
-            bound_s=self.bound_s(),
+            bound_s=self.bound_s,
         )
 
     # ---- agreeing on outcomes ----------------------------------------------------------------

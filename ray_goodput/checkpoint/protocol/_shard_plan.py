@@ -1,10 +1,14 @@
-"""Which rank writes which leaf of the flattened state dict: pure functions over plain data.
+"""Which rank writes which leaf of the flattened state dict.
 
 DCP's collective planner de-duplicates replicated leaves (DDP parameters, optimizer
 ``step`` counters, non-tensor values) so each is written once. We plan the same thing
 without collectives in the background: every rank describes its leaves, the
 descriptions are exchanged once (and again only when the structure changes), and the
 owner of each replicated leaf is a deterministic function of all descriptions.
+
+The functions are pure, over plain data. :class:`OwnerPlan` keeps one rank's plan across
+saves and gives each save the rank's share (its leaves, local tensors and pickled
+values); the exchange itself is the caller's (a gather it passes in).
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import heapq
 import pickle
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,3 +106,45 @@ def share_when_all_hold(leaves: dict[str, Leaf], world_size: int, rank: int) -> 
 def local_keys(leaves: dict[str, Leaf], owners: dict[str, int], rank: int) -> list[str]:
     """FQNs that ``rank`` writes: its shards and the replicated leaves it owns."""
     return [f for f, leaf in leaves.items() if leaf.kind == SHARD or owners.get(f) == rank]
+
+
+@dataclass(frozen=True)
+class Share:
+    """What one rank writes of one save."""
+
+    leaves: dict[str, Leaf]  # FQN -> its description, for the leaves this rank writes
+    tensors: dict[str, torch.Tensor]  # their tensors (a DTensor's local shard), live
+    objects: dict[str, bytes]  # their non-tensor values, pickled
+    nbytes: int  # bytes of ``tensors``
+
+
+class OwnerPlan:
+    """One rank's owner plan, reused while the rank's leaf structure is unchanged.
+
+    ``gather(leaves)`` returns every rank's leaves (a collective): it runs at the first
+    save and again only when the structure changes, on every rank at the same save (DCP's
+    own rule that ranks save alike; a rank re-planning alone meets the others' next sync,
+    and every rank raises instead of hanging)."""
+
+    def __init__(self, rank: int, gather: Callable[[dict[str, Leaf]], list[dict[str, Leaf]]]) -> None:
+        self._rank = rank
+        self._gather = gather
+        self._cached: tuple[int, dict[str, int]] | None = None  # (structure signature, owners)
+
+    def share(self, flat: dict[str, Any]) -> Share:
+        """This rank's share of the flat state dict ``flat`` (values are not copied)."""
+        leaves = {fqn: describe(value) for fqn, value in flat.items()}
+        sig = signature(leaves)
+        if self._cached is None or self._cached[0] != sig:
+            self._cached = (sig, assign_owners(self._gather(leaves)))
+        mine = {fqn: leaves[fqn] for fqn in local_keys(leaves, self._cached[1], self._rank)}
+        tensors: dict[str, torch.Tensor] = {}
+        objects: dict[str, bytes] = {}
+        for fqn, leaf in mine.items():
+            value = flat[fqn]
+            if leaf.kind == OBJECT:
+                objects[fqn] = pickle.dumps(value)
+            else:
+                tensors[fqn] = value.to_local() if isinstance(value, DTensor) else value
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        return Share(leaves=mine, tensors=tensors, objects=objects, nbytes=nbytes)

@@ -23,10 +23,14 @@ WARMUP_SYNCS = 3
 
 
 class SaveSchedule:
-    """``every``: None (only explicit ``save``), an int >= 1 (every N steps) or "auto"."""
+    """``every``: None (only explicit ``save``), an int >= 1 (every N steps) or "auto";
+    ``sync_every``: saves between outcome agreements (see :meth:`after_save`)."""
 
-    def __init__(self, every: int | Literal["auto"] | None, *, world_size: int, mtbf_hours: float | None) -> None:
+    def __init__(
+        self, every: int | Literal["auto"] | None, *, world_size: int, mtbf_hours: float | None, sync_every: int = 8
+    ) -> None:
         self.every = every
+        self._sync_every = sync_every
         self._auto: AutoInterval | None = None
         if every == "auto":
             self._auto = AutoInterval(world_size=world_size, mtbf_hours=mtbf_hours)
@@ -43,9 +47,14 @@ class SaveSchedule:
         if self._auto:
             self._auto.observe_step(seconds)
 
-    def observe_save(self, blocking_s: float) -> None:
+    def after_save(self, blocking_s: float, *, saves_done: int) -> bool:
+        """A save blocked the loop ``blocking_s``; ``saves_done`` saves are made. Returns
+        whether the next save first agrees the outcomes so far (and the interval): every
+        ``sync_every``-th save, and each of the first ``WARMUP_SYNCS`` with "auto". A count
+        of saves only, so every rank syncs at the same save."""
         if self._auto:
             self._auto.observe_save(blocking_s)
+        return saves_done % self._sync_every == 0 or (self._auto is not None and 0 < saves_done <= WARMUP_SYNCS)
 
     def observe_durable(self, seconds: float) -> None:
         """A save of this rank committed ``seconds`` after it started."""
@@ -59,10 +68,6 @@ class SaveSchedule:
         if self._auto:
             return self._auto.due(step, last_saved_step)
         return step - (last_saved_step or 0) >= self.every
-
-    def wants_sync(self, saves_done: int) -> bool:
-        """Whether the save after ``saves_done`` saves should agree outcomes (and the interval)."""
-        return self._auto is not None and 0 < saves_done <= WARMUP_SYNCS
 
     def proposal(self) -> int | None:
         """This rank's proposed interval (only rank 0's is adopted)."""

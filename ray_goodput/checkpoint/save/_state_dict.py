@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -204,6 +205,28 @@ def to_state_dict(roles: Roles) -> dict[str, Any]:
         if tensors:
             sd[_TENSORS_KEY] = tensors
     return sd
+
+
+@dataclass(frozen=True)
+class Captured:
+    """A rank's state as one save writes it: DCP's flat state dict and what rides along."""
+
+    flat: dict[str, Any]  # FQN -> leaf; tensors are the live ones (the caller copies them)
+    mappings: Any  # DCP's flattening map (to rebuild the nesting on restore)
+    rng: bytes  # this process's RNG states (:func:`rng_state_bytes`)
+    unstepped: tuple[str, ...]  # optimizers saved before their first step (state made up)
+    stepped: tuple[str, ...]  # ... and those saved after it
+
+
+def capture(state: dict[str, Any]) -> Captured:
+    """The flat DCP state dict of ``state`` (:func:`classify`, then :func:`saving`); the
+    optimizers that never stepped are as they were when it returns, their made-up state
+    kept alive only by the result. ConfigError names the fix for a bad ``state``."""
+    roles = classify(state)
+    with saving(roles) as (sd, unstepped):
+        flat, mappings = flatten_state_dict(sd)
+    stepped = tuple(sorted(set(roles.optimizers) - set(unstepped)))
+    return Captured(flat=flat, mappings=mappings, rng=rng_state_bytes(), unstepped=unstepped, stepped=stepped)
 
 
 @contextmanager

@@ -21,6 +21,7 @@ from typing import Any
 
 from ray_goodput._faults import fault_point
 from ray_goodput.checkpoint.save._arena import claim, drop_claim, open_slots
+from ray_goodput.checkpoint.save._handoff import Handoff
 from ray_goodput.checkpoint.save._save_state import SaveRecord, SaveState
 from ray_goodput.checkpoint.uploader._shard_job import ShardJob, ShardResult, run_shard_job
 from ray_goodput.storage import RetryPolicy
@@ -29,12 +30,13 @@ logger = logging.getLogger(__name__)
 
 
 class Ticket:
-    """An accepted job: its mapped snapshot, its record, and when it was released/done."""
+    """An accepted job: its mapped snapshot, its record, and when it was released/done.
+    ``handoff``: the worker's futures, when the worker is this process (``ThreadBackend``);
+    the ticket settles them itself."""
 
-    def __init__(self, job: ShardJob) -> None:
+    def __init__(self, job: ShardJob, handoff: Handoff | None = None) -> None:
         self.job = job
-        self.tensors: dict[str, Any] = open_slots(job.arena_path, list(job.slots)) if job.slots else {}
-        self.record = SaveRecord(job.step, job.save_id)
+        self.handoff = handoff
         self.released = threading.Event()
         self.done = threading.Event()
         self.result: ShardResult | None = None
@@ -42,10 +44,14 @@ class Ticket:
         self.origin = ""  # the worker connection it came on ("" by an actor call)
         self.callbacks: list[Callable[[Ticket], None]] = []  # when done
         self.release_callbacks: list[Callable[[Ticket], None]] = []  # when the arena is free
+        self.record = SaveRecord(job.step, job.save_id)
+        self.tensors: dict[str, Any] = open_slots(job.arena_path, list(job.slots)) if job.slots else {}
 
     def release(self) -> None:
         self.tensors = {}  # drop the mapping: the arena may be reused or unlinked
         self.released.set()
+        if self.handoff is not None and not self.handoff.released.done():
+            self.handoff.released.set_result(None)
         for callback in self.release_callbacks:
             callback(self)
 
@@ -55,6 +61,11 @@ class Ticket:
             self.release()
         self._drop_claim()
         self.done.set()
+        if self.handoff is not None:
+            if error is not None:
+                self.handoff.durable.set_exception(error)
+            else:
+                self.handoff.durable.set_result(result)
         for callback in self.callbacks:
             callback(self)
 

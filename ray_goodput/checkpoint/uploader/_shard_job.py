@@ -80,20 +80,19 @@ class ShardJob:
     #: past the retry policy, while no newer save of its rank waits: the Checkpointer's
     #: bound on the recovery point's age (0: the policy alone).
     retry_for_s: float = 0.0
+    #: The job's name in its uploader (set from the fields above).
+    key: str = field(init=False)
+    #: Jobs of one rank of one run share a lane (one running, at most one waiting).
+    lane: tuple[str, int] = field(init=False)
 
-    @property
-    def key(self) -> str:
-        return f"{self.local_dir}#{self.rank}#{self.save_id}"
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "key", f"{self.local_dir}#{self.rank}#{self.save_id}")
+        object.__setattr__(self, "lane", (self.local_dir.rsplit("/", 1)[0], self.rank))
 
     @property
     def staged_bytes(self) -> int:
         """About what the shard takes on the staging disk: its arena tensors and its pickled values."""
         return self.num_bytes + sum(len(raw) for raw in self.objects.values())
-
-    @property
-    def lane(self) -> tuple[str, int]:
-        """Jobs of one rank of one run share a lane (one running, at most one waiting)."""
-        return (self.local_dir.rsplit("/", 1)[0], self.rank)
 
     def commit_protocol(self) -> CommitProtocol:
         return CommitProtocol(

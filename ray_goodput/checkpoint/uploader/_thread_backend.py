@@ -7,28 +7,8 @@ from concurrent.futures import Future
 
 from ray_goodput.checkpoint.save._handoff import Handoff
 from ray_goodput.checkpoint.uploader._rank_queue import RankLane, Ticket
-from ray_goodput.checkpoint.uploader._shard_job import ShardJob, ShardResult
+from ray_goodput.checkpoint.uploader._shard_job import ShardJob
 from ray_goodput.storage import RetryPolicy
-
-
-def futures_of(ticket: Ticket) -> Handoff:
-    """A Handoff completed by ``ticket``'s events (in this process)."""
-    released: Future[None] = Future()
-    durable: Future[ShardResult] = Future()
-
-    def _released(_: Ticket) -> None:
-        if not released.done():
-            released.set_result(None)
-
-    def _done(t: Ticket) -> None:
-        if t.error is not None:
-            durable.set_exception(t.error)
-        else:
-            durable.set_result(t.result)
-
-    ticket.release_callbacks.append(_released)
-    ticket.callbacks.append(_done)
-    return Handoff(released=released, durable=durable, key=ticket.job.key)
 
 
 class ThreadBackend:
@@ -43,16 +23,12 @@ class ThreadBackend:
         self._policy = policy
         self._lanes: dict[tuple[str, int], RankLane] = {}
 
-    def _lane(self, job: ShardJob) -> RankLane:
+    def submit(self, job: ShardJob) -> Handoff:
         lane = self._lanes.get(job.lane)
         if lane is None:
             lane = self._lanes[job.lane] = RankLane(concurrency=self._concurrency, policy=self._policy)
-        return lane
-
-    def submit(self, job: ShardJob) -> Handoff:
-        ticket = Ticket(job)
-        handoff = futures_of(ticket)
-        self._lane(job).submit(ticket)
+        handoff = Handoff(released=Future(), durable=Future(), key=job.key)
+        lane.submit(Ticket(job, handoff))
         return handoff
 
     def close(self) -> None:
