@@ -17,7 +17,7 @@ import torch
 
 from ray_goodput import Checkpointer, _faults
 from ray_goodput.checkpoint._outcomes import AGE_FLOOR_S, AGE_INTERVALS
-from ray_goodput.checkpoint.save._arena import claim
+from ray_goodput.checkpoint.save._arena import claim, drop_claim
 from ray_goodput.checkpoint.save._handoff import Handoff
 from ray_goodput.checkpoint.save._save_state import IllegalTransitionError, SaveRecord, SaveState, agree
 from ray_goodput.checkpoint.uploader._shard_job import ShardJob, ShardResult
@@ -116,6 +116,7 @@ class FakeBackend:
 
     def end(self, step: int, state: SaveState = S.COMMITTED, error: Exception | None = None) -> None:
         handoff = self.handoffs[step]
+        drop_claim(self.jobs[step].arena_path, self.jobs[step].key)  # as the lane does when a job ends
         if not handoff.released.done():
             handoff.released.set_result(None)
         if error is not None:
@@ -126,7 +127,8 @@ class FakeBackend:
             )
 
     def close(self) -> None:
-        pass
+        for job in self.jobs.values():  # the jobs it never ended: an uploader would end them
+            drop_claim(job.arena_path, job.key)
 
 
 def _state() -> dict:

@@ -8,7 +8,6 @@ import errno
 import logging
 import os
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -281,7 +280,7 @@ def test_a_rank_that_finds_staging_full_leaves_its_node_peers_staged_shard_alone
         assert not [p for p in step_dir.rglob("*") if p.name.startswith(".part-0-")]  # its cut-short write is gone
         assert Path(moved.local_dir).parent != step_dir.parent
     finally:
-        shutil.rmtree(Path(moved.local_dir).parent, ignore_errors=True)
+        _direct_upload.remove(Path(moved.local_dir).parent)  # its run's dir too, once empty
 
 
 def test_telling_a_full_disk_from_an_error_ends_on_a_cause_chain_that_loops():
