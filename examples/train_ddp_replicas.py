@@ -145,7 +145,11 @@ def run(
         callbacks=[ray_goodput.GoodputCallback(tracking_uri=f"sqlite:///{root / 'mlflow.db'}")],
     )
     result = trainer.fit()
-    return {**summarize(out, root, time.time() - began, kills), "ray_train_checkpoint": result.checkpoint is not None}
+    return {
+        **summarize(out, root, time.time() - began, kills),
+        "ray_train_checkpoint": result.checkpoint is not None,
+        "fit_reruns": trainer.fit_reruns,  # runs Ray's controller ended on a replacement (resumed)
+    }
 
 
 def summarize(out: Path, root: Path, wall_s: float, kills: list[tuple[int, int]]) -> dict:

@@ -1,8 +1,9 @@
-"""A Ray Train controller callback for the replica-mode tests, installed through
-``RAY_TRAIN_CALLBACKS`` (Ray runs those before the run's own callbacks): when Ray is about to
-replace a failed replica, it SIGKILLs the replicas still alive first, so the second death
-lands exactly where Ray 2.60 once ended a run with a ``ControllerError`` (between the poll
-that saw the first death and the replacement). A module of its own: the controller imports it."""
+"""A Ray Train callback for the replica-mode tests, installed through ``RAY_TRAIN_CALLBACKS``:
+as Ray shuts down the first replica it replaces, it SIGKILLs the replicas still alive, so the
+second death lands after every check ray_goodput makes before a replacement and before Ray
+calls the survivors. Ray 2.60 ends such a run with a ``ControllerError``, and
+``ray_goodput.TorchTrainer.fit`` runs it again from the durable checkpoint. A module of its
+own: the controller imports it."""
 
 from __future__ import annotations
 
@@ -11,13 +12,13 @@ import signal
 import time
 
 import psutil
-from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
+from ray.train.v2._internal.execution.callback import ReplicaGroupCallback, WorkerGroupCallback
 
 _GONE_WITHIN_S = 30.0
 
 
-class KillSurvivorsBeforeReplacement(ControllerCallback, WorkerGroupCallback):
-    """Fires once per run, at the first replacement Ray decides on."""
+class KillSurvivorsAtReplacement(WorkerGroupCallback, ReplicaGroupCallback):
+    """Fires once per controller, as Ray shuts down the first replica it replaces."""
 
     def __init__(self) -> None:
         self._group = None
@@ -26,13 +27,12 @@ class KillSurvivorsBeforeReplacement(ControllerCallback, WorkerGroupCallback):
     def after_worker_group_start(self, worker_group) -> None:
         self._group = worker_group
 
-    def before_controller_execute_resize_decision(self, decision) -> None:
-        group = self._group
-        status = group.get_latest_poll_status() if group is not None and group.has_started() else None
-        if self.fired or status is None or not status.errors:
+    def before_replica_group_shutdown(self, replica_group) -> None:
+        if self.fired or self._group is None:
             return
         self.fired = True
-        pids = [w.metadata.pid for i, w in enumerate(group.get_workers()) if i not in status.errors]
+        failed = {w.metadata.pid for w in replica_group.get_workers()}
+        pids = [w.metadata.pid for w in self._group.get_workers() if w.metadata.pid not in failed]
         for pid in pids:
             os.kill(pid, signal.SIGKILL)
         deadline = time.monotonic() + _GONE_WITHIN_S

@@ -13,6 +13,7 @@ from ray.train.v2.torch.torchft_config import TorchftConfig
 
 from ray_goodput.driver import _replicas
 from ray_goodput.driver._replicas import EarlyLighthouseConfig, ReplicaSupport, replica_kwargs
+from ray_goodput.driver._trainer import replacement_raced
 from ray_goodput.errors import ConfigError
 from ray_goodput.replica import ReplicaGroups
 from ray_goodput.runtime import WorkerContext, world_of_one
@@ -276,6 +277,14 @@ def _group_with(statuses, workers):
     return status, SimpleNamespace(
         get_latest_poll_status=lambda: status, has_started=lambda: True, get_workers=lambda: workers
     )
+
+
+def test_only_a_controller_that_ended_on_a_dead_worker_is_run_again():
+    from ray.train.v2.api.exceptions import ControllerError
+
+    assert replacement_raced(ControllerError(ray.exceptions.ActorDiedError()))
+    assert not replacement_raced(ControllerError(ValueError("a bug in a callback")))
+    assert not replacement_raced(ControllerError(TimeoutError("placement group not ready")))
 
 
 def test_a_replacement_that_would_call_a_dead_replica_becomes_a_whole_group_restart(ray_local):

@@ -54,11 +54,11 @@ def _start_one_killed(directory: Path) -> subprocess.Popen:
 
 
 def _start_all_killed(directory: Path) -> subprocess.Popen:
-    """Replica 1 is SIGKILLed at KILL_AT; when Ray is about to replace it, a controller
-    callback (``tests/_kill_survivor.py``) SIGKILLs replica 0 too."""
+    """Replica 1 is SIGKILLed at KILL_AT; as Ray shuts it down to replace it, a callback
+    (``tests/_kill_survivor.py``) SIGKILLs replica 0 too."""
     repo = str(Path(__file__).resolve().parents[1])
     env = {
-        "RAY_TRAIN_CALLBACKS": "tests._kill_survivor.KillSurvivorsBeforeReplacement",
+        "RAY_TRAIN_CALLBACKS": "tests._kill_survivor.KillSurvivorsAtReplacement",
         "PYTHONPATH": os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH")) if p),
     }
     return _start(directory, "--steps", str(ALL_KILLED_STEPS), env=env)
@@ -105,13 +105,15 @@ def _records(root: Path) -> dict[tuple[int, int], list[dict]]:
 
 @all_killed_run
 def test_killing_every_replica_resumes_from_the_durable_checkpoint(all_killed):
-    """Replica 1 dies, and replica 0 dies after the poll that saw it, as Ray is about to
-    replace replica 1. Ray 2.60 called the dead survivor first and ended the run with a
-    ControllerError (seen once in three suite runs when both died a moment apart); the
-    survivor is now looked at before the replacement, and Ray restarts the whole group:
-    replica 0's next process resumes from a durable checkpoint, not from scratch, and the
-    replicas end equal."""
+    """Replica 1 dies, and replica 0 dies as Ray shuts replica 1 down to replace it: after
+    every check ray_goodput can make before Ray's replacement. Ray 2.60 then calls the dead
+    survivor and ends the run with a ControllerError (seen once in three suite runs when
+    both died a moment apart); ray_goodput's fit runs it again: replica 0's next process
+    resumes from a durable checkpoint, not from scratch, and the replicas end equal. (A
+    survivor found dead before the replacement makes Ray restart the whole group instead:
+    tests/test_replica_config.py.)"""
     root, res = all_killed
+    assert res["fit_reruns"] == 1, res
     zero = sorted((recs for (slot, _), recs in _records(root).items() if slot == 0 and recs), key=lambda r: r[0]["t"])
     assert len(zero) == 2, [r[0] for r in zero]  # replica 0 ran in two processes
     resumed_at = zero[1][0]["step"] - 1  # the step its first committed step followed

@@ -16,7 +16,9 @@ from typing import Any
 
 import ray.train
 import ray.train.torch
+from ray.exceptions import RayActorError
 from ray.train.v2.api.callback import RayTrainCallback
+from ray.train.v2.api.exceptions import ControllerError
 
 from ray_goodput.driver._callback import GoodputCallback, GoodputControllerHooks
 from ray_goodput.driver._node_services import NodeServices
@@ -56,6 +58,8 @@ class TorchTrainer(ray.train.torch.TorchTrainer):
         **kwargs: Any,
     ) -> None:
         run_config = run_config or ray.train.RunConfig()
+        self._fault_tolerance = fault_tolerance
+        self.fit_reruns = 0  # replica mode: how often the last fit() ran Ray's fit again
         merged = list(run_config.callbacks or []) + list(callbacks or [])
         self.recovery = _pick_recovery(merged, recovery)
         # Before the callbacks added below: at the run's end its record is written before the
@@ -78,9 +82,29 @@ class TorchTrainer(ray.train.torch.TorchTrainer):
         super().__init__(train_loop_per_worker, run_config=dataclasses.replace(run_config, callbacks=merged), **kwargs)
 
     def fit(self) -> ray.train.Result:
-        """Ray's ``fit``; afterwards ``self.recovery`` shows what happened, even on failure."""
+        """Ray's ``fit``; afterwards ``self.recovery`` shows what happened, even on failure.
+
+        In replica mode, a run that Ray's controller ended because a worker died while it
+        was replacing another replica (see :func:`replacement_raced`) is run again, at most
+        ``ReplicaGroups.max_failures`` times: it resumes from the durable checkpoint, as a
+        whole-group restart would have. ``self.fit_reruns`` counts those re-runs."""
+        self.fit_reruns = 0
         try:
-            return super().fit()
+            while True:
+                try:
+                    return super().fit()
+                except ControllerError as exc:
+                    budget = self._fault_tolerance.max_failures if self._fault_tolerance is not None else 0
+                    if self.fit_reruns >= budget or not replacement_raced(exc):
+                        raise
+                    self.fit_reruns += 1
+                    logger.warning(
+                        "Ray's controller ended the run: a worker died while it replaced a failed "
+                        "replica (%s). Running fit() again from the durable checkpoint (%d of at most %d).",
+                        exc.controller_failure,
+                        self.fit_reruns,
+                        budget,
+                    )
         finally:
             self._refresh_recovery()
 
@@ -103,6 +127,16 @@ class TorchTrainer(ray.train.torch.TorchTrainer):
             self.recovery.ledger.failures = dict(state["node_failures"])
             self.recovery.ledger.isolated = list(state["isolated_nodes"])
             self.recovery.stopped = state["stopped"]
+
+
+def replacement_raced(exc: ControllerError) -> bool:
+    """Whether Ray's controller ended the run on a worker that died under one of its own
+    calls (a ``RayActorError`` as the controller's failure): in replica mode, a replica that
+    died after ``ReplicaSupport`` looked at every worker and before Ray, replacing another,
+    called it (Ray 2.60 waits on every other replica there, the dead included, and does
+    not retry the error). Nothing durable is lost: the next run resumes from the newest
+    committed checkpoint."""
+    return isinstance(exc.controller_failure, RayActorError)
 
 
 def _pick_recovery(callbacks: list[Any], recovery: Any) -> Recovery | None:
