@@ -120,6 +120,11 @@ def test_killing_every_replica_resumes_from_the_durable_checkpoint(all_killed):
     assert resumed_at in res["checkpoints"] or resumed_at % 10 == 0, (resumed_at, res)
     assert 0 < resumed_at < KILL_AT, resumed_at  # a durable save before the kill, not step 0
     assert res["weights_equal"] and res["final_steps"] == [ALL_KILLED_STEPS, ALL_KILLED_STEPS], res
+    # The re-run went on from the first run's recovery record, as a restart within one run
+    # does: its attempts, and the node failure counted when replica 1 died.
+    record = json.loads((root / "runs" / "replicas" / "recovery" / "state.json").read_text())
+    assert [a["attempt"] for a in record["attempts"]] == [1, 2], record
+    assert sum(record["node_failures"].values()) == 1, record
 
 
 @one_killed_run

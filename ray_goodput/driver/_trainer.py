@@ -87,7 +87,8 @@ class TorchTrainer(ray.train.torch.TorchTrainer):
         In replica mode, a run that Ray's controller ended because a worker died while it
         was replacing another replica (see :func:`replacement_raced`) is run again, at most
         ``ReplicaGroups.max_failures`` times: it resumes from the durable checkpoint, as a
-        whole-group restart would have. ``self.fit_reruns`` counts those re-runs."""
+        whole-group restart would have, and ``Recovery`` goes on from the run's record (its
+        attempts, node failures and isolated nodes). ``self.fit_reruns`` counts the re-runs."""
         self.fit_reruns = 0
         try:
             while True:
@@ -98,6 +99,9 @@ class TorchTrainer(ray.train.torch.TorchTrainer):
                     if self.fit_reruns >= budget or not replacement_raced(exc):
                         raise
                     self.fit_reruns += 1
+                    # The next controller gets this record through the Recovery it is sent,
+                    # so its attempts, node failures and isolated nodes go on from here.
+                    self._refresh_recovery()
                     logger.warning(
                         "Ray's controller ended the run: a worker died while it replaced a failed "
                         "replica (%s). Running fit() again from the durable checkpoint (%d of at most %d).",

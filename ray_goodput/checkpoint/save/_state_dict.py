@@ -231,9 +231,10 @@ def capture(state: dict[str, Any]) -> Captured:
 
 @contextmanager
 def saving(roles: Roles) -> Iterator[tuple[dict[str, Any], tuple[str, ...]]]:
-    """The DCP state dict to save (live tensors: copy them inside the block), and the keys
-    of the optimizers that had not stepped yet, whose saved state DCP made up; on exit
-    those optimizers are as they were (see :func:`made_up_state`)."""
+    """The DCP state dict to save (live tensors: copy them before the model steps again),
+    and the keys of the optimizers that had not stepped yet, whose saved state DCP made up;
+    on exit those optimizers are as they were (see :func:`made_up_state`): their made-up
+    state is dropped from them, not changed, so the dict still holds it."""
     with made_up_state(roles, keep=False) as fresh:
         yield to_state_dict(roles), fresh
 
