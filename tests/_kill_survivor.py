@@ -1,9 +1,8 @@
 """A Ray Train callback for the replica-mode tests, installed through ``RAY_TRAIN_CALLBACKS``:
 as Ray shuts down the first replica it replaces, it SIGKILLs the replicas still alive, so the
-second death lands after every check ray_goodput makes before a replacement and before Ray
-calls the survivors. Ray 2.60 ends such a run with a ``ControllerError``, and
-``ray_goodput.TorchTrainer.fit`` runs it again from the durable checkpoint. A module of its
-own: the controller imports it."""
+second death lands after the poll that saw the first and before Ray calls the survivors.
+Ray 2.60 ends such a run with a ``ControllerError``, and ``ray_goodput.TorchTrainer.fit``
+runs it again from the durable checkpoint. A module of its own: the controller imports it."""
 
 from __future__ import annotations
 

@@ -247,74 +247,9 @@ def test_the_lighthouse_starts_with_the_controller_and_the_backend_takes_it_inst
         ray.kill(started)
 
 
-@ray.remote(num_cpus=0)
-class _Alive:
-    pass
-
-
-def _killed(actor) -> None:
-    """ray.kill returns before the actor is gone: wait until a call to it fails."""
-    from ray_goodput.testing import wait_for
-
-    ray.kill(actor)
-
-    def gone() -> bool:
-        try:
-            ray.get(actor.__ray_ready__.remote(), timeout=10)
-        except ray.exceptions.RayActorError:
-            return True
-        return False
-
-    wait_for(gone, timeout_s=60, what="the killed actor to be seen dead")
-
-
-def _group_with(statuses, workers):
-    from ray.train.v2._internal.execution.worker_group.poll import WorkerGroupPollStatus
-
-    status = WorkerGroupPollStatus(
-        worker_statuses=statuses, worker_rank_to_replica_group_rank={i: i for i in range(len(workers))}
-    )
-    return status, SimpleNamespace(
-        get_latest_poll_status=lambda: status, has_started=lambda: True, get_workers=lambda: workers
-    )
-
-
 def test_only_a_controller_that_ended_on_a_dead_worker_is_run_again():
     from ray.train.v2.api.exceptions import ControllerError
 
     assert replacement_raced(ControllerError(ray.exceptions.ActorDiedError()))
     assert not replacement_raced(ControllerError(ValueError("a bug in a callback")))
     assert not replacement_raced(ControllerError(TimeoutError("placement group not ready")))
-
-
-def test_a_replacement_that_would_call_a_dead_replica_becomes_a_whole_group_restart(ray_local):
-    """Ray 2.60 replaces failed replica groups one at a time, each replacement first calling
-    every other group not yet shut down, failed ones included: with two groups dead (three
-    replicas, one failed and one killed since the poll) it called a dead one and ended the
-    run. Every worker is then marked failed, so Ray restarts the whole group; one failed
-    group whose peers live is left to Ray's replacement."""
-    from ray.train.v2._internal.execution.worker_group.poll import WorkerStatus
-
-    actors = [_Alive.remote() for _ in range(3)]
-    ray.get([a.__ray_ready__.remote() for a in actors], timeout=60)
-    workers = [
-        SimpleNamespace(actor=a, distributed_context=SimpleNamespace(world_rank=i)) for i, a in enumerate(actors)
-    ]
-    support = ReplicaSupport(ReplicaGroups())
-    failed = ray.exceptions.ActorDiedError()
-
-    _killed(actors[1])  # replica 1 failed; 0 and 2 alive: Ray replaces 1
-    status, support._group = _group_with(
-        {0: WorkerStatus(running=True), 1: WorkerStatus(running=False, error=failed), 2: WorkerStatus(running=True)},
-        workers,
-    )
-    support.before_controller_execute_resize_decision(SimpleNamespace(num_workers=3))
-    assert status.failing_replica_group_indices == {1}
-
-    _killed(actors[0])  # and replica 0 died since that poll
-    status, support._group = _group_with(
-        {0: WorkerStatus(running=True), 1: WorkerStatus(running=False, error=failed), 2: WorkerStatus(running=True)},
-        workers,
-    )
-    support.before_controller_execute_resize_decision(SimpleNamespace(num_workers=3))
-    assert status.failing_replica_group_indices == status.all_replica_group_indices == {0, 1, 2}

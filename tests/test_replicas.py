@@ -105,13 +105,11 @@ def _records(root: Path) -> dict[tuple[int, int], list[dict]]:
 
 @all_killed_run
 def test_killing_every_replica_resumes_from_the_durable_checkpoint(all_killed):
-    """Replica 1 dies, and replica 0 dies as Ray shuts replica 1 down to replace it: after
-    every check ray_goodput can make before Ray's replacement. Ray 2.60 then calls the dead
-    survivor and ends the run with a ControllerError (seen once in three suite runs when
-    both died a moment apart); ray_goodput's fit runs it again: replica 0's next process
-    resumes from a durable checkpoint, not from scratch, and the replicas end equal. (A
-    survivor found dead before the replacement makes Ray restart the whole group instead:
-    tests/test_replica_config.py.)"""
+    """Replica 1 dies, and replica 0 dies as Ray shuts replica 1 down to replace it. Ray 2.60
+    then calls the dead survivor and ends the run with a ControllerError (seen once in
+    three suite runs when both died a moment apart); ray_goodput's fit runs it again:
+    replica 0's next process resumes from a durable checkpoint, not from scratch, and the
+    replicas end equal."""
     root, res = all_killed
     assert res["fit_reruns"] == 1, res
     zero = sorted((recs for (slot, _), recs in _records(root).items() if slot == 0 and recs), key=lambda r: r[0]["t"])

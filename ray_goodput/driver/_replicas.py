@@ -19,7 +19,6 @@ from typing import Any
 import ray
 import ray.train
 from ray.train.v2._internal.execution.callback import ControllerCallback, ReplicaGroupCallback, WorkerGroupCallback
-from ray.train.v2._internal.execution.worker_group.poll import WorkerStatus
 from ray.train.v2.torch.torchft_config import (
     LighthouseServerActor,
     TorchftConfig,
@@ -33,9 +32,6 @@ from ray_goodput.replica._config import require_torchft
 from ray_goodput.runtime._join import WorkerJoin, set_join
 
 logger = logging.getLogger(__name__)
-
-#: How long the look at the workers before a replacement waits for their answers.
-SURVIVOR_CHECK_S = 5.0
 
 #: The lighthouse ReplicaSupport started in this (the controller's) process, until the
 #: backend takes it. One run per controller process.
@@ -87,7 +83,8 @@ class ReplicaSupport(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallba
 
     A worker-group callback (Ray passes only those to the worker group) that is also a
     replica-group callback (the hooks Ray 2.60 calls on a replacement) and a controller
-    callback (the lighthouse; the look at the survivors before a replacement)."""
+    callback (the lighthouse). A replica that dies while Ray replaces another ends Ray's
+    controller; ``ray_goodput.TorchTrainer.fit`` runs the job again (``replacement_raced``)."""
 
     def __init__(self, settings: ReplicaGroups, lighthouse_kwargs: dict[str, Any] | None = None) -> None:
         self.settings = settings
@@ -99,7 +96,6 @@ class ReplicaSupport(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallba
         # finishes first, they are told to end (else each waits out ReplicaGroups.timeout_s).
         self._healing: list[tuple[set[int], Any]] = []
         self._told: list[Any] = []  # refs of those messages, dropped once delivered
-        self._group: Any = None  # the running worker group (for the look before a replacement)
 
     def _join(self, kind: str) -> WorkerJoin:
         return WorkerJoin(kind, dataclasses.asdict(self.settings))
@@ -108,45 +104,7 @@ class ReplicaSupport(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallba
         if self.lighthouse_kwargs is not None:
             start_lighthouse(self.lighthouse_kwargs)
 
-    def before_controller_execute_resize_decision(self, decision: Any) -> None:
-        """Before Ray replaces failed replica groups: when that replacement would fail, make
-        Ray restart the whole group instead (it resumes from the durable checkpoint).
-
-        Ray 2.60 replaces failed groups one at a time, and each replacement first calls
-        every other group not yet shut down (``clear_result_queue``, waited for without a
-        bound), failed ones included. A dead process there raises, and the controller ends
-        the run with a ``ControllerError`` its failure policy does not retry. So the
-        replacement succeeds only when at most one group has a dead process: a survivor
-        that died since the poll that saw the failure, or two groups dead at once, make
-        every worker marked failed in the poll status Ray decides on."""
-        group = self._group
-        status = group.get_latest_poll_status() if group is not None and group.has_started() else None
-        if status is None:
-            return
-        failing = status.failing_replica_group_indices
-        if not failing or failing == status.all_replica_group_indices:
-            return  # nothing to replace, or Ray restarts the whole group anyway
-        workers = group.get_workers()
-        if decision.num_workers != len(workers):
-            return  # a resize: Ray restarts the whole group anyway
-        dead = _dead_workers(workers)
-        groups = status.worker_rank_to_replica_group_rank or {}
-        dead_groups = {groups.get(i, i) for i in dead}
-        if len(dead_groups) <= 1 and not dead_groups - failing:
-            return
-        logger.warning(
-            "rank(s) %s are dead, in %d replica groups, as Ray is about to replace %s: the whole "
-            "group restarts instead (from the durable checkpoint)",
-            sorted(workers[i].distributed_context.world_rank for i in dead),
-            len(dead_groups),
-            sorted(failing),
-        )
-        for index, current in list(status.worker_statuses.items()):
-            if current.error is None:
-                status.worker_statuses[index] = WorkerStatus(running=False, error=WholeGroupRestartError(sorted(dead)))
-
     def after_worker_group_start(self, worker_group: Any) -> None:
-        self._group = worker_group
         self._ranks = {w.distributed_context.world_rank for w in worker_group.get_workers()}
         self._finished = set()
         self._healing = []
@@ -187,33 +145,6 @@ class ReplicaSupport(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallba
             sorted(ranks),
             "its peers had finished: it ends at once" if done else "the others kept running",
         )
-
-
-class WholeGroupRestartError(RuntimeError):
-    """Set as the poll error of the replicas still alive when a replacement would fail:
-    Ray then restarts the whole group instead."""
-
-    def __init__(self, dead: list[int]) -> None:
-        super().__init__(f"worker(s) {dead} are dead: the whole group restarts instead of replacing replicas")
-        self.dead = dead
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (WholeGroupRestartError, (self.dead,))
-
-
-def _dead_workers(workers: list[Any]) -> set[int]:
-    """Indices of the workers whose process is dead: one ``__ray_ready__`` call each, all
-    at once, waited for at most ``SURVIVOR_CHECK_S`` together (one that has not answered by
-    then counts as alive: Ray's own call will tell)."""
-    refs = {w.actor.__ray_ready__.remote(): i for i, w in enumerate(workers)}
-    done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=SURVIVOR_CHECK_S)
-    dead = set()
-    for ref in done:
-        try:
-            ray.get(ref, timeout=0)
-        except ray.exceptions.RayActorError:
-            dead.add(refs[ref])
-    return dead
 
 
 def replica_kwargs(settings: ReplicaGroups, run_config: Any, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:

@@ -136,7 +136,7 @@ class TorchTrainer(ray.train.torch.TorchTrainer):
 def replacement_raced(exc: ControllerError) -> bool:
     """Whether Ray's controller ended the run on a worker that died under one of its own
     calls (a ``RayActorError`` as the controller's failure): in replica mode, a replica that
-    died after ``ReplicaSupport`` looked at every worker and before Ray, replacing another,
+    died after the poll that saw another one fail, and before Ray, replacing that one,
     called it (Ray 2.60 waits on every other replica there, the dead included, and does
     not retry the error). Nothing durable is lost: the next run resumes from the newest
     committed checkpoint."""
