@@ -264,12 +264,13 @@ class Checkpointer:
 
         Writing DCP files, uploading and committing go on in the node's uploader, which
         outlives this worker. A save still waiting when a newer one comes is superseded
-        (dropped, logged, counted in ``stats.superseded``). A committed save is reported
-        to Ray Train (with ``metrics``) at ``wait``/``close`` or every ``sync_every``-th
-        save (no collective runs on the other saves). A failed one is logged and counted
-        (the previous checkpoint stays the recovery point); training goes on. At those
-        syncs every rank raises FencedError (a newer run took the storage path) or
-        RecoveryPointTooOldError (the recovery point outgrew its bound) alike.
+        (dropped, logged, counted in ``stats.superseded``). At ``wait``/``close`` and every
+        ``sync_every``-th save (no collective runs on the other saves) the newest save
+        committed since the last of them is reported to Ray Train, with its ``metrics``. A
+        failed save is logged and counted (the previous checkpoint stays the recovery
+        point); training goes on. At those syncs every rank raises FencedError (a newer
+        run took the storage path) or RecoveryPointTooOldError (the recovery point
+        outgrew its bound) alike.
         Collective: every rank saves the same steps.
         """
         self._check_open()

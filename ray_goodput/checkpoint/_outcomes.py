@@ -188,7 +188,7 @@ class Outcomes:
 
     def resolve(self, *, block: bool, timeout_s: float) -> None:
         """Collective: agree with every rank on the outcome of each pending save; report the
-        committed ones to Ray Train in order, count superseded ones, record failures. Raises
+        newest committed one to Ray Train, count superseded ones, record failures. Raises
         on every rank alike: FencedError when a newer run took the storage path,
         RecoveryPointTooOldError when the recovery point outgrew its bound."""
         deadline = time.monotonic() + timeout_s
@@ -269,17 +269,20 @@ class Outcomes:
             self._metrics.failed()
 
     def _report(self, committed: list[tuple[int, dict[str, Any]]]) -> None:
-        for step, metrics in committed:
-            if self._reported is not None and step <= self._reported:
-                continue  # Ray Train's newest must stay the newest
-            self._reported = step
+        """Report the newest of ``committed`` to Ray Train, with its metrics: one report per
+        agreement, not one per commit. Ray's controller takes one report per poll
+        (``RAY_TRAIN_HEALTH_CHECK_INTERVAL_S``, 2 s by default) and a worker holds at most
+        one unread, so each extra report held the training loop until the next poll."""
+        if not committed:
+            return
+        newest, metrics = max(committed, key=lambda c: c[0])
+        if self._reported is None or newest > self._reported:  # Ray Train's newest stays the newest
+            self._reported = newest
             if self._ctx.in_ray_train:
                 self.reports += 1
-                report_checkpoint(self._ctx, _catalog.step_location(self._root, step), {**metrics, "step": step})
-        if committed:
-            newest = max(step for step, _ in committed)
-            self._recorder.recovery_point(newest, self._recovery_at)
-            self._dropper.drop_older(newest, keep=self.pending)
+                report_checkpoint(self._ctx, _catalog.step_location(self._root, newest), {**metrics, "step": newest})
+        self._recorder.recovery_point(newest, self._recovery_at)
+        self._dropper.drop_older(newest, keep=self.pending)
 
     def raise_if_newest_failed(self) -> None:
         """After every save is settled: CheckpointError when the newest one failed (nothing
