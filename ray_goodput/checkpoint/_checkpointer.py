@@ -156,7 +156,6 @@ class Checkpointer:
         self.verify_checksums = verify_checksums
         self.upload_concurrency = upload_concurrency
         self._uploader_choice = uploader
-        self.sync_every = sync_every
         self.wait_timeout_s = wait_timeout_s
         self._schedule = schedule
         self._tick: float | None = None
@@ -228,6 +227,11 @@ class Checkpointer:
         restore or save; before either, since this Checkpointer was made): the work a
         failure now would lose. This rank's clock, now."""
         return self._outcomes.age_s()
+
+    @property
+    def sync_every(self) -> int:
+        """Saves between outcome agreements (the constructor's ``sync_every``)."""
+        return self._schedule.sync_every
 
     @property
     def rank(self) -> int:

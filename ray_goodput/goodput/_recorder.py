@@ -32,7 +32,7 @@ class StepRecorder:
         self._fetch = 0.0
         self._ckpt = 0.0
         self.explicit = False
-        self._ended = False  # after the end, every event is pushed at once (see _emit_late)
+        self._ended = False  # after the end, every event is pushed at once (see _flush_if_ended)
 
     def add_fetch(self, seconds: float) -> None:
         """Time the loop waited for a batch (data stall), counted in the current step."""

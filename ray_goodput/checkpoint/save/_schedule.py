@@ -30,7 +30,7 @@ class SaveSchedule:
         self, every: int | Literal["auto"] | None, *, world_size: int, mtbf_hours: float | None, sync_every: int = 8
     ) -> None:
         self.every = every
-        self._sync_every = sync_every
+        self.sync_every = sync_every
         self._auto: AutoInterval | None = None
         if every == "auto":
             self._auto = AutoInterval(world_size=world_size, mtbf_hours=mtbf_hours)
@@ -54,7 +54,7 @@ class SaveSchedule:
         of saves only, so every rank syncs at the same save."""
         if self._auto:
             self._auto.observe_save(blocking_s)
-        return saves_done % self._sync_every == 0 or (self._auto is not None and 0 < saves_done <= WARMUP_SYNCS)
+        return saves_done % self.sync_every == 0 or (self._auto is not None and 0 < saves_done <= WARMUP_SYNCS)
 
     def observe_durable(self, seconds: float) -> None:
         """A save of this rank committed ``seconds`` after it started."""
