@@ -556,3 +556,24 @@ def test_replica_mode_does_not_start_node_checks_at_a_replicas_failure(tmp_path)
     trainer.recovery._scaling = ScalingConfig(num_workers=2)
     trainer.recovery.after_worker_group_poll_status(SimpleNamespace(errors={0: RuntimeError("replica died")}))
     assert trainer.recovery._early_checks is None  # no task started on any node
+
+
+def test_the_record_counts_each_failure_against_the_ray_budget_it_uses(tmp_path):
+    """One poll with errors is one of Ray's failure decisions: charged to max_failures, or to
+    max_preemption_failures when a worker was preempted; a re-run of fit() goes on from it."""
+    from types import SimpleNamespace
+
+    from ray.core.generated.common_pb2 import ActorDiedErrorContext, NodeDeathInfo
+    from ray.exceptions import ActorDiedError
+
+    rec = Recovery(health_check=None, storage_path=str(tmp_path))
+    rec.after_controller_start(SimpleNamespace(run_config=None))
+    rec.on_controller_start_worker_group(scaling_config=ScalingConfig(num_workers=2), num_workers=2)
+    rec.after_worker_group_poll_status(SimpleNamespace(errors={}))
+    rec.after_worker_group_poll_status(SimpleNamespace(errors={0: RuntimeError("a bug"), 1: RuntimeError("gone")}))
+    drained = NodeDeathInfo(reason=NodeDeathInfo.AUTOSCALER_DRAIN_PREEMPTED)  # as Ray builds it
+    preempted = ActorDiedError(ActorDiedErrorContext(actor_id=b"\0" * 16, node_death_info=drained))
+    assert preempted.preempted
+    rec.after_worker_group_poll_status(SimpleNamespace(errors={1: preempted, 0: RuntimeError("collateral")}))
+    rec.after_controller_finish(None)
+    assert load_state(str(tmp_path))["failures_charged"] == {"max_failures": 1, "max_preemption_failures": 1}

@@ -13,7 +13,7 @@ from ray.train.v2.torch.torchft_config import TorchftConfig
 
 from ray_goodput.driver import _replicas
 from ray_goodput.driver._replicas import EarlyLighthouseConfig, ReplicaSupport, replica_kwargs
-from ray_goodput.driver._trainer import replacement_raced
+from ray_goodput.driver._trainer import replacement_raced, rerun_failure_config
 from ray_goodput.errors import ConfigError
 from ray_goodput.replica import ReplicaGroups
 from ray_goodput.runtime import WorkerContext, world_of_one
@@ -253,3 +253,17 @@ def test_only_a_controller_that_ended_on_a_dead_worker_is_run_again():
     assert replacement_raced(ControllerError(ray.exceptions.ActorDiedError()))
     assert not replacement_raced(ControllerError(ValueError("a bug in a callback")))
     assert not replacement_raced(ControllerError(TimeoutError("placement group not ready")))
+
+
+def test_a_rerun_of_fit_gets_rays_failure_budgets_less_what_the_runs_before_used():
+    """Each re-run used to start FailureConfig.max_failures afresh: a run allowed 2 failures
+    could fail 2 more times after every re-run."""
+    config = ray.train.FailureConfig(max_failures=4, max_preemption_failures=3)
+    left = rerun_failure_config(config, {"max_failures": 2, "max_preemption_failures": 1})
+    assert (left.max_failures, left.max_preemption_failures) == (2, 2)
+    assert left.controller_failure_limit == config.controller_failure_limit  # the rest as given
+    assert rerun_failure_config(config, {"max_failures": 4}).max_failures == 0  # no retry left, still a run
+    assert rerun_failure_config(config, {"max_failures": 5}) is None  # Ray would have raised at the 5th
+    assert rerun_failure_config(config, {"max_preemption_failures": 4}) is None
+    unlimited = ray.train.FailureConfig(max_failures=-1)
+    assert rerun_failure_config(unlimited, {"max_failures": 100}).max_failures == -1

@@ -31,8 +31,9 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_ddp_replicas
 BATCH = 32
 SAMPLES = 4096  # the example's dataset
 STEPS = 150  # --smoke
-ALL_KILLED_STEPS = 60  # the whole-group restart's run: the resume from storage is what it checks
+ALL_KILLED_STEPS = 60  # the whole-group restarts' run: the resumes from storage are what it checks
 KILL_AT = 20  # --kill-at's default
+KILL_ALL_AT = 40
 TIMEOUT_S = 300
 
 
@@ -50,18 +51,22 @@ def _start(directory: Path, *extra: str, env: dict[str, str] | None = None) -> s
 
 
 def _start_one_killed(directory: Path) -> subprocess.Popen:
-    return _start(directory)
+    """Its Ray's workers run at niceness 0 (Ray's default is 15): the survivor's step gap is
+    timed against a bound, and at 15 every busy process of the suite beside it (at 0) takes
+    nearly all of a core from it. Once, in CI, the gap came to 2.16 s against 2.0 s."""
+    return _start(directory, env={"RAY_worker_niceness": "0"})
 
 
 def _start_all_killed(directory: Path) -> subprocess.Popen:
     """Replica 1 is SIGKILLed at KILL_AT; as Ray shuts it down to replace it, a callback
-    (``tests/_kill_survivor.py``) SIGKILLs replica 0 too."""
+    (``tests/_kill_survivor.py``) SIGKILLs replica 0 too. At KILL_ALL_AT both replicas are
+    SIGKILLed at once (``--kill-all-at``)."""
     repo = str(Path(__file__).resolve().parents[1])
     env = {
         "RAY_TRAIN_CALLBACKS": "tests._kill_survivor.KillSurvivorsAtReplacement",
         "PYTHONPATH": os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH")) if p),
     }
-    return _start(directory, "--steps", str(ALL_KILLED_STEPS), env=env)
+    return _start(directory, "--steps", str(ALL_KILLED_STEPS), "--kill-all-at", str(KILL_ALL_AT), env=env)
 
 
 def _result(start) -> tuple[Path, dict]:
@@ -104,25 +109,32 @@ def _records(root: Path) -> dict[tuple[int, int], list[dict]]:
 
 
 @all_killed_run
-def test_killing_every_replica_resumes_from_the_durable_checkpoint(all_killed):
-    """Replica 1 dies, and replica 0 dies as Ray shuts replica 1 down to replace it. Ray 2.60
-    then calls the dead survivor and ends the run with a ControllerError (seen once in
-    three suite runs when both died a moment apart); ray_goodput's fit runs it again:
-    replica 0's next process resumes from a durable checkpoint, not from scratch, and the
-    replicas end equal."""
+def test_killing_every_replica_resumes_from_the_durable_checkpoint_the_driver_chose(all_killed):
+    """Two ways every replica dies, one after the other in one run, each followed by a resume
+    from a durable checkpoint (not from scratch) at the step the driver's Recovery chose:
+
+    - replica 1 dies, and replica 0 dies as Ray shuts replica 1 down to replace it. Ray 2.60
+      then calls the dead survivor and ends the run with a ControllerError;
+      ray_goodput's fit runs it again, with Ray's failure budget less what was used;
+    - both replicas are SIGKILLed at once (``--kill-all-at``): Ray restarts the whole group
+      (or, when a poll lands between the two deaths, the first case again)."""
     root, res = all_killed
-    assert res["fit_reruns"] == 1, res
+    assert res["fit_reruns"] in (1, 2), res
     zero = sorted((recs for (slot, _), recs in _records(root).items() if slot == 0 and recs), key=lambda r: r[0]["t"])
-    assert len(zero) == 2, [r[0] for r in zero]  # replica 0 ran in two processes
-    resumed_at = zero[1][0]["step"] - 1  # the step its first committed step followed
-    assert resumed_at in res["checkpoints"] or resumed_at % 10 == 0, (resumed_at, res)
-    assert 0 < resumed_at < KILL_AT, resumed_at  # a durable save before the kill, not step 0
+    assert len(zero) == 3, [r[0] for r in zero]  # replica 0 ran in three processes
+    resumed_at = [recs[0]["step"] - 1 for recs in zero[1:]]  # the step each one's first step followed
+    assert 0 < resumed_at[0] < KILL_AT < resumed_at[1] < KILL_ALL_AT, resumed_at  # durable saves, not step 0
+    assert all(s in res["checkpoints"] or s % 10 == 0 for s in resumed_at), (resumed_at, res)
+    assert res["resume_steps"] == resumed_at, res  # the driver's choice, found in the run directory
     assert res["weights_equal"] and res["final_steps"] == [ALL_KILLED_STEPS, ALL_KILLED_STEPS], res
     # The re-run went on from the first run's recovery record, as a restart within one run
-    # does: its attempts, and the node failure counted when replica 1 died.
+    # does: its attempts, the node failures counted, and Ray's failure budget used: one
+    # per failure Ray saw (replica 1, the whole group or the first of the two) and one per
+    # run its controller ended (a dead worker it did not count).
     record = json.loads((root / "runs" / "replicas" / "recovery" / "state.json").read_text())
-    assert [a["attempt"] for a in record["attempts"]] == [1, 2], record
-    assert sum(record["node_failures"].values()) == 1, record
+    assert [a["attempt"] for a in record["attempts"]] == [1, 2, 3], record
+    assert sum(record["node_failures"].values()) == 2, record
+    assert record["failures_charged"] == {"max_failures": 2 + res["fit_reruns"], "max_preemption_failures": 0}, record
 
 
 @one_killed_run
@@ -176,7 +188,9 @@ def test_replica_zero_commits_durable_checkpoints_without_ray_train_report(one_k
     assert res["ray_train_checkpoint"] is False  # nothing went through ray.train.report's barrier
     model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
     optim = torch.optim.AdamW(model.parameters())
-    with Checkpointer(str(root / "ckpt"), uploader="thread", staging_dir=str(root / "restore-staging")) as ckpt:
+    with Checkpointer(
+        str(root / "runs" / "replicas"), uploader="thread", staging_dir=str(root / "restore-staging")
+    ) as ckpt:
         assert ckpt.restore({"model": model, "optim": optim}) == STEPS
     finals = {json.loads(p.read_text())["digest"] for p in (root / "out").glob("final-*")}
     assert len(finals) == 1 and _digest(model) in finals  # the checkpoint holds the final weights

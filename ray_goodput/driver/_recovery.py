@@ -48,6 +48,9 @@ logger = logging.getLogger(__name__)
 TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S = "TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S"
 #: Ray's built-in node label; a value ``"!in(a,b)"`` keeps bundles off nodes a and b.
 NODE_ID_LABEL = "ray.io/node-id"
+#: The ``FailureConfig`` fields whose budgets ``Recovery.failures_charged`` counts.
+MAX_FAILURES = "max_failures"
+MAX_PREEMPTION_FAILURES = "max_preemption_failures"
 
 
 def unwrap(exc: BaseException) -> list[BaseException]:
@@ -147,6 +150,9 @@ class Recovery(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):
         self.attempt = 0
         self.attempts: list[dict[str, Any]] = []
         self.stopped: dict[str, str] | None = None
+        # Ray's failure budgets (FailureConfig field -> failures charged to it so far), so
+        # that a second fit() of the run (replica mode's re-run) goes on from them.
+        self.failures_charged: dict[str, int] = {MAX_FAILURES: 0, MAX_PREEMPTION_FAILURES: 0}
         self._root: StorageLocation | None = None
         self._rank_nodes: dict[int, str] = {}
         self._counted: set[str] = set()
@@ -246,6 +252,11 @@ class Recovery(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):
             return
         self._start_checks_early()
         self._start_resume_choice_early()
+        # One poll with errors is one failure decision of Ray's policy, charged to the
+        # preemption budget when any of its errors is a preemption (as Ray charges it).
+        budget = MAX_PREEMPTION_FAILURES if any(_preempted(e) for e in errors.values()) else MAX_FAILURES
+        self.failures_charged[budget] = self.failures_charged.get(budget, 0) + 1
+        self._save()
         for rank, exc in sorted(errors.items()):
             self._count_failure(rank, exc)
             hit = futile(exc)
@@ -369,6 +380,7 @@ class Recovery(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):
             "node_failures": dict(self.ledger.failures),
             "isolated_nodes": list(self.ledger.isolated),
             "stopped": self.stopped,
+            "failures_charged": dict(self.failures_charged),
         }
 
     def _save(self, wait: bool = False) -> None:

@@ -23,7 +23,7 @@ from ray.train.v2.api.exceptions import ControllerError
 from ray_goodput.driver._callback import GoodputCallback, GoodputControllerHooks
 from ray_goodput.driver._node_services import NodeServices
 from ray_goodput.driver._record import load_state
-from ray_goodput.driver._recovery import Recovery
+from ray_goodput.driver._recovery import MAX_FAILURES, MAX_PREEMPTION_FAILURES, Recovery
 from ray_goodput.driver._replicas import EarlyLighthouseConfig, ReplicaSupport, replica_kwargs
 from ray_goodput.errors import ConfigError
 from ray_goodput.replica import ReplicaGroups
@@ -88,8 +88,14 @@ class TorchTrainer(ray.train.torch.TorchTrainer):
         was replacing another replica (see :func:`replacement_raced`) is run again, at most
         ``ReplicaGroups.max_failures`` times: it resumes from the durable checkpoint, as a
         whole-group restart would have, and ``Recovery`` goes on from the run's record (its
-        attempts, node failures and isolated nodes). ``self.fit_reruns`` counts the re-runs."""
+        attempts, node failures and isolated nodes). Ray's failure budgets go on too: a
+        re-run gets ``FailureConfig.max_failures`` (and ``max_preemption_failures``) less
+        the failures the runs before it used, the dead worker that ended the last one
+        included, and is not made when none is left. ``self.fit_reruns`` counts the re-runs."""
         self.fit_reruns = 0
+        given = self.run_config
+        limits = given.failure_config or ray.train.FailureConfig()
+        charged = {MAX_FAILURES: 0}  # without a Recovery: the failures that ended runs
         try:
             while True:
                 try:
@@ -98,18 +104,38 @@ class TorchTrainer(ray.train.torch.TorchTrainer):
                     budget = self._fault_tolerance.max_failures if self._fault_tolerance is not None else 0
                     if self.fit_reruns >= budget or not replacement_raced(exc):
                         raise
-                    self.fit_reruns += 1
                     # The next controller gets this record through the Recovery it is sent,
-                    # so its attempts, node failures and isolated nodes go on from here.
+                    # so its attempts, node failures, isolated nodes and charged failures go
+                    # on from here.
                     self._refresh_recovery()
+                    if self.recovery is not None:
+                        charged = self.recovery.failures_charged
+                    charged[MAX_FAILURES] = charged.get(MAX_FAILURES, 0) + 1  # the worker that ended it
+                    failure_config = rerun_failure_config(limits, charged)
+                    if failure_config is None:
+                        logger.error(
+                            "Ray's controller ended the run when a worker died while it replaced a "
+                            "failed replica; not running fit() again: the run has spent its failure "
+                            "budget (FailureConfig max_failures=%d, max_preemption_failures=%d; "
+                            "charged: %s).",
+                            limits.max_failures,
+                            limits.max_preemption_failures,
+                            charged,
+                        )
+                        raise
+                    self.fit_reruns += 1
+                    self.run_config = dataclasses.replace(given, failure_config=failure_config)
                     logger.warning(
                         "Ray's controller ended the run: a worker died while it replaced a failed "
-                        "replica (%s). Running fit() again from the durable checkpoint (%d of at most %d).",
+                        "replica (%s). Running fit() again from the durable checkpoint (%d of at most "
+                        "%d), with max_failures=%d left.",
                         exc.controller_failure,
                         self.fit_reruns,
                         budget,
+                        failure_config.max_failures,
                     )
         finally:
+            self.run_config = given
             self._refresh_recovery()
 
     def _refresh_recovery(self) -> None:
@@ -131,6 +157,22 @@ class TorchTrainer(ray.train.torch.TorchTrainer):
             self.recovery.ledger.failures = dict(state["node_failures"])
             self.recovery.ledger.isolated = list(state["isolated_nodes"])
             self.recovery.stopped = state["stopped"]
+            self.recovery.failures_charged = dict(state.get("failures_charged", self.recovery.failures_charged))
+
+
+def rerun_failure_config(config: ray.train.FailureConfig, charged: dict[str, int]) -> ray.train.FailureConfig | None:
+    """``config`` for a re-run of ``fit``: each of Ray's failure budgets (``max_failures``,
+    ``max_preemption_failures``; -1 is unlimited) less the failures ``charged`` to it by the
+    runs before, or None when one of them is overspent (Ray would have raised there)."""
+    left = {}
+    for field in (MAX_FAILURES, MAX_PREEMPTION_FAILURES):
+        limit = getattr(config, field)
+        if limit == -1:
+            continue
+        left[field] = limit - charged.get(field, 0)
+        if left[field] < 0:
+            return None
+    return dataclasses.replace(config, **left)
 
 
 def replacement_raced(exc: ControllerError) -> bool:
