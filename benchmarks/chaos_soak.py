@@ -25,8 +25,9 @@ or 1->2 on resume); ``fast_saves`` (a save every step, never waiting). Four kind
 production path, the node's ``CheckpointUploader`` actor over its socket channel at world
 >= 2 (the others run ``uploader="thread"``): ``uploader_kill_ray``; ``worker_kill_actor`` (a
 timer kills a rank 0-0.1 s after a save, while the actor uploads its shard to S3 at 50 ms a
-request); ``storage_outage`` (after a drawn step rank 0 has the soak take S3 down, every
-connection reset, for ``--outage-s`` 1-20 s; the saves after it meet the outage); and
+request); ``storage_outage`` (after a drawn step, once connected to its uploader, rank 0
+has the soak take S3 down, every connection reset, for ``--outage-s`` 1-20 s; the saves
+after it meet the outage); and
 ``staging_full`` (the staging dir is a tmpfs filled to its last byte, so each shard goes to
 storage from memory; mounting it needs root). Every trial also draws
 ``keep_last`` in {1, 2, 3}, a world-size schedule, a save cadence (every 2 steps; every 2
@@ -330,15 +331,20 @@ def _fault(spec: RunSpec, rank: int, step: int, phase: str, ckpt: Any) -> None:
     elif kind == "ray_kill" and phase == "after_save" and rank == 0:
         _kill_uploaders(spec, rank, f["delay"])
     elif kind == "outage" and phase == "after_step" and mine:
-        _start_outage(spec, rank, f["seconds"])
+        _start_outage(spec, rank, f["seconds"], ckpt)
 
 
 OUTAGE_ACK_S = 30.0
 
 
-def _start_outage(spec: RunSpec, rank: int, seconds: float) -> None:
+def _start_outage(spec: RunSpec, rank: int, seconds: float, ckpt: Any) -> None:
     """Ask the soak (which owns the S3 proxy) to take storage down for ``seconds``, and go
-    on once it is down: the saves that follow are made during the outage."""
+    on once it is down: the saves that follow are made during the outage. First the rank's
+    connection to its node uploader: saves made before it are held until the uploader
+    answers, and on a short trial all of them could reach storage after the outage."""
+    connected = getattr(ckpt._uploader, "_attached", None)  # the actor backend's wait (bounded)
+    if connected is not None:
+        connected()
     _mark(spec, rank, "outage", str(seconds))
     ack = _runs_dir(spec) / f"a{spec.attempt}.outage_on"
     deadline = time.monotonic() + OUTAGE_ACK_S

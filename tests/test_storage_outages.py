@@ -164,6 +164,7 @@ def _outage_loop(config: dict) -> None:
             with torch.no_grad():
                 model.weight.add_(0.01)
             if step == SIGNAL_AT:
+                ckpt.wait()  # a durable checkpoint first, whose age the outage then grows
                 Path(config["signal"]).write_text("down")
             if step % 2 == 0:
                 ckpt.save(step, {"model": model})

@@ -233,6 +233,42 @@ def test_a_stopped_uploader_costs_nothing_to_a_save_that_supersedes_the_waiting_
         assert not [p for a in arenas for p in a.path.parent.glob(f"{a.path.name}.*.claim")]
 
 
+def test_the_first_save_does_not_wait_for_an_uploader_that_has_not_answered_yet(ray_local, tmp_path):
+    # The first save joined the connection begun at construction: with the node's uploader
+    # still starting (11.5 s on a loaded node, seen in the replica example), save() waited
+    # for it. Here the uploader process is stopped (SIGSTOP) before the Checkpointer is
+    # built, so it never answers the registration: the saves still return (the third
+    # supersedes a held one: two arenas), and once it runs again it takes them in order and
+    # the newest commits.
+    import signal
+
+    from ray_goodput.checkpoint.uploader._actor import KIND, _actor_class
+    from ray_goodput.runtime import _services
+
+    node = _services.current_node_id()
+    uploader = _services.get_or_create(_actor_class(), KIND, node, node_id=node, max_concurrency=64)
+    pid = ray.get(uploader.__ray_call__.remote(lambda self: os.getpid()), timeout=60)
+    state = {"model": torch.nn.Linear(256, 256)}
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        ckpt = Checkpointer(str(tmp_path / "r"), staging_dir=str(tmp_path / "s"), uploader="actor")
+        saver = threading.Thread(target=lambda: [ckpt.save(s, state) for s in (1, 2, 3)], daemon=True)
+        saver.start()
+        saver.join(60)  # it waited up to 250 s for the connection
+        assert not saver.is_alive(), "save() waited for the uploader's answer"
+        assert ckpt._uploader._channel is None  # indeed not connected while it saved
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    with ckpt:
+        ckpt.wait()
+        assert ckpt.stats.committed[-1] == 3 and ckpt.stats.failed_saves == 0, ckpt.stats
+        assert ckpt.stats.superseded and sorted(ckpt.stats.committed + ckpt.stats.superseded) == [1, 2, 3]
+        fresh = {"model": torch.nn.Linear(256, 256)}
+        assert ckpt.restore(fresh) == 3
+    assert torch.equal(fresh["model"].weight, state["model"].weight)
+    _services.shutdown(KIND, drain_timeout_s=10)
+
+
 def test_a_job_whose_worker_claimed_it_reads_nothing_and_ends_superseded(tmp_path):
     # The worker's claim is the decision: the arena already holds a newer snapshot, so the
     # uploader's lane must end the job unread, not upload the newer bytes under its step.

@@ -55,6 +55,10 @@ class Worker:
         self.ckpt.wait()
         return self.ckpt.stats.committed
 
+    def connect(self) -> None:
+        """Until connected to the uploader: a save made before hands its job over later."""
+        self.ckpt._uploader._attached()
+
     def released(self, step: int) -> bool:
         return self.ckpt._pending[step].handoff.released.done()  # its arena may be reused
 
@@ -275,6 +279,39 @@ def test_status_then_uploader_exits_when_its_clients_close(ray_cluster, tmp_path
     )
 
 
+def test_a_worker_killed_before_its_uploader_answered_still_commits_its_save(ray_cluster, s3_server):
+    # A save made before the worker's first connection to the uploader is made does not wait
+    # for it: its job is held in a file of the node until handed over. Here the uploader
+    # process is stopped (SIGSTOP) before the worker exists, so it cannot answer; the
+    # worker is SIGKILLed the moment save() returned; once the uploader runs again it takes
+    # the dead worker's job from the file and commits it.
+    import signal
+
+    from ray_goodput.checkpoint.uploader import _held
+    from ray_goodput.checkpoint.uploader._actor import _actor_class
+
+    uri = s3_server.bucket_uri("held")
+    node = _other_node(ray_cluster)
+    uploader = _services.get_or_create(_actor_class(), KIND, node, node_id=node, max_concurrency=64)
+    pid = ray.get(uploader.__ray_call__.remote(lambda self: os.getpid()), timeout=60)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        worker = _on(node).remote(uri, seed=3)
+        with pytest.raises(ray.exceptions.RayActorError):  # not GetTimeoutError: save() did not wait
+            ray.get(worker.save_and_die.remote(7), timeout=60)
+        assert [p.name for p in _held.held_dir(node).glob("*.job")], "the job was not held in a file"
+        assert not any(i.step == 7 for i in list_checkpoints(uri))
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    _wait_committed(uri, 7)
+    wait_for(lambda: not list(_held.held_dir(node).iterdir()), timeout_s=60, what="the held job's file removed")
+    reader = _on(node).remote(uri, seed=4)
+    step, tensors = ray.get(reader.restore.remote())
+    assert step == 7
+    assert all(torch.equal(a, b) for a, b in zip(tensors, _big_state(3)["model"].state_dict().values()))
+    ray.get(reader.close.remote())
+
+
 def test_the_uploaders_wait_for_a_result_ends_at_its_bound(ray_cluster, s3_server):
     """An actor thread that waits for a save's result gives up after its bound (the worker
     passes twice its ``wait_timeout_s``) instead of waiting on a stuck upload for ever;
@@ -285,6 +322,7 @@ def test_the_uploaders_wait_for_a_result_ends_at_its_bound(ray_cluster, s3_serve
     worker = _on(node).remote(uri, seed=6)
     proxy.stall(f"/{step_dir(1)}/", methods=("PUT", "POST"))
     try:
+        ray.get(worker.connect.remote(), timeout=300)  # so that save() hands the job over itself
         ray.get(worker.save.remote(1))
         key = ray.get(worker.key.remote(1))
         uploader = _services.find(KIND)[node]

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from ray_goodput._lazy import LazyModule
 from ray_goodput.checkpoint.save._save_state import SaveState
+from ray_goodput.checkpoint.uploader import _held
 from ray_goodput.checkpoint.uploader._channel import (
     ChannelServer,
     Peer,
@@ -110,6 +111,7 @@ class CheckpointUploader:
             "last_error": None,
         }
         self._channel = _listen(self)
+        self._take_orphans()  # saves of workers that died before this uploader was up
         threading.Thread(target=self._watch, name="rg-uploader-watch", daemon=True).start()
 
     # -- client side API --
@@ -121,6 +123,7 @@ class CheckpointUploader:
         when this uploader is exiting."""
         self._add_client(lambda: self._clients.add((pid, token)))
         self._warm(root)
+        self._take_orphans()
         return self._channel.path if self._channel is not None else None
 
     def _add_client(self, add: Any) -> None:
@@ -187,15 +190,22 @@ class CheckpointUploader:
         """Accept a job handed over by an actor call (see :meth:`_accept`)."""
         self._accept(job, root, None)
 
-    def _accept(self, job: ShardJob, root: bytes, peer: Peer | None) -> None:
+    def _accept(self, job: ShardJob, root: bytes, peer: Peer | None, held: Path | None = None) -> None:
         """Accept a job (returns at once, its arena mapped); from here on it no longer
         needs its worker. A waiting job of the same rank is superseded by it. ``peer``: the
         channel connection its events go to (None: the worker asks with actor calls).
+        ``held``: the file of a dead worker's held job this uploader took (``_held``),
+        removed when the job ends; a job its worker then sent anyway is not run twice.
 
         ``root`` is the job's StorageLocation, pickled: building an S3 client from its
         pickle is slow, so it is done once per storage root, not once per save.
         """
+        if held is None and not _held.take(self.node_id, job):
+            logger.info("uploader on node %s: %s was taken from its held file already", self.node_id, job.key)
+            return
         ticket = _rank_queue.Ticket(dataclasses.replace(job, root=self._resolve_root(root)))
+        if held is not None:
+            ticket.callbacks.append(lambda _t: _held.done(held))
         if peer is not None:  # first: the worker must hear whatever the bookkeeping does
             ticket.origin = peer.conn
             ticket.release_callbacks.append(lambda t: peer.send(("released", t.job.key)))
@@ -213,6 +223,23 @@ class CheckpointUploader:
         except BaseException as exc:  # the lane did not take it: end it here, or it stays "busy" for ever
             ticket.finish(None, exc)
             raise
+
+    def _take_orphans(self) -> None:
+        """Run the held jobs of workers that died before they handed them over (``_held``)."""
+        for path, job, root in _held.orphans(self.node_id):
+            logger.warning(
+                "uploader on node %s: taking step %d (rank %d) from worker %d, which died before "
+                "it could hand the job over",
+                self.node_id,
+                job.step,
+                job.rank,
+                job.owner_pid,
+            )
+            try:
+                self._accept(job, root, None, held=path)
+            except Exception:  # one lost save, not an uploader down
+                logger.warning("could not run the held job %s", job.key, exc_info=True)
+                _held.done(path)
 
     def wait_connection(self, conn: str, timeout_s: float | None) -> bool:
         """Wait until connection ``conn`` (one that broke or closed; "" for none) has had
@@ -337,6 +364,7 @@ class CheckpointUploader:
         """Exit once idle with no live client for a while (its run ended or died)."""
         while True:
             time.sleep(1.0)
+            self._take_orphans()
             if self.busy() or self._live_clients():
                 self._idle_since = time.monotonic()
                 continue

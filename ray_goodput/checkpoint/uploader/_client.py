@@ -2,8 +2,11 @@
 
 It finds or creates the node's uploader, registers with it and connects to its socket
 (``_channel``) in the background; ``submit`` hands a job over before it returns, so a save
-that returned survives its worker. When the connection breaks or the uploader exits, it
-asks the actor about the jobs in flight and hands new ones to a fresh uploader.
+that returned survives its worker. While that first connection is still being made, a save
+does not wait for it: the job is written to the node's held jobs (``_held``), which the
+uploader takes from if the worker dies first, and a thread hands it over, in order, once
+the uploader answers. When the connection breaks or the uploader exits, it asks the actor
+about the jobs in flight and hands new ones to a fresh uploader.
 """
 
 from __future__ import annotations
@@ -17,10 +20,12 @@ import threading
 import time
 import uuid
 from concurrent.futures import Future
+from pathlib import Path
 from typing import Any
 
 from ray_goodput._lazy import LazyModule
 from ray_goodput.checkpoint.save._handoff import Handoff
+from ray_goodput.checkpoint.uploader import _held
 from ray_goodput.checkpoint.uploader._actor import KIND, _actor_class
 from ray_goodput.checkpoint.uploader._channel import ChannelClient, UploaderExitingError, UploaderGoneError, settle
 from ray_goodput.checkpoint.uploader._shard_job import ShardJob
@@ -62,13 +67,17 @@ class ActorBackend:
     (``_channel``: one write, an order of magnitude cheaper than an actor call on a busy
     node), or by actor calls (the actor maps the arena before it answers) when the socket
     cannot be reached. The trainer creates the uploaders as the training function starts
-    (``driver._node_services``), so a first save a few steps in does not wait for the
-    actor to start; a save made before the actor is up waits for it (bounded), rather
-    than holding a job that would die with the worker.
+    (``driver._node_services``), so the connection is usually made before the first save.
+    A save made while it is still being made (the uploader starting on a loaded node) does
+    not wait for it: its job is written to a file of the node (``_held``) and handed over by
+    a thread (``_hand_over_held``) once the uploader answers, before any later job; the
+    snapshot stays in its arena until then, and an uploader takes the file's job itself
+    when the worker died first.
     """
 
     def __init__(self, *, durable_timeout_s: float, root: StorageLocation | None = None) -> None:
         self._actor = None
+        self._node_id = ""  # where its uploader runs, from start()
         self._endpoint = None  # ObjectRef of the socket's path; asking registers this worker
         self._channel: ChannelClient | None = None
         self._by_actor = False  # the socket could not be reached: jobs go by actor calls
@@ -79,12 +88,16 @@ class ActorBackend:
         # Sent at start: the actor builds the storage client before the first save.
         self._root_blob: bytes | None = pickle.dumps(root) if root is not None else None
         self._durable_timeout_s = durable_timeout_s  # bound of the actor-side wait (by actor calls)
+        # Jobs saved while the connection was being made, and the thread handing them over.
+        self._held: list[tuple[ShardJob, Handoff, Path | None]] = []  # with its file
+        self._holding: threading.Thread | None = None
+        self._held_lock = threading.Lock()
 
     def start(self) -> None:
         """Find or create this node's uploader, register with it and connect to it in the
         background (it starts, and resolves the storage location, while the worker builds
         its model and restores)."""
-        node_id = _services.current_node_id()
+        node_id = self._node_id = _services.current_node_id()
         self._attached()
         self._drop_channel()
         self._by_actor = False
@@ -107,16 +120,18 @@ class ActorBackend:
     def _attached(self, *, strict: bool = True, timeout_s: float = 2 * _HANDOFF_TIMEOUT_S + 10) -> None:
         """Wait for the connection started at start() (its calls are bounded; so is this).
         ``strict``: raise when it is still going (another attach must not race it)."""
-        if self._attaching is None:
+        attaching = self._attaching  # read once: the held jobs' thread may wait here too
+        if attaching is None:
             return
-        self._attaching.join(timeout_s)
-        if self._attaching.is_alive():
+        attaching.join(timeout_s)
+        if attaching.is_alive():
             if strict:
                 raise CheckpointError(
                     f"connecting to the node uploader took over {timeout_s:.0f}s; check it with 'ray-goodput status'"
                 )
             return
-        self._attaching = None
+        if self._attaching is attaching:
+            self._attaching = None
 
     def _get(self, fresh: bool = False) -> Any:
         """The uploader, attached to (a channel, or actor calls); a fresh one when asked."""
@@ -199,8 +214,45 @@ class ActorBackend:
         if self._root_blob is None:
             self._root_blob = pickle.dumps(job.root)
         handoff = Handoff(released=Future(), durable=Future(), key=job.key)
-        self._hand_over(dataclasses.replace(job, root=None), handoff)
+        light = dataclasses.replace(job, root=None)
+        with self._held_lock:
+            attaching = self._attaching
+            connecting = attaching is not None and attaching.is_alive()
+            if connecting or self._holding is not None:  # held jobs go first, in order
+                self._held.append((light, handoff, self._hold(light)))
+                if self._holding is None:
+                    self._holding = threading.Thread(target=self._hand_over_held, name="rg-uploader-held", daemon=True)
+                    self._holding.start()
+                return handoff
+        self._hand_over(light, handoff)
         return handoff
+
+    def _hand_over_held(self) -> None:
+        """Hand the jobs held while the connection was made over, oldest first, until none
+        is left; ``submit`` holds every job while this runs, so none overtakes another."""
+        while True:
+            with self._held_lock:
+                if not self._held:
+                    self._holding = None
+                    return
+                batch, self._held = self._held, []
+            for light, handoff, path in batch:
+                self._hand_over(light, handoff)  # each wait in it is bounded; failures settle the job
+                if path is not None:  # handed over, or failed for this worker: nobody else takes it
+                    _held.drop(path)
+
+    def _hold(self, light: ShardJob) -> Path | None:
+        """The job written where the node's uploader finds it if this worker dies first."""
+        try:
+            return _held.hold(self._node_id, light, self._root_blob)
+        except OSError as exc:
+            logger.warning(
+                "could not keep step %d's job where the node uploader finds it (%s): it is lost if "
+                "this worker dies before the uploader answers",
+                light.step,
+                exc,
+            )
+            return None
 
     def _hand_over(self, light: ShardJob, handoff: Handoff) -> None:
         """Hand ``light`` over, once more to a fresh uploader when this one is gone; each
@@ -238,6 +290,11 @@ class ActorBackend:
         the caller unlinks the arenas next); a registration is dropped."""
         if self._actor is None:
             return
+        holding = self._holding
+        if holding is not None:  # jobs held at the first connection: handed over first
+            holding.join(2 * _HANDOFF_TIMEOUT_S + 10)
+            if holding.is_alive():
+                logger.warning("jobs saved before the node uploader answered were not handed over; leaving it")
         self._closing = True
         self._attached(strict=False, timeout_s=_BYE_WAIT_S)
         connected = self._channel is not None
