@@ -6,6 +6,7 @@ runs it again from the durable checkpoint. A module of its own: the controller i
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -33,7 +34,10 @@ class KillSurvivorsAtReplacement(WorkerGroupCallback, ReplicaGroupCallback):
         failed = {w.metadata.pid for w in replica_group.get_workers()}
         pids = [w.metadata.pid for w in self._group.get_workers() if w.metadata.pid not in failed]
         for pid in pids:
-            os.kill(pid, signal.SIGKILL)
+            # Already dead when every replica was killed at once (--kill-all-at) and a poll
+            # saw one death before the other: Ray replaces one while the other is gone.
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         deadline = time.monotonic() + _GONE_WITHIN_S
         while any(_running(p) for p in pids):
             if time.monotonic() > deadline:
