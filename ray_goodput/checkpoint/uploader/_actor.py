@@ -111,7 +111,10 @@ class CheckpointUploader:
             "last_error": None,
         }
         self._channel = _listen(self)
-        self._take_orphans()  # saves of workers that died before this uploader was up
+        # Saves of workers that died before this uploader was up, taken at once (and at each
+        # registration): with the once-a-second look alone, a restarted run resumed without
+        # them (tests/test_restart_fidelity.py).
+        self._take_orphans()
         threading.Thread(target=self._watch, name="rg-uploader-watch", daemon=True).start()
 
     # -- client side API --
@@ -205,7 +208,7 @@ class CheckpointUploader:
             return
         ticket = _rank_queue.Ticket(dataclasses.replace(job, root=self._resolve_root(root)))
         if held is not None:
-            ticket.callbacks.append(lambda _t: _held.done(held))
+            ticket.callbacks.append(lambda _t: _held.remove(held))
         if peer is not None:  # first: the worker must hear whatever the bookkeeping does
             ticket.origin = peer.conn
             ticket.release_callbacks.append(lambda t: peer.send(("released", t.job.key)))
@@ -239,7 +242,7 @@ class CheckpointUploader:
                 self._accept(job, root, None, held=path)
             except Exception:  # one lost save, not an uploader down
                 logger.warning("could not run the held job %s", job.key, exc_info=True)
-                _held.done(path)
+                _held.remove(path)
 
     def wait_connection(self, conn: str, timeout_s: float | None) -> bool:
         """Wait until connection ``conn`` (one that broke or closed; "" for none) has had

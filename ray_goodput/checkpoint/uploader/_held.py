@@ -65,7 +65,7 @@ def take(node_id: str, job: ShardJob) -> bool:
 
 def orphans(node_id: str) -> list[tuple[Path, ShardJob, bytes | None]]:
     """The held jobs of workers no longer alive, each taken (renamed ``.taken``: no other
-    taker gets it), oldest save first; the caller hands each on and calls :func:`done`."""
+    taker gets it), oldest save first; the caller hands each on and calls :func:`remove`."""
     directory = held_dir(node_id)
     try:
         names = os.listdir(directory)
@@ -91,11 +91,6 @@ def orphans(node_id: str) -> list[tuple[Path, ShardJob, bytes | None]]:
     return sorted(out, key=lambda t: t[1].step)
 
 
-def done(path: Path) -> None:
-    """Remove a taken job's file once the job ended."""
-    path.unlink(missing_ok=True)
-
-
-def drop(path: Path) -> None:
-    """The worker handed its held job over: its file goes, if the uploader has not removed it."""
+def remove(path: Path) -> None:
+    """A held job's file goes: its job was handed over (by the worker), or a taken job ended."""
     path.unlink(missing_ok=True)
