@@ -200,7 +200,11 @@ def run_one(system: str, seed: int, fail_at: list[int], root: Path, endpoint: st
         # the accounting's MLflow work must not hold up any system's reports.
         callbacks=[goodput, goodput.controller_callback()],
     )
-    common = {"train_loop_config": cfg, "scaling_config": ScalingConfig(num_workers=2), "run_config": run_config}
+    common = {
+        "train_loop_config": cfg,
+        "scaling_config": ScalingConfig(num_workers=args.workers),
+        "run_config": run_config,
+    }
     if system == "rt_async_dcp":
         trainer = ray.train.torch.TorchTrainer(whole_group_loop, **common)
     else:
@@ -238,9 +242,10 @@ def _survivor_gap(markers: Path, fail_at: list[int]) -> float | None:
 
 def table(results: list[dict], args) -> str:
     out = [
-        f"{args.steps} steps, 2 workers, DDP with {args.mb_per_rank} MiB of state per rank, checkpoints every "
-        f"{args.every} steps on moto S3 (the server at niceness {getattr(args, 'storage_server_nice', 0)}; Ray "
-        "workers: 15); rank 1 SIGKILLed during the steps of `fail at`, seeded per seed\n",
+        f"{args.steps} steps, {args.workers} workers, DDP with {args.mb_per_rank} MiB of state per rank, "
+        f"checkpoints every {args.every} steps on moto S3 (the server at niceness "
+        f"{getattr(args, 'storage_server_nice', 0)}; Ray workers: 15); rank 1 SIGKILLed during the steps of "
+        "`fail at`, seeded per seed\n",
         "| seed | system | fail at | wall s | goodput | productive s | degraded s | lost s | checkpoint stall s "
         "| restore s | restart downtime s | startup s | other s | cost per failure s | survivor max gap s |",
         "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
@@ -326,7 +331,7 @@ def main(args, meta: dict) -> int:
     try:
         ray.init(
             address="local",
-            num_cpus=4,
+            num_cpus=2 * args.workers,  # a CPU per worker, the rest for the node's uploader and Ray
             log_to_driver=False,
             include_dashboard=False,
             runtime_env={"env_vars": {**env, "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.1"}},

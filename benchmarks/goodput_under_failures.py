@@ -689,6 +689,9 @@ def main() -> int:
     parser.add_argument("--failures", type=int, default=3, help="step-failures: failures per run")
     parser.add_argument("--state-mb", type=int, default=72, help="step-failures: DDP state per rank, MiB")
     parser.add_argument(
+        "--workers", type=int, default=2, help="step-failures: training workers (replica mode: one replica each)"
+    )
+    parser.add_argument(
         "--step-systems", nargs="+", choices=list(_step_failures.SYSTEMS), default=list(_step_failures.SYSTEMS)
     )
     args = parser.parse_args()
