@@ -61,6 +61,11 @@ class TorchSaveSync:
                 checkpoint_upload_mode=CheckpointUploadMode.SYNC,
             )
 
+    def wait_durable(self) -> float | None:
+        """Seconds this waited for the saves made so far to be durable: 0, the SYNC report
+        returned after its upload."""
+        return 0.0
+
     def close(self) -> dict:
         return {}
 
@@ -104,3 +109,7 @@ class RayAsyncDcp(TorchSaveSync):
             checkpoint_upload_mode=CheckpointUploadMode.ASYNC,
             delete_local_checkpoint_after_upload=True,
         )
+
+    def wait_durable(self) -> float | None:
+        """None: Ray Train gives the training loop no way to wait for an ASYNC upload."""
+        return None
