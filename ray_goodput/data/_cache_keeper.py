@@ -66,7 +66,11 @@ class CacheKeeper:
             for entry in os.scandir(sub):
                 pid = parse_temp(entry.name)
                 if pid is not None:
-                    if not pid_alive(pid):
+                    try:
+                        writer_alive = pid_alive(pid, since=entry.stat().st_mtime)  # not a later holder of its pid
+                    except FileNotFoundError:  # its fetch finished meanwhile
+                        continue
+                    if not writer_alive:
                         Path(entry.path).unlink(missing_ok=True)
                 elif index and not entry.name.startswith("."):
                     st = entry.stat()

@@ -105,8 +105,10 @@ class JournalReader:
     def _read_new(self, path: Path, fetched: list) -> tuple[int, int]:
         name = path.name
         offset = self._offsets.get(name, 0)
-        dead = not pid_alive(int(name.split("-")[0]))  # checked before reading: no lost tail
         try:
+            # Checked before reading: no lost tail. A process that took the pid after the
+            # writer died started after the journal's last line.
+            dead = not pid_alive(int(name.split("-")[0]), since=path.stat().st_mtime)
             with open(path, "rb") as f:
                 f.seek(offset)
                 data = f.read()

@@ -9,7 +9,9 @@ could hand theirs over (at its start, at each registration and once a second). S
 that returned survives its worker either way, as a save handed over does.
 
 A file is taken by renaming it to ``.taken`` (one of several takers wins) and removed when
-its job has ended. The name carries the worker's pid (is it alive?) and the job's key.
+its job has ended. The name carries the worker's pid and the job's key; the worker is dead
+when no process runs under that pid, or the one that does started well after the file was
+written (the pid was reused: ``runtime.pid_alive``'s ``since``).
 """
 
 from __future__ import annotations
@@ -73,9 +75,9 @@ def orphans(node_id: str) -> list[tuple[Path, ShardJob, bytes | None]]:
         return []
     out = []
     for name in names:
-        if not name.endswith(_JOB) or pid_alive(int(name.split("-", 1)[0])):
-            continue
         path = directory / name
+        if not name.endswith(_JOB) or _writer_alive(path, int(name.split("-", 1)[0])):
+            continue
         taken = path.with_suffix(_TAKEN)
         try:
             os.rename(path, taken)
@@ -89,6 +91,16 @@ def orphans(node_id: str) -> list[tuple[Path, ShardJob, bytes | None]]:
             continue
         out.append((taken, job, root))
     return sorted(out, key=lambda t: t[1].step)
+
+
+def _writer_alive(path: Path, pid: int) -> bool:
+    """Whether the worker that wrote ``path`` still runs: a process under its pid that
+    started well after the file was written is a later one that reuses the pid."""
+    try:
+        written = path.stat().st_mtime
+    except FileNotFoundError:  # handed over meanwhile: not an orphan
+        return True
+    return pid_alive(pid, since=written)
 
 
 def remove(path: Path) -> None:
