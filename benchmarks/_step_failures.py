@@ -226,18 +226,22 @@ def run_one(system: str, seed: int, fail_at: list[int], root: Path, endpoint: st
         "fail_at": fail_at,
         "wall_s": wall,
         "ledger": ledger,
-        "survivor_max_gap_s": _survivor_gap(markers, fail_at),
+        **_survivor_gap(markers),
     }
 
 
-def _survivor_gap(markers: Path, fail_at: list[int]) -> float | None:
-    """Rank 0's largest wait between two recorded steps around a failure (None: it restarted)."""
+def _survivor_gap(markers: Path) -> dict:
+    """Rank 0's largest wait between two recorded steps (None: it restarted), and where it
+    was: the step it followed and the replicas in the steps either side."""
     logs = list(markers.glob("steps-0-*.jsonl"))
-    if len(logs) != 1:
-        return None
-    recs = [json.loads(line) for line in logs[0].read_text().splitlines()]
-    gaps = [b["t"] - a["t"] for a, b in zip(recs, recs[1:])]
-    return round(max(gaps), 3) if gaps else None
+    recs = [json.loads(line) for line in logs[0].read_text().splitlines()] if len(logs) == 1 else []
+    if len(recs) < 2:
+        return {"survivor_max_gap_s": None, "survivor_max_gap_at": None}
+    a, b = max(zip(recs, recs[1:]), key=lambda ab: ab[1]["t"] - ab[0]["t"])
+    return {
+        "survivor_max_gap_s": round(b["t"] - a["t"], 3),
+        "survivor_max_gap_at": {"after_step": a["step"], "replicas_before": a.get("n"), "replicas_after": b.get("n")},
+    }
 
 
 def table(results: list[dict], args) -> str:
@@ -254,6 +258,9 @@ def table(results: list[dict], args) -> str:
         g, sec = r["ledger"], r["ledger"]["seconds"]
         per = (sec["lost"] + sec["restart_downtime"] + sec["restore"] + sec.get("degraded", 0.0)) / len(r["fail_at"])
         gap = "-" if r["survivor_max_gap_s"] is None else f"{r['survivor_max_gap_s']:.2f}"
+        at = r.get("survivor_max_gap_at")
+        if at:  # after which step, and the replicas stepping before and after it
+            gap += f" (after step {at['after_step']}, {at['replicas_before']}→{at['replicas_after']} replicas)"
         out.append(
             f"| {r['seed']} | {SYSTEMS[r['system']]} | {r['fail_at']} | {r['wall_s']:.1f} | {g['goodput']:.1%} | "
             f"{sec['productive']:.1f} | {sec.get('degraded', 0.0):.1f} | {sec['lost']:.1f} | "
