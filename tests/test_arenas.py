@@ -249,3 +249,42 @@ def test_a_dead_workers_claim_files_are_swept_only_once_no_uploader_can_still_lo
     os.utime(mine, (past, past))
     sweep_dead(tmp_path)
     assert not old.exists() and young.exists() and mine.exists()
+
+
+def test_a_dead_workers_arenas_of_an_earlier_run_are_swept_from_shared_memory_once_old(tmp_path, monkeypatch):
+    # A run whose workers were killed (a crash; the job resubmitted elsewhere) left its
+    # arenas in /dev/shm: memory until the node reboots, twice the ranks' state. Before,
+    # only a later worker of the same run swept them. Now any run's new arenas on the node
+    # sweep other runs' dead arenas and claims once old (a young one may still be read by
+    # the node's uploader) and the run directories left empty; a live process's stay.
+    import time
+
+    from ray_goodput.checkpoint.save import _arena
+    from tests._helpers import dead_pid
+
+    monkeypatch.setattr(_arena, "OTHER_RUN_SWEEP_AGE_S", 5.0)  # an hour: files of this test's age
+
+    root = tmp_path / "ray_goodput"
+    mine, ended, recent, running, empty_old, empty_young = (
+        root / name for name in ("mine", "ended", "recent", "running", "empty-old", "empty-young")
+    )
+    for d in (mine, ended, recent, running, empty_old, empty_young):
+        d.mkdir(parents=True)
+    dead = dead_pid()
+    gone = [ended / f"rank-00000-{dead}-{i}-0.arena" for i in (0, 1)] + [
+        ended / f"rank-00000-{dead}-0-0.arena.0123456789abcdef.claim"
+    ]
+    young = recent / f"rank-00001-{dead}-0-0.arena"
+    in_use = running / f"rank-00000-{os.getpid()}-0-0.arena"
+    for path in (*gone, young, in_use):
+        path.write_bytes(b"x" * 4096)
+    past = time.time() - 10  # past the age; within pid_alive's slack of this live process's start
+    for path in (*gone, in_use, empty_old):
+        os.utime(path, (past, past))
+
+    _arena.sweep_dead(mine, other_runs=True)
+
+    assert not any(p.exists() for p in gone)
+    assert not ended.exists() and not empty_old.exists()  # emptied by the sweep, or empty and old
+    assert young.exists() and in_use.exists() and empty_young.exists()
+    assert mine.exists()

@@ -41,6 +41,10 @@ _CLAIM_RE = re.compile(_ARENA_NAME + r"\.[0-9a-f]+\.claim$")
 #: A dead worker's claim files older than this are swept: an uploader has looked at its
 #: claim long before (a job waits at most for the running one's deadline).
 _CLAIM_SWEEP_AGE_S = 24 * 3600.0
+#: Another run's arenas and claims of dead workers are swept once untouched this long: by
+#: then its node's uploader has run or given up every job that could still read them.
+OTHER_RUN_SWEEP_AGE_S = 3600.0
+_SHM_ROOT = _SHM / "ray_goodput"
 
 _instances = itertools.count()
 
@@ -67,13 +71,19 @@ class TensorSlot:
 def pick_dir(staging: Path, need_bytes: int) -> Path:
     """/dev/shm when it has twice ``need_bytes`` free, else ``staging``."""
     if _SHM.is_dir() and shutil.disk_usage(_SHM).free > 2 * need_bytes:
-        return _SHM / "ray_goodput"
+        return _SHM_ROOT
     return staging
 
 
-def sweep_dead(directory: Path) -> None:
+def sweep_dead(directory: Path, *, other_runs: bool | None = None) -> None:
     """Remove arenas of processes that died (a killed worker cannot remove its own), and
-    their claim files once old (an uploader may still look at a young one)."""
+    their claim files once old (an uploader may still look at a young one).
+
+    ``directory`` is one run's. With ``other_runs`` (by default: when it is in /dev/shm,
+    where a left arena holds memory until the node reboots) the other runs' directories
+    beside it are swept too, of dead workers' arenas and claims untouched for
+    ``OTHER_RUN_SWEEP_AGE_S``, and removed once empty: a run whose workers were all killed
+    leaves them, and no later worker of that run may come to sweep them."""
     for path in directory.glob("rank-*.arena") if directory.is_dir() else []:
         match = _NAME_RE.match(path.name)
         if match is None:
@@ -91,6 +101,47 @@ def sweep_dead(directory: Path) -> None:
             if now - path.stat().st_mtime > _CLAIM_SWEEP_AGE_S:
                 path.unlink(missing_ok=True)
         except FileNotFoundError:
+            pass
+    if other_runs if other_runs is not None else directory.parent == _SHM_ROOT:
+        for run in _dirs(directory.parent):
+            if run != directory:
+                _sweep_other_run(run, now)
+
+
+def _dirs(root: Path) -> list[Path]:
+    try:
+        return [Path(e.path) for e in os.scandir(root) if e.is_dir(follow_symlinks=False)]
+    except FileNotFoundError:
+        return []
+
+
+def _sweep_other_run(run: Path, now: float) -> None:
+    """Another run's directory: its dead workers' old arenas and claims, then the directory
+    itself when that left it empty or it was empty and old (``Arena._ensure`` makes it
+    again if one of its workers is about to write there)."""
+    removed = 0
+    try:
+        old_dir = now - run.stat().st_mtime > OTHER_RUN_SWEEP_AGE_S
+        entries = list(os.scandir(run))
+    except FileNotFoundError:
+        return
+    for entry in entries:
+        match = _NAME_RE.match(entry.name) or _CLAIM_RE.match(entry.name)
+        if match is None:
+            continue
+        try:
+            written = entry.stat(follow_symlinks=False).st_mtime
+        except FileNotFoundError:
+            continue
+        if now - written > OTHER_RUN_SWEEP_AGE_S and not pid_alive(int(match.group(1)), since=written):
+            Path(entry.path).unlink(missing_ok=True)
+            removed += 1
+    if removed:
+        logger.info("removed %d snapshot files of dead processes left by another run in %s", removed, run)
+    if removed == len(entries) and (removed or old_dir):
+        try:
+            run.rmdir()
+        except OSError:  # not empty (written meanwhile) or gone: left as it is
             pass
 
 
@@ -201,11 +252,23 @@ class Arena:
     def _ensure(self, size: int) -> torch.Tensor:
         if self._buf is None or size > self.size:
             self._unpin()
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            with open(self.path, "ab") as f:
-                f.truncate(size)
+            self._create(size)
             self._buf, self.size = _u8(self.path, size, "r+"), size
         return self._buf
+
+    def _create(self, size: int) -> None:
+        """Make the file ``size`` bytes long, and its directory first: another run's sweep
+        removes an empty run directory (``sweep_dead``), so one found here may go before the
+        file is in it; it is made again once."""
+        for last in (False, True):
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                with open(self.path, "ab") as f:
+                    f.truncate(size)
+                return
+            except FileNotFoundError:
+                if last:
+                    raise
 
     def prefault(self, size: int, device: torch.device | None = None) -> None:
         """Map ``size`` bytes and touch each page, and pin them for CUDA ``device`` (when
