@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
-import sys
 import time
 import uuid
 from types import SimpleNamespace
@@ -26,6 +24,7 @@ from ray_goodput.data import CacheConfig
 from ray_goodput.data._cache_keeper import CacheKeeper
 from ray_goodput.data._journal import JournalReader
 from ray_goodput.runtime import pid_alive
+from tests._helpers import dead_pid
 
 LONG_AGO_S = 600  # before this process started: well past pid_alive's slack
 
@@ -33,12 +32,6 @@ LONG_AGO_S = 600  # before this process started: well past pid_alive's slack
 def _set_back(path, seconds: float = LONG_AGO_S) -> None:
     t = psutil.Process().create_time() - seconds
     os.utime(path, (t, t))
-
-
-def _dead_pid() -> int:
-    child = subprocess.Popen([sys.executable, "-c", "pass"])
-    child.wait(timeout=60)
-    return child.pid
 
 
 @pytest.fixture
@@ -58,11 +51,11 @@ def test_pid_alive_since_tells_the_process_that_wrote_a_file_from_a_later_one_wi
     assert pid_alive(os.getpid())
     assert pid_alive(os.getpid(), since=time.time())  # this process ran then
     assert not pid_alive(os.getpid(), since=started - LONG_AGO_S)  # long before it started
-    assert not pid_alive(_dead_pid(), since=time.time())
+    assert not pid_alive(dead_pid(), since=time.time())
 
 
 def test_the_held_jobs_of_a_dead_worker_are_taken_oldest_first_and_a_live_workers_are_left(node):
-    dead = _dead_pid()
+    dead = dead_pid()
     _held.hold(node, _job(dead, 9), None)
     _held.hold(node, _job(dead, 4), None)
     mine = _held.hold(node, _job(os.getpid(), 5), None)
