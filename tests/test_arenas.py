@@ -233,18 +233,24 @@ def test_a_checkpointer_that_only_restores_leaves_another_ones_arenas_alone(tmp_
         assert trainer.stats.committed == [1, 2]
 
 
-def test_a_dead_workers_claim_files_are_swept_only_once_no_uploader_can_still_look(tmp_path):
+def test_a_dead_workers_claim_files_are_swept_only_once_no_uploader_can_still_look(tmp_path, monkeypatch):
     # An uploader whose lane still holds a job the dead worker superseded must find its
     # claim, or it would read an arena that holds a newer snapshot: young claims stay.
-    from ray_goodput.checkpoint.save._arena import _CLAIM_SWEEP_AGE_S, claim, claim_path, sweep_dead
+    import time
+
+    from ray_goodput.checkpoint.save import _arena
+    from ray_goodput.checkpoint.save._arena import claim, claim_path, sweep_dead
     from tests._helpers import dead_pid
+
+    # A day: claims of this test's age (a live process's claim cannot predate it).
+    monkeypatch.setattr(_arena, "_CLAIM_SWEEP_AGE_S", 5.0)
 
     dead = tmp_path / f"rank-00000-{dead_pid()}-0-0.arena"
     alive = tmp_path / f"rank-00000-{os.getpid()}-0-0.arena"
     old, young, mine = claim_path(dead, "old"), claim_path(dead, "young"), claim_path(alive, "old")
     for arena, key in ((dead, "old"), (dead, "young"), (alive, "old")):
         assert claim(arena, key)
-    past = os.stat(old).st_mtime - _CLAIM_SWEEP_AGE_S - 60
+    past = time.time() - 10  # past the age; within pid_alive's slack of this live process's start
     os.utime(old, (past, past))
     os.utime(mine, (past, past))
     sweep_dead(tmp_path)
@@ -287,4 +293,24 @@ def test_a_dead_workers_arenas_of_an_earlier_run_are_swept_from_shared_memory_on
     assert not any(p.exists() for p in gone)
     assert not ended.exists() and not empty_old.exists()  # emptied by the sweep, or empty and old
     assert young.exists() and in_use.exists() and empty_young.exists()
+    assert mine.exists()
+
+
+def test_a_dead_workers_arena_is_swept_from_its_run_even_when_its_pid_runs_a_later_process(tmp_path):
+    # The same run's sweep removes a dead worker's arena at once. A later process that was
+    # given the dead worker's pid kept it: memory held until that process ended.
+    import time
+
+    from ray_goodput.checkpoint.save._arena import sweep_dead
+
+    reused = tmp_path / f"rank-00000-{os.getpid()}-0-0.arena"  # written long before this process started
+    mine = tmp_path / f"rank-00000-{os.getpid()}-1-0.arena"
+    for path in (reused, mine):
+        path.write_bytes(b"x" * 4096)
+    long_ago = time.time() - 24 * 3600
+    os.utime(reused, (long_ago, long_ago))
+
+    sweep_dead(tmp_path, other_runs=False)
+
+    assert not reused.exists()
     assert mine.exists()

@@ -86,26 +86,32 @@ def sweep_dead(directory: Path, *, other_runs: bool | None = None) -> None:
     leaves them, and no later worker of that run may come to sweep them."""
     for path in directory.glob("rank-*.arena") if directory.is_dir() else []:
         match = _NAME_RE.match(path.name)
-        if match is None:
+        written = _mtime(path)
+        if match is None or written is None:
             continue
         pid = int(match.group(1))
-        if not pid_alive(pid):
+        if not pid_alive(pid, since=written):  # a later process given its pid is not its worker
             path.unlink(missing_ok=True)
             logger.info("removed the snapshot arena of dead process %d", pid)
     now = time.time()
     for path in directory.glob("rank-*.claim") if directory.is_dir() else []:
         match = _CLAIM_RE.match(path.name)
-        if match is None or pid_alive(int(match.group(1))):
+        written = _mtime(path)
+        if match is None or written is None or pid_alive(int(match.group(1)), since=written):
             continue
-        try:
-            if now - path.stat().st_mtime > _CLAIM_SWEEP_AGE_S:
-                path.unlink(missing_ok=True)
-        except FileNotFoundError:
-            pass
+        if now - written > _CLAIM_SWEEP_AGE_S:
+            path.unlink(missing_ok=True)
     if other_runs if other_runs is not None else directory.parent == _SHM_ROOT:
         for run in _dirs(directory.parent):
             if run != directory:
                 _sweep_other_run(run, now)
+
+
+def _mtime(path: Path) -> float | None:
+    try:
+        return path.stat().st_mtime
+    except FileNotFoundError:  # removed meanwhile
+        return None
 
 
 def _dirs(root: Path) -> list[Path]:
