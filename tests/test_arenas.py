@@ -314,3 +314,39 @@ def test_a_dead_workers_arena_is_swept_from_its_run_even_when_its_pid_runs_a_lat
 
     assert not reused.exists()
     assert mine.exists()
+
+
+def test_a_dead_workers_arena_is_kept_while_a_job_of_it_waits_in_a_held_file_then_swept(tmp_path):
+    # A save held in a file of the node (its uploader not up yet) maps nothing: a restarted
+    # worker's sweep unlinked the dead worker's arena before the uploader took the job
+    # (tests/test_uploader_faults.py has the same with real processes). A mark kept it.
+    import time
+
+    from ray_goodput.checkpoint.save._arena import (
+        OTHER_RUN_SWEEP_AGE_S,
+        held_path,
+        mark_held,
+        sweep_dead,
+        unmark_held,
+    )
+    from tests._helpers import dead_pid
+
+    pid = dead_pid()
+    waiting, abandoned = (tmp_path / f"rank-00000-{pid}-{i}-0.arena" for i in (0, 1))
+    for path in (waiting, abandoned):
+        path.write_bytes(b"x" * 4096)
+    mark_held(waiting, "job-a")
+    mark_held(abandoned, "job-b")
+    long_ago = time.time() - OTHER_RUN_SWEEP_AGE_S - 60
+    os.utime(held_path(abandoned, "job-b"), (long_ago, long_ago))  # nobody took it for an hour
+    orphan_mark = held_path(tmp_path / f"rank-00000-{pid}-2-0.arena", "job-c")
+    orphan_mark.touch()  # its arena is gone already
+
+    sweep_dead(tmp_path, other_runs=False)
+
+    assert waiting.exists()
+    assert not abandoned.exists() and not held_path(abandoned, "job-b").exists()
+    assert not orphan_mark.exists()
+    unmark_held(waiting, "job-a")  # an uploader mapped it
+    sweep_dead(tmp_path, other_runs=False)
+    assert list(tmp_path.iterdir()) == []

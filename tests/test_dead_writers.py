@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 import time
 import uuid
 from types import SimpleNamespace
@@ -28,6 +30,14 @@ from tests._helpers import dead_pid
 
 LONG_AGO_S = 600  # before this process started: well past pid_alive's slack
 
+# A process that takes a node's orphaned held jobs, prints their steps and exits without
+# running them: an uploader that died right after it took them.
+TAKE_AND_DIE = """
+import sys
+from ray_goodput.checkpoint.uploader import _held
+print(*[job.step for _, job, _ in _held.orphans(sys.argv[1])])
+"""
+
 
 def _set_back(path, seconds: float = LONG_AGO_S) -> None:
     t = psutil.Process().create_time() - seconds
@@ -42,8 +52,9 @@ def node():
 
 
 def _job(pid: int, step: int) -> SimpleNamespace:
-    # Stands in for a ShardJob: a held file needs its owner's pid, its key and its step.
-    return SimpleNamespace(owner_pid=pid, key=f"job-{pid}-{step}", step=step)
+    # Stands in for a ShardJob: a held file needs its owner's pid, its key and its step
+    # (no tensors: no arena to keep).
+    return SimpleNamespace(owner_pid=pid, key=f"job-{pid}-{step}", step=step, slots=(), arena_path="")
 
 
 def test_pid_alive_since_tells_the_process_that_wrote_a_file_from_a_later_one_with_its_pid():
@@ -73,6 +84,54 @@ def test_a_held_job_whose_pid_now_runs_a_later_process_is_taken_as_a_dead_worker
     _set_back(_held.hold(node, _job(os.getpid(), 3), None))
 
     assert [job.step for _, job, _ in _held.orphans(node)] == [3]
+
+
+def test_a_held_job_taken_by_an_uploader_that_died_before_running_it_is_taken_again(node):
+    # Before: the taker's rename to .taken hid the job from every later look, so a save that
+    # had returned was lost when the uploader that took it died.
+    _held.hold(node, _job(dead_pid(), 7), None)
+    taker = subprocess.run(
+        [sys.executable, "-c", TAKE_AND_DIE, node], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert taker.returncode == 0, taker.stderr
+    assert taker.stdout.split() == ["7"]  # that process took it, then exited without running it
+
+    again = _held.orphans(node)
+
+    assert [job.step for _, job, _ in again] == [7]
+    assert _held.orphans(node) == []  # this live process holds it now
+
+
+def test_a_job_taken_by_a_live_uploader_is_not_run_again_by_its_worker_or_another_look(node):
+    dead = dead_pid()
+    job = _job(dead, 2)
+    _held.hold(node, job, None)
+    [(path, _, _)] = _held.orphans(node)
+
+    assert not _held.take(node, job)  # the same job handed over by its worker is a duplicate
+    assert _held.orphans(node) == []
+    _held.remove(path, _job(dead, 2))
+    assert list(_held.held_dir(node).iterdir()) == []
+
+
+def test_held_jobs_left_under_a_node_gone_for_an_hour_are_swept_and_recent_ones_kept(node):
+    # Before: a node's held jobs stayed in /tmp for ever once no uploader of that node came up.
+    gone_node = f"{node}-gone"
+    old = _held.hold(gone_node, _job(dead_pid(), 1), None)
+    _set_back(old, _held.OTHER_NODE_SWEEP_AGE_S + LONG_AGO_S)
+    recent_node = f"{node}-recent"
+    recent = _held.hold(recent_node, _job(dead_pid(), 2), None)
+    mine = _held.hold(node, _job(dead_pid(), 3), None)
+    _set_back(mine, _held.OTHER_NODE_SWEEP_AGE_S + LONG_AGO_S)
+    try:
+        _held.sweep_other_nodes(node)
+
+        assert not _held.held_dir(gone_node).exists()
+        assert recent.exists()  # an uploader of that node may still come up and take it
+        assert mine.exists()  # this node's own: its uploader takes it
+    finally:
+        shutil.rmtree(_held.held_dir(recent_node), ignore_errors=True)
+        shutil.rmtree(_held.held_dir(gone_node), ignore_errors=True)
 
 
 def test_the_journal_of_a_reader_whose_pid_now_runs_a_later_process_is_read_then_removed(tmp_path):

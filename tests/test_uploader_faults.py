@@ -312,6 +312,42 @@ def test_a_worker_killed_before_its_uploader_answered_still_commits_its_save(ray
     ray.get(reader.close.remote())
 
 
+def test_a_killed_workers_held_save_survives_the_next_workers_sweep_of_dead_arenas(ray_cluster, s3_server):
+    # Before: the next worker of the run (a restarted attempt) swept the dead worker's
+    # snapshot arena as it started, before the uploader had taken the held job, and the save
+    # that had returned was lost (seen in the restart-fidelity test on a loaded machine: no
+    # save of the first attempt committed). The uploader is stopped, as above, until the
+    # sweep a new worker makes has run.
+    import pickle
+    import signal
+    from pathlib import Path
+
+    from ray_goodput.checkpoint.save._arena import sweep_dead
+    from ray_goodput.checkpoint.uploader import _held
+    from ray_goodput.checkpoint.uploader._actor import _actor_class
+
+    uri = s3_server.bucket_uri("held-swept")
+    node = _other_node(ray_cluster)
+    uploader = _services.get_or_create(_actor_class(), KIND, node, node_id=node, max_concurrency=64)
+    pid = ray.get(uploader.__ray_call__.remote(lambda self: os.getpid()), timeout=60)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        worker = _on(node).remote(uri, seed=5)
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(worker.save_and_die.remote(3), timeout=60)
+        [held] = _held.held_dir(node).glob("*.job")
+        job, _ = pickle.loads(held.read_bytes())
+        arena = Path(job.arena_path)
+        sweep_dead(arena.parent)  # what the run's next worker does as it makes its arenas
+        assert arena.exists(), "the held job's snapshot arena was swept"
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    _wait_committed(uri, 3)
+    wait_for(lambda: not list(_held.held_dir(node).iterdir()), timeout_s=60, what="the held job's file removed")
+    sweep_dead(arena.parent)  # the job was taken: now it goes, with its pin
+    assert not list(arena.parent.glob(arena.name + "*"))
+
+
 def test_the_uploaders_wait_for_a_result_ends_at_its_bound(ray_cluster, s3_server):
     """An actor thread that waits for a save's result gives up after its bound (the worker
     passes twice its ``wait_timeout_s``) instead of waiting on a stuck upload for ever;

@@ -38,6 +38,7 @@ _SHM = Path("/dev/shm")
 _ARENA_NAME = r"^rank-\d+-(\d+)(?:-\d+)?(?:-[0-9a-f]+)?\.arena"  # group 1: the worker's pid
 _NAME_RE = re.compile(_ARENA_NAME + "$")
 _CLAIM_RE = re.compile(_ARENA_NAME + r"\.[0-9a-f]+\.claim$")
+_HELD_RE = re.compile(_ARENA_NAME + r"\.[0-9a-f]+\.held$")
 #: A dead worker's claim files older than this are swept: an uploader has looked at its
 #: claim long before (a job waits at most for the running one's deadline).
 _CLAIM_SWEEP_AGE_S = 24 * 3600.0
@@ -84,16 +85,20 @@ def sweep_dead(directory: Path, *, other_runs: bool | None = None) -> None:
     beside it are swept too, of dead workers' arenas and claims untouched for
     ``OTHER_RUN_SWEEP_AGE_S``, and removed once empty: a run whose workers were all killed
     leaves them, and no later worker of that run may come to sweep them."""
+    now = time.time()
     for path in directory.glob("rank-*.arena") if directory.is_dir() else []:
         match = _NAME_RE.match(path.name)
         written = _mtime(path)
         if match is None or written is None:
             continue
         pid = int(match.group(1))
-        if not pid_alive(pid, since=written):  # a later process given its pid is not its worker
-            path.unlink(missing_ok=True)
-            logger.info("removed the snapshot arena of dead process %d", pid)
-    now = time.time()
+        if pid_alive(pid, since=written):  # a later process given its pid is not its worker
+            continue
+        if _held_for_a_job(path, now):
+            logger.info("kept the snapshot arena of dead process %d: a held job of it waits for the uploader", pid)
+            continue
+        path.unlink(missing_ok=True)
+        logger.info("removed the snapshot arena of dead process %d", pid)
     for path in directory.glob("rank-*.claim") if directory.is_dir() else []:
         match = _CLAIM_RE.match(path.name)
         written = _mtime(path)
@@ -101,10 +106,26 @@ def sweep_dead(directory: Path, *, other_runs: bool | None = None) -> None:
             continue
         if now - written > _CLAIM_SWEEP_AGE_S:
             path.unlink(missing_ok=True)
+    for path in directory.glob("rank-*.held") if directory.is_dir() else []:
+        if not path.with_name(path.name.split(".arena.", 1)[0] + ".arena").exists():  # nothing to keep
+            path.unlink(missing_ok=True)
     if other_runs if other_runs is not None else directory.parent == _SHM_ROOT:
         for run in _dirs(directory.parent):
             if run != directory:
                 _sweep_other_run(run, now)
+
+
+def _held_for_a_job(arena: Path, now: float) -> bool:
+    """Whether a job held in a file of the node (``mark_held``) still needs ``arena``: a
+    mark younger than ``OTHER_RUN_SWEEP_AGE_S`` (an older one is removed with it)."""
+    keep = False
+    for mark in arena.parent.glob(arena.name + ".*.held"):
+        written = _mtime(mark)
+        if written is not None and now - written <= OTHER_RUN_SWEEP_AGE_S:
+            keep = True
+        else:
+            mark.unlink(missing_ok=True)
+    return keep
 
 
 def _mtime(path: Path) -> float | None:
@@ -132,7 +153,7 @@ def _sweep_other_run(run: Path, now: float) -> None:
     except FileNotFoundError:
         return
     for entry in entries:
-        match = _NAME_RE.match(entry.name) or _CLAIM_RE.match(entry.name)
+        match = _NAME_RE.match(entry.name) or _CLAIM_RE.match(entry.name) or _HELD_RE.match(entry.name)
         if match is None:
             continue
         try:
@@ -174,6 +195,24 @@ def drop_claim(arena_path: str | os.PathLike, key: str) -> None:
     """Remove job ``key``'s claim file (the uploader, once the job ended: nobody looks at
     it again; a worker claiming an ended job afterwards only reuses a free arena)."""
     claim_path(arena_path, key).unlink(missing_ok=True)
+
+
+def held_path(arena_path: str | os.PathLike, key: str) -> Path:
+    """The mark that job ``key``, held in a file of the node, needs the arena at ``arena_path``."""
+    digest = hashlib.blake2b(key.encode(), digest_size=8).hexdigest()
+    return Path(f"{os.fspath(arena_path)}.{digest}.held")
+
+
+def mark_held(arena_path: str | os.PathLike, key: str) -> None:
+    """Keep the arena of job ``key`` from the sweep of dead workers' arenas (``sweep_dead``)
+    while the job waits in a file for the node's uploader: the worker may die before the
+    uploader maps it. Made before the job's file, removed by :func:`unmark_held` once an
+    uploader mapped the arena (or the job ended without one)."""
+    held_path(arena_path, key).touch()
+
+
+def unmark_held(arena_path: str | os.PathLike, key: str) -> None:
+    held_path(arena_path, key).unlink(missing_ok=True)
 
 
 def aligned(nbytes: int) -> int:

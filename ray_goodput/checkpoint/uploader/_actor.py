@@ -115,6 +115,7 @@ class CheckpointUploader:
         # registration): with the once-a-second look alone, a restarted run resumed without
         # them (tests/test_restart_fidelity.py).
         self._take_orphans()
+        _held.sweep_other_nodes(node_id)
         threading.Thread(target=self._watch, name="rg-uploader-watch", daemon=True).start()
 
     # -- client side API --
@@ -207,8 +208,9 @@ class CheckpointUploader:
             logger.info("uploader on node %s: %s was taken from its held file already", self.node_id, job.key)
             return
         ticket = _rank_queue.Ticket(dataclasses.replace(job, root=self._resolve_root(root)))
+        _held.arena_mapped(job)  # a sweep may unlink it now
         if held is not None:
-            ticket.callbacks.append(lambda _t: _held.remove(held))
+            ticket.callbacks.append(lambda _t: _held.remove(held, job))
         if peer is not None:  # first: the worker must hear whatever the bookkeeping does
             ticket.origin = peer.conn
             ticket.release_callbacks.append(lambda t: peer.send(("released", t.job.key)))
@@ -242,7 +244,7 @@ class CheckpointUploader:
                 self._accept(job, root, None, held=path)
             except Exception:  # one lost save, not an uploader down
                 logger.warning("could not run the held job %s", job.key, exc_info=True)
-                _held.remove(path)
+                _held.remove(path, job)
 
     def wait_connection(self, conn: str, timeout_s: float | None) -> bool:
         """Wait until connection ``conn`` (one that broke or closed; "" for none) has had

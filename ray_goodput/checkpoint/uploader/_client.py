@@ -239,7 +239,7 @@ class ActorBackend:
             for light, handoff, path in batch:
                 self._hand_over(light, handoff)  # each wait in it is bounded; failures settle the job
                 if path is not None:  # handed over, or failed for this worker: nobody else takes it
-                    _held.remove(path)
+                    _held.remove(path, light)
 
     def _hold(self, light: ShardJob) -> Path | None:
         """The job written where the node's uploader finds it if this worker dies first."""

@@ -8,30 +8,50 @@ the job reaches it, or the uploader's look for the jobs of workers that died bef
 could hand theirs over (at its start, at each registration and once a second). So a save
 that returned survives its worker either way, as a save handed over does.
 
-A file is taken by renaming it to ``.taken`` (one of several takers wins) and removed when
-its job has ended. The name carries the worker's pid and the job's key; the worker is dead
-when no process runs under that pid, or the one that does started well after the file was
-written (the pid was reused: ``runtime.pid_alive``'s ``since``).
+Its snapshot arena carries a mark (``_arena.mark_held``) from before the file is written
+until an uploader mapped it, so the sweep of dead workers' arenas that the run's next
+worker makes keeps it.
+
+A file is taken by renaming it to ``.<taker pid>.taken`` (one of several takers wins) and
+removed when its job has ended. The name carries the worker's pid and the job's key; the
+worker is dead when no process runs under that pid, or the one that does started well after
+the file was written (the pid was reused: ``runtime.pid_alive``'s ``since``). A job whose
+taker died before its job ended is taken again by the next look, as a dead worker's is.
+
+Held jobs of a node whose uploader never comes up again (the node's Ray instance is gone:
+its id is not reused) would stay; each uploader, at its start, removes the files under other
+nodes' directories that were last touched over ``OTHER_NODE_SWEEP_AGE_S`` ago by a process
+now dead, each a save lost, with a warning.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
 import pickle
 import tempfile
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ray_goodput._lazy import LazyModule
 from ray_goodput.runtime import pid_alive
 
 if TYPE_CHECKING:
     from ray_goodput.checkpoint.uploader._shard_job import ShardJob
 
 logger = logging.getLogger(__name__)
+# It imports torch: not when the uploader's module loads (tests/test_layering.py), only once
+# a job is held or ends, in a process that has torch by then.
+_arena = LazyModule("ray_goodput.checkpoint.save._arena")
 
 _JOB, _TAKEN = ".job", ".taken"
+
+#: Held files under another node's directory older than this, whose writer or taker is
+#: dead, are removed at an uploader's start (an hour: far past any uploader's start).
+OTHER_NODE_SWEEP_AGE_S = 3600.0
 
 
 def held_dir(node_id: str) -> Path:
@@ -47,10 +67,18 @@ def hold(node_id: str, job: ShardJob, root: bytes | None) -> Path:
     """Write ``job`` (its storage root pickled apart, as the uploader takes it) to the node's
     held jobs, whole or not at all; returns its file."""
     directory = held_dir(node_id)
-    directory.mkdir(parents=True, exist_ok=True)
     path = directory / (_name(job.owner_pid, job.key) + _JOB)
+    if job.slots:  # before the file: a sweep of dead workers' arenas must keep its snapshot
+        _arena.mark_held(job.arena_path, job.key)
     partial = path.with_suffix(".partial")
-    partial.write_bytes(pickle.dumps((job, root)))
+    for last in (False, True):
+        directory.mkdir(parents=True, exist_ok=True)
+        try:
+            partial.write_bytes(pickle.dumps((job, root)))
+            break
+        except FileNotFoundError:  # the directory was swept as empty meanwhile
+            if last:
+                raise
     os.replace(partial, path)
     return path
 
@@ -58,16 +86,17 @@ def hold(node_id: str, job: ShardJob, root: bytes | None) -> Path:
 def take(node_id: str, job: ShardJob) -> bool:
     """The uploader got ``job``: False when the look for dead workers' jobs took it already
     (this copy is its duplicate); True otherwise, its held file (if any) removed."""
-    path = held_dir(node_id) / _name(job.owner_pid, job.key)
-    if path.with_suffix(_TAKEN).exists():
+    directory, name = held_dir(node_id), _name(job.owner_pid, job.key)
+    if any(directory.glob(f"{name}.*{_TAKEN}")):
         return False
-    path.with_suffix(_JOB).unlink(missing_ok=True)
+    (directory / (name + _JOB)).unlink(missing_ok=True)
     return True
 
 
 def orphans(node_id: str) -> list[tuple[Path, ShardJob, bytes | None]]:
-    """The held jobs of workers no longer alive, each taken (renamed ``.taken``: no other
-    taker gets it), oldest save first; the caller hands each on and calls :func:`remove`."""
+    """The held jobs of workers no longer alive that no live process has taken, each taken
+    by this process (renamed ``.<pid>.taken``: no other taker gets it), oldest save first;
+    the caller hands each on and calls :func:`remove`."""
     directory = held_dir(node_id)
     try:
         names = os.listdir(directory)
@@ -76,11 +105,13 @@ def orphans(node_id: str) -> list[tuple[Path, ShardJob, bytes | None]]:
     out = []
     for name in names:
         path = directory / name
-        if not name.endswith(_JOB) or _writer_alive(path, int(name.split("-", 1)[0])):
+        holder = _holder(name)
+        if holder is None or _alive(path, holder):
             continue
-        taken = path.with_suffix(_TAKEN)
+        taken = directory / f"{name.split('.', 1)[0]}.{os.getpid()}{_TAKEN}"
         try:
             os.rename(path, taken)
+            os.utime(taken)  # when it was taken: what tells this taker from a later one with its pid
         except FileNotFoundError:  # handed over meanwhile, or another look took it
             continue
         try:
@@ -93,16 +124,64 @@ def orphans(node_id: str) -> list[tuple[Path, ShardJob, bytes | None]]:
     return sorted(out, key=lambda t: t[1].step)
 
 
-def _writer_alive(path: Path, pid: int) -> bool:
-    """Whether the worker that wrote ``path`` still runs: a process under its pid that
-    started well after the file was written is a later one that reuses the pid."""
+def _holder(name: str) -> int | None:
+    """The process a held file waits on: its worker (``<pid>-<key>.job``) or its taker
+    (``<pid>-<key>.<taker>.taken``); None for any other file (a partial write)."""
+    if name.endswith(_JOB):
+        pid = name.split("-", 1)[0]
+    elif name.endswith(_TAKEN):
+        pid = name[: -len(_TAKEN)].partition(".")[2]
+    else:
+        return None
+    return int(pid) if pid.isdigit() else None
+
+
+def _alive(path: Path, pid: int) -> bool:
+    """Whether the process that wrote or took ``path`` still runs: a process under its pid
+    that started well after the file was last touched is a later one that reuses the pid."""
     try:
-        written = path.stat().st_mtime
-    except FileNotFoundError:  # handed over meanwhile: not an orphan
+        touched = path.stat().st_mtime
+    except FileNotFoundError:  # handed over or taken meanwhile: not an orphan
         return True
-    return pid_alive(pid, since=written)
+    return pid_alive(pid, since=touched)
 
 
-def remove(path: Path) -> None:
-    """A held job's file goes: its job was handed over (by the worker), or a taken job ended."""
+def sweep_other_nodes(node_id: str) -> int:
+    """Remove the held files of other nodes last touched over ``OTHER_NODE_SWEEP_AGE_S`` ago
+    whose writer or taker is dead, and their directories once empty; returns how many."""
+    removed = 0
+    now = time.time()
+    for directory in held_dir(node_id).parent.glob("*"):
+        if directory.name == node_id or not directory.is_dir():
+            continue
+        try:
+            for path in directory.iterdir():
+                holder = _holder(path.name)
+                try:
+                    old = now - path.stat().st_mtime > OTHER_NODE_SWEEP_AGE_S
+                except FileNotFoundError:
+                    continue
+                if old and (holder is None or not _alive(path, holder)):
+                    logger.warning("removing %s: a save held on node %s that no uploader took", path, directory.name)
+                    path.unlink(missing_ok=True)
+                    removed += 1
+        except OSError as exc:  # removed meanwhile, or not ours to read: left as it is
+            logger.info("could not sweep the held jobs under %s: %s", directory, exc)
+            continue
+        with contextlib.suppress(OSError):  # not empty, or removed meanwhile
+            directory.rmdir()
+    return removed
+
+
+def remove(path: Path, job: ShardJob) -> None:
+    """A held job's file goes, and its arena's mark: its job was handed over (by the
+    worker), or a taken job ended or could not run."""
     path.unlink(missing_ok=True)
+    arena_mapped(job)
+
+
+def arena_mapped(job: ShardJob) -> None:
+    """An uploader mapped ``job``'s arena (or nobody will): the sweep of dead workers'
+    arenas may take it once its worker is gone (a mark of a job held here, if any, goes)."""
+    if job.slots:
+        _arena.unmark_held(job.arena_path, job.key)
