@@ -16,11 +16,13 @@ import subprocess
 import sys
 import time
 import uuid
+from pathlib import Path
 from types import SimpleNamespace
 
 import psutil
 import pytest
 
+from ray_goodput.checkpoint.save._arena import claim
 from ray_goodput.checkpoint.uploader import _held
 from ray_goodput.data import CacheConfig
 from ray_goodput.data._cache_keeper import CacheKeeper
@@ -30,12 +32,18 @@ from tests._helpers import dead_pid
 
 LONG_AGO_S = 600  # before this process started: well past pid_alive's slack
 
-# A process that takes a node's orphaned held jobs, prints their steps and exits without
-# running them: an uploader that died right after it took them.
+# A process that takes a node's orphaned held jobs, begins each (claims its snapshot, as an
+# uploader does before it reads one), prints their steps and exits: an uploader that died
+# in the middle of them.
 TAKE_AND_DIE = """
 import sys
+from ray_goodput.checkpoint.save import _arena
+from ray_goodput.checkpoint.save._arena import claim
 from ray_goodput.checkpoint.uploader import _held
-print(*[job.step for _, job, _ in _held.orphans(sys.argv[1])])
+taken = _held.orphans(sys.argv[1])
+for _, job, _ in taken:
+    assert _arena.claim(job.arena_path, job.key)
+print(*[job.step for _, job, _ in taken])
 """
 
 
@@ -51,10 +59,16 @@ def node():
     shutil.rmtree(_held.held_dir(node_id), ignore_errors=True)
 
 
-def _job(pid: int, step: int) -> SimpleNamespace:
-    # Stands in for a ShardJob: a held file needs its owner's pid, its key and its step
-    # (no tensors: no arena to keep).
-    return SimpleNamespace(owner_pid=pid, key=f"job-{pid}-{step}", step=step, slots=(), arena_path="")
+def _job(pid: int, step: int, arena: Path | None = None) -> SimpleNamespace:
+    # Stands in for a ShardJob: a held file needs its owner's pid, its key, its step and its
+    # snapshot arena (none: no tensors).
+    return SimpleNamespace(
+        owner_pid=pid,
+        key=f"job-{pid}-{step}",
+        step=step,
+        slots=(1,) if arena else (),
+        arena_path=str(arena or ""),
+    )
 
 
 def test_pid_alive_since_tells_the_process_that_wrote_a_file_from_a_later_one_with_its_pid():
@@ -86,20 +100,38 @@ def test_a_held_job_whose_pid_now_runs_a_later_process_is_taken_as_a_dead_worker
     assert [job.step for _, job, _ in _held.orphans(node)] == [3]
 
 
-def test_a_held_job_taken_by_an_uploader_that_died_before_running_it_is_taken_again(node):
-    # Before: the taker's rename to .taken hid the job from every later look, so a save that
-    # had returned was lost when the uploader that took it died.
-    _held.hold(node, _job(dead_pid(), 7), None)
+def test_a_held_job_whose_uploader_died_in_the_middle_of_it_is_taken_again_and_runs(node, tmp_path):
+    # Before: the taker's rename to .taken hid the job from every later look, and the claim
+    # it had made on the snapshot would have read as the worker's (superseded): a save that
+    # had returned was lost with the uploader that took it.
+    arena = tmp_path / "rank-00000-1-0-0.arena"
+    arena.write_bytes(b"x")
+    job = _job(dead_pid(), 7, arena)
+    _held.hold(node, job, None)
     taker = subprocess.run(
         [sys.executable, "-c", TAKE_AND_DIE, node], capture_output=True, text=True, timeout=120, check=False
     )
     assert taker.returncode == 0, taker.stderr
-    assert taker.stdout.split() == ["7"]  # that process took it, then exited without running it
+    assert taker.stdout.split() == ["7"]  # that process took it, began it and exited
 
     again = _held.orphans(node)
 
-    assert [job.step for _, job, _ in again] == [7]
+    assert [j.step for _, j, _ in again] == [7]
+    assert claim(arena, job.key)  # its snapshot is this uploader's to read
     assert _held.orphans(node) == []  # this live process holds it now
+
+
+def test_a_dead_workers_held_job_it_had_superseded_is_dropped_not_run(node, tmp_path):
+    # Its arena holds the newer save's snapshot. Dropped when first taken, it can never be
+    # taken again after a taker's death, where the claim found is removed as the taker's.
+    arena = tmp_path / "rank-00000-1-0-0.arena"
+    arena.write_bytes(b"x")
+    job = _job(dead_pid(), 3, arena)
+    _held.hold(node, job, None)
+    assert claim(arena, job.key)  # the worker claimed the waiting job's snapshot for a newer save
+
+    assert _held.orphans(node) == []
+    assert list(_held.held_dir(node).iterdir()) == []
 
 
 def test_a_job_taken_by_a_live_uploader_is_not_run_again_by_its_worker_or_another_look(node):

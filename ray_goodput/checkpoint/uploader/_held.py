@@ -16,7 +16,8 @@ A file is taken by renaming it to ``.<taker pid>.taken`` (one of several takers 
 removed when its job has ended. The name carries the worker's pid and the job's key; the
 worker is dead when no process runs under that pid, or the one that does started well after
 the file was written (the pid was reused: ``runtime.pid_alive``'s ``since``). A job whose
-taker died before its job ended is taken again by the next look, as a dead worker's is.
+taker died is taken again by the next look, as a dead worker's is, and runs again from its
+snapshot (``_settle_claim`` says why the claim the dead taker left is its own).
 
 Held jobs of a node whose uploader never comes up again (the node's Ray instance is gone:
 its id is not reused) would stay; each uploader, at its start, removes the files under other
@@ -120,8 +121,26 @@ def orphans(node_id: str) -> list[tuple[Path, ShardJob, bytes | None]]:
             logger.warning("cannot read the held job %s of a dead worker: %s; dropping it", taken, exc)
             taken.unlink(missing_ok=True)
             continue
+        if job.slots and not _settle_claim(job, retaken=name.endswith(_TAKEN)):
+            logger.info("held job %s was superseded by its worker before it died; dropping it", job.key)
+            remove(taken, job)
+            continue
         out.append((taken, job, root))
     return sorted(out, key=lambda t: t[1].step)
+
+
+def _settle_claim(job: ShardJob, *, retaken: bool) -> bool:
+    """Whether ``job``'s snapshot is still its own, for the uploader's claim before reading.
+
+    Only the worker writes its arenas, after claiming the waiting job's snapshot (to
+    supersede it), and only while alive: so a claim found when a dead worker's job is first
+    taken is the worker's (superseded: False), and a claim found when a dead taker's job is
+    taken again is that taker's, made as it began the job: it is removed, and the job runs
+    again from the same snapshot."""
+    if retaken:
+        _arena.drop_claim(job.arena_path, job.key)
+        return True
+    return not _arena.claim_path(job.arena_path, job.key).exists()
 
 
 def _holder(name: str) -> int | None:
