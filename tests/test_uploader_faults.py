@@ -4,10 +4,13 @@ upload that the uploader's wait gives up on, and no uploader left behind after a
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from types import SimpleNamespace
 
 import pytest
@@ -99,6 +102,27 @@ def _wait_committed(uri: str, step: int, timeout: float = 120) -> None:
         what=f"step {step} committed in {uri}",
         interval_s=0.2,
     )
+
+
+@contextlib.contextmanager
+def _uploader_stopped(node: str) -> Iterator[None]:
+    """The node's uploader process stopped (SIGSTOP) for the block: it cannot answer."""
+    from ray_goodput.checkpoint.uploader._actor import _actor_class
+
+    uploader = _services.get_or_create(_actor_class(), KIND, node, node_id=node, max_concurrency=64)
+    pid = ray.get(uploader.__ray_call__.remote(lambda self: os.getpid()), timeout=60)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+def _save_and_die(node: str, uri: str, *, seed: int, step: int) -> None:
+    """A new worker on ``node`` saves ``step`` and is SIGKILLed the moment save() returned."""
+    worker = _on(node).remote(uri, seed=seed)
+    with pytest.raises(ray.exceptions.RayActorError):  # not GetTimeoutError: save() did not wait
+        ray.get(worker.save_and_die.remote(step), timeout=60)
 
 
 class _Placed:
@@ -285,24 +309,14 @@ def test_a_worker_killed_before_its_uploader_answered_still_commits_its_save(ray
     # process is stopped (SIGSTOP) before the worker exists, so it cannot answer; the
     # worker is SIGKILLed the moment save() returned; once the uploader runs again it takes
     # the dead worker's job from the file and commits it.
-    import signal
-
     from ray_goodput.checkpoint.uploader import _held
-    from ray_goodput.checkpoint.uploader._actor import _actor_class
 
     uri = s3_server.bucket_uri("held")
     node = _other_node(ray_cluster)
-    uploader = _services.get_or_create(_actor_class(), KIND, node, node_id=node, max_concurrency=64)
-    pid = ray.get(uploader.__ray_call__.remote(lambda self: os.getpid()), timeout=60)
-    os.kill(pid, signal.SIGSTOP)
-    try:
-        worker = _on(node).remote(uri, seed=3)
-        with pytest.raises(ray.exceptions.RayActorError):  # not GetTimeoutError: save() did not wait
-            ray.get(worker.save_and_die.remote(7), timeout=60)
+    with _uploader_stopped(node):
+        _save_and_die(node, uri, seed=3, step=7)
         assert [p.name for p in _held.held_dir(node).glob("*.job")], "the job was not held in a file"
         assert not any(i.step == 7 for i in list_checkpoints(uri))
-    finally:
-        os.kill(pid, signal.SIGCONT)
     _wait_committed(uri, 7)
     wait_for(lambda: not list(_held.held_dir(node).iterdir()), timeout_s=60, what="the held job's file removed")
     reader = _on(node).remote(uri, seed=4)
@@ -319,29 +333,20 @@ def test_a_killed_workers_held_save_survives_the_next_workers_sweep_of_dead_aren
     # save of the first attempt committed). The uploader is stopped, as above, until the
     # sweep a new worker makes has run.
     import pickle
-    import signal
     from pathlib import Path
 
     from ray_goodput.checkpoint.save._arena import sweep_dead
     from ray_goodput.checkpoint.uploader import _held
-    from ray_goodput.checkpoint.uploader._actor import _actor_class
 
     uri = s3_server.bucket_uri("held-swept")
     node = _other_node(ray_cluster)
-    uploader = _services.get_or_create(_actor_class(), KIND, node, node_id=node, max_concurrency=64)
-    pid = ray.get(uploader.__ray_call__.remote(lambda self: os.getpid()), timeout=60)
-    os.kill(pid, signal.SIGSTOP)
-    try:
-        worker = _on(node).remote(uri, seed=5)
-        with pytest.raises(ray.exceptions.RayActorError):
-            ray.get(worker.save_and_die.remote(3), timeout=60)
+    with _uploader_stopped(node):
+        _save_and_die(node, uri, seed=5, step=3)
         [held] = _held.held_dir(node).glob("*.job")
         job, _ = pickle.loads(held.read_bytes())
         arena = Path(job.arena_path)
         sweep_dead(arena.parent)  # what the run's next worker does as it makes its arenas
         assert arena.exists(), "the held job's snapshot arena was swept"
-    finally:
-        os.kill(pid, signal.SIGCONT)
     _wait_committed(uri, 3)
     wait_for(lambda: not list(_held.held_dir(node).iterdir()), timeout_s=60, what="the held job's file removed")
     sweep_dead(arena.parent)  # the job was taken: now it goes, with its pin
