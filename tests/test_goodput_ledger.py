@@ -125,3 +125,30 @@ def test_steps_with_fewer_replicas_than_configured_count_their_missing_share_as_
     assert ledger.seconds["productive"] == pytest.approx(10 * 0.9 - 3 * 0.9 * 0.5)
     assert sum(ledger.seconds.values()) == pytest.approx(ledger.total)
     assert ledger.steps_kept == 10 and ledger.failures == 0  # no restart: the job kept going
+
+
+def test_a_replicas_wait_for_its_quorum_at_a_failure_and_its_uncommitted_step_are_not_productive():
+    # Replica mode: the survivor's step that failed at a peer's death does not commit, and
+    # its retry first waits in the quorum for the dead peer's heartbeat to time out. Before,
+    # both sat in the next committed step's window and counted as productive work (half of
+    # it, at 1 of 2 replicas): the survivors' stall at each failure raised goodput.
+    a = _attempt(100.0, 0, 10, end=True)
+    steps = [e for e in a if e["e"] == "step"]
+    steps[0]["wait"] = 0.3  # the first quorum, waiting for every replica: start-up
+    i = a.index(steps[5])
+    t0 = steps[5]["t0"]
+    failed = {"e": "uncommitted", "t0": t0, "t": t0 + 0.4}  # step 6's first try; its all-reduce failed
+    a.insert(i, failed)
+    for e in steps[5:]:  # everything after moves by the failed try and the wait
+        e["t0"] += 0.4 + (1.2 if e is not steps[5] else 0.0)
+        e["t"] += 0.4 + 1.2
+    steps[5].update(wait=1.2, capacity=0.5)  # the retry, alone: 1.2 s in the quorum
+    a[-1]["t"] += 1.6
+    ledger = compute([a], job_start=100.0)
+
+    assert ledger.seconds["lost"] == pytest.approx(0.4)
+    assert ledger.seconds["restart_downtime"] == pytest.approx(1.2)
+    assert ledger.seconds["startup"] == pytest.approx(2.0 + 0.3)
+    assert ledger.seconds["productive"] + ledger.seconds["degraded"] == pytest.approx(10 * 0.9 - 0.3)
+    assert sum(ledger.seconds.values()) == pytest.approx(ledger.total)
+    assert ledger.steps_kept == 10 and ledger.steps_lost == 0 and ledger.failures == 0

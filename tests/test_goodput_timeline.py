@@ -52,6 +52,25 @@ def test_timeline_shows_a_replacement_and_its_degraded_share_as_the_ledger_count
     assert found == [("replica_lost", step[4]["t0"]), ("replica_back", step[7]["t0"])]
 
 
+def test_timeline_draws_a_replicas_quorum_wait_and_uncommitted_step_as_the_ledger_counts_them():
+    attempt = _attempt(100.0, 0, 4, end=True)
+    steps = [e for e in attempt if e["e"] == "step"]
+    t0 = steps[2]["t0"]
+    attempt.insert(attempt.index(steps[2]), {"e": "uncommitted", "t0": t0, "t": t0 + 0.4})
+    for e in steps[2:]:
+        e["t0"] += 0.4 if e is steps[2] else 1.6
+        e["t"] += 1.6
+    steps[2]["wait"] = 1.2
+    attempt[-1]["t"] += 1.6
+    ledger = compute([attempt], job_start=100.0)
+    per_bucket: dict[str, float] = {}
+    for s in spans([attempt], job_start=100.0):
+        per_bucket[s.bucket] = per_bucket.get(s.bucket, 0.0) + s.end - s.start
+    for bucket in ("lost", "restart_downtime", "productive", "data_stall"):
+        assert per_bucket.get(bucket, 0.0) == pytest.approx(ledger.seconds[bucket]), bucket
+    assert ledger.seconds["lost"] == pytest.approx(0.4) and ledger.seconds["restart_downtime"] == pytest.approx(1.2)
+
+
 def test_timeline_png_is_written(tmp_path):
     path = tmp_path / "timeline.png"
     timeline_png(_two_attempts(), str(path), job_start=95.0, notes={1: "excluded n1"})

@@ -221,3 +221,20 @@ def test_replica_mode_publishes_the_ledger_while_it_runs_not_only_at_its_end(one
     final = max(history, key=lambda m: (m.step, m.timestamp))  # a refresh may share the final's second
     assert final.value == run.data.metrics["goodput/goodput"] > 0
     assert len(history) >= 2 and min(m.step for m in history) < final.step, [(m.step, m.value) for m in history]
+
+
+@one_killed_run
+def test_the_survivors_stall_at_a_replica_kill_is_booked_as_failure_cost_not_productive_time(one_killed):
+    """The survivor's wait for the dead replica's heartbeat to time out (and its step that
+    failed with it) sat in the next committed step's window and counted as work: the ledger
+    now books the quorum wait as restart downtime and the failed try as lost. Before, both
+    were 0 in this run (no whole-group restart, no steps redone)."""
+    from mlflow import MlflowClient
+
+    root, _ = one_killed
+    client = MlflowClient(tracking_uri=f"sqlite:///{root / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("ray_goodput").experiment_id])
+    metrics = run.data.metrics
+    stall = metrics["goodput/restart_downtime_s"] + metrics["goodput/lost_s"]
+    assert stall >= 0.5 * ReplicaGroups().heartbeat_timeout_s, metrics
+    assert metrics["goodput/degraded_s"] > 0  # the survivor stepped alone meanwhile

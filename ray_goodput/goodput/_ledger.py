@@ -8,12 +8,16 @@ Buckets (named after the ml-goodput-measurement taxonomy where they match):
   have computed (a step of P of R configured replicas is P/R productive): capacity lost
   while a replica was replaced, not time,
 - ``lost``: steps computed after the checkpoint the next attempt resumed from (redone),
+  and in replica mode a step's try that did not commit (a peer died in it; retried),
 - ``checkpoint_stall``: the loop blocked by ``Checkpointer.save``,
 - ``data_stall``: the loop waiting for a batch,
 - ``restore``: loading a checkpoint,
 - ``restart_downtime``: from an attempt's last sign of life to the next attempt's first
-  step (detection, teardown, rescheduling, process and model setup),
-- ``startup``: from job start to the first attempt's first step,
+  step (detection, teardown, rescheduling, process and model setup); in replica mode also
+  a step's wait in its quorum when the replicas in it changed (a dead peer's heartbeat
+  timing out, a replacement joining and healing from this replica),
+- ``startup``: from job start to the first attempt's first step (with, in replica mode,
+  its first quorum's wait for every replica),
 - ``other``: everything else (e.g. waiting for uploads at the end, evaluation).
 """
 
@@ -94,14 +98,19 @@ def _first_progress(events: list[dict[str, Any]]) -> float | None:
     return next((e["t0"] for e in events if e["e"] == "step"), None)
 
 
-def _account_steps(ledger: Ledger, events: list[dict[str, Any]], keep_upto: int | None) -> int:
-    """Add an attempt's steps; returns the last step it reached."""
+def _account_steps(ledger: Ledger, events: list[dict[str, Any]], keep_upto: int | None, *, first: bool) -> int:
+    """Add an attempt's steps (``first``: of the job's first attempt); returns the last step
+    it reached."""
     last = 0
     for e in events:
+        if e["e"] == "uncommitted":  # replica mode: a try of a step that was then retried
+            ledger.seconds["lost"] += max(0.0, e["t"] - e["t0"])
+            continue
         if e["e"] != "step":
             continue
-        fetch, ckpt = e.get("fetch", 0.0), e.get("ckpt", 0.0)
-        work = max(0.0, e["t"] - e["t0"] - fetch - ckpt)
+        fetch, ckpt, wait = e.get("fetch", 0.0), e.get("ckpt", 0.0), e.get("wait", 0.0)
+        ledger.seconds["startup" if first and last == 0 else "restart_downtime"] += wait
+        work = max(0.0, e["t"] - e["t0"] - fetch - ckpt - wait)
         n = max(1, int(e.get("n", 1)))
         first = e["step"] - n + 1
         kept_steps = n if keep_upto is None else max(0, min(n, keep_upto - first + 1))
@@ -143,7 +152,7 @@ def compute(
         # From the previous attempt's last sign of life to this one's first step, less the restore.
         gap = max(0.0, first - prev_end - restore)
         ledger.seconds["startup" if i == 0 else "restart_downtime"] += gap
-        last = _account_steps(ledger, events, keep_upto)
+        last = _account_steps(ledger, events, keep_upto, first=i == 0)
         if nxt is not None:
             ledger.steps_lost += max(0, last - keep_upto)
         else:

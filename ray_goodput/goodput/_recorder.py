@@ -75,9 +75,18 @@ class StepRecorder:
             self.log.emit("recovery_point", step=step, at=at, t=time.time())
             self._flush_if_ended()
 
-    def step(self, step: int, *, fetch_seconds: float = 0.0, explicit: bool = True, capacity: float = 1.0) -> None:
+    def step(
+        self,
+        step: int,
+        *,
+        fetch_seconds: float = 0.0,
+        explicit: bool = True,
+        capacity: float = 1.0,
+        wait_seconds: float = 0.0,
+    ) -> None:
         """Step ``step`` just finished: everything since the previous mark belongs to it.
-        ``capacity``: the share of the configured replicas that computed it (replica mode)."""
+        Replica mode: ``capacity`` is the share of the configured replicas that computed it,
+        ``wait_seconds`` its wait in a quorum whose replicas changed (not work)."""
         now = time.time()
         with self._lock:
             if explicit:
@@ -95,10 +104,22 @@ class StepRecorder:
             }
             if capacity < 1.0:
                 event["capacity"] = capacity
+            if wait_seconds > 0:
+                event["wait"] = wait_seconds
             self._mark, self._last_step = now, step
             self._fetch = self._ckpt = 0.0
         if self.log is not None:
             self.log.emit("step", **event)
+
+    def uncommitted(self) -> None:
+        """Replica mode: the step since the previous mark did not commit (a peer failed in
+        it) and is tried again: its time is lost work, not the retry's."""
+        now = time.time()
+        with self._lock:
+            t0, self._mark = self._mark, now
+            self._fetch = self._ckpt = 0.0
+        if self.log is not None:
+            self.log.emit("uncommitted", t0=t0, t=now)
 
     def end(self) -> None:
         """The training function finished cleanly."""

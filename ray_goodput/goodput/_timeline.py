@@ -1,8 +1,9 @@
 """The job as a timeline: one row per attempt, time across, each span in its ledger bucket.
 
 Pure span computation (:func:`spans`, :func:`marks`) plus a PNG renderer. A step event
-says how long the step waited for data and for a checkpoint save, not when inside the
-step; the timeline draws the wait first, then the compute, then the checkpoint stall.
+says how long the step waited for its quorum (replica mode), for data and for a checkpoint
+save, not when inside the step; the timeline draws the waits first, then the compute, then
+the checkpoint stall.
 """
 
 from __future__ import annotations
@@ -38,16 +39,20 @@ class Mark:
     label: str
 
 
-def _step_spans(row: int, e: dict[str, Any], kept: bool) -> list[Span]:
-    fetch, ckpt = e.get("fetch", 0.0), e.get("ckpt", 0.0)
-    work_end = max(e["t0"] + fetch, e["t"] - ckpt)
+def _step_spans(row: int, e: dict[str, Any], kept: bool, first: bool) -> list[Span]:
+    """A step's window: its quorum wait (replica mode; start-up in the job's ``first``
+    step), its data wait, its compute, its checkpoint stall."""
+    fetch, ckpt, wait = e.get("fetch", 0.0), e.get("ckpt", 0.0), e.get("wait", 0.0)
+    start = e["t0"] + wait + fetch
+    work_end = max(start, e["t"] - ckpt)
     if kept:  # with fewer replicas than configured, the missing share is degraded (the ledger's)
-        split = e["t0"] + fetch + (work_end - e["t0"] - fetch) * min(1.0, e.get("capacity", 1.0))
-        work = [Span(row, e["t0"] + fetch, split, "productive"), Span(row, split, work_end, "degraded")]
+        split = start + (work_end - start) * min(1.0, e.get("capacity", 1.0))
+        work = [Span(row, start, split, "productive"), Span(row, split, work_end, "degraded")]
     else:
-        work = [Span(row, e["t0"] + fetch, work_end, "lost")]
+        work = [Span(row, start, work_end, "lost")]
     return [
-        Span(row, e["t0"], e["t0"] + fetch, "data_stall"),
+        Span(row, e["t0"], e["t0"] + wait, "startup" if first else "restart_downtime"),
+        Span(row, e["t0"] + wait, start, "data_stall"),
         *work,
         Span(row, work_end, e["t"], "checkpoint_stall"),
     ]
@@ -63,11 +68,15 @@ def spans(attempts: list[list[dict[str, Any]]], job_start: float | None = None) 
         keep_upto = resumed_from(nxt) if nxt is not None else None
         first = next((e["t0"] for e in events if e["e"] in ("step", "restore")), events[-1]["t"])
         out.append(Span(row, prev_end, first, "startup" if row == 0 else "restart_downtime"))
+        stepped = False
         for e in events:
             if e["e"] == "restore":
                 out.append(Span(row, e["t0"], e["t"], "restore"))
+            elif e["e"] == "uncommitted":  # replica mode: a try of a step that was retried
+                out.append(Span(row, e["t0"], e["t"], "lost"))
             elif e["e"] == "step":
-                out += _step_spans(row, e, keep_upto is None or e["step"] <= keep_upto)
+                out += _step_spans(row, e, keep_upto is None or e["step"] <= keep_upto, row == 0 and not stepped)
+                stepped = True
         prev_end = events[-1]["t"]
     return [s for s in out if s.end > s.start]
 

@@ -114,6 +114,8 @@ class Replica:
         self._order: tuple[int, np.ndarray] | None = None
         self._save_every = save_every
         self._participants = 0
+        self._quorum_wait_s = 0.0  # the step's wait in a quorum whose replicas changed (the ledger's)
+        self._retrying = False  # the step before did not commit
         self._in_step = False
         self._first_quorum = True
         self._drop_step = False
@@ -287,10 +289,16 @@ class Replica:
             if self._in_step:
                 raise ConfigError("call Replica.step() after the backward pass of each batch")
             self._optim.zero_grad()
+            began = time.perf_counter()
             self._join_quorum()
+            waited = time.perf_counter() - began
             if self._told_peers_finished():
                 return
             n, rank = self.manager.num_participants(), self.manager.participating_rank()
+            # A quorum of other replicas than the step before (a dead peer timed out, a
+            # replacement joined and healed), or a retry: its wait is the failure's cost, not
+            # work. Otherwise it is the step's own few milliseconds of coordination.
+            self._quorum_wait_s = waited if (n != self._participants or self._retrying) else 0.0
             if rank is None:
                 raise RuntimeError(f"replica {self.slot} is in no quorum position after a synchronous quorum")
             if not pos.epoch_has_step(self._position, len(self._dataset), n, self._batch_size):
@@ -326,13 +334,20 @@ class Replica:
             self.manager.report_error(_RestoredMidQuorum("replica 0 restored the durable checkpoint in this step"))
         if not self.manager.should_commit():
             logger.warning("step %d did not commit on replica %d; it is retried", self.current_step + 1, self.slot)
+            self._recorder.uncommitted()
+            self._retrying = True
             return False
+        self._retrying = False
         self._optim.step()
         self._position = pos.after_commit(self._position, self._participants, self._batch_size)
         if self._ckpt is not None and self.current_step % self._save_every == 0:
             self._ckpt.save(self.current_step, self._durable_state())
         self._recorder.step(
-            self.current_step, fetch_seconds=self._fetch_s, explicit=True, capacity=self._participants / self.configured
+            self.current_step,
+            fetch_seconds=self._fetch_s,
+            explicit=True,
+            capacity=self._participants / self.configured,
+            wait_seconds=self._quorum_wait_s,
         )
         logger.debug(
             "step %d committed with %d participants in %.3f s",
