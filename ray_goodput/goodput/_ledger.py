@@ -98,9 +98,9 @@ def _first_progress(events: list[dict[str, Any]]) -> float | None:
     return next((e["t0"] for e in events if e["e"] == "step"), None)
 
 
-def _account_steps(ledger: Ledger, events: list[dict[str, Any]], keep_upto: int | None, *, first: bool) -> int:
-    """Add an attempt's steps (``first``: of the job's first attempt); returns the last step
-    it reached."""
+def _account_steps(ledger: Ledger, events: list[dict[str, Any]], keep_upto: int | None, *, first_attempt: bool) -> int:
+    """Add an attempt's steps (``first_attempt``: the job's first); returns the last step it
+    reached."""
     last = 0
     for e in events:
         if e["e"] == "uncommitted":  # replica mode: a try of a step that was then retried
@@ -109,7 +109,7 @@ def _account_steps(ledger: Ledger, events: list[dict[str, Any]], keep_upto: int 
         if e["e"] != "step":
             continue
         fetch, ckpt, wait = e.get("fetch", 0.0), e.get("ckpt", 0.0), e.get("wait", 0.0)
-        ledger.seconds["startup" if first and last == 0 else "restart_downtime"] += wait
+        ledger.seconds["startup" if first_attempt and last == 0 else "restart_downtime"] += wait
         work = max(0.0, e["t"] - e["t0"] - fetch - ckpt - wait)
         n = max(1, int(e.get("n", 1)))
         first = e["step"] - n + 1
@@ -152,7 +152,7 @@ def compute(
         # From the previous attempt's last sign of life to this one's first step, less the restore.
         gap = max(0.0, first - prev_end - restore)
         ledger.seconds["startup" if i == 0 else "restart_downtime"] += gap
-        last = _account_steps(ledger, events, keep_upto, first=i == 0)
+        last = _account_steps(ledger, events, keep_upto, first_attempt=i == 0)
         if nxt is not None:
             ledger.steps_lost += max(0, last - keep_upto)
         else:
