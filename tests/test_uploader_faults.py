@@ -303,54 +303,42 @@ def test_status_then_uploader_exits_when_its_clients_close(ray_cluster, tmp_path
     )
 
 
-def test_a_worker_killed_before_its_uploader_answered_still_commits_its_save(ray_cluster, s3_server):
+def test_a_worker_killed_before_its_uploader_answered_still_commits_its_save_through_the_next_workers_sweep(
+    ray_cluster, s3_server
+):
     # A save made before the worker's first connection to the uploader is made does not wait
     # for it: its job is held in a file of the node until handed over. Here the uploader
     # process is stopped (SIGSTOP) before the worker exists, so it cannot answer; the
     # worker is SIGKILLed the moment save() returned; once the uploader runs again it takes
-    # the dead worker's job from the file and commits it.
-    from ray_goodput.checkpoint.uploader import _held
-
-    uri = s3_server.bucket_uri("held")
-    node = _other_node(ray_cluster)
-    with _uploader_stopped(node):
-        _save_and_die(node, uri, seed=3, step=7)
-        assert [p.name for p in _held.held_dir(node).glob("*.job")], "the job was not held in a file"
-        assert not any(i.step == 7 for i in list_checkpoints(uri))
-    _wait_committed(uri, 7)
-    wait_for(lambda: not list(_held.held_dir(node).iterdir()), timeout_s=60, what="the held job's file removed")
-    reader = _on(node).remote(uri, seed=4)
-    step, tensors = ray.get(reader.restore.remote())
-    assert step == 7
-    assert all(torch.equal(a, b) for a, b in zip(tensors, _big_state(3)["model"].state_dict().values()))
-    ray.get(reader.close.remote())
-
-
-def test_a_killed_workers_held_save_survives_the_next_workers_sweep_of_dead_arenas(ray_cluster, s3_server):
-    # Before: the next worker of the run (a restarted attempt) swept the dead worker's
-    # snapshot arena as it started, before the uploader had taken the held job, and the save
-    # that had returned was lost (seen in the restart-fidelity test on a loaded machine: no
-    # save of the first attempt committed). The uploader is stopped, as above, until the
-    # sweep a new worker makes has run.
+    # the dead worker's job from the file and commits it. Meanwhile the run's next worker
+    # sweeps dead workers' arenas as it makes its own: before, that unlinked the held job's
+    # snapshot and the save was lost (seen in the restart-fidelity test on a loaded machine:
+    # no save of the first attempt committed).
     import pickle
     from pathlib import Path
 
     from ray_goodput.checkpoint.save._arena import sweep_dead
     from ray_goodput.checkpoint.uploader import _held
 
-    uri = s3_server.bucket_uri("held-swept")
+    uri = s3_server.bucket_uri("held")
     node = _other_node(ray_cluster)
     with _uploader_stopped(node):
-        _save_and_die(node, uri, seed=5, step=3)
-        [held] = _held.held_dir(node).glob("*.job")
+        _save_and_die(node, uri, seed=3, step=7)
+        [held] = _held.held_dir(node).glob("*.job")  # the job was held in a file
+        assert not any(i.step == 7 for i in list_checkpoints(uri))
         job, _ = pickle.loads(held.read_bytes())
         arena = Path(job.arena_path)
         sweep_dead(arena.parent)  # what the run's next worker does as it makes its arenas
         assert arena.exists(), "the held job's snapshot arena was swept"
-    _wait_committed(uri, 3)
+    _wait_committed(uri, 7)
     wait_for(lambda: not list(_held.held_dir(node).iterdir()), timeout_s=60, what="the held job's file removed")
-    sweep_dead(arena.parent)  # the job was taken: now it goes, with its pin
+    sweep_dead(arena.parent)  # the job was taken: now the arena goes, with its mark
     assert not list(arena.parent.glob(arena.name + "*"))
+    reader = _on(node).remote(uri, seed=4)
+    step, tensors = ray.get(reader.restore.remote())
+    assert step == 7
+    assert all(torch.equal(a, b) for a, b in zip(tensors, _big_state(3)["model"].state_dict().values()))
+    ray.get(reader.close.remote())
 
 
 def test_the_uploaders_wait_for_a_result_ends_at_its_bound(ray_cluster, s3_server):
