@@ -12,6 +12,7 @@ when a run finishes) or by themselves when the job that created them is gone.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from ray_goodput._lazy import LazyModule
@@ -22,6 +23,10 @@ scheduling = LazyModule("ray.util.scheduling_strategies")
 logger = logging.getLogger(__name__)
 
 NAMESPACE = "ray_goodput"
+#: Tries of a service's lookup-or-create that fails inside Ray (``get_or_create``), and
+#: the pause before the next (times the try's number).
+LOOKUP_TRIES = 3
+_LOOKUP_PAUSE_S = 0.2
 
 
 def actor_name(kind: str, node_id: str) -> str:
@@ -49,7 +54,7 @@ def get_or_create(
     """
     node_id = node_id or current_node_id()
     extra = {"runtime_env": runtime_env} if runtime_env else {}
-    return actor_cls.options(
+    options = actor_cls.options(
         **extra,
         name=actor_name(kind, node_id),
         namespace=NAMESPACE,
@@ -59,7 +64,24 @@ def get_or_create(
         max_concurrency=max_concurrency,
         max_restarts=0,
         scheduling_strategy=scheduling.NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
-    ).remote(*args, **kwargs)
+    )
+    for attempt in range(1, LOOKUP_TRIES):
+        try:
+            return options.remote(*args, **kwargs)
+        except AssertionError:
+            # Ray 2.60: when the actor exists, get_if_exists reads its class back from GCS,
+            # and while another process is creating it that read can come back empty (an
+            # AssertionError inside Ray; ray-project/ray#41324). Seen once in the CI soak.
+            logger.warning(
+                "looking up the %s service of node %s failed inside Ray (try %d of %d); trying again",
+                kind,
+                node_id,
+                attempt,
+                LOOKUP_TRIES,
+                exc_info=True,
+            )
+            time.sleep(_LOOKUP_PAUSE_S * attempt)
+    return options.remote(*args, **kwargs)  # the last try: what it meets is raised
 
 
 def find(kind: str) -> dict[str, Any]:
