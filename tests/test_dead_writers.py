@@ -38,7 +38,6 @@ LONG_AGO_S = 600  # before this process started: well past pid_alive's slack
 TAKE_AND_DIE = """
 import sys
 from ray_goodput.checkpoint.save import _arena
-from ray_goodput.checkpoint.save._arena import claim
 from ray_goodput.checkpoint.uploader import _held
 taken = _held.orphans(sys.argv[1])
 for _, job, _ in taken:
@@ -142,7 +141,7 @@ def test_a_job_taken_by_a_live_uploader_is_not_run_again_by_its_worker_or_anothe
 
     assert not _held.take(node, job)  # the same job handed over by its worker is a duplicate
     assert _held.orphans(node) == []
-    _held.remove(path, _job(dead, 2))
+    _held.remove(path, job)
     assert list(_held.held_dir(node).iterdir()) == []
 
 
