@@ -39,6 +39,7 @@ def test_failure_splits_kept_lost_and_downtime():
     ledger = compute([second, first], job_start=100.0)  # order does not matter
     assert ledger.attempts == 2 and ledger.failures == 1
     assert ledger.steps_lost == 5 and ledger.steps_kept == 20
+    assert ledger.work_steps == pytest.approx(20)  # 10 of the first attempt's 15, all 10 of the second
     assert ledger.seconds["lost"] == pytest.approx(5 * 0.9)
     assert ledger.seconds["productive"] == pytest.approx(20 * 0.9)
     assert ledger.seconds["restart_downtime"] == pytest.approx(6.0 + 2.0)
@@ -125,6 +126,18 @@ def test_steps_with_fewer_replicas_than_configured_count_their_missing_share_as_
     assert ledger.seconds["productive"] == pytest.approx(10 * 0.9 - 3 * 0.9 * 0.5)
     assert sum(ledger.seconds.values()) == pytest.approx(ledger.total)
     assert ledger.steps_kept == 10 and ledger.failures == 0  # no restart: the job kept going
+    assert ledger.work_steps == pytest.approx(7 + 3 * 0.5)
+    assert ledger.as_metrics()["goodput/work_steps"] == pytest.approx(8.5)
+
+
+def test_work_steps_do_not_grow_with_the_steps_duration_as_goodput_does():
+    # Two jobs doing the same kept work with the same fixed costs, one with steps twice as
+    # long: goodput (a share of time) is higher for the slower one, the work is the same.
+    fast = compute([_attempt(100.0, 0, 10, end=True)], job_start=95.0)
+    slow = compute([_attempt(100.0, 0, 10, step_s=2.0, end=True)], job_start=95.0)
+    assert slow.goodput > fast.goodput
+    assert slow.work_steps == fast.work_steps == pytest.approx(10)
+    assert fast.work_steps / fast.total > slow.work_steps / slow.total
 
 
 def test_a_replicas_wait_for_its_quorum_at_a_failure_and_its_uncommitted_step_are_not_productive():

@@ -238,3 +238,5 @@ def test_the_survivors_stall_at_a_replica_kill_is_booked_as_failure_cost_not_pro
     stall = metrics["goodput/restart_downtime_s"] + metrics["goodput/lost_s"]
     assert stall >= 0.5 * ReplicaGroups().heartbeat_timeout_s, metrics
     assert metrics["goodput/degraded_s"] > 0  # the survivor stepped alone meanwhile
+    # Its steps alone count half a step of work each: the job's work is below its steps.
+    assert STEPS / 2 < metrics["goodput/work_steps"] < STEPS, metrics

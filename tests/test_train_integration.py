@@ -36,6 +36,7 @@ def test_quickstart_resumes_from_last_committed(ray_local, tmp_path, capsys):
     assert abs(sum(g["seconds"].values()) - g["total_s"]) <= 0.01 * g["total_s"]
     assert 0.5 * wall < g["total_s"] <= wall  # job start to the last event, within fit()
     assert g["steps_lost"] == resume["lost"] and g["steps_kept"] == 40
+    assert g["work_steps"] == 40  # every kept step was computed in this job, at full capacity
     assert g["seconds"]["productive"] > 0 and g["seconds"]["restart_downtime"] > 0
     assert g["seconds"]["lost"] > 0 and g["seconds"]["restore"] > 0
     # One MLflow run with the breakdown and its chart; `ray-goodput report` reads it back.
@@ -44,6 +45,7 @@ def test_quickstart_resumes_from_last_committed(ray_local, tmp_path, capsys):
     (mrun,) = client.search_runs([exp.experiment_id], filter_string=f"tags.mlflow.runName = '{out['name']}'")
     assert mrun.info.status == "FINISHED"
     assert mrun.data.metrics["goodput/steps_lost"] == g["steps_lost"]
+    assert mrun.data.metrics["goodput/work_steps"] == g["work_steps"]
     assert {a.path for a in client.list_artifacts(mrun.info.run_id)} >= {
         "goodput_breakdown.png",
         "goodput_timeline.png",

@@ -50,6 +50,11 @@ class Ledger:
     failures: int = 0
     steps_kept: int = 0
     steps_lost: int = 0
+    #: The kept steps this job computed, each weighted by the share of the configured
+    #: replicas that computed it (replica mode; 1 otherwise): full-capacity steps of work,
+    #: whatever a step's duration. ``work_steps / total`` compares systems whose steps take
+    #: different times, which goodput (a share of time) does not.
+    work_steps: float = 0.0
     checkpoints_superseded: int = 0
     checkpoints_failed: int = 0
     #: Age of the newest committed checkpoint's state at the end (None: none committed),
@@ -77,6 +82,7 @@ class Ledger:
                 "goodput/failures": self.failures,
                 "goodput/steps_kept": self.steps_kept,
                 "goodput/steps_lost": self.steps_lost,
+                "goodput/work_steps": self.work_steps,
                 "goodput/checkpoints_superseded": self.checkpoints_superseded,
                 "goodput/checkpoints_failed": self.checkpoints_failed,
             }
@@ -118,6 +124,7 @@ def _account_steps(ledger: Ledger, events: list[dict[str, Any]], keep_upto: int 
         capacity = min(1.0, max(0.0, float(e.get("capacity", 1.0))))  # replica mode: P of R replicas
         ledger.seconds["productive"] += kept * capacity
         ledger.seconds["degraded"] += kept * (1.0 - capacity)
+        ledger.work_steps += kept_steps * capacity
         ledger.seconds["lost"] += work * (n - kept_steps) / n
         ledger.seconds["data_stall"] += fetch
         ledger.seconds["checkpoint_stall"] += ckpt

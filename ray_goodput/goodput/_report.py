@@ -49,6 +49,7 @@ def summary(ledger: Ledger) -> dict[str, Any]:
         "failures": ledger.failures,
         "steps_kept": ledger.steps_kept,
         "steps_lost": ledger.steps_lost,
+        "work_steps": ledger.work_steps,
         "checkpoints_superseded": ledger.checkpoints_superseded,
         "checkpoints_failed": ledger.checkpoints_failed,
         "recovery_point_age_s": ledger.recovery_point_age_s,
