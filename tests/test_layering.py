@@ -205,6 +205,19 @@ def test_the_demos_training_workers_do_not_import_mlflow():
     )
 
 
+def test_ray_trains_controller_does_not_import_dcp_for_ray_goodputs_callbacks():
+    """Ray Train's controller unpickles the run's callbacks when it starts, before it starts
+    the workers. Recovery's resume choice reads commits, and the commit module imported
+    torch.distributed.checkpoint (DTensor, sympy: 1.1 s on the development machine, more
+    while workers start beside it) on every run's start, for code only a commit runs."""
+    _in_a_fresh_interpreter(
+        "import sys\n"
+        "import ray_goodput.driver._trainer\n"  # every callback ray_goodput.TorchTrainer adds
+        "from ray_goodput.driver import GoodputCallback, Recovery\n"
+        "assert 'torch.distributed.checkpoint' not in sys.modules, 'DCP imported by the controller side'\n"
+    )
+
+
 def test_the_node_cache_actor_does_not_import_torch():
     """A node cache actor imports the module of its class when it starts. Through the
     ``data`` package (its DataLoader) and the worker context it imported torch: ~1.1 s of

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ray_goodput._faults import fault_point
+from ray_goodput._lazy import LazyModule
 from ray_goodput.checkpoint.protocol import _layout
-from ray_goodput.checkpoint.protocol._dcp_parts import merge_parts, part_file
 from ray_goodput.checkpoint.protocol._manifest import (
     Manifest,
     RankMarker,
@@ -54,6 +54,11 @@ from ray_goodput.storage import (
 )
 
 logger = logging.getLogger(__name__)
+
+# Imported by the first commit: the driver and Ray Train's controller read commits (the
+# resume choice) without torch.distributed.checkpoint, whose import (DTensor, sympy) would
+# be on every run's start.
+_dcp_parts = LazyModule("ray_goodput.checkpoint.protocol._dcp_parts")
 
 #: Most storage reads a commit makes at once (markers, metadata parts, the listing).
 _READERS = 16
@@ -201,7 +206,7 @@ class CommitProtocol:
     def _read_part(self, rank: int, local_dir: Path | None) -> bytes:
         """A rank's metadata part: from ``local_dir`` (the caller's staged copy, the bytes
         it uploaded) when given and there, else from storage."""
-        name = part_file(rank, self.save_id)
+        name = _dcp_parts.part_file(rank, self.save_id)
         if local_dir is not None:
             try:
                 return (local_dir / name).read_bytes()
@@ -377,7 +382,7 @@ class CommitProtocol:
             raise IncompleteSaveError(
                 f"step {self.step} save {self.save_id}: a metadata part is gone ({exc}); this save cannot commit"
             ) from exc
-        data, state_keys = merge_parts(raw, self.step)
+        data, state_keys = _dcp_parts.merge_parts(raw, self.step)
         write_bytes(self.step_loc, _layout.DCP_METADATA, data)
         if local_dir is not None and local_dir.is_dir():
             write_local_file(local_dir / _layout.DCP_METADATA, data)
