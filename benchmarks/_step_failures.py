@@ -259,7 +259,7 @@ def table(results: list[dict], args) -> str:
         g, sec = r["ledger"], r["ledger"]["seconds"]
         per = (sec["lost"] + sec["restart_downtime"] + sec["restore"] + sec.get("degraded", 0.0)) / len(r["fail_at"])
         gap = "-" if r["survivor_max_gap_s"] is None else f"{r['survivor_max_gap_s']:.2f}"
-        rate = "-" if _work_rate(r) is None else f"{_work_rate(r):.2f}"
+        rate = "-" if (work_rate := _work_rate(r)) is None else f"{work_rate:.2f}"
         at = r.get("survivor_max_gap_at")
         if at:  # after which step, and the replicas stepping before and after it
             gap += f" (after step {at['after_step']}, {at['replicas_before']}→{at['replicas_after']} replicas)"
