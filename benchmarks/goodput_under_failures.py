@@ -709,6 +709,13 @@ def main() -> int:
     )
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="step-failures: schedule seeds")
     parser.add_argument("--failures", type=int, default=3, help="step-failures: failures per run")
+    parser.add_argument(
+        "--min-gap",
+        type=int,
+        default=5,
+        help="step-failures: fewest steps between two failures; more than a replacement takes, in the "
+        "survivors' steps, or replica mode meets fewer failures than scheduled and the verdict is void",
+    )
     parser.add_argument("--state-mb", type=int, default=72, help="step-failures: DDP state per rank, MiB")
     parser.add_argument(
         "--workers", type=int, default=2, help="step-failures: training workers (replica mode: one replica each)"

@@ -118,3 +118,23 @@ def test_a_published_marker_file_is_never_read_before_its_writer_finished(tmp_pa
     reader.join(timeout=60)
     assert not reader.is_alive()
     assert seen == [len(text)] * 20
+
+
+def _maybe_fail_in_a_process(marker_dir: Path, step: int, *, at: int, or_later: bool) -> int:
+    """Run ``FailAt(at, rank 1, or_later).maybe_fail(step, 1)`` in a new process; its exit code."""
+    code = (
+        "from ray_goodput.testing import FailAt; "
+        f"FailAt(step={at}, rank=1, marker_dir={str(marker_dir)!r}, or_later={or_later}).maybe_fail({step}, 1)"
+    )
+    return subprocess.run([sys.executable, "-c", code], timeout=120).returncode
+
+
+def test_a_failure_due_while_its_rank_was_being_replaced_kills_the_replacement_at_its_first_step(tmp_path):
+    """A replica replaced while its peers stepped past a scheduled failure heals to a later
+    step: with an exact-step FailAt it never met that failure, and the step-failures
+    benchmark compared replica mode, meeting fewer failures, against systems meeting all."""
+    assert _maybe_fail_in_a_process(tmp_path / "exact", 9, at=7, or_later=False) == 0  # step 7 passed unseen
+    assert _maybe_fail_in_a_process(tmp_path / "late", 6, at=7, or_later=True) == 0  # not yet due
+    assert _maybe_fail_in_a_process(tmp_path / "late", 9, at=7, or_later=True) == -9  # due since step 7: SIGKILL
+    assert (tmp_path / "late" / "fault-step7-rank1.fired").exists()
+    assert _maybe_fail_in_a_process(tmp_path / "late", 10, at=7, or_later=True) == 0  # once per marker_dir

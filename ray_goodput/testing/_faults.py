@@ -21,6 +21,12 @@ class FailAt:
     """Kill the process at ``step`` on ``rank``, once per ``marker_dir`` (a restarted
     worker group passes the same step again without dying).
 
+    ``or_later``: kill at the first step at or after ``step`` that ``rank`` reaches. A
+    schedule counted in steps of work needs it in replica mode: a replica being replaced
+    while the others step past ``step`` would otherwise never meet that failure (its
+    replacement heals to a later step); with ``or_later`` the replacement dies at its first
+    step, and each scheduled failure is met once.
+
     ``marker_dir`` must be shared by all attempts (a path on the same machine or a
     shared filesystem).
     """
@@ -29,6 +35,7 @@ class FailAt:
     rank: int
     marker_dir: str
     name: str = "fault"
+    or_later: bool = False
 
     def _marker(self) -> Path:
         return Path(self.marker_dir) / f"{self.name}-step{self.step}-rank{self.rank}.fired"
@@ -39,7 +46,8 @@ class FailAt:
 
     def maybe_fail(self, step: int, rank: int) -> None:
         """Call once per step; kills this process the first time (step, rank) match."""
-        if step != self.step or rank != self.rank or self.fired:
+        due = step >= self.step if self.or_later else step == self.step
+        if not due or rank != self.rank or self.fired:
             return
         self._marker().parent.mkdir(parents=True, exist_ok=True)
         self._marker().write_text(str(os.getpid()))
