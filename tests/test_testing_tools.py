@@ -120,11 +120,12 @@ def test_a_published_marker_file_is_never_read_before_its_writer_finished(tmp_pa
     assert seen == [len(text)] * 20
 
 
-def _maybe_fail_in_a_process(marker_dir: Path, step: int, *, at: int, or_later: bool) -> int:
-    """Run ``FailAt(at, rank 1, or_later).maybe_fail(step, 1)`` in a new process; its exit code."""
-    code = (
-        "from ray_goodput.testing import FailAt; "
-        f"FailAt(step={at}, rank=1, marker_dir={str(marker_dir)!r}, or_later={or_later}).maybe_fail({step}, 1)"
+def _maybe_fail_in_a_process(*calls: tuple[Path, int, int, bool]) -> int:
+    """In one new process, ``FailAt(at, rank 1, or_later).maybe_fail(step, 1)`` for each
+    ``(marker_dir, step, at, or_later)`` in turn; the process's exit code."""
+    code = "from ray_goodput.testing import FailAt\n" + "".join(
+        f"FailAt(step={at}, rank=1, marker_dir={str(d)!r}, or_later={late}).maybe_fail({step}, 1)\n"
+        for d, step, at, late in calls
     )
     return subprocess.run([sys.executable, "-c", code], timeout=120).returncode
 
@@ -133,8 +134,9 @@ def test_a_failure_due_while_its_rank_was_being_replaced_kills_the_replacement_a
     """A replica replaced while its peers stepped past a scheduled failure heals to a later
     step: with an exact-step FailAt it never met that failure, and the step-failures
     benchmark compared replica mode, meeting fewer failures, against systems meeting all."""
-    assert _maybe_fail_in_a_process(tmp_path / "exact", 9, at=7, or_later=False) == 0  # step 7 passed unseen
-    assert _maybe_fail_in_a_process(tmp_path / "late", 6, at=7, or_later=True) == 0  # not yet due
-    assert _maybe_fail_in_a_process(tmp_path / "late", 9, at=7, or_later=True) == -9  # due since step 7: SIGKILL
-    assert (tmp_path / "late" / "fault-step7-rank1.fired").exists()
-    assert _maybe_fail_in_a_process(tmp_path / "late", 10, at=7, or_later=True) == 0  # once per marker_dir
+    exact, late = tmp_path / "exact", tmp_path / "late"
+    # Step 7 passed unseen by an exact-step FailAt; a late one is not due before step 7.
+    assert _maybe_fail_in_a_process((exact, 9, 7, False), (late, 6, 7, True)) == 0
+    assert _maybe_fail_in_a_process((late, 9, 7, True)) == -9  # due since step 7: SIGKILL
+    assert (late / "fault-step7-rank1.fired").exists() and not list(exact.glob("*.fired"))
+    assert _maybe_fail_in_a_process((late, 10, 7, True)) == 0  # once per marker_dir
