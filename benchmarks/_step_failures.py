@@ -52,15 +52,19 @@ RESULTS = _results.default_path("goodput_under_failures_step_failures")
 def failure_steps(seed: int, steps: int, failures: int, min_gap: int = 5) -> list[int]:
     """``failures`` distinct steps in ``[10, steps - 5)``, seeded, at least ``min_gap`` apart."""
     span = range(10, steps - 5)
+    if min_gap < 1:
+        raise ValueError(f"--min-gap must be at least 1 step (two failures on one step are one), got {min_gap}")
     if failures < 1 or len(span) < 1 + (failures - 1) * min_gap:
         raise ValueError(
             f"cannot place {failures} failures {min_gap} steps apart in steps 10..{steps - 6}: "
             "use more --steps, fewer --failures or a smaller --min-gap"
         )
-    # Draw the slack between failures, not the steps: uniform over the placements that fit.
+    # Uniform over the placements that fit: each is `failures` non-decreasing offsets in
+    # [0, slack] (the slack beyond the minimum gaps), i.e. `failures` distinct values drawn
+    # from slack + failures, less their rank.
     rng = random.Random(seed)
     slack = len(span) - 1 - (failures - 1) * min_gap
-    cuts = sorted(rng.randint(0, slack) for _ in range(failures))
+    cuts = [x - i for i, x in enumerate(sorted(rng.sample(range(slack + failures), failures)))]
     return [span.start + cut + i * min_gap for i, cut in enumerate(cuts)]
 
 
@@ -179,7 +183,9 @@ class _Goodput:
         return {}
 
 
-def run_one(system: str, seed: int, fail_at: list[int], root: Path, endpoint: str, args) -> dict:
+def run_one(system: str, seed: int, fail_at: list[int], root: Path, endpoint: str, args, loop=None) -> dict:
+    """One system's run of the schedule; ``loop`` replaces the system's training function
+    (``replacement_anatomy.py`` logs clocks from its own)."""
     import pyarrow.fs as pafs
     import ray.train.torch
     from ray.train import FailureConfig, RunConfig, ScalingConfig
@@ -226,7 +232,7 @@ def run_one(system: str, seed: int, fail_at: list[int], root: Path, endpoint: st
         extra = {"recovery": ray_goodput.Recovery(max_failures_per_node=len(fail_at) + 3)}  # one node
         if system == "rg_replicas":
             extra["fault_tolerance"] = ray_goodput.ReplicaGroups()
-        loop = replica_loop if system == "rg_replicas" else whole_group_loop
+        loop = loop or (replica_loop if system == "rg_replicas" else whole_group_loop)
         trainer = ray_goodput.TorchTrainer(loop, **common, **extra)
     start = time.time()
     trainer.fit()
@@ -274,7 +280,8 @@ def table(results: list[dict], args) -> str:
     for r in results:
         g, sec = r["ledger"], r["ledger"]["seconds"]
         met = r["failures_met"]
-        per = (sec["lost"] + sec["restart_downtime"] + sec["restore"] + sec.get("degraded", 0.0)) / max(1, met)
+        cost = sec["lost"] + sec["restart_downtime"] + sec["restore"] + sec.get("degraded", 0.0)
+        per = f"{cost / met:.1f}" if met else "-"
         gap = "-" if r["survivor_max_gap_s"] is None else f"{r['survivor_max_gap_s']:.2f}"
         rate = "-" if (work_rate := _work_rate(r)) is None else f"{work_rate:.2f}"
         at = r.get("survivor_max_gap_at")
@@ -285,7 +292,7 @@ def table(results: list[dict], args) -> str:
             f"{g['goodput']:.1%} | "
             f"{sec['productive']:.1f} | {sec.get('degraded', 0.0):.1f} | {sec['lost']:.1f} | "
             f"{sec['checkpoint_stall']:.1f} | {sec['restore']:.1f} | {sec['restart_downtime']:.1f} | "
-            f"{sec['startup']:.1f} | {sec.get('other', 0.0):.1f} | {per:.1f} | {gap} | {rate} |"
+            f"{sec['startup']:.1f} | {sec.get('other', 0.0):.1f} | {per} | {gap} | {rate} |"
         )
     return "\n".join(out) + "\n\n" + verdicts(results) + "\n"
 
@@ -310,11 +317,12 @@ def verdicts(results: list[dict]) -> str:
     # A run that met fewer failures than scheduled (the job ended while a replacement that
     # would have met the next one was starting) did less failing than the others: its
     # seed compares nothing, and no target is met while one seed is void.
-    void = {
-        r["seed"]: f"{SYSTEMS[r['system']]} met {r['failures_met']} of {len(r['fail_at'])} failures"
-        for r in results
-        if r["failures_met"] < len(r["fail_at"])
-    }
+    void: dict[int, list[str]] = {}
+    for r in results:
+        if r["failures_met"] < len(r["fail_at"]):
+            void.setdefault(r["seed"], []).append(
+                f"{SYSTEMS[r['system']]} met {r['failures_met']} of {len(r['fail_at'])} failures"
+            )
     lines = [
         "| seed | replica / Ray goodput | rg whole-group / Ray goodput | survivor max gap s "
         "| replica / Ray work rate | rg whole-group / Ray work rate | every failure met |",
@@ -337,7 +345,7 @@ def verdicts(results: list[dict]) -> str:
         for system in ("rg_replicas", "rg_whole"):
             rates = [_work_rate(by.get((s, name))) for name in (system, "rt_async_dcp")]
             row.append(f"{rates[0] / rates[1]:.2f}×" if None not in rates and rates[1] > 0 else "-")
-        row.append(f"no: {void[s]}" if s in void else "yes")
+        row.append(f"no: {'; '.join(void[s])}" if s in void else "yes")
         lines.append("| " + " | ".join(row) + " |")
 
     def verdict(name: str, value: float) -> str:

@@ -3,10 +3,13 @@ pure logic over hand-made results; the benchmark itself runs real Ray, gloo and 
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from ray_goodput.testing import FailAt
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import _step_failures  # the benchmarks import each other by bare name
@@ -54,6 +57,21 @@ def test_failure_steps_are_seeded_inside_the_run_and_at_least_min_gap_apart(seed
 
 
 def test_a_schedule_that_cannot_fit_names_the_options_that_make_it_fit():
-    assert _step_failures.failure_steps(0, 166, 4, min_gap=50)[-1] <= 160  # 10, 60, 110, 160 fit exactly
+    assert _step_failures.failure_steps(0, 166, 4, min_gap=50) == [10, 60, 110, 160]  # the one placement
     with pytest.raises(ValueError, match=r"--steps.*--failures.*--min-gap"):
         _step_failures.failure_steps(0, 165, 4, min_gap=50)
+    with pytest.raises(ValueError, match=r"--min-gap must be at least 1"):  # two failures on one step
+        _step_failures.failure_steps(0, 240, 4, min_gap=0)
+
+
+def test_the_failures_a_run_met_are_the_markers_its_killed_processes_wrote(tmp_path):
+    """The count behind "every failure met": FailAt's own markers, written by processes it
+    SIGKILLed (one due at its step, one due late), not the schedule."""
+    for at, step in ((20, 20), (60, 75)):
+        code = (
+            "from ray_goodput.testing import FailAt; "
+            f"FailAt(step={at}, rank=1, marker_dir={str(tmp_path)!r}, or_later=True).maybe_fail({step}, 1)"
+        )
+        assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == -9
+    FailAt(step=100, rank=1, marker_dir=str(tmp_path), or_later=True).maybe_fail(99, 1)  # not due: no marker
+    assert _step_failures.failures_met(tmp_path) == 2
