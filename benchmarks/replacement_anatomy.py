@@ -8,6 +8,8 @@ the kill (the fault marker's write, just before the SIGKILL):
 
     train fn        Ray noticed the death, started the new worker process (imports of ray,
                     Ray Train's worker module, torch) and called the training function
+    imports         the training function's imports done (``ray_goodput.replica``) and
+                    its Ray Train context read
     model           the model built (the benchmark's, as the step-failures job builds it)
     optimizer       its AdamW built (a process's first optimizer imports torch._dynamo)
     replica         ``Replica.__enter__`` returned (torchft's manager, the quorum's client)
@@ -38,7 +40,7 @@ import _step_failures
 import psutil
 import torch
 
-PHASES = ("train_fn", "model", "optimizer", "replica", "both_stepping")
+PHASES = ("train_fn", "imports", "model", "optimizer", "replica", "both_stepping")
 RESULTS = _results.default_path("replacement_anatomy")
 
 
@@ -51,7 +53,7 @@ def clocked_replica_loop(cfg: dict) -> None:
 
     torch.set_num_threads(1)
     slot = ray.train.get_context().get_world_rank()
-    clocks = {"train_fn": entry}
+    clocks = {"train_fn": entry, "imports": time.time()}
     model = _step_failures._model(cfg["mb_per_rank"])
     clocks["model"] = time.time()
     optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -98,8 +100,8 @@ def replacements(markers: Path) -> list[dict]:
 def table(rows: list[dict]) -> str:
     done = [r for r in rows if all(r[k] is not None for k in PHASES)]
     lines = [
-        "| replacement | train fn s | model s | optimizer s | replica s | both stepping s |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| replacement | train fn s | imports s | model s | optimizer s | replica s | both stepping s |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         cells = ["-" if r[k] is None else f"{r[k]:.2f}" for k in PHASES]
