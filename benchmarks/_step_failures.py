@@ -24,6 +24,7 @@ over failures) and the survivors' largest step gap; MET / MISSED against ``targe
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -32,6 +33,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import _results
@@ -372,32 +374,49 @@ def verdicts(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(args, meta: dict) -> int:
+S3_ENV = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+    "AWS_EC2_METADATA_DISABLED": "true",
+}
+
+
+@contextlib.contextmanager
+def local_s3_and_ray(num_cpus: int, storage_server_nice: int, prefix: str) -> Iterator[tuple[str, Path]]:
+    """A moto S3 server (at ``storage_server_nice``) and a local Ray of ``num_cpus`` CPUs
+    whose workers get its credentials; yields ``(endpoint, scratch dir)``, all torn down at
+    the end."""
     import ray
 
     from ray_goodput.testing._s3 import start_moto_server
 
-    env = {
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_DEFAULT_REGION": "us-east-1",
-        "AWS_EC2_METADATA_DISABLED": "true",
-    }
-    for k, v in env.items():
+    for k, v in S3_ENV.items():
         os.environ.setdefault(k, v)
     moto, endpoint = start_moto_server()
-    psutil.Process(moto.pid).nice(args.storage_server_nice)
-    root = Path(tempfile.mkdtemp(prefix="goodput-steps-"))
-    out = args.out
-    results = []
+    psutil.Process(moto.pid).nice(storage_server_nice)
+    root = Path(tempfile.mkdtemp(prefix=prefix))
     try:
         ray.init(
             address="local",
-            num_cpus=2 * args.workers,  # a CPU per worker, the rest for the node's uploader and Ray
+            num_cpus=num_cpus,
             log_to_driver=False,
             include_dashboard=False,
-            runtime_env={"env_vars": {**env, "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.1"}},
+            runtime_env={"env_vars": {**S3_ENV, "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.1"}},
         )
+        yield endpoint, root
+    finally:
+        ray.shutdown()
+        moto.terminate()
+        moto.wait(timeout=10)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def main(args, meta: dict) -> int:
+    out = args.out
+    results = []
+    # A CPU per worker, the rest for the node's uploader and Ray.
+    with local_s3_and_ray(2 * args.workers, args.storage_server_nice, "goodput-steps-") as (endpoint, root):
         for seed in args.seeds:
             fail_at = failure_steps(seed, args.steps, args.failures, args.min_gap)
             order = list(args.systems) if seed % 2 == 0 else list(reversed(args.systems))  # interleaved
@@ -417,11 +436,6 @@ def main(args, meta: dict) -> int:
                         "runs": results,
                     },
                 )
-    finally:
-        ray.shutdown()
-        moto.terminate()
-        moto.wait(timeout=10)
-        shutil.rmtree(root, ignore_errors=True)
     sys.stdout.write("\n" + table(results, args))
     sys.stdout.write(f"\nresults written to {out}\n")
     return 0

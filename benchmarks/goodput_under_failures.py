@@ -28,7 +28,6 @@ import argparse
 import json
 import os
 import random
-import shutil
 import statistics
 import sys
 import tempfile
@@ -39,7 +38,6 @@ import _results
 import _savers
 import _step_failures
 import _targets
-import psutil
 import torch
 
 SAMPLES, BATCH = 256, 4
@@ -619,31 +617,9 @@ S3_RESULTS = _results.default_path("goodput_under_failures_s3_poisson")
 
 
 def main_s3(args, meta: dict) -> int:
-    import ray
-
-    from ray_goodput.testing._s3 import start_moto_server
-
-    env = {
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_DEFAULT_REGION": "us-east-1",
-        "AWS_EC2_METADATA_DISABLED": "true",
-    }
-    for k, v in env.items():
-        os.environ.setdefault(k, v)
     failures = poisson_failures(args.seed, args.mtbf_s, args.horizon_s)
-    moto, endpoint = start_moto_server()
-    psutil.Process(moto.pid).nice(args.storage_server_nice)
-    root = Path(tempfile.mkdtemp(prefix="goodput-s3-"))
     results = []
-    try:
-        ray.init(
-            address="local",
-            num_cpus=4,
-            log_to_driver=False,
-            include_dashboard=False,
-            runtime_env={"env_vars": {**env, "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.1"}},
-        )
+    with _step_failures.local_s3_and_ray(4, args.storage_server_nice, "goodput-s3-") as (endpoint, root):
         for system in args.systems:
             results.append(run_s3(system, root, endpoint, args, failures))
             sys.stdout.write(f"[{system}] {results[-1]['wall']:.0f} s\n")
@@ -660,11 +636,6 @@ def main_s3(args, meta: dict) -> int:
                     "runs": results,
                 },
             )
-    finally:
-        ray.shutdown()
-        moto.terminate()
-        moto.wait(timeout=10)
-        shutil.rmtree(root, ignore_errors=True)
     sys.stdout.write("\n" + _s3_table(results, args, failures))
     sys.stdout.write(f"\nresults written to {args.out}; load average at the end {os.getloadavg()}\n")
     return 0

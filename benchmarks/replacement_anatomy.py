@@ -28,16 +28,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import _results
 import _step_failures
-import psutil
 import torch
 
 PHASES = ("train_fn", "imports", "model", "optimizer", "replica", "both_stepping")
@@ -129,39 +126,12 @@ def main() -> int:
     args = parser.parse_args()
     meta = _results.start_run("replacement_anatomy")
 
-    import ray
-
-    from ray_goodput.testing._s3 import start_moto_server
-
-    env = {
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_DEFAULT_REGION": "us-east-1",
-        "AWS_EC2_METADATA_DISABLED": "true",
-    }
-    for k, v in env.items():
-        os.environ.setdefault(k, v)
-    moto, endpoint = start_moto_server()
-    psutil.Process(moto.pid).nice(args.storage_server_nice)
-    root = Path(tempfile.mkdtemp(prefix="replacement-anatomy-"))
     args.workers, args.systems = 2, ["rg_replicas"]
-    try:
-        ray.init(
-            address="local",
-            num_cpus=4,
-            log_to_driver=False,
-            include_dashboard=False,
-            runtime_env={"env_vars": {**env, "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.1"}},
-        )
+    with _step_failures.local_s3_and_ray(4, args.storage_server_nice, "replacement-anatomy-") as (endpoint, root):
         job = _step_failures.run_one(
             "rg_replicas", 0, sorted(args.fail_at), root, endpoint, args, loop=clocked_replica_loop
         )
         rows = replacements(root / "rg_replicas-0")
-    finally:
-        ray.shutdown()
-        moto.terminate()
-        moto.wait(timeout=10)
-        shutil.rmtree(root, ignore_errors=True)
     _results.write(
         args.out,
         meta,
