@@ -318,13 +318,21 @@ def verdicts(results: list[dict]) -> str:
     # shown beside goodput, for information (the targets are on goodput).
     # A run that met fewer failures than scheduled (the job ended while a replacement that
     # would have met the next one was starting) did less failing than the others: its
-    # seed compares nothing, and no target is met while one seed is void.
-    void: dict[int, list[str]] = {}
-    for r in results:
-        if r["failures_met"] < len(r["fail_at"]):
-            void.setdefault(r["seed"], []).append(
-                f"{SYSTEMS[r['system']]} met {r['failures_met']} of {len(r['fail_at'])} failures"
-            )
+    # seed's comparisons with it are void, and a target on them is not met while one is.
+    short = {(r["seed"], r["system"]): r for r in results if r["failures_met"] < len(r["fail_at"])}
+    void = {
+        s: [
+            f"{SYSTEMS[sys_]} met {r['failures_met']} of {len(r['fail_at'])} failures"
+            for (s2, sys_), r in short.items()
+            if s2 == s
+        ]
+        for s in {seed for seed, _ in short}
+    }
+    compares = {  # the systems each target's ratio or gap comes from
+        "replica_goodput": {"rt_async_dcp", "rg_replicas"},
+        "survivor_step_gap_s": {"rt_async_dcp", "rg_replicas"},
+        "whole_group_goodput": {"rt_async_dcp", "rg_whole"},
+    }
     lines = [
         "| seed | replica / Ray goodput | rg whole-group / Ray goodput | survivor max gap s "
         "| replica / Ray work rate | rg whole-group / Ray work rate | every failure met |",
@@ -351,10 +359,11 @@ def verdicts(results: list[dict]) -> str:
         lines.append("| " + " | ".join(row) + " |")
 
     def verdict(name: str, value: float) -> str:
-        if not void:
+        seeds_void = sorted({seed for seed, system in short if system in compares[name]})
+        if not seeds_void:
             return targets[name].verdict(value)
         return (
-            f"target {targets[name].bound}: MISSED (not measured: on seed {', '.join(map(str, sorted(void)))} "
+            f"target {targets[name].bound}: MISSED (not measured: on seed {', '.join(map(str, seeds_void))} "
             "a run met fewer failures than scheduled; space them further apart than a replacement takes, "
             "--min-gap)"
         )
