@@ -144,20 +144,32 @@ def whole_group_loop(cfg: dict) -> None:
         rec.end()
 
 
-def replica_loop(cfg: dict) -> None:
-    """rg_replicas: each worker a torchft replica group; a failure replaces that one alone."""
+def replica_loop(cfg: dict, clocks: dict[str, float] | None = None) -> None:
+    """rg_replicas: each worker a torchft replica group; a failure replaces that one alone.
+
+    ``clocks`` (``replacement_anatomy.py``): filled with when the training function began
+    and each stage of its set-up ended, and written to ``clocks-<slot>-<pid>.json`` once the
+    ``Replica`` is entered."""
+    marks = {} if clocks is None else clocks
+    marks["train_fn"] = time.time()
     import ray.train
 
     from ray_goodput.replica import Replica
 
     torch.set_num_threads(1)
     slot = ray.train.get_context().get_world_rank()
+    marks["imports"] = time.time()
     model = _model(cfg["mb_per_rank"])
+    marks["model"] = time.time()
     optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    marks["optimizer"] = time.time()
     faults, log = _faults(cfg), _log(cfg, slot)
     with Replica(
         model, optim, _Ints(), batch_size=BATCH, shuffle=False, save_every=cfg["every"], checkpoint={"keep_last": 2}
     ) as rep:
+        marks["replica"] = time.time()
+        if clocks is not None:
+            (Path(cfg["markers"]) / f"clocks-{slot}-{os.getpid()}.json").write_text(json.dumps(marks))
         for ids in rep.batches(total_steps=cfg["steps"]):
             for f in faults:
                 f.maybe_fail(rep.current_step + 1, slot)

@@ -27,54 +27,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import _results
 import _step_failures
-import torch
 
 PHASES = ("train_fn", "imports", "model", "optimizer", "replica", "both_stepping")
 RESULTS = _results.default_path("replacement_anatomy")
 
 
 def clocked_replica_loop(cfg: dict) -> None:
-    """``_step_failures.replica_loop`` with the process's clocks logged (``clocks-<slot>-<pid>.json``)."""
-    entry = time.time()
-    import ray.train
-
-    from ray_goodput.replica import Replica
-
-    torch.set_num_threads(1)
-    slot = ray.train.get_context().get_world_rank()
-    clocks = {"train_fn": entry, "imports": time.time()}
-    model = _step_failures._model(cfg["mb_per_rank"])
-    clocks["model"] = time.time()
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    clocks["optimizer"] = time.time()
-    faults, log = _step_failures._faults(cfg), _step_failures._log(cfg, slot)
-    clocks_file = Path(cfg["markers"]) / f"clocks-{slot}-{os.getpid()}.json"
-    with Replica(
-        model,
-        optim,
-        _step_failures._Ints(),
-        batch_size=_step_failures.BATCH,
-        shuffle=False,
-        save_every=cfg["every"],
-        checkpoint={"keep_last": 2},
-    ) as rep:
-        clocks["replica"] = time.time()
-        clocks_file.write_text(json.dumps(clocks))
-        for ids in rep.batches(total_steps=cfg["steps"]):
-            for f in faults:
-                f.maybe_fail(rep.current_step + 1, slot)
-            _step_failures._loss(rep.model, ids).backward()
-            time.sleep(cfg["compute_s"])
-            if rep.step():
-                log.write(json.dumps({"step": rep.current_step, "t": time.time(), "n": rep.participants}) + "\n")
+    """The step-failures replica loop, its set-up clocks logged (``clocks-<slot>-<pid>.json``)."""
+    _step_failures.replica_loop(cfg, clocks={})
 
 
 def replacements(markers: Path) -> list[dict]:
