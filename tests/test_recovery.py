@@ -63,6 +63,8 @@ def test_bad_recovery_arguments_name_the_fix():
         Recovery(max_failures_per_node=0)
     with pytest.raises(ConfigError, match="health_check"):
         Recovery(health_check="cpu")
+    with pytest.raises(ConfigError, match="upload_wait_s"):
+        Recovery(upload_wait_s=-1)
     with pytest.raises(ConfigError, match="pass it once"):
         TorchTrainer(lambda: None, callbacks=[Recovery()], recovery=Recovery())
 

@@ -362,3 +362,45 @@ def test_the_uploaders_wait_for_a_result_ends_at_its_bound(ray_cluster, s3_serve
     assert ray.get(worker.wait.remote()) == [1]  # it went on, and committed
     ray.get(worker.close.remote())
     proxy.close()
+
+
+def test_a_restart_resumes_from_the_save_a_dead_workers_uploader_was_still_uploading(ray_cluster, s3_server):
+    """A CI run of the restart-fidelity test resumed attempt 2 from scratch while the killed
+    attempt's uploader was still uploading step 4, which committed during that attempt's
+    restore: the work since the last commit was redone though its checkpoint was seconds
+    from durable. The resume choice now waits, within a bound, for the uploads of the run's
+    storage root still in flight in the node uploaders, then takes the newest commit."""
+    from ray_goodput.driver._resume_choice import ResumeChoice
+    from ray_goodput.storage import resolve
+
+    proxy = FlakyProxy(s3_server.endpoint)
+    uri = s3_server.bucket_uri("in-flight").replace(s3_server.endpoint, proxy.endpoint)
+    _, worker, _ = _worker_with_a_commit(ray_cluster, uri, 8)  # step 1 committed
+    proxy.stall(f"/{step_dir(2)}/", methods=("PUT", "POST"))
+    held_s = 4.0
+    try:
+        ray.get(worker.save.remote(2))
+        wait_for(
+            lambda: proxy.holding_in(f"/{step_dir(2)}/"),
+            timeout_s=60,
+            what="step 2's upload reaching storage",
+            interval_s=0.01,
+        )
+        ray.kill(worker, no_restart=True)  # the worker dies; its node's uploader goes on
+        # Within a 1 s bound the upload does not land: the choice stands at step 1, at the bound.
+        start = time.monotonic()
+        bounded = ResumeChoice(resolve(uri), upload_wait_s=1.0).take(2)
+        took_bounded = time.monotonic() - start
+        release = threading.Timer(held_s, proxy.release)
+        start = time.monotonic()
+        release.start()
+        waited = ResumeChoice(resolve(uri), upload_wait_s=120.0).take(2)
+        took = time.monotonic() - start
+    finally:
+        proxy.release()
+    assert bounded is not None and bounded.step == 1
+    assert 1.0 <= took_bounded < 30.0, took_bounded
+    assert waited is not None and waited.step == 2  # the upload in flight, committed
+    assert took >= held_s - 0.5, took  # it waited for the upload, not for a listing
+    assert [i.step for i in list_checkpoints(uri) if i.committed] == [1, 2]
+    proxy.close()

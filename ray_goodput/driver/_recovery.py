@@ -36,7 +36,7 @@ from ray.train.v2.api.exceptions import ControllerError, WorkerGroupError
 
 from ray_goodput.driver import _gpu_check, _health
 from ray_goodput.driver._record import ABORT_WRITE_WAIT_S, STATE_WRITE_WAIT_S, StateWriter
-from ray_goodput.driver._resume_choice import ResumeChoice
+from ray_goodput.driver._resume_choice import UPLOAD_WAIT_S, ResumeChoice
 from ray_goodput.errors import ConfigError, not_retryable
 from ray_goodput.runtime import run_root
 from ray_goodput.runtime._resume import set_decision
@@ -121,6 +121,10 @@ class Recovery(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):
     ``destroy_process_group`` (Ray's ``TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S``, 30 s by
     default, which a hung NCCL teardown runs out); None leaves Ray's; an environment
     variable the user set wins.
+    ``upload_wait_s``: how long a restart's resume choice waits for the saves the dead
+    attempt's workers handed to their node uploaders and that are still uploading (they
+    commit without their workers; the alternative is redoing the steps since the commit
+    before); 0 does not wait. The wait runs beside the new group's start.
     """
 
     def __init__(
@@ -131,6 +135,7 @@ class Recovery(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):
         health_check_timeout_s: float = 120.0,
         storage_path: str | None = None,
         pg_shutdown_timeout_s: float | None = 5.0,
+        upload_wait_s: float = UPLOAD_WAIT_S,
     ) -> None:
         if health_check == "gpu":
             health_check = _gpu_check.gpu_check
@@ -142,7 +147,10 @@ class Recovery(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):
             raise ConfigError(f"health_check_timeout_s must be > 0, got {health_check_timeout_s}")
         if pg_shutdown_timeout_s is not None and pg_shutdown_timeout_s < 1:
             raise ConfigError(f"pg_shutdown_timeout_s must be >= 1 or None, got {pg_shutdown_timeout_s}")
+        if upload_wait_s < 0:
+            raise ConfigError(f"upload_wait_s must be >= 0, got {upload_wait_s}")
         self.health_check = health_check
+        self.upload_wait_s = upload_wait_s
         self.health_check_timeout_s = health_check_timeout_s
         self.pg_shutdown_timeout_s = pg_shutdown_timeout_s
         self.storage_path = storage_path
@@ -176,7 +184,7 @@ class Recovery(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):
         _bound_process_group_shutdown(self.pg_shutdown_timeout_s)
         run_config = train_run_context.run_config
         self._root = resolve(self.storage_path) if self.storage_path else run_root(run_config.storage_context)
-        self._choice = ResumeChoice(self._root)
+        self._choice = ResumeChoice(self._root, upload_wait_s=self.upload_wait_s)
 
     def on_controller_start_worker_group(self, *, scaling_config: Any, num_workers: int) -> dict[str, str] | None:
         self.attempt += 1

@@ -3,33 +3,44 @@
 ``Recovery`` begins the choice when a failure is seen: a thread lists the checkpoints,
 takes the newest intact committed one and pins it against retention for the generation
 the next attempt will claim, beside Ray's shutdown of the old group, the placement of the
-new one and its workers' start. The new group takes the choice just before its training
-function starts, and looks once more: a checkpoint the dead attempt's uploaders committed
-while the new workers started is newer, and is the one they resume from.
+new one and its workers' start. Before it is final, the choice waits (within
+``upload_wait_s``) for the saves the dead attempt's workers handed to their node uploaders
+and that are still uploading: those commit without their workers, and a save seconds from
+durable is worth more than the steps since the commit before it. The new group takes the
+choice just before its training function starts, and looks once more: a checkpoint
+committed since is newer, and is the one they resume from.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any
 
-from ray_goodput.checkpoint import newest_valid, next_generation, pin_resume
+import ray
+
+from ray_goodput.checkpoint import newest_valid, next_generation, pin_resume, wait_for_uploads
 from ray_goodput.runtime._resume import ResumeDecision, root_key
 from ray_goodput.storage import StorageLocation
 
 logger = logging.getLogger(__name__)
 
-#: How long a start waits for the resume choice begun when the failure was seen.
+#: How long a start waits for the resume choice begun when the failure was seen, beyond
+#: its wait for uploads in flight.
 RESUME_CHOICE_WAIT_S = 300.0
+#: How long a resume choice waits for the dead attempt's uploads in flight, by default.
+UPLOAD_WAIT_S = 120.0
 
 
 class ResumeChoice:
     """The resume choice of a run whose checkpoints are under ``root``: at most one under
-    way, tagged with the attempt it is for."""
+    way, tagged with the attempt it is for. ``upload_wait_s``: how long a choice waits for
+    the uploads of ``root`` still in flight in the node uploaders (0: it does not)."""
 
-    def __init__(self, root: StorageLocation) -> None:
+    def __init__(self, root: StorageLocation, *, upload_wait_s: float = UPLOAD_WAIT_S) -> None:
         self.root = root
+        self.upload_wait_s = upload_wait_s
         self._early: tuple[int, threading.Thread, dict[str, Any]] | None = None
 
     def begin(self, attempt: int) -> None:
@@ -63,13 +74,14 @@ class ResumeChoice:
         if early is None or early[0] != attempt:
             return self._choose(attempt)
         _, thread, box = early
-        thread.join(timeout=RESUME_CHOICE_WAIT_S)
+        bound = RESUME_CHOICE_WAIT_S + self.upload_wait_s
+        thread.join(timeout=bound)
         if thread.is_alive() or "decision" not in box:
             logger.warning(
                 "attempt %d: the resume choice begun at the failure did not finish in %.0f s (storage %s); "
                 "each worker restore will look on its own",
                 attempt,
-                RESUME_CHOICE_WAIT_S,
+                bound,
                 self.root.uri,
             )
             return None
@@ -92,7 +104,28 @@ class ResumeChoice:
         else:
             logger.info("attempt %d resumes from step %d", attempt, step)
             self._pin(attempt, step)  # before any worker starts: a dead attempt's late retention must keep it
+        self._wait_for_uploads(attempt, step)  # what commits meanwhile, take() finds
         return ResumeDecision(attempt=attempt, step=step, root_key=root_key(self.root))
+
+    def _wait_for_uploads(self, attempt: int, step: int | None) -> None:
+        """Wait, within ``upload_wait_s``, for the dead attempt's saves above ``step`` still
+        uploading in the node uploaders; the work since ``step`` is redone otherwise."""
+        start = time.monotonic()
+        try:
+            left = wait_for_uploads(self.root, above=step, timeout_s=self.upload_wait_s)
+        except (ray.exceptions.RayError, OSError) as exc:  # Ray could not ask the uploaders: resume as chosen
+            logger.warning("attempt %d: could not ask the node uploaders what they still upload: %s", attempt, exc)
+            return
+        waited = time.monotonic() - start
+        if left:
+            logger.warning(
+                "attempt %d: saves still uploading after %.0f s (upload_wait_s) are not waited for: %s",
+                attempt,
+                waited,
+                "; ".join(f"node {node}: steps {steps}" for node, steps in sorted(left.items())),
+            )
+        elif waited >= 0.5:
+            logger.info("attempt %d waited %.1f s for the dead attempt's uploads in flight", attempt, waited)
 
     def _pin(self, attempt: int, step: int) -> bool:
         """Pin ``step`` against retention for the generation ``attempt`` will claim (on a

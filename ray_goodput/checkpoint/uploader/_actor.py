@@ -33,6 +33,7 @@ from ray_goodput.checkpoint.uploader._channel import (
 from ray_goodput.checkpoint.uploader._metrics import UploaderMetrics
 from ray_goodput.errors import CheckpointError
 from ray_goodput.runtime import _services, pid_alive
+from ray_goodput.runtime._resume import root_key
 from ray_goodput.storage import RetryPolicy, StorageLocation
 
 if TYPE_CHECKING:
@@ -62,6 +63,7 @@ __all__ = [
     "job_modules",
     "start_node_uploader",
     "uploader_status",
+    "wait_for_uploads",
 ]
 
 
@@ -340,6 +342,27 @@ class CheckpointUploader:
             "storage_roots": sorted(loc.uri for loc in list(self._roots.values())),
         }
 
+    def wait_uploads(self, root: str, above: int | None, timeout_s: float) -> list[int]:
+        """Wait up to ``timeout_s`` for this node's jobs of storage root ``root`` (its
+        ``root_key``) of steps above ``above`` (None: any step) to end, the held jobs of
+        dead workers taken first; the steps still in flight then (empty: none left)."""
+        self._take_orphans()
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._lock:
+                open_ = [
+                    t
+                    for t in self._jobs.values()
+                    if not t.done.is_set()
+                    and (above is None or t.job.step > above)
+                    and t.job.root is not None
+                    and root_key(t.job.root) == root
+                ]
+            left = deadline - time.monotonic()
+            if not open_ or left <= 0:
+                return sorted({t.job.step for t in open_})
+            open_[0].done.wait(min(left, 0.5))
+
     # -- lifetime --
     def busy(self) -> bool:
         with self._lock:
@@ -447,3 +470,36 @@ def uploader_status(timeout_s: float = 10.0) -> list[dict[str, Any]]:
         except Exception as exc:  # noqa: BLE001 - report it, keep listing
             out.append({"node_id": node, "error": f"{type(exc).__name__}: {exc}"})
     return out
+
+
+#: How long past its own bound an uploader's answer to :func:`wait_for_uploads` may take.
+_ANSWER_SLACK_S = 10.0
+
+
+def wait_for_uploads(root: str | StorageLocation, *, above: int | None, timeout_s: float) -> dict[str, list[int]]:
+    """Wait, at most ``timeout_s``, until no live node uploader has a job of storage root
+    ``root`` of a step above ``above`` (None: any) in flight: the saves of a dead attempt
+    whose workers handed them over, which commit without their workers. Returns the steps
+    still in flight per node when the bound ran out (empty: nothing left to wait for).
+
+    An uploader that died holds nothing to wait for; one that did not answer in time is
+    listed with no steps and logged. Needs ``ray.init``; without it there is no uploader.
+    """
+    if not ray.is_initialized() or timeout_s <= 0:
+        return {}
+    key = root_key(root)
+    refs = {node: h.wait_uploads.remote(key, above, timeout_s) for node, h in _services.find(KIND).items()}
+    deadline = time.monotonic() + timeout_s + _ANSWER_SLACK_S
+    left: dict[str, list[int]] = {}
+    for node, ref in sorted(refs.items()):
+        try:
+            steps = ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
+        except ray.exceptions.RayActorError:  # it died, and its jobs with it
+            continue
+        except ray.exceptions.GetTimeoutError:
+            logger.warning("the uploader on node %s did not say in time what it is still uploading", node)
+            left[node] = []
+            continue
+        if steps:
+            left[node] = steps
+    return left
