@@ -18,6 +18,8 @@ Points (where they sit, and which process runs them):
 * ``commit.before_committed``: in the elected committer (``_commit``), after the last rank
   marker, before ``COMMITTED``.
 * ``retention``: between deleting two checkpoint directories.
+* ``events.shipped``: a chunk of goodput events written to an object store, before the
+  worker's node-local spool records it as shipped (rank 0).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ POINTS = (
     "upload.mid_upload",
     "commit.before_committed",
     "retention",
+    "events.shipped",
 )
 ACTIONS = ("kill", "raise")
 

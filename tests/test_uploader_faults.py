@@ -75,6 +75,25 @@ class Worker:
     def close(self) -> None:
         self.ckpt.close()
 
+    def start_events(self, uri: str) -> str:
+        """A goodput event log on ``uri`` that batches only when told (as rank 0 keeps one)."""
+        from ray_goodput import storage
+        from ray_goodput.goodput import _events
+
+        _events.FLUSH_INTERVAL_S = 3600.0
+        self.events = _events.EventLog(storage.resolve(uri), rank=0, world_size=1)
+        return self.events.attempt
+
+    def steps_then_die(self, batched: int, more: int) -> None:
+        """Steps 1..``batched`` batched to storage, ``more`` after them not, then a SIGKILL."""
+        from ray_goodput.testing import kill_self
+
+        for step in range(1, batched + more + 1):
+            self.events.emit("step", step=step, n=1, t0=float(step), fetch=0.0, ckpt=0.0)
+            if step == batched:
+                self.events.flush()
+        kill_self()
+
 
 def _on(node_id: str):
     return Worker.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False))
@@ -404,3 +423,23 @@ def test_a_restart_resumes_from_the_save_a_dead_workers_uploader_was_still_uploa
     assert took >= held_s - 0.5, took  # it waited for the upload, not for a listing
     assert [i.step for i in list_checkpoints(uri) if i.committed] == [1, 2]
     proxy.close()
+
+
+def test_a_killed_rank_0s_goodput_events_not_yet_batched_are_shipped_by_its_nodes_uploader(ray_cluster, s3_server):
+    """A whole-group restart SIGKILLs rank 0 between two batches of its object-store event
+    log; the steps of its last second were in no ledger bucket (the step-failures runs at
+    808d57d: 0-4 of 240). The node's uploader, which outlives it, ships its spool."""
+    from ray_goodput import storage
+    from ray_goodput.goodput import read_events
+
+    uri = s3_server.bucket_uri("events")
+    _, worker, _ = _worker_with_a_commit(ray_cluster, uri, 9)  # its node's uploader is up
+    attempt = ray.get(worker.start_events.remote(uri), timeout=60)
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(worker.steps_then_die.remote(20, 5), timeout=60)
+
+    def steps() -> list[int]:
+        events = read_events(storage.resolve(uri)).get(attempt, [])
+        return [e["step"] for e in events if e["e"] == "step"]
+
+    wait_for(lambda: steps() == list(range(1, 26)), timeout_s=60, what=f"steps 1-25 of {attempt} in storage")

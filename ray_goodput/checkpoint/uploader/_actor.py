@@ -32,6 +32,7 @@ from ray_goodput.checkpoint.uploader._channel import (
 )
 from ray_goodput.checkpoint.uploader._metrics import UploaderMetrics
 from ray_goodput.errors import CheckpointError
+from ray_goodput.goodput._events import ship_orphaned_events
 from ray_goodput.runtime import _services, pid_alive
 from ray_goodput.runtime._resume import root_key
 from ray_goodput.storage import RetryPolicy, StorageLocation
@@ -55,6 +56,8 @@ _GRACE_AFTER_DEATH_S = 30.0
 # uploader before its workers initialize, and a worker registers only once it has built
 # its model and made its Checkpointer (which can take minutes for a large model).
 _GRACE_BEFORE_FIRST_CLIENT_S = 600.0
+#: How often the uploader ships what dead workers' goodput event spools hold.
+_EVENT_SWEEP_S = 1.0
 
 __all__ = [
     "CheckpointUploader",
@@ -119,6 +122,7 @@ class CheckpointUploader:
         self._take_orphans()
         _held.sweep_other_nodes(node_id)
         threading.Thread(target=self._watch, name="rg-uploader-watch", daemon=True).start()
+        threading.Thread(target=_ship_events, name="rg-uploader-events", daemon=True).start()
 
     # -- client side API --
     def endpoint(self, pid: int, root: bytes | None = None, token: str = "") -> str | None:
@@ -422,6 +426,18 @@ class CheckpointUploader:
         if self._channel is not None:
             self._channel.close()
         ray.actor.exit_actor()
+
+
+def _ship_events() -> None:
+    """Ship, about once a second, the goodput events that dead workers on this machine had
+    not (``goodput._events``): a rank 0 SIGKILLed between two batches of an object-store
+    log. A thread of its own, so that a storage refusing them delays nothing else here."""
+    while True:
+        try:
+            ship_orphaned_events()
+        except Exception:  # one sweep's error must not end the sweeps (logged with its trace)
+            logger.warning("the sweep of dead workers' goodput events failed", exc_info=True)
+        time.sleep(_EVENT_SWEEP_S)
 
 
 def _listen(uploader: CheckpointUploader) -> ChannelServer | None:
