@@ -10,6 +10,8 @@ from pathlib import Path
 STAGING_DIR_VAR = "RAY_GOODPUT_STAGING_DIR"
 #: Overrides the node-local data cache directory.
 CACHE_DIR_VAR = "RAY_GOODPUT_CACHE_DIR"
+#: Overrides the node-local directory of the goodput event spools (``goodput._events``).
+EVENTS_SPOOL_DIR_VAR = "RAY_GOODPUT_EVENTS_SPOOL_DIR"
 #: Endpoint (``http://host:port``) used for ``s3://`` URIs that carry no ``endpoint_override``.
 S3_ENDPOINT_VAR = "RAY_GOODPUT_S3_ENDPOINT"
 #: Fault injection for soaks and tests: ``name:probability[:action],...`` (see ``_faults``).
@@ -28,6 +30,12 @@ def cache_root() -> Path:
     """Node-local directory of the data cache."""
     value = os.environ.get(CACHE_DIR_VAR)
     return Path(value) if value else Path(tempfile.gettempdir()) / "ray_goodput" / "cache"
+
+
+def events_spool_dir() -> Path:
+    """Node-local directory of the goodput event spools: this user's alone by default."""
+    value = os.environ.get(EVENTS_SPOOL_DIR_VAR)
+    return Path(value) if value else Path(tempfile.gettempdir()) / f"ray_goodput-{os.getuid()}" / "goodput-spool"
 
 
 def s3_endpoint() -> str | None:

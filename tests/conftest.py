@@ -61,6 +61,10 @@ os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
 os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
 
 ROOT = str(Path(__file__).resolve().parents[1])
+# The goodput event spools of this session's processes (Ray's inherit it): apart from other
+# sessions', whose storage (a moto server) is gone, and removed at the session's end.
+_SPOOL = tempfile.mkdtemp(prefix="ray_goodput-spool-")
+os.environ["RAY_GOODPUT_EVENTS_SPOOL_DIR"] = _SPOOL
 _ORDER = {"none": 0, "local": 1, "cluster": 2, "own": 3}
 _shared = None  # the SharedRay, made on first use so that tests without Ray never import it
 Start = Callable[[Path], subprocess.Popen]
@@ -258,6 +262,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
     _session_over.set()
+    shutil.rmtree(_SPOOL, ignore_errors=True)
     with _early_lock:  # no wave starts after this
         _waves.clear()
         started = list(_early.values())

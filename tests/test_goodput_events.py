@@ -17,8 +17,10 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 from ray_goodput import storage
-from ray_goodput.goodput import read_events
+from ray_goodput.goodput import EventLog, read_events
 from ray_goodput.goodput._events import SWEPT_PREFIX, _Seqs, ship_orphaned_events
 from ray_goodput.testing import FlakyProxy
 
@@ -30,11 +32,13 @@ _WRITER = textwrap.dedent(
     from ray_goodput.testing import kill_self
 
     _events.FLUSH_INTERVAL_S = 3600.0  # no periodic batch: the test's flush() is the only one
+    _events.SPOOL_RESET_BYTES = int(sys.argv[2])
     log = _events.EventLog(storage.resolve(sys.argv[1]), rank=0, world_size=2)
     print(log.attempt, flush=True)
     for step in range(1, 21):
         log.emit("step", step=step, n=1, t0=float(step), fetch=0.0, ckpt=0.0)
-    log.flush()
+        if step % 5 == 0:
+            log.flush()
     for step in range(21, 26):
         log.emit("step", step=step, n=1, t0=float(step), fetch=0.0, ckpt=0.0)
     kill_self()  # between two batches: steps 21-25 are in the spool only
@@ -43,14 +47,15 @@ _WRITER = textwrap.dedent(
 
 
 def _spool(tmp_path: Path) -> Path:
-    return tmp_path / "ray_goodput" / "goodput-spool"
+    return tmp_path / "spool"
 
 
-def _killed_writer(uri: str, tmp_path: Path, **env: str) -> str:
-    """Run the writer (its spool under ``tmp_path``) until its SIGKILL; its attempt name."""
+def _killed_writer(uri: str, tmp_path: Path, *, reset_bytes: int = 1 << 20, **env: str) -> str:
+    """Run the writer (its spool under ``tmp_path``) until its SIGKILL; its attempt name.
+    ``reset_bytes``: the spool is emptied after a batch once it is that long."""
     proc = subprocess.run(
-        [sys.executable, "-c", _WRITER, uri],
-        env={**os.environ, "TMPDIR": str(tmp_path), **env},
+        [sys.executable, "-c", _WRITER, uri, str(reset_bytes)],
+        env={**os.environ, "RAY_GOODPUT_EVENTS_SPOOL_DIR": str(_spool(tmp_path)), **env},
         capture_output=True,
         text=True,
         timeout=120,
@@ -63,27 +68,50 @@ def _steps(uri: str, attempt: str) -> list[int]:
     return [e["step"] for e in read_events(storage.resolve(uri))[attempt] if e["e"] == "step"]
 
 
-def test_the_steps_a_killed_rank_0_had_not_batched_reach_storage_from_its_spool(s3_server, tmp_path):
+@pytest.mark.parametrize("reset_bytes", [1 << 20, 1], ids=["spool-kept", "spool-emptied-after-each-batch"])
+def test_the_steps_a_killed_rank_0_had_not_batched_reach_storage_from_its_spool(s3_server, tmp_path, reset_bytes):
     uri = s3_server.bucket_uri("spool")
-    attempt = _killed_writer(uri, tmp_path)
-    assert _steps(uri, attempt) == list(range(1, 21))  # the batch; 21-25 died with the process
+    attempt = _killed_writer(uri, tmp_path, reset_bytes=reset_bytes)
+    assert _steps(uri, attempt) == list(range(1, 21))  # the batches; 21-25 died with the process
     assert ship_orphaned_events(_spool(tmp_path)) == 1
     assert _steps(uri, attempt) == list(range(1, 26))
     assert os.listdir(_spool(tmp_path)) == []  # shipped, then removed
     assert ship_orphaned_events(_spool(tmp_path)) == 0
 
 
+def test_a_log_closed_with_everything_shipped_leaves_no_spool_and_one_that_could_not_keeps_it(
+    s3_server, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("RAY_GOODPUT_EVENTS_SPOOL_DIR", str(_spool(tmp_path)))
+    shipped = EventLog(storage.resolve(s3_server.bucket_uri("closed")), rank=0, world_size=1)
+    shipped.emit("step", step=1, n=1, t0=1.0, fetch=0.0, ckpt=0.0)
+    shipped.close()
+    assert os.listdir(_spool(tmp_path)) == []
+    proxy = FlakyProxy(s3_server.endpoint)
+    try:
+        uri = s3_server.bucket_uri("unshipped").replace(s3_server.endpoint, proxy.endpoint)
+        kept = EventLog(storage.resolve(uri), rank=0, world_size=1)
+        kept.emit("step", step=1, n=1, t0=1.0, fetch=0.0, ckpt=0.0)
+        proxy.outage(3600)
+        kept.close()  # its last batch refused: its spool stays for the sweep after this process
+    finally:
+        proxy.close()
+    left = sorted(p.suffix for p in _spool(tmp_path).iterdir())
+    assert left == [".jsonl", ".root"], left  # nothing marked sent
+    assert ship_orphaned_events(_spool(tmp_path)) == 0  # its writer (this process) lives
+
+
 def test_a_tail_shipped_twice_is_read_once(s3_server, tmp_path):
-    # Killed after its batch reached storage, before its spool recorded that: the sweep
-    # ships the whole spool again, steps 1-20 included.
+    # Killed after its first batch (steps 1-5) reached storage, before its spool recorded
+    # that: the sweep ships the whole spool again.
     uri = s3_server.bucket_uri("twice")
     attempt = _killed_writer(uri, tmp_path, RAY_GOODPUT_FAULT="events.shipped:1")
-    assert _steps(uri, attempt) == list(range(1, 21))
+    assert _steps(uri, attempt) == list(range(1, 6))
     assert ship_orphaned_events(_spool(tmp_path)) == 1
     names = [i.path.rsplit("/", 1)[1] for i in storage.list_dir(storage.resolve(uri), "goodput/events", recursive=True)]
     assert f"{SWEPT_PREFIX}{0:012d}.jsonl" in names  # from the spool's start: nothing was marked sent
     events = read_events(storage.resolve(uri))[attempt]
-    assert [e["step"] for e in events if e["e"] == "step"] == list(range(1, 21))
+    assert [e["step"] for e in events if e["e"] == "step"] == list(range(1, 6))
     assert sorted(e["seq"] for e in events) == list(range(len(events)))
 
 

@@ -69,6 +69,16 @@ def test_bad_recovery_arguments_name_the_fix():
         TorchTrainer(lambda: None, callbacks=[Recovery()], recovery=Recovery())
 
 
+def test_the_resume_choice_waits_for_uploads_as_long_as_recovery_was_told(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    monkeypatch.setenv("TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S", "30")  # the hook sets it otherwise
+    for given, expected in (({}, 120.0), ({"upload_wait_s": 7.5}, 7.5), ({"upload_wait_s": 0}, 0)):
+        rec = Recovery(storage_path=str(tmp_path / "ckpt"), **given)
+        rec.after_controller_start(SimpleNamespace(run_config=None))
+        assert rec._choice.upload_wait_s == expected
+
+
 def test_a_restart_bounds_the_old_process_groups_teardown_unless_the_user_set_it(monkeypatch):
     from ray_goodput.driver._recovery import TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S as VAR
     from ray_goodput.driver._recovery import _bound_process_group_shutdown

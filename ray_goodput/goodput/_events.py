@@ -18,13 +18,14 @@ import json
 import logging
 import os
 import pickle
-import tempfile
+import stat
 import threading
 import time
 import uuid
 from pathlib import Path
 from typing import Any
 
+from ray_goodput import _env
 from ray_goodput._faults import fault_point
 from ray_goodput.runtime import pid_alive
 from ray_goodput.storage import RetryPolicy, StorageLocation, list_dir, read_bytes, write_bytes
@@ -37,6 +38,8 @@ FLUSH_INTERVAL_S = 1.0
 #: Name prefix of the chunk that ships a dead writer's spool (then the spool offset it starts at).
 SWEPT_PREFIX = "swept-"
 _LOG, _ROOT, _SENT, _SHIPPING = ".jsonl", ".root", ".sent", ".shipping"
+#: A spool all shipped is emptied once it is this long (a rank 0 runs for days).
+SPOOL_RESET_BYTES = 1 << 20
 #: A dead writer's spool still unshipped this long after its last event is dropped.
 SPOOL_KEEP_S = 3600.0
 #: After its storage refused it, a spool is not tried again by this process for this long.
@@ -47,8 +50,28 @@ _refused: dict[str, float] = {}  # spool stem -> when this process may try it ag
 
 
 def spool_dir() -> Path:
-    """The node-local directory of the object-store event logs' spools."""
-    return Path(tempfile.gettempdir()) / "ray_goodput" / "goodput-spool"
+    """The node-local directory of the object-store event logs' spools
+    (``RAY_GOODPUT_EVENTS_SPOOL_DIR``, else ``$TMPDIR/ray_goodput-<uid>/goodput-spool``)."""
+    return _env.events_spool_dir()
+
+
+def _private(directory: Path) -> bool:
+    """Whether ``directory`` is this user's alone: a spool names a storage location that is
+    unpickled, so nobody else may put one there."""
+    try:
+        info = directory.lstat()
+    except OSError:
+        return False
+    return stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid() and not info.st_mode & 0o077
+
+
+def _make_private(directory: Path) -> Path:
+    """``directory``, made (with its parents) this user's alone; PermissionError when it is not."""
+    directory.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    directory.mkdir(mode=0o700, exist_ok=True)
+    if not _private(directory):
+        raise PermissionError(f"{directory} is not this user's alone (mode 0700, owner uid {os.getuid()})")
+    return directory
 
 
 class EventLog:
@@ -73,7 +96,7 @@ class EventLog:
         else:
             try:
                 self._spool = _Spool(root, self.attempt)
-            except OSError as exc:  # the events go on without it: only a kill's last second is at stake
+            except Exception as exc:  # noqa: BLE001 - the events go on without it: only a kill's last second is at stake
                 logger.warning("no node-local spool for goodput events (%s): a SIGKILL loses up to 1 s of them", exc)
             threading.Thread(target=self._flush_loop, name="rg-goodput-events", daemon=True).start()
         self.emit("start", rank=rank, world=world_size, pid=os.getpid())
@@ -107,19 +130,30 @@ class EventLog:
             write_bytes(
                 self._root, f"{EVENTS_DIR}/{self.attempt}/{chunk:06d}.jsonl", ("\n".join(lines) + "\n").encode()
             )
+            fault_point("events.shipped")
         except Exception as exc:  # noqa: BLE001 - accounting must never break training
             self._gap = True  # these lines stay unsent in the spool, for its sweep
             logger.warning("could not write goodput events: %s", exc)
             return
-        fault_point("events.shipped")
-        if self._spool is not None and not self._gap:
-            self._spool.mark_sent(upto)
+        if self._gap:
+            return
+        with self._lock:  # emptied when nothing came since: the spool stays small
+            spool = self._spool
+            emptied = spool is not None and spool.size == upto >= SPOOL_RESET_BYTES and spool.reset()
+        if spool is not None and not emptied:
+            spool.mark_sent(upto)
 
     def _flush_loop(self) -> None:
-        ship_orphaned_events()  # a killed predecessor's spool on this node, off the training thread
+        swept = False
         while True:
             time.sleep(FLUSH_INTERVAL_S)
             self.flush()
+            if not swept:  # a killed predecessor's spool on this node, after this log's own first chunk
+                swept = True
+                try:
+                    ship_orphaned_events()
+                except Exception as exc:  # noqa: BLE001 - never the end of this log's own flushes
+                    logger.warning("could not ship dead workers' goodput events: %s", exc)
 
     def close(self) -> None:
         with self._flush_lock:
@@ -138,25 +172,32 @@ class _Spool:
     """The node-local copy of an object-store event log: ``<pid>-<attempt>.jsonl`` (one
     ``write()`` per event, so it survives a SIGKILL), ``.root`` (the storage location,
     pickled: written first, so a log is never found without it) and ``.sent`` (how many of
-    the log's bytes storage has, written after each chunk)."""
+    the log's bytes storage has, written after each chunk). Emptied once everything in it
+    is shipped and it has grown past ``SPOOL_RESET_BYTES``."""
 
     def __init__(self, root: StorageLocation, attempt: str) -> None:
-        directory = spool_dir()
-        directory.mkdir(parents=True, exist_ok=True)
+        directory = _make_private(spool_dir())
         self.base = str(directory / f"{os.getpid()}-{attempt}")
         _write_aside(self.base + _ROOT, pickle.dumps(root))
-        self._fd = os.open(self.base + _LOG, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self._fd = os.open(self.base + _LOG, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         self.size = 0
         self.sent = 0
+        self.broken = False  # a write came up short: no more appends (the chunks carry the events)
 
     def append(self, line: str) -> None:
+        if self.broken:
+            return
         data = (line + "\n").encode()
         try:
-            os.write(self._fd, data)
+            written = os.write(self._fd, data)
         except OSError as exc:  # a full disk: the chunks still carry the events
-            logger.debug("goodput event spool write failed: %s", exc)
-            return
-        self.size += len(data)
+            written, error = 0, exc
+        else:
+            error = None
+        self.size += written
+        if written != len(data):  # a torn line would swallow the next one: stop here
+            self.broken = True
+            logger.warning("goodput event spool %s stopped: %s", self.base, error or "a short write")
 
     def mark_sent(self, upto: int) -> None:
         try:
@@ -165,6 +206,19 @@ class _Spool:
             logger.debug("goodput event spool mark failed: %s", exc)
             return
         self.sent = upto
+
+    def reset(self) -> bool:
+        """Empty the log, all of it shipped (under the event log's lock: no append meanwhile).
+        The mark goes to 0 first: a kill between the two ships the shipped events again,
+        which the reader drops, and never skips one."""
+        try:
+            _write_aside(self.base + _SENT, b"0")
+            os.ftruncate(self._fd, 0)
+        except OSError as exc:
+            logger.debug("goodput event spool reset failed: %s", exc)
+            return False
+        self.size = self.sent = 0
+        return True
 
     def close(self, *, remove: bool) -> None:
         os.close(self._fd)
@@ -188,9 +242,11 @@ def ship_orphaned_events(directory: str | Path | None = None) -> int:
     again; one whose storage refused is put back for the next call. Run about once a second
     by every node uploader, and by each new object-store event log on its node."""
     directory = Path(directory) if directory is not None else spool_dir()
+    if not _private(directory):  # none yet, or not this user's alone: nothing of ours to ship
+        return 0
     try:
         names = os.listdir(directory)
-    except FileNotFoundError:
+    except OSError:
         return 0
     shipped = 0
     now = time.monotonic()
@@ -203,7 +259,7 @@ def ship_orphaned_events(directory: str | Path | None = None) -> int:
             last_write = (directory / name).stat().st_mtime  # its writer's last event (kept by a put-back)
             os.rename(directory / name, taken)
             os.utime(taken)  # when it was taken: what tells this taker from a later one with its pid
-        except FileNotFoundError:  # another sweep took it, or its writer closed it
+        except OSError:  # another sweep took it, or its writer closed it
             continue
         shipped += _ship(directory, stem, taken, last_write)
     return shipped
@@ -229,12 +285,12 @@ def _orphan(directory: Path, name: str) -> str | None:
 def _ship(directory: Path, stem: str, taken: Path, last_write: float) -> int:
     base = directory / stem
     try:
-        root = pickle.loads(Path(f"{base}{_ROOT}").read_bytes())  # noqa: S301 - written by our own workers
+        root = pickle.loads(Path(f"{base}{_ROOT}").read_bytes())  # noqa: S301 - our own, in a directory only we can write
         sent = int(Path(f"{base}{_SENT}").read_text()) if Path(f"{base}{_SENT}").exists() else 0
         with open(taken, "rb") as f:
             f.seek(sent)
             data = f.read()
-    except (OSError, ValueError, pickle.UnpicklingError, EOFError) as exc:
+    except Exception as exc:  # noqa: BLE001 - unreadable (another version's pickle, say): one lost tail, not a sweep down
         logger.warning("dropping the goodput event spool %s, which cannot be read: %s", taken, exc)
         _remove_spool(base, taken)
         return 0
@@ -264,8 +320,11 @@ def _refused_by_storage(base: Path, stem: str, taken: Path, last_write: float, e
             "could not ship the goodput events of a dead worker (%s); retrying every %.0f s", exc, _RETRY_AFTER_S
         )
     _refused[stem] = time.monotonic() + _RETRY_AFTER_S
-    os.utime(taken, (last_write, last_write))  # its age goes on from its writer's last event
-    os.rename(taken, f"{base}{_LOG}")
+    try:
+        os.rename(taken, f"{base}{_LOG}")
+        os.utime(f"{base}{_LOG}", (last_write, last_write))  # its age goes on from its writer's last event
+    except FileNotFoundError:  # another sweep took it meanwhile (it judged this taker by the age)
+        pass
     return 0
 
 

@@ -432,11 +432,15 @@ def _ship_events() -> None:
     """Ship, about once a second, the goodput events that dead workers on this machine had
     not (``goodput._events``): a rank 0 SIGKILLed between two batches of an object-store
     log. A thread of its own, so that a storage refusing them delays nothing else here."""
+    last = ""
     while True:
         try:
             ship_orphaned_events()
-        except Exception:  # one sweep's error must not end the sweeps (logged with its trace)
-            logger.warning("the sweep of dead workers' goodput events failed", exc_info=True)
+            last = ""
+        except Exception as exc:  # one sweep's error must not end the sweeps
+            if repr(exc) != last:  # once per distinct error, not once a second
+                logger.warning("the sweep of dead workers' goodput events failed", exc_info=True)
+            last = repr(exc)
         time.sleep(_EVENT_SWEEP_S)
 
 
@@ -489,32 +493,41 @@ def uploader_status(timeout_s: float = 10.0) -> list[dict[str, Any]]:
 
 
 #: How long past its own bound an uploader's answer to :func:`wait_for_uploads` may take.
-_ANSWER_SLACK_S = 10.0
+ANSWER_SLACK_S = 10.0
 
 
-def wait_for_uploads(root: str | StorageLocation, *, above: int | None, timeout_s: float) -> dict[str, list[int]]:
-    """Wait, at most ``timeout_s``, until no live node uploader has a job of storage root
-    ``root`` of a step above ``above`` (None: any) in flight: the saves of a dead attempt
-    whose workers handed them over, which commit without their workers. Returns the steps
-    still in flight per node when the bound ran out (empty: nothing left to wait for).
+def wait_for_uploads(
+    root: str | StorageLocation, *, above: int | None, timeout_s: float
+) -> dict[str, list[int] | None]:
+    """Wait until no live node uploader has a job of storage root ``root`` of a step above
+    ``above`` (None: any) in flight: the saves of a dead attempt whose workers handed them
+    over, which commit without their workers. Each uploader waits at most ``timeout_s``;
+    its answer is waited for ``ANSWER_SLACK_S`` more. Returns, per node, the steps still in
+    flight when its bound ran out (None: it did not answer); empty: nothing left.
 
-    An uploader that died holds nothing to wait for; one that did not answer in time is
-    listed with no steps and logged. Needs ``ray.init``; without it there is no uploader.
-    """
+    An uploader that died holds nothing to wait for. Needs ``ray.init``; without it there
+    is no uploader."""
     if not ray.is_initialized() or timeout_s <= 0:
         return {}
     key = root_key(root)
-    refs = {node: h.wait_uploads.remote(key, above, timeout_s) for node, h in _services.find(KIND).items()}
-    deadline = time.monotonic() + timeout_s + _ANSWER_SLACK_S
-    left: dict[str, list[int]] = {}
+    refs = {}
+    for node, handle in _services.find(KIND).items():
+        try:
+            refs[node] = handle.wait_uploads.remote(key, above, timeout_s)
+        except AttributeError:  # an uploader of an older ray_goodput, without the call
+            logger.warning("the uploader on node %s cannot say what it is still uploading", node)
+    deadline = time.monotonic() + timeout_s + ANSWER_SLACK_S
+    left: dict[str, list[int] | None] = {}
     for node, ref in sorted(refs.items()):
         try:
             steps = ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
         except ray.exceptions.RayActorError:  # it died, and its jobs with it
             continue
         except ray.exceptions.GetTimeoutError:
-            logger.warning("the uploader on node %s did not say in time what it is still uploading", node)
-            left[node] = []
+            left[node] = None
+            continue
+        except ray.exceptions.RayError as exc:  # its call failed: nothing known to wait for there
+            logger.warning("the uploader on node %s could not say what it is still uploading: %s", node, exc)
             continue
         if steps:
             left[node] = steps
