@@ -264,21 +264,27 @@ def test_a_connection_broken_while_the_uploader_lives_keeps_the_arena_until_the_
     ray.get(worker.close.remote())
 
 
+def _save_held_at(proxy: FlakyProxy, worker, step: int) -> None:
+    """``worker`` saves ``step``; returns once its upload reached the proxy, which holds it
+    (until ``proxy.release()``)."""
+    proxy.stall(f"/{step_dir(step)}/", methods=("PUT", "POST"))
+    ray.get(worker.save.remote(step))
+    wait_for(
+        lambda: proxy.holding_in(f"/{step_dir(step)}/"),
+        timeout_s=60,
+        what=f"step {step}'s upload reaching storage",
+        interval_s=0.01,
+    )
+
+
 def test_uploader_killed_mid_upload(ray_cluster, s3_server):
     proxy = FlakyProxy(s3_server.endpoint)
     uri = s3_server.bucket_uri("killed-uploader").replace(s3_server.endpoint, proxy.endpoint)
     node, worker, uploader = _worker_with_a_commit(ray_cluster, uri, 3)
     # Step 2's upload is held at the proxy: the kill lands mid-upload, not after a commit
     # that a loaded machine let finish first.
-    proxy.stall(f"/{step_dir(2)}/", methods=("PUT", "POST"))
     try:
-        ray.get(worker.save.remote(2))
-        wait_for(
-            lambda: proxy.holding_in(f"/{step_dir(2)}/"),
-            timeout_s=60,
-            what="step 2's upload reaching storage",
-            interval_s=0.01,
-        )
+        _save_held_at(proxy, worker, 2)
         ray.kill(uploader, no_restart=True)
         with pytest.raises(CheckpointError):
             ray.get(worker.wait.remote())
@@ -395,16 +401,9 @@ def test_a_restart_resumes_from_the_save_a_dead_workers_uploader_was_still_uploa
     proxy = FlakyProxy(s3_server.endpoint)
     uri = s3_server.bucket_uri("in-flight").replace(s3_server.endpoint, proxy.endpoint)
     _, worker, _ = _worker_with_a_commit(ray_cluster, uri, 8)  # step 1 committed
-    proxy.stall(f"/{step_dir(2)}/", methods=("PUT", "POST"))
     held_s = 4.0
     try:
-        ray.get(worker.save.remote(2))
-        wait_for(
-            lambda: proxy.holding_in(f"/{step_dir(2)}/"),
-            timeout_s=60,
-            what="step 2's upload reaching storage",
-            interval_s=0.01,
-        )
+        _save_held_at(proxy, worker, 2)
         ray.kill(worker, no_restart=True)  # the worker dies; its node's uploader goes on
         # Within a 1 s bound the upload does not land: the choice stands at step 1, at the bound.
         start = time.monotonic()
@@ -443,3 +442,32 @@ def test_a_killed_rank_0s_goodput_events_not_yet_batched_are_shipped_by_its_node
         return [e["step"] for e in events if e["e"] == "step"]
 
     wait_for(lambda: steps() == list(range(1, 26)), timeout_s=60, what=f"steps 1-25 of {attempt} in storage")
+
+
+def test_a_restore_that_chooses_for_itself_resumes_from_the_save_a_dead_workers_uploader_was_still_uploading(
+    ray_cluster, s3_server
+):
+    """The flaky CI run of the restart-fidelity test, again after the driver's fix: that
+    test runs Ray Train's own TorchTrainer without a Recovery, so rank 0 of the restore
+    chooses, and it took the commit before while the killed worker's uploader was still
+    uploading a newer save. Rank 0 now waits for those uploads too."""
+    proxy = FlakyProxy(s3_server.endpoint)
+    uri = s3_server.bucket_uri("self-choice").replace(s3_server.endpoint, proxy.endpoint)
+    node, worker, _ = _worker_with_a_commit(ray_cluster, uri, 10)  # step 1 committed
+    held_s = 4.0
+    try:
+        _save_held_at(proxy, worker, 2)
+        ray.kill(worker, no_restart=True)  # its node's uploader goes on
+        reader = _on(node).remote(uri, seed=11)
+        release = threading.Timer(held_s, proxy.release)
+        start = time.monotonic()
+        release.start()
+        step, tensors = ray.get(reader.restore.remote(), timeout=300)
+        took = time.monotonic() - start
+    finally:
+        proxy.release()
+    assert step == 2  # the save in flight, committed, not step 1
+    assert took >= held_s - 0.5, took
+    assert all(torch.equal(a, b) for a, b in zip(tensors, _big_state(10)["model"].state_dict().values()))
+    ray.get(reader.close.remote())
+    proxy.close()

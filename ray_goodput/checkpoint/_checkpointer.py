@@ -37,6 +37,7 @@ from ray_goodput.checkpoint.save._ray_report import report_closed
 from ray_goodput.checkpoint.save._save_state import SaveRecord
 from ray_goodput.checkpoint.save._schedule import SaveSchedule
 from ray_goodput.checkpoint.save._snapshot import Snapshotter
+from ray_goodput.checkpoint.uploader._actor import wait_for_uploads
 from ray_goodput.checkpoint.uploader._client import ActorBackend
 from ray_goodput.checkpoint.uploader._metrics import SaveMetrics
 from ray_goodput.checkpoint.uploader._shard_job import ShardJob
@@ -55,6 +56,9 @@ __all__ = ["Checkpointer", "SaveStats"]
 #: (seconds for a GPU-sized shard); what is left is collected by the run's next
 #: Checkpointer on the node.
 _DROP_JOIN_S = 60.0
+#: How long rank 0 of a restore that chooses for itself (no driver decision for its
+#: storage) waits for the saves of its storage still uploading in the node uploaders.
+RESTORE_UPLOAD_WAIT_S = 120.0
 
 
 def _best_effort(what: str, fn: Any) -> None:
@@ -388,6 +392,8 @@ class Checkpointer:
             self._restored(None, t0)
             return None
         step = decision.step if decision is not None else None
+        if decision is None and self.rank == 0:  # the other ranks wait in the choice's broadcast
+            self._wait_for_dead_uploads()
         # The own node-local data file of the likely pick, checked while rank 0 chooses.
         guess = LocalGuess(self.staging, self.rank, step)
         try:
@@ -413,6 +419,26 @@ class Checkpointer:
         self._restored(info.step, t0)
         self._last_step = info.step
         return info.step
+
+    def _wait_for_dead_uploads(self) -> None:
+        """Rank 0, before it chooses for itself (no ``Recovery``, or one watching another
+        storage): a dead attempt's saves that its workers handed to their node uploaders
+        commit without them; the choice waits for those still uploading, at most
+        ``RESTORE_UPLOAD_WAIT_S``, rather than resume from the commit before and redo the
+        steps in between. Only under Ray, where node uploaders run."""
+        if not ray_initialized():
+            return
+        start = time.monotonic()
+        try:
+            left = wait_for_uploads(self.root, above=None, timeout_s=RESTORE_UPLOAD_WAIT_S)
+        except Exception as exc:  # noqa: BLE001 - the wait only improves the choice; never fails the restore
+            logger.warning("could not ask the node uploaders what they still upload: %s", exc)
+            return
+        waited = time.monotonic() - start
+        if left:
+            logger.warning("restore: saves still uploading after %.0f s are not waited for: %s", waited, left)
+        elif waited >= 0.5:
+            logger.info("restore waited %.1f s for saves still uploading in the node uploaders", waited)
 
     def _restored(self, step: int | None, t0: float) -> None:
         now = time.time()
