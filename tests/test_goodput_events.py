@@ -22,7 +22,7 @@ import pytest
 from ray_goodput import storage
 from ray_goodput.goodput import EventLog, read_events
 from ray_goodput.goodput._events import SWEPT_PREFIX, _Seqs, ship_orphaned_events
-from ray_goodput.testing import FlakyProxy
+from ray_goodput.testing import FlakyProxy, wait_for
 
 _WRITER = textwrap.dedent(
     """
@@ -65,7 +65,7 @@ def _killed_writer(uri: str, tmp_path: Path, *, reset_bytes: int = 1 << 20, **en
 
 
 def _steps(uri: str, attempt: str) -> list[int]:
-    return [e["step"] for e in read_events(storage.resolve(uri))[attempt] if e["e"] == "step"]
+    return [e["step"] for e in read_events(storage.resolve(uri)).get(attempt, []) if e["e"] == "step"]
 
 
 @pytest.mark.parametrize("reset_bytes", [1 << 20, 1], ids=["spool-kept", "spool-emptied-after-each-batch"])
@@ -79,7 +79,7 @@ def test_the_steps_a_killed_rank_0_had_not_batched_reach_storage_from_its_spool(
     assert ship_orphaned_events(_spool(tmp_path)) == 0
 
 
-def test_a_log_closed_with_everything_shipped_leaves_no_spool_and_one_that_could_not_keeps_it(
+def test_a_log_closed_with_everything_shipped_leaves_no_spool_and_a_refused_batch_is_written_again(
     s3_server, tmp_path, monkeypatch
 ):
     monkeypatch.setenv("RAY_GOODPUT_EVENTS_SPOOL_DIR", str(_spool(tmp_path)))
@@ -90,15 +90,17 @@ def test_a_log_closed_with_everything_shipped_leaves_no_spool_and_one_that_could
     proxy = FlakyProxy(s3_server.endpoint)
     try:
         uri = s3_server.bucket_uri("unshipped").replace(s3_server.endpoint, proxy.endpoint)
+        proxy.outage(3600)  # before the log's first batch
         kept = EventLog(storage.resolve(uri), rank=0, world_size=1)
         kept.emit("step", step=1, n=1, t0=1.0, fetch=0.0, ckpt=0.0)
-        proxy.outage(3600)
-        kept.close()  # its last batch refused: its spool stays for the sweep after this process
+        kept.close()  # its batch refused: the spool stays for a sweep once this process ends
+        left = sorted(p.suffix for p in _spool(tmp_path).iterdir())
+        assert left == [".jsonl", ".root"], left  # nothing marked sent
+        assert ship_orphaned_events(_spool(tmp_path)) == 0  # its writer (this process) lives
+        proxy.outage(0)  # storage back: the log's own next batch writes what was refused
+        wait_for(lambda: _steps(uri, kept.attempt) == [1], timeout_s=60, what="the refused batch written again")
     finally:
         proxy.close()
-    left = sorted(p.suffix for p in _spool(tmp_path).iterdir())
-    assert left == [".jsonl", ".root"], left  # nothing marked sent
-    assert ship_orphaned_events(_spool(tmp_path)) == 0  # its writer (this process) lives
 
 
 def test_a_tail_shipped_twice_is_read_once(s3_server, tmp_path):

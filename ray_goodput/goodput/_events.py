@@ -88,7 +88,6 @@ class EventLog:
         self._chunk = 0
         self._file = None
         self._spool: _Spool | None = None
-        self._gap = False  # a chunk failed to write: the spool's sent mark stays where it was
         if root.is_local:
             directory = root.join(EVENTS_DIR)
             os.makedirs(directory, exist_ok=True)
@@ -132,10 +131,9 @@ class EventLog:
             )
             fault_point("events.shipped")
         except Exception as exc:  # noqa: BLE001 - accounting must never break training
-            self._gap = True  # these lines stay unsent in the spool, for its sweep
-            logger.warning("could not write goodput events: %s", exc)
-            return
-        if self._gap:
+            with self._lock:  # the next flush writes them again (a write that did land is read once)
+                self._buffer[:0] = lines
+            logger.warning("could not write goodput events (written again with the next batch): %s", exc)
             return
         with self._lock:  # emptied when nothing came since: the spool stays small
             spool = self._spool
@@ -165,7 +163,7 @@ class EventLog:
                 spool, self._spool = self._spool, None
             if spool is not None:
                 # All shipped: the spool goes. Else it stays for the sweep once this process ends.
-                spool.close(remove=not self._gap and spool.sent == spool.size)
+                spool.close(remove=spool.sent == spool.size)
 
 
 class _Spool:
@@ -332,6 +330,8 @@ def _remove_spool(base: Path, taken: Path) -> None:
     taken.unlink(missing_ok=True)
     for suffix in (_SENT, _ROOT):
         Path(f"{base}{suffix}").unlink(missing_ok=True)
+    for tmp in base.parent.glob(f"{base.name}.*.tmp"):  # a write aside its writer's kill cut short
+        tmp.unlink(missing_ok=True)
 
 
 class EventReader:
