@@ -277,6 +277,22 @@ def _save_held_at(proxy: FlakyProxy, worker, step: int) -> None:
     )
 
 
+def _killed_with_save_2_held(ray_cluster, s3_server, name: str, *, seed: int) -> tuple[FlakyProxy, str, str]:
+    """A worker that committed step 1 through a proxy, saved step 2 (its upload held at the
+    proxy until ``proxy.release()``) and was killed; its node's uploader goes on. Returns
+    (proxy, the storage URI through it, the node)."""
+    proxy = FlakyProxy(s3_server.endpoint)
+    uri = s3_server.bucket_uri(name).replace(s3_server.endpoint, proxy.endpoint)
+    node, worker, _ = _worker_with_a_commit(ray_cluster, uri, seed)
+    try:
+        _save_held_at(proxy, worker, 2)
+    except BaseException:
+        proxy.close()
+        raise
+    ray.kill(worker, no_restart=True)
+    return proxy, uri, node
+
+
 def test_uploader_killed_mid_upload(ray_cluster, s3_server):
     proxy = FlakyProxy(s3_server.endpoint)
     uri = s3_server.bucket_uri("killed-uploader").replace(s3_server.endpoint, proxy.endpoint)
@@ -398,13 +414,9 @@ def test_a_restart_resumes_from_the_save_a_dead_workers_uploader_was_still_uploa
     from ray_goodput.driver._resume_choice import ResumeChoice
     from ray_goodput.storage import resolve
 
-    proxy = FlakyProxy(s3_server.endpoint)
-    uri = s3_server.bucket_uri("in-flight").replace(s3_server.endpoint, proxy.endpoint)
-    _, worker, _ = _worker_with_a_commit(ray_cluster, uri, 8)  # step 1 committed
+    proxy, uri, _ = _killed_with_save_2_held(ray_cluster, s3_server, "in-flight", seed=8)
     held_s = 4.0
     try:
-        _save_held_at(proxy, worker, 2)
-        ray.kill(worker, no_restart=True)  # the worker dies; its node's uploader goes on
         # Within a 1 s bound the upload does not land: the choice stands at step 1, at the bound.
         start = time.monotonic()
         bounded = ResumeChoice(resolve(uri), upload_wait_s=1.0).take(2)
@@ -451,13 +463,9 @@ def test_a_restore_that_chooses_for_itself_resumes_from_the_save_a_dead_workers_
     test runs Ray Train's own TorchTrainer without a Recovery, so rank 0 of the restore
     chooses, and it took the commit before while the killed worker's uploader was still
     uploading a newer save. Rank 0 now waits for those uploads too."""
-    proxy = FlakyProxy(s3_server.endpoint)
-    uri = s3_server.bucket_uri("self-choice").replace(s3_server.endpoint, proxy.endpoint)
-    node, worker, _ = _worker_with_a_commit(ray_cluster, uri, 10)  # step 1 committed
+    proxy, uri, node = _killed_with_save_2_held(ray_cluster, s3_server, "self-choice", seed=10)
     held_s = 4.0
     try:
-        _save_held_at(proxy, worker, 2)
-        ray.kill(worker, no_restart=True)  # its node's uploader goes on
         reader = _on(node).remote(uri, seed=11)
         release = threading.Timer(held_s, proxy.release)
         start = time.monotonic()
