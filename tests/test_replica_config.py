@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import ray.train
+import torch
 from ray.train.v2.torch.torchft_config import TorchftConfig
 
 from ray_goodput.driver import _replicas
@@ -168,14 +169,59 @@ class _AloneInQuorum:
         return 0
 
 
-def _waiting_replacement(timeout_s: float):
+class _FreshQuorum(_AloneInQuorum):
+    """A quorum of ``n`` replicas at step 0: none has progress to heal from."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def num_participants(self) -> int:
+        return self.n
+
+
+def _waiting_replacement(timeout_s: float, *, configured: int = 2, manager=None):
     from ray_goodput.replica._replica import Replica
 
     rep = Replica.__new__(Replica)  # the first-quorum wait alone: no torchft, no Ray
     rep.settings = ReplicaGroups(heartbeat_timeout_s=0.2, timeout_s=timeout_s)
-    rep.slot, rep.configured, rep.replacement, rep.peers_finished = 1, 2, True, False
-    rep.manager, rep._ckpt, rep._first_quorum, rep._drop_step = _AloneInQuorum(), None, True, False
+    rep.slot, rep.configured, rep.replacement, rep.peers_finished = 1, configured, True, False
+    rep.manager, rep._ckpt, rep._first_quorum, rep._drop_step = manager or _AloneInQuorum(), None, True, False
     return rep
+
+
+def test_two_fresh_replacements_of_three_do_not_step_from_scratch_without_replica_0():
+    """Every replica of 3 failed and Ray replaced them one by one: replacements 1 and 2
+    met at step 0 before replica 0's. They stepped from scratch together, replica 0's
+    replacement then healed from them instead of restoring, and the durable checkpoint was
+    thrown away. Now they wait for replica 0 (here it never comes: the wait ends at its
+    bound)."""
+    from ray_goodput.replica._replica import ReplicaJoinError
+
+    rep = _waiting_replacement(timeout_s=0.5, configured=3, manager=_FreshQuorum(2))
+    set_join(WorkerJoin("replacement"))
+    try:
+        with pytest.raises(ReplicaJoinError, match=r"2 of 3 replicas"):
+            rep._join_quorum()
+    finally:
+        set_join(None)
+
+
+def test_a_fresh_replacement_that_meets_every_replica_at_step_0_does_not_commit_that_step():
+    """Replica 0's replacement restores the checkpoint inside this quorum and drops the
+    step; another fresh replacement that committed it kept a step computed from fresh
+    weights (with a checkpoint of step 1, the two then stood at step 1 with different
+    weights and never healed). It drops the step and heals from replica 0 at the next
+    quorum; so it does at every quorum until it has progress."""
+    rep = _waiting_replacement(timeout_s=5.0, configured=2, manager=_FreshQuorum(2))
+    set_join(WorkerJoin("replacement"))
+    try:
+        rep._join_quorum()
+        assert rep._drop_step
+        rep._drop_step = False  # the step did not commit (no peer was ahead): still no progress
+        rep._join_quorum()
+        assert rep._drop_step
+    finally:
+        set_join(None)
 
 
 def test_a_waiting_replacement_ends_when_told_its_peers_finished_instead_of_timing_out():
@@ -267,3 +313,107 @@ def test_a_rerun_of_fit_gets_rays_failure_budgets_less_what_the_runs_before_used
     assert rerun_failure_config(config, {"max_preemption_failures": 4}) is None
     unlimited = ray.train.FailureConfig(max_failures=-1)
     assert rerun_failure_config(unlimited, {"max_failures": 100}).max_failures == -1
+
+
+class _Calls:
+    """Stand-ins that record, in order, what closing a ``Replica`` does to its parts."""
+
+    def __init__(self, close_raises: bool = False) -> None:
+        self.calls: list[str] = []
+        self.close_raises = close_raises
+
+    def shutdown(self, wait: bool) -> None:  # torchft's Manager
+        self.calls.append(f"manager.shutdown(wait={wait})")
+
+    def close(self) -> None:  # the Checkpointer: waits for the last save
+        self.calls.append("checkpointer.close")
+        if self.close_raises:
+            from ray_goodput import CheckpointError
+
+            raise CheckpointError("the last save did not commit")
+
+    def __exit__(self, *exc: object) -> None:  # the Checkpointer unwinding an error
+        self.calls.append("checkpointer.release")
+
+    def end(self) -> None:  # the goodput recorder
+        self.calls.append("recorder.end")
+
+
+def _closing_replica(parts: _Calls):
+    from ray_goodput.replica._replica import Replica
+
+    rep = Replica.__new__(Replica)
+    rep.slot, rep.manager, rep._ckpt, rep._recorder = 0, parts, parts, parts
+    return rep
+
+
+def test_an_error_in_the_loop_leaves_the_quorum_at_once_and_is_raised_as_it_was():
+    """Replica 0's loop raised: it used to wait for its uploads (up to the Checkpointer's
+    wait_timeout_s) while its Manager heartbeated without joining, stalling the survivors'
+    quorums, and a failed last save replaced the loop's error (Recovery decides on its
+    type), and the ledger recorded a clean end."""
+    parts = _Calls(close_raises=True)
+    with pytest.raises(ValueError, match="the user's loop"):
+        with _closing_replica(parts):
+            raise ValueError("the user's loop")
+    assert parts.calls == ["manager.shutdown(wait=False)", "checkpointer.release"]
+
+
+def test_a_clean_end_leaves_the_quorum_before_it_waits_for_the_last_save():
+    parts = _Calls()
+    with _closing_replica(parts):
+        pass
+    assert parts.calls == ["manager.shutdown(wait=False)", "checkpointer.close", "recorder.end"]
+
+
+class _Collective:
+    """torchft's Manager for one step: an all-reduce that records what it was sent (and
+    leaves it: a mean over one participant), and a commit vote."""
+
+    def __init__(self, commits: bool = True) -> None:
+        self.sent: list[int] = []
+        self.commits = commits
+
+    def allreduce(self, tensor: torch.Tensor):
+        self.sent.append(tensor.numel())
+        return SimpleNamespace(wait=lambda: None)
+
+    def should_commit(self) -> bool:
+        return self.commits
+
+    def current_step(self) -> int:
+        return 4
+
+
+def _stepping_replica(model: torch.nn.Module, manager: _Collective):
+    from ray_goodput.replica._replica import Replica
+
+    rep = Replica.__new__(Replica)
+    rep.slot, rep._model, rep.manager = 1, model, manager
+    rep._in_step, rep._drop_step, rep._retrying, rep._uncommitted = True, False, False, 0
+    rep._recorder = SimpleNamespace(uncommitted=lambda: None)
+    return rep
+
+
+def test_a_parameter_the_batch_left_without_a_gradient_keeps_the_all_reduce_layout_of_every_replica():
+    """A branch taken by one replica's batch and not another's (a conditional head, MoE):
+    the flat all-reduce held only the parameters with a gradient, so the replicas sent
+    different sizes (the step never committed) or, when the sizes matched, added unrelated
+    gradients together."""
+    model = torch.nn.ModuleDict({"used": torch.nn.Linear(3, 2), "branch": torch.nn.Linear(3, 4)})
+    model["used"](torch.ones(1, 3)).sum().backward()
+    manager = _Collective()
+    _stepping_replica(model, manager)._average_gradients()
+    assert manager.sent == [sum(p.numel() for p in model.parameters())]
+    assert all(torch.equal(p.grad, torch.zeros_like(p)) for p in model["branch"].parameters())
+
+
+def test_steps_that_never_commit_end_in_an_error_that_says_so_instead_of_retrying_for_ever():
+    from ray_goodput.replica._replica import MAX_UNCOMMITTED_STEPS, ReplicaStepError
+
+    rep = _stepping_replica(torch.nn.Linear(2, 1), _Collective(commits=False))
+    for _ in range(MAX_UNCOMMITTED_STEPS - 1):
+        assert rep.step() is False
+        rep._in_step = True  # the next try of the same step
+    with pytest.raises(ReplicaStepError, match=rf"step 5 did not commit {MAX_UNCOMMITTED_STEPS} times in a row"):
+        rep.step()

@@ -11,6 +11,8 @@ from ray_goodput._lazy import lazy_exports
 _EXPORTS = {
     "ReplicaGroups": "ray_goodput.replica._config",
     "Replica": "ray_goodput.replica._replica",
+    "ReplicaJoinError": "ray_goodput.replica._replica",
+    "ReplicaStepError": "ray_goodput.replica._replica",
     "Position": "ray_goodput.replica._position",
 }
 __all__ = sorted(_EXPORTS)

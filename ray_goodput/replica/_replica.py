@@ -21,10 +21,12 @@ optimizer, data position, step) and the others heal from it at the first quorum;
 replacement restores nothing and heals from a live peer. When a replacement's first quorum
 shows that no peer has any progress (every replica failed, but Ray saw the failures one at
 a time and replaced them one by one), replica 0 restores the checkpoint then, drops that
-step (it votes not to commit it) and the others heal from it at the next quorum; another
-replacement that finds itself alone at step 0 waits (up to ``timeout_s``) for a peer to
-heal from instead of training from scratch. At a whole-group start the first step waits for
-every replica, so none steps ahead of the restored checkpoint.
+step (it votes not to commit it) and the others heal from it at the next quorum. Another
+replacement with no progress never steps from scratch: it waits (up to ``timeout_s``, at
+each quorum until it has healed) for a peer to heal from, or for every replica when none
+has any, and then drops that step too, so that it heals from replica 0 at the next
+quorum. At a whole-group start the first step waits for every replica, so none steps
+ahead of the restored checkpoint.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from torch.utils.data import default_collate
 
 from ray_goodput.checkpoint import Checkpointer
 from ray_goodput.data import _order
-from ray_goodput.errors import ConfigError
+from ray_goodput.errors import ConfigError, GoodputError
 from ray_goodput.goodput import get_recorder
 from ray_goodput.replica import _position as pos
 from ray_goodput.replica._config import ReplicaGroups, require_torchft
@@ -52,8 +54,17 @@ from ray_goodput.runtime._join import worker_join
 logger = logging.getLogger(__name__)
 
 
-class ReplicaJoinError(RuntimeError):
+#: Steps in a row that did not commit before the replica gives up (each failed step is
+#: bounded by ``ReplicaGroups.timeout_s``); a replacement costs one or two.
+MAX_UNCOMMITTED_STEPS = 20
+
+
+class ReplicaJoinError(GoodputError, RuntimeError):
     """A replacement found no live peer to heal from in time (retryable: Ray replaces it)."""
+
+
+class ReplicaStepError(GoodputError, RuntimeError):
+    """Steps stopped committing: ``MAX_UNCOMMITTED_STEPS`` in a row did not (retryable)."""
 
 
 class _RestoredMidQuorum(RuntimeError):
@@ -116,6 +127,7 @@ class Replica:
         self._participants = 0
         self._quorum_wait_s = 0.0  # the step's wait in a quorum whose replicas changed (the ledger's)
         self._retrying = False  # the step before did not commit
+        self._uncommitted = 0  # steps in a row that did not commit
         self._in_step = False
         self._first_quorum = True
         self._drop_step = False
@@ -207,9 +219,9 @@ class Replica:
     def _join_quorum(self) -> None:
         """The step's quorum (blocking; heals this replica when a participant is ahead)."""
         self.manager.start_quorum()
-        if not self._first_quorum:
+        first, self._first_quorum = self._first_quorum, False
+        if not (first or self._unhealed()):
             return
-        self._first_quorum = False
         deadline = time.monotonic() + self.settings.timeout_s
         while self._waiting_for_peers():
             if self._told_peers_finished():
@@ -217,12 +229,25 @@ class Replica:
             if time.monotonic() > deadline:
                 raise ReplicaJoinError(
                     f"replica {self.slot} found {self.manager.num_participants()} of {self.configured} "
-                    f"replicas in its first quorum after {self.settings.timeout_s:.0f} s "
+                    f"replicas in its quorum after {self.settings.timeout_s:.0f} s, and none to heal from "
                     "(ReplicaGroups(timeout_s=...))"
                 )
             time.sleep(self.settings.heartbeat_timeout_s / 4)
             self.manager.start_quorum()
-        self._drop_step = self._restore_if_no_peer_had_state()
+        if self._unhealed():
+            # Every replica is here and none had progress: each was replaced after all of
+            # them failed. Replica 0 restores the durable checkpoint in this step (or steps
+            # from scratch); this one votes not to commit the step and heals from replica 0
+            # at the next quorum, so no replica keeps a step computed from fresh weights.
+            self._drop_step = True
+        elif first:
+            self._drop_step = self._restore_if_no_peer_had_state()
+
+    def _unhealed(self) -> bool:
+        """A replacement other than replica 0 that has had no progress yet (no peer it met
+        had any): it must not step from scratch, which would throw the durable checkpoint
+        that replica 0 restores away."""
+        return self.replacement and self.slot != 0 and self.configured > 1 and self.current_step == 0
 
     def _told_peers_finished(self) -> bool:
         """Whether the driver said, since this replacement started, that every peer has
@@ -234,15 +259,17 @@ class Replica:
         return self.peers_finished
 
     def _waiting_for_peers(self) -> bool:
-        """Whether the first quorum must wait for more replicas. At a whole-group start: for
-        all of them (a replica stepping alone from scratch while replica 0 still restores
-        would get ahead of the restored step, and replica 0 would heal from it). A
-        replacement other than replica 0 (which restores the durable checkpoint instead)
-        alone at step 0: for a peer to heal from (its peers died too and are being replaced)."""
+        """Whether this quorum must wait for more replicas. At a whole-group start: for all
+        of them (a replica stepping alone from scratch while replica 0 still restores would
+        get ahead of the restored step, and replica 0 would heal from it). A replacement
+        other than replica 0 that has had no progress: for a peer to heal from, or for every
+        replica, replica 0 included, when none has any (its peers died too and are being
+        replaced; two fresh replacements stepping together would be such a from-scratch
+        lineage). Replica 0 never waits: with no peer ahead it restores the checkpoint."""
         n = self.manager.num_participants()
         if not self.replacement:
             return n < self.configured
-        return self.slot != 0 and self.configured > 1 and self.current_step == 0 and n == 1
+        return self._unhealed() and n < self.configured
 
     def _restore_if_no_peer_had_state(self) -> bool:
         """After a replacement's first quorum: whether replica 0 restored the durable
@@ -333,11 +360,17 @@ class Replica:
             self._drop_step = False
             self.manager.report_error(_RestoredMidQuorum("replica 0 restored the durable checkpoint in this step"))
         if not self.manager.should_commit():
+            self._uncommitted += 1
             logger.warning("step %d did not commit on replica %d; it is retried", self.current_step + 1, self.slot)
             self._recorder.uncommitted()
             self._retrying = True
+            if self._uncommitted >= MAX_UNCOMMITTED_STEPS:
+                raise ReplicaStepError(
+                    f"replica {self.slot}: step {self.current_step + 1} did not commit {self._uncommitted} times in "
+                    "a row (its all-reduce or a peer keeps failing; see the warnings before this one)"
+                )
             return False
-        self._retrying = False
+        self._retrying, self._uncommitted = False, 0
         self._optim.step()
         self._position = pos.after_commit(self._position, self._participants, self._batch_size)
         if self._ckpt is not None and self.current_step % self._save_every == 0:
@@ -358,35 +391,58 @@ class Replica:
         return True
 
     def _average_gradients(self) -> None:
-        """One all-reduce (mean over the step's participants) of all gradients. A failed one
-        is not raised: torchft records it and the step does not commit."""
-        grads = [p.grad for p in self._model.parameters() if p.grad is not None]
-        if not grads:
+        """One all-reduce (mean over the step's participants) of the gradients of every
+        parameter that requires one, in the model's order: a parameter this replica's batch
+        left without a gradient counts as zeros (as DDP's unused parameters do), so every
+        participant sends the same layout. A failed all-reduce is not raised: torchft
+        records it and the step does not commit."""
+        params = [p for p in self._model.parameters() if p.requires_grad]
+        if not params:
             return
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         flat = torch.cat([g.reshape(-1) for g in grads])
         self.manager.allreduce(flat).wait()
         offset = 0
-        for g in grads:
+        for p, g in zip(params, grads):
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            if p.grad is None:
+                p.grad = g
             offset += g.numel()
 
     # ---- end ----------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Wait for replica 0's last save to commit, then leave the quorums."""
+        """Leave the quorums, then wait for replica 0's last save to commit (a Manager that
+        heartbeats but no longer joins would stall its peers' quorums meanwhile)."""
+        stepped = self.manager is not None
         try:
-            if self._ckpt is not None:
-                self._ckpt.close()
-        finally:
             if self.manager is not None:
                 self.manager.shutdown(wait=False)
-                self._recorder.end()  # the ledger's "finished" (only rank 0's recorder writes)
+        finally:
+            if self._ckpt is not None:
+                self._ckpt.close()
+        if stepped:
+            self._recorder.end()  # the ledger's "finished" (only rank 0's recorder writes)
 
     def __enter__(self) -> Replica:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        # Unwinding an error: leave the quorums at once, release the checkpointer without
+        # waiting for its uploads (its handed-over saves commit in the node uploader), record
+        # no end of the run, and let the error through as it was (Recovery decides on its
+        # type whether a retry can help).
+        try:
+            if self.manager is not None:
+                self.manager.shutdown(wait=False)
+        except Exception:
+            logger.warning("replica %d: torchft's Manager did not shut down cleanly", self.slot, exc_info=True)
+        finally:
+            if self._ckpt is not None:
+                self._ckpt.__exit__(exc_type, exc, tb)
 
 
 def _check(model: Any, batch_size: int, save_every: int | None, state: dict[str, Any] | None) -> None:
