@@ -10,6 +10,7 @@ is read once. Real processes, killed for real, and moto's S3 server.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import subprocess
@@ -103,6 +104,52 @@ def test_a_log_closed_with_everything_shipped_leaves_no_spool_and_a_refused_batc
         proxy.close()
 
 
+def test_the_spool_of_a_rank_0_that_steps_during_every_upload_stays_small_and_holds_the_unsent_tail(
+    s3_server, tmp_path, monkeypatch
+):
+    """The spool was emptied only after a batch with no event since it was taken. A rank 0
+    whose steps are shorter than a batch's upload emits during nearly every upload, so its
+    spool was never emptied: about 1 GB a day at 100 steps a second, in ``$TMPDIR``."""
+    from ray_goodput.goodput import _events
+
+    monkeypatch.setenv("RAY_GOODPUT_EVENTS_SPOOL_DIR", str(_spool(tmp_path)))
+    monkeypatch.setattr(_events, "SPOOL_RESET_BYTES", 2000)
+    monkeypatch.setattr(_events, "FLUSH_INTERVAL_S", 3600.0)  # the test's flush() is the only one
+    uri = s3_server.bucket_uri("busy")
+    log = EventLog(storage.resolve(uri), rank=0, world_size=1)
+    step = 0
+
+    def emit() -> None:
+        nonlocal step
+        step += 1
+        log.emit("step", step=step, n=1, t0=float(step), fetch=0.0, ckpt=0.0)
+
+    real_write = _events.write_bytes
+
+    def write_while_a_step_ends(*args, **kwargs):
+        emit()  # the training thread's next step, while the batch uploads
+        return real_write(*args, **kwargs)
+
+    monkeypatch.setattr(_events, "write_bytes", write_while_a_step_ends)
+    [spool_log] = _spool(tmp_path).glob("*.jsonl")
+    for _ in range(30):
+        for _ in range(10):
+            emit()
+        log.flush()
+    written = step * len('{"e": "step", "t": 0000000000.000000, "seq": 000, "step": 000, "n": 1}\n')
+    assert spool_log.stat().st_size < 2 * 2000 < written / 4
+    # What it holds past its mark is what storage does not have yet: the last step, emitted
+    # during the last batch's upload.
+    sent = int(spool_log.with_suffix(".sent").read_text())
+    tail = [json.loads(line) for line in spool_log.read_bytes()[sent:].splitlines()]
+    assert [e["step"] for e in tail] == [step]
+    monkeypatch.setattr(_events, "write_bytes", real_write)  # no step during the last batch
+    log.flush()
+    assert _steps(uri, log.attempt) == list(range(1, step + 1))
+    log.close()
+    assert os.listdir(_spool(tmp_path)) == []
+
+
 def test_a_tail_shipped_twice_is_read_once(s3_server, tmp_path):
     # Killed after its first batch (steps 1-5) reached storage, before its spool recorded
     # that: the sweep ships the whole spool again.
@@ -149,3 +196,22 @@ def test_sequence_ranges_drop_every_event_read_before_whatever_the_chunks_overla
             kept += [e["seq"] for e in seen.keep_new([{"e": "step", "seq": n} for n in chunk])]
         assert sorted(kept) == sorted({n for c in chunks for n in c})
     assert _Seqs().keep_new([{"e": "step"}, {"e": "step"}]) == [{"e": "step"}, {"e": "step"}]  # no seq: always kept
+
+
+def test_a_spool_under_a_directory_others_can_write_is_refused_and_never_swept(tmp_path):
+    """The default spool's parent, ``$TMPDIR/ray_goodput-<uid>``, has a predictable name:
+    another user who made it first (mode 0777, no sticky bit) could rename our 0700 spool
+    away and put theirs in its place, and the sweep would unpickle their ``.root``: code
+    run in the node uploader. Only the spool itself was checked."""
+    from ray_goodput.goodput._events import _make_private
+
+    parent = tmp_path / "ray_goodput-made-by-someone-else"
+    parent.mkdir()
+    parent.chmod(0o777)
+    with pytest.raises(PermissionError, match="RAY_GOODPUT_EVENTS_SPOOL_DIR"):
+        _make_private(parent / "goodput-spool")
+    spool = parent / "goodput-spool"
+    (spool / "123-1.0-abc.jsonl").write_text('{"e": "step"}\n')  # a spool as a sweep finds one
+    assert ship_orphaned_events(spool) == 0
+    parent.chmod(0o1777)  # as /tmp: others may add, none may rename what is ours
+    assert _make_private(spool) == spool

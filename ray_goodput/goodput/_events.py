@@ -38,7 +38,8 @@ FLUSH_INTERVAL_S = 1.0
 #: Name prefix of the chunk that ships a dead writer's spool (then the spool offset it starts at).
 SWEPT_PREFIX = "swept-"
 _LOG, _ROOT, _SENT, _SHIPPING = ".jsonl", ".root", ".sent", ".shipping"
-#: A spool all shipped is emptied once it is this long (a rank 0 runs for days).
+#: A spool whose shipped part is this long starts again with its unshipped tail (a rank 0
+#: runs for days).
 SPOOL_RESET_BYTES = 1 << 20
 #: A dead writer's spool still unshipped this long after its last event is dropped.
 SPOOL_KEEP_S = 3600.0
@@ -56,21 +57,41 @@ def spool_dir() -> Path:
 
 
 def _private(directory: Path) -> bool:
-    """Whether ``directory`` is this user's alone: a spool names a storage location that is
-    unpickled, so nobody else may put one there."""
+    """Whether ``directory`` is this user's alone and nobody else can put another in its
+    place: a spool names a storage location that is unpickled. The directory is this
+    user's, mode 0700; every directory above it is this user's or root's, and one that
+    others may write has the sticky bit (as ``/tmp``): else its owner, or anyone who may
+    write it, could rename ours away and put theirs there."""
     try:
         info = directory.lstat()
     except OSError:
         return False
-    return stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid() and not info.st_mode & 0o077
+    if not (stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid() and not info.st_mode & 0o077):
+        return False
+    above = Path(os.path.realpath(directory.parent))
+    return all(_cannot_be_swapped_in(d) for d in (above, *above.parents))
+
+
+def _cannot_be_swapped_in(directory: Path) -> bool:
+    try:
+        info = directory.stat()
+    except OSError:
+        return False
+    if info.st_uid not in (0, os.getuid()):
+        return False
+    return not info.st_mode & 0o022 or bool(info.st_mode & stat.S_ISVTX)
 
 
 def _make_private(directory: Path) -> Path:
-    """``directory``, made (with its parents) this user's alone; PermissionError when it is not."""
+    """``directory``, made (with its parents) this user's alone; PermissionError when it, or
+    a directory above it, is not safe (see ``_private``)."""
     directory.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     directory.mkdir(mode=0o700, exist_ok=True)
     if not _private(directory):
-        raise PermissionError(f"{directory} is not this user's alone (mode 0700, owner uid {os.getuid()})")
+        raise PermissionError(
+            f"{directory} is not this user's alone (mode 0700, owner uid {os.getuid()}, under directories "
+            "only this user or root can write, or sticky): set RAY_GOODPUT_EVENTS_SPOOL_DIR to such a directory"
+        )
     return directory
 
 
@@ -135,10 +156,10 @@ class EventLog:
                 self._buffer[:0] = lines
             logger.warning("could not write goodput events (written again with the next batch): %s", exc)
             return
-        with self._lock:  # emptied when nothing came since: the spool stays small
+        with self._lock:  # long and shipped: it starts again with what came since (the buffer)
             spool = self._spool
-            emptied = spool is not None and spool.size == upto >= SPOOL_RESET_BYTES and spool.reset()
-        if spool is not None and not emptied:
+            restarted = spool is not None and upto >= SPOOL_RESET_BYTES and spool.restart(self._buffer)
+        if spool is not None and not restarted:
             spool.mark_sent(upto)
 
     def _flush_loop(self) -> None:
@@ -170,8 +191,8 @@ class _Spool:
     """The node-local copy of an object-store event log: ``<pid>-<attempt>.jsonl`` (one
     ``write()`` per event, so it survives a SIGKILL), ``.root`` (the storage location,
     pickled: written first, so a log is never found without it) and ``.sent`` (how many of
-    the log's bytes storage has, written after each chunk). Emptied once everything in it
-    is shipped and it has grown past ``SPOOL_RESET_BYTES``."""
+    the log's bytes storage has, written after each chunk). Once what storage has is
+    ``SPOOL_RESET_BYTES`` long, the log starts again with the events after it."""
 
     def __init__(self, root: StorageLocation, attempt: str) -> None:
         directory = _make_private(spool_dir())
@@ -205,17 +226,35 @@ class _Spool:
             return
         self.sent = upto
 
-    def reset(self) -> bool:
-        """Empty the log, all of it shipped (under the event log's lock: no append meanwhile).
-        The mark goes to 0 first: a kill between the two ships the shipped events again,
-        which the reader drops, and never skips one."""
-        try:
-            _write_aside(self.base + _SENT, b"0")
-            os.ftruncate(self._fd, 0)
-        except OSError as exc:
-            logger.debug("goodput event spool reset failed: %s", exc)
+    def restart(self, lines: list[str]) -> bool:
+        """Start the log again with only ``lines``, the events after what storage has (under
+        the event log's lock: no append meanwhile; a busy rank 0 emits during nearly every
+        upload, so waiting for a moment with nothing unsent would let the log grow for
+        ever). The new log is written aside, then the mark goes to 0, then the new log
+        replaces the old: a kill in between ships shipped events again, which the reader
+        drops, and never skips one."""
+        if self.broken:
             return False
-        self.size = self.sent = 0
+        data = "".join(line + "\n" for line in lines).encode()
+        tmp = f"{self.base}{_LOG}.{os.getpid()}.tmp"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600)
+        except OSError as exc:
+            logger.debug("goodput event spool restart failed: %s", exc)
+            return False
+        try:
+            if os.write(fd, data) != len(data):
+                raise OSError("a short write")
+            _write_aside(self.base + _SENT, b"0")
+            os.replace(tmp, self.base + _LOG)
+        except OSError as exc:
+            os.close(fd)
+            Path(tmp).unlink(missing_ok=True)
+            logger.debug("goodput event spool restart failed: %s", exc)
+            return False
+        os.close(self._fd)
+        self._fd = fd
+        self.size, self.sent = len(data), 0
         return True
 
     def close(self, *, remove: bool) -> None:
