@@ -417,3 +417,107 @@ def test_steps_that_never_commit_end_in_an_error_that_says_so_instead_of_retryin
         rep._in_step = True  # the next try of the same step
     with pytest.raises(ReplicaStepError, match=rf"step 5 did not commit {MAX_UNCOMMITTED_STEPS} times in a row"):
         rep.step()
+
+
+class _LastSteps(_Collective, _AloneInQuorum):
+    """torchft's Manager over a job's last steps: every step commits, with this replica the
+    step's only participant (its peers, replica 0 among them, were being replaced)."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__()
+        self.step = step
+
+    def participating_rank(self) -> int:
+        return 0
+
+    def current_step(self) -> int:
+        return self.step
+
+    def should_commit(self) -> bool:
+        self.step += 1
+        return True
+
+    def batches_committed(self) -> int:
+        return self.step
+
+    def shutdown(self, wait: bool) -> None:
+        pass
+
+
+def test_a_survivor_that_ends_the_job_while_replica_0_is_replaced_saves_the_last_step(tmp_path):
+    """Only replica 0 saved, every ``save_every`` steps: the steps after its last save, and
+    all of the job's end when replica 0 was being replaced then, lived only in the
+    survivors' processes, and the run ended with no checkpoint of its final state."""
+    from ray_goodput import Checkpointer
+    from ray_goodput.replica import Position
+    from ray_goodput.replica._replica import Replica
+
+    model = torch.nn.Linear(1, 1)
+    rep = Replica.__new__(Replica)
+    rep.slot, rep.configured, rep.replacement, rep.peers_finished = 1, 2, False, False
+    rep.manager, rep._ckpt, rep._ckpt_args = _LastSteps(step=7), None, (str(tmp_path / "ckpt"), {"uploader": "thread"})
+    rep._model, rep.model, rep._optim, rep._extra = model, model, torch.optim.SGD(model.parameters(), lr=0.1), {}
+    rep._dataset, rep._batch_size, rep._seed, rep._shuffle = torch.arange(64.0), 4, 0, False
+    rep._collate, rep._order, rep._position = torch.stack, None, Position()
+    rep._save_every, rep._saved_step, rep._rank_in_step, rep._participants = 5, -1, -1, 0
+    rep._in_step, rep._first_quorum, rep._drop_step, rep._retrying, rep._uncommitted = False, False, False, False, 0
+    rep._recorder = SimpleNamespace(step=lambda *a, **k: None, uncommitted=lambda: None, end=lambda: None)
+    with rep:
+        for batch in rep.batches(total_steps=9):
+            model(batch[:, None]).sum().backward()
+            assert rep.step()
+    assert rep.current_step == 9
+    fresh = torch.nn.Linear(1, 1)
+    with Checkpointer(str(tmp_path / "ckpt"), uploader="thread") as ckpt:
+        assert ckpt.restore({"model": fresh}) == 9
+    assert torch.equal(fresh.weight, model.weight)
+
+
+def test_a_replica_that_fails_to_start_releases_its_checkpointer(tmp_path, monkeypatch):
+    """torchft's Manager could not be built (a lighthouse out of reach, say): the
+    Checkpointer replica 0 had made was never released (its uploader connection, threads and
+    snapshot arenas), as no with-block had begun."""
+    from ray_goodput.replica._replica import Replica
+
+    made = []
+    build = Replica._checkpointer
+
+    def keep(self, *args):
+        made.append(build(self, *args))
+        return made[-1]
+
+    def unreachable(self, restored):
+        raise ConnectionError("lighthouse out of reach")
+
+    monkeypatch.setattr(Replica, "_checkpointer", keep)
+    monkeypatch.setattr(Replica, "_torchft", unreachable)
+    model = torch.nn.Linear(2, 1)
+    with pytest.raises(ConnectionError, match="lighthouse"):
+        Replica(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            torch.arange(8.0),
+            batch_size=2,
+            save_every=5,
+            storage_path=str(tmp_path / "ckpt"),
+            checkpoint={"uploader": "thread"},
+        )
+    assert len(made) == 1 and made[0]._closed
+
+
+def test_a_dataset_smaller_than_one_step_is_refused_naming_the_fix_not_read_as_a_short_batch():
+    from ray_goodput.replica import Position
+    from ray_goodput.replica._replica import Replica
+
+    class _Two(_LastSteps):
+        def num_participants(self) -> int:
+            return 2
+
+    rep = Replica.__new__(Replica)
+    rep.slot, rep.configured, rep.replacement, rep.peers_finished = 0, 2, False, False
+    rep.manager, rep._optim = _Two(step=0), torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=0.1)
+    rep._dataset, rep._batch_size, rep._position, rep._participants = torch.arange(6.0), 4, Position(), 0
+    rep._in_step, rep._first_quorum, rep._retrying = False, False, False
+    rep._order, rep._seed, rep._shuffle, rep._collate = None, 0, False, torch.stack
+    with pytest.raises(ConfigError, match=r"6 samples, fewer than one step of 2 replicas × batch_size 4"):
+        next(rep.batches(total_steps=3))

@@ -90,9 +90,10 @@ class Replica:
     ``dataset``: a map-style dataset (``len`` and ``[i]``; ``ray_goodput.data.FileDataset``
     reads through the node cache); each step's batch is ``collate_fn`` of its samples.
     ``state``: more ``Stateful`` values to heal and save with the model and optimizer.
-    ``save_every``: replica 0 saves a durable checkpoint every that many committed steps
-    (None: never); ``storage_path`` and ``checkpoint`` (Checkpointer keyword arguments)
-    say where and how. Raises ConfigError when torchft is missing or an argument is wrong.
+    ``save_every``: replica 0 saves a durable checkpoint every that many committed steps,
+    and the first participant of the job's last step saves that step (None: never);
+    ``storage_path`` and ``checkpoint`` (Checkpointer keyword arguments) say where and how.
+    Raises ConfigError when torchft is missing or an argument is wrong.
     """
 
     def __init__(
@@ -136,13 +137,21 @@ class Replica:
         self._recorder = get_recorder()  # before the world of one: the timeline keeps the real rank
         self.model = model  # its gradients are averaged across the step's participants by step()
         self._ckpt: Checkpointer | None = None
+        self._ckpt_args = (storage_path, dict(checkpoint or {}))
+        self._saved_step = -1  # the last step this replica saved
+        self._rank_in_step = -1  # this replica's place among the step's participants
         self.manager: Any = None
         if self.peers_finished:  # replaced after its peers finished: nothing left to train
             logger.info("replica %d replaced after every peer finished: nothing to do", self.slot)
             return
         if self.slot == 0 and save_every:
-            self._ckpt = self._checkpointer(storage_path, checkpoint or {})
-        self.manager = self._torchft(self._restore())
+            self._ckpt = self._checkpointer(*self._ckpt_args)
+        try:
+            self.manager = self._torchft(self._restore())
+        except BaseException as exc:  # no with-block to release the Checkpointer: released here
+            if self._ckpt is not None:
+                self._ckpt.__exit__(type(exc), exc, exc.__traceback__)
+            raise
 
     # ---- set-up ---------------------------------------------------------------------
 
@@ -330,8 +339,29 @@ class Replica:
                 raise RuntimeError(f"replica {self.slot} is in no quorum position after a synchronous quorum")
             if not pos.epoch_has_step(self._position, len(self._dataset), n, self._batch_size):
                 self._position = pos.next_epoch(self._position)
-            self._participants, self._in_step = n, True
+                if not pos.epoch_has_step(self._position, len(self._dataset), n, self._batch_size):
+                    raise ConfigError(
+                        f"the dataset has {len(self._dataset)} samples, fewer than one step of {n} replicas "
+                        f"× batch_size {self._batch_size}: use a smaller batch_size or a larger dataset"
+                    )
+            self._participants, self._rank_in_step, self._in_step = n, rank, True
             yield self._batch(rank, n)
+        if self.manager is not None and self.current_step >= total_steps:
+            self._save_final()
+
+    def _save_final(self) -> None:
+        """At the job's end, the first participant of the last step saves that step when no
+        periodic save did: the steps after the last ``save_every`` are kept too. Replica 0,
+        unless it was being replaced then: a survivor that ends the job saves in its place
+        (its first save: a new generation, which outranks replica 0's earlier ones)."""
+        step = self.current_step
+        if not self._save_every or self._rank_in_step != 0 or step == self._saved_step:
+            return
+        if self._ckpt is None:
+            logger.info("replica %d saves the final step %d: replica 0 was not in it", self.slot, step)
+            self._ckpt = self._checkpointer(*self._ckpt_args)
+        self._ckpt.save(step, self._durable_state())
+        self._saved_step = step
 
     def _batch(self, rank: int, n: int) -> Any:
         began = time.perf_counter()
@@ -373,8 +403,9 @@ class Replica:
         self._retrying, self._uncommitted = False, 0
         self._optim.step()
         self._position = pos.after_commit(self._position, self._participants, self._batch_size)
-        if self._ckpt is not None and self.current_step % self._save_every == 0:
+        if self.slot == 0 and self._ckpt is not None and self.current_step % self._save_every == 0:
             self._ckpt.save(self.current_step, self._durable_state())
+            self._saved_step = self.current_step
         self._recorder.step(
             self.current_step,
             fetch_seconds=self._fetch_s,
