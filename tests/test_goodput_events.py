@@ -215,3 +215,43 @@ def test_a_spool_under_a_directory_others_can_write_is_refused_and_never_swept(t
     assert ship_orphaned_events(spool) == 0
     parent.chmod(0o1777)  # as /tmp: others may add, none may rename what is ours
     assert _make_private(spool) == spool
+
+
+def test_a_spool_another_sweep_took_meanwhile_is_left_to_it(s3_server, tmp_path):
+    """Two sweeps on one node: the second took the spool from the first between its rename
+    and its read (it judged the first taker dead by the spool's old mtime). The first then
+    found its taken file gone, called the spool unreadable and deleted its ``.root`` and
+    ``.sent``, so the second dropped the whole tail too."""
+    from ray_goodput.goodput._events import _ship
+
+    uri = s3_server.bucket_uri("raced")
+    attempt = _killed_writer(uri, tmp_path)
+    spool = _spool(tmp_path)
+    [log] = spool.glob("*.jsonl")
+    stem = log.name.removesuffix(".jsonl")
+    mine, theirs = spool / f"{stem}.1.shipping", spool / f"{stem}.2.shipping"
+    log.rename(theirs)  # taken by the other sweep: ours (``mine``) is gone
+    assert _ship(spool, stem, mine, log.stat().st_mtime if log.exists() else 0.0) == 0
+    assert (spool / f"{stem}.root").exists()
+    theirs.rename(log)  # as if the other sweep's taker died: a later sweep ships it whole
+    assert ship_orphaned_events(spool) == 1
+    assert _steps(uri, attempt) == list(range(1, 26))
+
+
+def test_a_run_that_ends_cleanly_leaves_no_spool_behind(s3_server, tmp_path, monkeypatch):
+    """Nothing in the library closes rank 0's event log, so every clean run left its spool
+    files in ``$TMPDIR`` until some uploader swept them after the process was gone (never,
+    without uploaders)."""
+    from ray_goodput.goodput._recorder import StepRecorder
+
+    monkeypatch.setenv("RAY_GOODPUT_EVENTS_SPOOL_DIR", str(_spool(tmp_path)))
+    uri = s3_server.bucket_uri("ended")
+    log = EventLog(storage.resolve(uri), rank=0, world_size=1)
+    recorder = StepRecorder(log)
+    recorder.step(1)
+    assert sorted(p.suffix for p in _spool(tmp_path).iterdir()) == [".jsonl", ".root"]
+    recorder.end()
+    assert os.listdir(_spool(tmp_path)) == []
+    recorder.recovery_point(1, at=2.0)  # after the end (the last commit, settled by close()): shipped at once
+    events = read_events(storage.resolve(uri))[log.attempt]
+    assert [e["e"] for e in events][-2:] == ["end", "recovery_point"]

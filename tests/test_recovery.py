@@ -63,8 +63,9 @@ def test_bad_recovery_arguments_name_the_fix():
         Recovery(max_failures_per_node=0)
     with pytest.raises(ConfigError, match="health_check"):
         Recovery(health_check="cpu")
-    with pytest.raises(ConfigError, match="upload_wait_s"):
-        Recovery(upload_wait_s=-1)
+    for bad in (-1, float("inf"), float("nan")):  # inf made the choice's join unbounded
+        with pytest.raises(ConfigError, match="upload_wait_s"):
+            Recovery(upload_wait_s=bad)
     with pytest.raises(ConfigError, match="pass it once"):
         TorchTrainer(lambda: None, callbacks=[Recovery()], recovery=Recovery())
 
@@ -77,6 +78,47 @@ def test_the_resume_choice_waits_for_uploads_as_long_as_recovery_was_told(tmp_pa
         rec = Recovery(storage_path=str(tmp_path / "ckpt"), **given)
         rec.after_controller_start(SimpleNamespace(run_config=None))
         assert rec._choice.upload_wait_s == expected
+
+
+def test_a_restore_that_chooses_for_itself_waits_for_uploads_as_long_as_the_recovery_on_its_storage_says(
+    tmp_path, monkeypatch
+):
+    """A restore with no decision waited its own fixed 120 s for a dead attempt's uploads,
+    also under a Recovery watching the same storage: after a failure whose driver-side
+    choice timed out the two waits added up (minutes), and ``upload_wait_s=0`` did not turn
+    it off. The Recovery now pushes the bound with its decision: its own on a first
+    attempt, none after a failure (its choice waited)."""
+    from types import SimpleNamespace
+
+    from ray_goodput import Checkpointer
+    from ray_goodput.checkpoint import _checkpointer
+    from ray_goodput.runtime._resume import root_key, set_decision
+
+    monkeypatch.setenv("TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S", "30")  # the hook sets it otherwise
+    root = str(tmp_path / "ckpt")
+    pushed = []
+    group = SimpleNamespace(get_workers=lambda: [], execute=lambda fn, *args: pushed.append(args))
+    rec = Recovery(storage_path=root, upload_wait_s=7.5)
+    rec.after_controller_start(SimpleNamespace(run_config=None))
+    rec.attempt = 1
+    rec.after_worker_group_start(group)
+    rec.attempt, rec._choice = 2, None  # a later attempt whose choice gave nothing
+    rec.after_worker_group_start(group)
+    assert pushed == [(None, (root_key(root), 7.5)), (None, (root_key(root), 0.0))]
+
+    waits = []
+    monkeypatch.setattr(_checkpointer, "ray_initialized", lambda: True)  # as under Ray
+    monkeypatch.setattr(
+        _checkpointer, "wait_for_uploads", lambda root, *, above, timeout_s: waits.append(timeout_s) or {}
+    )
+    try:
+        for told in pushed + [(None, (root_key(str(tmp_path / "other")), 0.0)), (None, None)]:
+            set_decision(*told)
+            with Checkpointer(root, uploader="thread") as ckpt:
+                assert ckpt.restore({"w": torch.zeros(2)}) is None
+    finally:
+        set_decision(None)
+    assert waits == [7.5, _checkpointer.RESTORE_UPLOAD_WAIT_S, _checkpointer.RESTORE_UPLOAD_WAIT_S]
 
 
 def test_a_restart_bounds_the_old_process_groups_teardown_unless_the_user_set_it(monkeypatch):
@@ -168,7 +210,7 @@ def test_a_checkpoint_the_dead_attempt_commits_while_the_new_group_starts_is_the
         get_workers=lambda: [
             SimpleNamespace(distributed_context=SimpleNamespace(world_rank=0), metadata=SimpleNamespace(node_id="n"))
         ],
-        execute=lambda fn, decision: handed.append(decision),
+        execute=lambda fn, decision, upload_wait: handed.append(decision),
     )
     rec.after_worker_group_start(group)
     assert [d.step for d in handed] == [20]
@@ -214,7 +256,9 @@ def test_the_resume_step_is_chosen_when_the_failure_is_seen_not_when_the_next_gr
     assert rec.attempts[-1]["resume_step"] is None  # not waited for here: taken before the function starts
     handed = []
     worker = SimpleNamespace(distributed_context=SimpleNamespace(world_rank=0), metadata=SimpleNamespace(node_id="n"))
-    group = SimpleNamespace(get_workers=lambda: [worker], execute=lambda fn, decision: handed.append(decision))
+    group = SimpleNamespace(
+        get_workers=lambda: [worker], execute=lambda fn, decision, upload_wait: handed.append(decision)
+    )
     rec.after_worker_group_start(group)
     assert [d.step for d in handed] == [20] and pinned() == 20
 
@@ -257,7 +301,7 @@ def test_placing_the_next_group_does_not_wait_for_the_resume_choice(tmp_path, mo
     handed = []
     worker = SimpleNamespace(distributed_context=SimpleNamespace(world_rank=0), metadata=SimpleNamespace(node_id="n"))
     rec.after_worker_group_start(
-        SimpleNamespace(get_workers=lambda: [worker], execute=lambda fn, decision: handed.append(decision))
+        SimpleNamespace(get_workers=lambda: [worker], execute=lambda fn, decision, upload_wait: handed.append(decision))
     )
     assert [d.step for d in handed] == [10] and rec.attempts[-1]["resume_step"] == 10
     rec.after_controller_finish(None)
@@ -322,7 +366,7 @@ def test_a_choice_begun_for_an_attempt_whose_group_never_started_is_not_handed_t
     handed = []
     worker = SimpleNamespace(distributed_context=SimpleNamespace(world_rank=0), metadata=SimpleNamespace(node_id="n"))
     rec.after_worker_group_start(
-        SimpleNamespace(get_workers=lambda: [worker], execute=lambda fn, decision: handed.append(decision))
+        SimpleNamespace(get_workers=lambda: [worker], execute=lambda fn, decision, upload_wait: handed.append(decision))
     )
     assert [(d.attempt, d.step) for d in handed] == [(3, 10)]
     rec.after_controller_finish(None)

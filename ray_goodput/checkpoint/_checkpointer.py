@@ -45,7 +45,7 @@ from ray_goodput.checkpoint.uploader._thread_backend import ThreadBackend
 from ray_goodput.errors import CheckpointError, ConfigError
 from ray_goodput.goodput import get_recorder
 from ray_goodput.runtime import WorkerContext, ray_initialized
-from ray_goodput.runtime._resume import resume_decision
+from ray_goodput.runtime._resume import restore_upload_wait_s, resume_decision
 from ray_goodput.storage import RetryPolicy
 
 logger = logging.getLogger(__name__)
@@ -421,16 +421,19 @@ class Checkpointer:
         return info.step
 
     def _wait_for_dead_uploads(self) -> None:
-        """Rank 0, before it chooses for itself (no ``Recovery``, or one watching another
-        storage): a dead attempt's saves that its workers handed to their node uploaders
-        commit without them; the choice waits for those still uploading, at most
-        ``RESTORE_UPLOAD_WAIT_S``, rather than resume from the commit before and redo the
-        steps in between. Only under Ray, where node uploaders run."""
-        if not ray_initialized():
+        """Rank 0, before it chooses for itself (no decision: a first attempt, no
+        ``Recovery``, or one watching another storage): a dead attempt's saves that its
+        workers handed to their node uploaders commit without them; the choice waits for
+        those still uploading rather than resume from the commit before and redo the steps
+        in between: at most ``RESTORE_UPLOAD_WAIT_S``, or what a ``Recovery`` watching this
+        storage said (its ``upload_wait_s`` on a first attempt, none after a failure, when
+        its own choice waited). Only under Ray, where node uploaders run."""
+        bound = restore_upload_wait_s(self.root, RESTORE_UPLOAD_WAIT_S)
+        if bound <= 0 or not ray_initialized():
             return
         start = time.monotonic()
         try:
-            left = wait_for_uploads(self.root, above=None, timeout_s=RESTORE_UPLOAD_WAIT_S)
+            left = wait_for_uploads(self.root, above=None, timeout_s=bound)
         except Exception as exc:  # noqa: BLE001 - the wait only improves the choice; never fails the restore
             logger.warning("could not ask the node uploaders what they still upload: %s", exc)
             return

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from collections.abc import Callable
 from typing import Any, Literal
@@ -39,7 +40,7 @@ from ray_goodput.driver._record import ABORT_WRITE_WAIT_S, STATE_WRITE_WAIT_S, S
 from ray_goodput.driver._resume_choice import UPLOAD_WAIT_S, ResumeChoice
 from ray_goodput.errors import ConfigError, not_retryable
 from ray_goodput.runtime import run_root
-from ray_goodput.runtime._resume import set_decision
+from ray_goodput.runtime._resume import root_key, set_decision
 from ray_goodput.storage import StorageLocation, resolve
 
 logger = logging.getLogger(__name__)
@@ -147,8 +148,8 @@ class Recovery(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):
             raise ConfigError(f"health_check_timeout_s must be > 0, got {health_check_timeout_s}")
         if pg_shutdown_timeout_s is not None and pg_shutdown_timeout_s < 1:
             raise ConfigError(f"pg_shutdown_timeout_s must be >= 1 or None, got {pg_shutdown_timeout_s}")
-        if upload_wait_s < 0:
-            raise ConfigError(f"upload_wait_s must be >= 0, got {upload_wait_s}")
+        if not 0 <= upload_wait_s < math.inf:
+            raise ConfigError(f"upload_wait_s must be a number of seconds >= 0, got {upload_wait_s}")
         self.health_check = health_check
         self.upload_wait_s = upload_wait_s
         self.health_check_timeout_s = health_check_timeout_s
@@ -239,8 +240,12 @@ class Recovery(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):
             decision = self._choice.take(self.attempt)
             self.attempts[-1]["resume_step"] = decision.step if decision else None
             self._save()
-        # Before the training function starts: every rank of this attempt gets the same step.
-        worker_group.execute(set_decision, decision)
+        # Before the training function starts: every rank of this attempt gets the same step,
+        # and a restore that chooses for itself (no decision) the bound of its own wait for a
+        # dead attempt's uploads: none after a failure (the choice here waited), else ours.
+        wait_s = 0.0 if self.attempt > 1 else self.upload_wait_s
+        upload_wait = (root_key(self._root), wait_s) if self._root is not None else None
+        worker_group.execute(set_decision, decision, upload_wait)
 
     def after_replica_group_start(self, replica_group: Any) -> None:
         """Replica mode replaced a failed replica alone: its rank runs in a new process, maybe

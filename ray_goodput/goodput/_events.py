@@ -174,6 +174,16 @@ class EventLog:
                 except Exception as exc:  # noqa: BLE001 - never the end of this log's own flushes
                     logger.warning("could not ship dead workers' goodput events: %s", exc)
 
+    def stop_spooling(self) -> None:
+        """No node-local copy of the events from now on (the run ended: ``StepRecorder``
+        flushes each event after the end at once). The spool goes when storage has all of
+        it, else it stays for the sweep once this process ends."""
+        with self._flush_lock:
+            with self._lock:
+                spool, self._spool = self._spool, None
+            if spool is not None:
+                spool.close(remove=spool.sent == spool.size)
+
     def close(self) -> None:
         with self._flush_lock:
             self._flush()
@@ -294,8 +304,10 @@ def ship_orphaned_events(directory: str | Path | None = None) -> int:
         taken = directory / f"{stem}.{os.getpid()}{_SHIPPING}"
         try:
             last_write = (directory / name).stat().st_mtime  # its writer's last event (kept by a put-back)
+            # Stamped before the rename: a sweep that finds it taken judges this taker by when
+            # it took it (a holder that started later is another process with its pid).
+            os.utime(directory / name)
             os.rename(directory / name, taken)
-            os.utime(taken)  # when it was taken: what tells this taker from a later one with its pid
         except OSError:  # another sweep took it, or its writer closed it
             continue
         shipped += _ship(directory, stem, taken, last_write)
@@ -328,6 +340,8 @@ def _ship(directory: Path, stem: str, taken: Path, last_write: float) -> int:
             f.seek(sent)
             data = f.read()
     except Exception as exc:  # noqa: BLE001 - unreadable (another version's pickle, say): one lost tail, not a sweep down
+        if not taken.exists():  # another sweep took it from us meanwhile: it ships it
+            return 0
         logger.warning("dropping the goodput event spool %s, which cannot be read: %s", taken, exc)
         _remove_spool(base, taken)
         return 0

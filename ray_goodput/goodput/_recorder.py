@@ -127,6 +127,7 @@ class StepRecorder:
         if self.log is not None:
             self.log.emit("end")
             self.log.flush()
+            self.log.stop_spooling()  # its files would stay behind: nothing closes the log
 
     def _flush_if_ended(self) -> None:
         """Events after the end (the last commit, settled by ``close()``) go to storage at

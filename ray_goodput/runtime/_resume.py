@@ -23,6 +23,7 @@ logger = logging.getLogger(__name__)
 
 _lock = threading.Lock()
 _decision: ResumeDecision | None = None
+_upload_wait: tuple[str, float] | None = None  # (root key, seconds), from the driver's Recovery
 
 
 @dataclass(frozen=True)
@@ -46,14 +47,29 @@ def root_key(root: str | StorageLocation) -> str:
     return f"{loc.fs.type_name}:{loc.root.rstrip('/')}"
 
 
-def set_decision(decision: ResumeDecision | None) -> None:
+def set_decision(decision: ResumeDecision | None, upload_wait: tuple[str, float] | None = None) -> None:
     """Install the driver's decision in this worker process (run by the driver through
-    the worker group before the training function starts)."""
-    global _decision  # noqa: PLW0603 - one decision per worker process, set by the driver
+    the worker group before the training function starts). ``upload_wait``: ``(root key,
+    seconds)``, how long a restore under that root that chooses for itself waits for a dead
+    attempt's uploads (see :func:`restore_upload_wait_s`)."""
+    global _decision, _upload_wait  # noqa: PLW0603 - one decision per worker process, set by the driver
     with _lock:
         _decision = decision
+        _upload_wait = upload_wait
     if decision is not None:
         logger.info("attempt %d: the driver chose resume step %s", decision.attempt, decision.step)
+
+
+def restore_upload_wait_s(root: str | StorageLocation, default: float) -> float:
+    """How long a restore under ``root`` that chooses for itself (no decision) waits for the
+    saves a dead attempt's uploaders still upload: what the driver's ``Recovery`` watching
+    ``root`` said (its ``upload_wait_s`` on a first attempt; 0 on a later one, whose choice
+    on the driver waited already), else ``default``."""
+    with _lock:
+        told = _upload_wait
+    if told is not None and told[0] == root_key(root):
+        return told[1]
+    return default
 
 
 def resume_decision(root: str | StorageLocation | None = None) -> ResumeDecision | None:
