@@ -211,10 +211,18 @@ def test_a_spool_under_a_directory_others_can_write_is_refused_and_never_swept(t
     with pytest.raises(PermissionError, match="RAY_GOODPUT_EVENTS_SPOOL_DIR"):
         _make_private(parent / "goodput-spool")
     spool = parent / "goodput-spool"
-    (spool / "123-1.0-abc.jsonl").write_text('{"e": "step"}\n')  # a spool as a sweep finds one
+    found = spool / "123-1.0-abc.jsonl"  # a dead writer's spool, as a sweep finds one
+    found.write_text('{"e": "step"}\n')
+    (spool / "123-1.0-abc.root").write_bytes(b"not ours to unpickle")
     assert ship_orphaned_events(spool) == 0
+    assert sorted(p.name for p in spool.iterdir()) == ["123-1.0-abc.jsonl", "123-1.0-abc.root"]  # not touched
     parent.chmod(0o1777)  # as /tmp: others may add, none may rename what is ours
     assert _make_private(spool) == spool
+    link = tmp_path / "their-link"  # a link another user owns could be pointed elsewhere
+    link.symlink_to(parent)
+    os.lchown(link, 4242, 4242)
+    with pytest.raises(PermissionError):
+        _make_private(link / "goodput-spool")
 
 
 def test_a_spool_another_sweep_took_meanwhile_is_left_to_it(s3_server, tmp_path):

@@ -63,7 +63,7 @@ def test_bad_recovery_arguments_name_the_fix():
         Recovery(max_failures_per_node=0)
     with pytest.raises(ConfigError, match="health_check"):
         Recovery(health_check="cpu")
-    for bad in (-1, float("inf"), float("nan")):  # inf made the choice's join unbounded
+    for bad in (-1, float("inf"), float("nan"), "5", True):  # inf made the choice's join unbounded
         with pytest.raises(ConfigError, match="upload_wait_s"):
             Recovery(upload_wait_s=bad)
     with pytest.raises(ConfigError, match="pass it once"):
@@ -85,14 +85,15 @@ def test_a_restore_that_chooses_for_itself_waits_for_uploads_as_long_as_the_reco
 ):
     """A restore with no decision waited its own fixed 120 s for a dead attempt's uploads,
     also under a Recovery watching the same storage: after a failure whose driver-side
-    choice timed out the two waits added up (minutes), and ``upload_wait_s=0`` did not turn
-    it off. The Recovery now pushes the bound with its decision: its own on a first
-    attempt, none after a failure (its choice waited)."""
+    choice timed out the two waits added up to minutes, and ``upload_wait_s=0`` did not
+    turn it off. The Recovery now pushes its ``upload_wait_s`` with its decision, to a
+    whole group's workers and to a replica mode replacement; a replica restoring inside a
+    quorum caps it below its peers' all-reduce timeout."""
     from types import SimpleNamespace
 
     from ray_goodput import Checkpointer
     from ray_goodput.checkpoint import _checkpointer
-    from ray_goodput.runtime._resume import root_key, set_decision
+    from ray_goodput.runtime._resume import cap_restore_upload_wait, root_key, set_decision
 
     monkeypatch.setenv("TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S", "30")  # the hook sets it otherwise
     root = str(tmp_path / "ckpt")
@@ -104,21 +105,32 @@ def test_a_restore_that_chooses_for_itself_waits_for_uploads_as_long_as_the_reco
     rec.after_worker_group_start(group)
     rec.attempt, rec._choice = 2, None  # a later attempt whose choice gave nothing
     rec.after_worker_group_start(group)
-    assert pushed == [(None, (root_key(root), 7.5)), (None, (root_key(root), 0.0))]
+    rec.after_replica_group_start(group)  # replica mode: one replica replaced
+    assert pushed == [(None, (root_key(root), 7.5))] * 3
 
     waits = []
     monkeypatch.setattr(_checkpointer, "ray_initialized", lambda: True)  # as under Ray
     monkeypatch.setattr(
         _checkpointer, "wait_for_uploads", lambda root, *, above, timeout_s: waits.append(timeout_s) or {}
     )
+
+    def restore() -> None:
+        with Checkpointer(root, uploader="thread") as ckpt:
+            assert ckpt.restore({"w": torch.zeros(2)}) is None
+
     try:
-        for told in pushed + [(None, (root_key(str(tmp_path / "other")), 0.0)), (None, None)]:
+        for told in [pushed[0], (None, (root_key(root), 0.0)), (None, (root_key(str(tmp_path / "other")), 0.0))]:
             set_decision(*told)
-            with Checkpointer(root, uploader="thread") as ckpt:
-                assert ckpt.restore({"w": torch.zeros(2)}) is None
+            restore()
+        set_decision(None)
+        restore()
+        cap_restore_upload_wait(10.0)
+        restore()
     finally:
         set_decision(None)
-    assert waits == [7.5, _checkpointer.RESTORE_UPLOAD_WAIT_S, _checkpointer.RESTORE_UPLOAD_WAIT_S]
+        cap_restore_upload_wait(None)
+    default = _checkpointer.RESTORE_UPLOAD_WAIT_S
+    assert waits == [7.5, default, default, 10.0]  # 0 (upload_wait_s=0): no wait at all
 
 
 def test_a_restart_bounds_the_old_process_groups_teardown_unless_the_user_set_it(monkeypatch):

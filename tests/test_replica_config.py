@@ -186,6 +186,7 @@ def _waiting_replacement(timeout_s: float, *, configured: int = 2, manager=None)
     rep.settings = ReplicaGroups(heartbeat_timeout_s=0.2, timeout_s=timeout_s)
     rep.slot, rep.configured, rep.replacement, rep.peers_finished = 1, configured, True, False
     rep.manager, rep._ckpt, rep._first_quorum, rep._drop_step = manager or _AloneInQuorum(), None, True, False
+    rep._save_every = 10
     return rep
 
 
@@ -399,13 +400,33 @@ def test_a_parameter_the_batch_left_without_a_gradient_keeps_the_all_reduce_layo
     """A branch taken by one replica's batch and not another's (a conditional head, MoE):
     the flat all-reduce held only the parameters with a gradient, so the replicas sent
     different sizes (the step never committed) or, when the sizes matched, added unrelated
-    gradients together."""
-    model = torch.nn.ModuleDict({"used": torch.nn.Linear(3, 2), "branch": torch.nn.Linear(3, 4)})
+    gradients together. Now every parameter is sent (zeros where unused here); one that a
+    peer used gets the mean, one that no participant used keeps no gradient."""
+    model = torch.nn.ModuleDict(
+        {"used": torch.nn.Linear(3, 2), "peers": torch.nn.Linear(3, 4), "nobody": torch.nn.Linear(3, 1)}
+    )
     model["used"](torch.ones(1, 3)).sum().backward()
-    manager = _Collective()
+    params = list(model.parameters())
+    sizes = [p.numel() for p in params]
+    peers = [i for i, name in enumerate(n for n, _ in model.named_parameters()) if name.startswith("peers")]
+
+    class _WithAPeer(_Collective):
+        """The mean with one peer whose batch took the ``peers`` branch (gradient 1.0)."""
+
+        def allreduce(self, tensor: torch.Tensor):
+            super().allreduce(tensor)
+            grads, flags = tensor[: sum(sizes)], tensor[sum(sizes) :]
+            for i in peers:
+                start = sum(sizes[:i])
+                grads[start : start + sizes[i]] = (grads[start : start + sizes[i]] + 1.0) / 2
+                flags[i] = (flags[i] + 1.0) / 2
+            return SimpleNamespace(wait=lambda: None)
+
+    manager = _WithAPeer()
     _stepping_replica(model, manager)._average_gradients()
-    assert manager.sent == [sum(p.numel() for p in model.parameters())]
-    assert all(torch.equal(p.grad, torch.zeros_like(p)) for p in model["branch"].parameters())
+    assert manager.sent == [sum(sizes) + len(params)]  # the same on every replica
+    assert all(torch.equal(p.grad, torch.full_like(p, 0.5)) for p in model["peers"].parameters())
+    assert all(p.grad is None for p in model["nobody"].parameters())  # the optimizer leaves it
 
 
 def test_steps_that_never_commit_end_in_an_error_that_says_so_instead_of_retrying_for_ever():
@@ -444,18 +465,14 @@ class _LastSteps(_Collective, _AloneInQuorum):
         pass
 
 
-def test_a_survivor_that_ends_the_job_while_replica_0_is_replaced_saves_the_last_step(tmp_path):
-    """Only replica 0 saved, every ``save_every`` steps: the steps after its last save, and
-    all of the job's end when replica 0 was being replaced then, lived only in the
-    survivors' processes, and the run ended with no checkpoint of its final state."""
-    from ray_goodput import Checkpointer
+def _end_job_as_survivor(root: str, model: torch.nn.Module, *, last: int = 9) -> None:
+    """Replica 1 steps from 7 to the job's ``last`` step as the only participant, and ends."""
     from ray_goodput.replica import Position
     from ray_goodput.replica._replica import Replica
 
-    model = torch.nn.Linear(1, 1)
     rep = Replica.__new__(Replica)
     rep.slot, rep.configured, rep.replacement, rep.peers_finished = 1, 2, False, False
-    rep.manager, rep._ckpt, rep._ckpt_args = _LastSteps(step=7), None, (str(tmp_path / "ckpt"), {"uploader": "thread"})
+    rep.manager, rep._ckpt, rep._ckpt_args = _LastSteps(step=7), None, (root, {"uploader": "thread"})
     rep._model, rep.model, rep._optim, rep._extra = model, model, torch.optim.SGD(model.parameters(), lr=0.1), {}
     rep._dataset, rep._batch_size, rep._seed, rep._shuffle = torch.arange(64.0), 4, 0, False
     rep._collate, rep._order, rep._position = torch.stack, None, Position()
@@ -463,46 +480,43 @@ def test_a_survivor_that_ends_the_job_while_replica_0_is_replaced_saves_the_last
     rep._in_step, rep._first_quorum, rep._drop_step, rep._retrying, rep._uncommitted = False, False, False, False, 0
     rep._recorder = SimpleNamespace(step=lambda *a, **k: None, uncommitted=lambda: None, end=lambda: None)
     with rep:
-        for batch in rep.batches(total_steps=9):
+        for batch in rep.batches(total_steps=last):
             model(batch[:, None]).sum().backward()
             assert rep.step()
-    assert rep.current_step == 9
+    assert rep.current_step == last
+
+
+def _restored(root: str) -> tuple[int | None, torch.Tensor]:
+    from ray_goodput import Checkpointer
+
     fresh = torch.nn.Linear(1, 1)
-    with Checkpointer(str(tmp_path / "ckpt"), uploader="thread") as ckpt:
-        assert ckpt.restore({"model": fresh}) == 9
-    assert torch.equal(fresh.weight, model.weight)
+    with Checkpointer(root, uploader="thread") as ckpt:
+        return ckpt.restore({"model": fresh}), fresh.weight.detach().clone()
 
 
-def test_a_replica_that_fails_to_start_releases_its_checkpointer(tmp_path, monkeypatch):
-    """torchft's Manager could not be built (a lighthouse out of reach, say): the
-    Checkpointer replica 0 had made was never released (its uploader connection, threads and
-    snapshot arenas), as no with-block had begun."""
-    from ray_goodput.replica._replica import Replica
+def test_a_survivor_that_ends_the_job_while_replica_0_is_replaced_saves_the_last_step(tmp_path):
+    """Only replica 0 saved, every ``save_every`` steps: the steps after its last save, and
+    all of the job's end when replica 0 was being replaced then, lived only in the
+    survivors' processes, and the run ended with no checkpoint of its final state."""
+    model = torch.nn.Linear(1, 1)
+    _end_job_as_survivor(str(tmp_path / "ckpt"), model)
+    step, weight = _restored(str(tmp_path / "ckpt"))
+    assert step == 9 and torch.equal(weight, model.weight)
 
-    made = []
-    build = Replica._checkpointer
 
-    def keep(self, *args):
-        made.append(build(self, *args))
-        return made[-1]
+def test_a_survivor_does_not_save_again_a_last_step_replica_0_committed(tmp_path):
+    """Replica 0 committed the last step, saved it and ended, while the survivor's vote on
+    that step failed, so it computed the step again alone: its save, a newer generation,
+    would have replaced replica 0's (the step both replicas committed together)."""
+    from ray_goodput import Checkpointer
 
-    def unreachable(self, restored):
-        raise ConnectionError("lighthouse out of reach")
-
-    monkeypatch.setattr(Replica, "_checkpointer", keep)
-    monkeypatch.setattr(Replica, "_torchft", unreachable)
-    model = torch.nn.Linear(2, 1)
-    with pytest.raises(ConnectionError, match="lighthouse"):
-        Replica(
-            model,
-            torch.optim.SGD(model.parameters(), lr=0.1),
-            torch.arange(8.0),
-            batch_size=2,
-            save_every=5,
-            storage_path=str(tmp_path / "ckpt"),
-            checkpoint={"uploader": "thread"},
-        )
-    assert len(made) == 1 and made[0]._closed
+    root = str(tmp_path / "ckpt")
+    replica_0 = torch.nn.Linear(1, 1)
+    with Checkpointer(root, uploader="thread") as ckpt:
+        ckpt.save(9, {"model": replica_0})
+    _end_job_as_survivor(root, torch.nn.Linear(1, 1))
+    step, weight = _restored(root)
+    assert step == 9 and torch.equal(weight, replica_0.weight)
 
 
 def test_a_dataset_smaller_than_one_step_is_refused_naming_the_fix_not_read_as_a_short_batch():
@@ -518,6 +532,6 @@ def test_a_dataset_smaller_than_one_step_is_refused_naming_the_fix_not_read_as_a
     rep.manager, rep._optim = _Two(step=0), torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=0.1)
     rep._dataset, rep._batch_size, rep._position, rep._participants = torch.arange(6.0), 4, Position(), 0
     rep._in_step, rep._first_quorum, rep._retrying = False, False, False
-    rep._order, rep._seed, rep._shuffle, rep._collate = None, 0, False, torch.stack
+    rep._order, rep._seed, rep._shuffle, rep._collate, rep._save_every = None, 0, False, torch.stack, None
     with pytest.raises(ConfigError, match=r"6 samples, fewer than one step of 2 replicas × batch_size 4"):
         next(rep.batches(total_steps=3))

@@ -426,8 +426,7 @@ class Checkpointer:
         workers handed to their node uploaders commit without them; the choice waits for
         those still uploading rather than resume from the commit before and redo the steps
         in between: at most ``RESTORE_UPLOAD_WAIT_S``, or what a ``Recovery`` watching this
-        storage said (its ``upload_wait_s`` on a first attempt, none after a failure, when
-        its own choice waited). Only under Ray, where node uploaders run."""
+        storage said (its ``upload_wait_s``). Only under Ray, where node uploaders run."""
         bound = restore_upload_wait_s(self.root, RESTORE_UPLOAD_WAIT_S)
         if bound <= 0 or not ray_initialized():
             return

@@ -148,7 +148,11 @@ class Recovery(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):
             raise ConfigError(f"health_check_timeout_s must be > 0, got {health_check_timeout_s}")
         if pg_shutdown_timeout_s is not None and pg_shutdown_timeout_s < 1:
             raise ConfigError(f"pg_shutdown_timeout_s must be >= 1 or None, got {pg_shutdown_timeout_s}")
-        if not 0 <= upload_wait_s < math.inf:
+        if (
+            isinstance(upload_wait_s, bool)
+            or not isinstance(upload_wait_s, (int, float))
+            or not 0 <= upload_wait_s < math.inf
+        ):
             raise ConfigError(f"upload_wait_s must be a number of seconds >= 0, got {upload_wait_s}")
         self.health_check = health_check
         self.upload_wait_s = upload_wait_s
@@ -241,17 +245,17 @@ class Recovery(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):
             self.attempts[-1]["resume_step"] = decision.step if decision else None
             self._save()
         # Before the training function starts: every rank of this attempt gets the same step,
-        # and a restore that chooses for itself (no decision) the bound of its own wait for a
-        # dead attempt's uploads: none after a failure (the choice here waited), else ours.
-        wait_s = 0.0 if self.attempt > 1 else self.upload_wait_s
-        upload_wait = (root_key(self._root), wait_s) if self._root is not None else None
-        worker_group.execute(set_decision, decision, upload_wait)
+        # and a restore that chooses for itself (no decision: a first attempt, or a choice
+        # that failed or timed out) our bound on its wait for a dead attempt's uploads.
+        worker_group.execute(set_decision, decision, self._upload_wait())
 
     def after_replica_group_start(self, replica_group: Any) -> None:
         """Replica mode replaced a failed replica alone: its rank runs in a new process, maybe
         on another node, and a failure there is a new one to count."""
         for w in replica_group.get_workers():
             self._rank_nodes[w.distributed_context.world_rank] = w.metadata.node_id
+        # Replica 0's replacement restores when no peer has progress: our bound on its wait.
+        replica_group.execute(set_decision, None, self._upload_wait())
         self._counted = set()
         for ref in self._early_checks or {}:  # no group start follows to read them
             ray.cancel(ref, force=True)
@@ -282,6 +286,11 @@ class Recovery(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):
                 }
 
     # -- helpers --
+    def _upload_wait(self) -> tuple[str, float] | None:
+        """``(root key, upload_wait_s)`` for ``set_decision``: how long a restore under our
+        storage that chooses for itself waits for a dead attempt's uploads."""
+        return (root_key(self._root), self.upload_wait_s) if self._root is not None else None
+
     def _count_failure(self, rank: int, exc: BaseException) -> None:
         node = self._rank_nodes.get(rank)
         if node is None or node in self._counted or _preempted(exc):

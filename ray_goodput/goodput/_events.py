@@ -60,14 +60,22 @@ def _private(directory: Path) -> bool:
     """Whether ``directory`` is this user's alone and nobody else can put another in its
     place: a spool names a storage location that is unpickled. The directory is this
     user's, mode 0700; every directory above it is this user's or root's, and one that
-    others may write has the sticky bit (as ``/tmp``): else its owner, or anyone who may
-    write it, could rename ours away and put theirs there."""
+    others may write has the sticky bit (as ``/tmp``), and every symbolic link on the way
+    is this user's or root's: else its owner, or anyone who may write it, could rename ours
+    away, or point the link elsewhere, and put theirs there."""
     try:
         info = directory.lstat()
     except OSError:
         return False
     if not (stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid() and not info.st_mode & 0o077):
         return False
+    for link in Path(os.path.abspath(directory)).parents:  # a link its owner could point elsewhere
+        try:
+            link_info = link.lstat()
+        except OSError:
+            return False
+        if stat.S_ISLNK(link_info.st_mode) and link_info.st_uid not in (0, os.getuid()):
+            return False
     above = Path(os.path.realpath(directory.parent))
     return all(_cannot_be_swapped_in(d) for d in (above, *above.parents))
 

@@ -42,7 +42,7 @@ import torch
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils.data import default_collate
 
-from ray_goodput.checkpoint import Checkpointer
+from ray_goodput.checkpoint import Checkpointer, list_checkpoints
 from ray_goodput.data import _order
 from ray_goodput.errors import ConfigError, GoodputError
 from ray_goodput.goodput import get_recorder
@@ -50,6 +50,7 @@ from ray_goodput.replica import _position as pos
 from ray_goodput.replica._config import ReplicaGroups, require_torchft
 from ray_goodput.runtime import WorkerContext, world_of_one
 from ray_goodput.runtime._join import worker_join
+from ray_goodput.runtime._resume import cap_restore_upload_wait
 
 logger = logging.getLogger(__name__)
 
@@ -254,9 +255,15 @@ class Replica:
 
     def _unhealed(self) -> bool:
         """A replacement other than replica 0 that has had no progress yet (no peer it met
-        had any): it must not step from scratch, which would throw the durable checkpoint
-        that replica 0 restores away."""
-        return self.replacement and self.slot != 0 and self.configured > 1 and self.current_step == 0
+        had any) in a job that saves: it must not step from scratch, which would throw the
+        durable checkpoint that replica 0 restores away."""
+        return (
+            bool(self._save_every)  # no checkpoint to lose otherwise
+            and self.replacement
+            and self.slot != 0
+            and self.configured > 1
+            and self.current_step == 0
+        )
 
     def _told_peers_finished(self) -> bool:
         """Whether the driver said, since this replacement started, that every peer has
@@ -285,6 +292,9 @@ class Replica:
         checkpoint because no participant had any progress to heal from."""
         if not self.replacement or self._ckpt is None or self.current_step > 0:
             return False
+        # Its peers wait for it in this step's all-reduce (``timeout_s``): its wait for a
+        # dead attempt's uploads stays well inside that.
+        cap_restore_upload_wait(self.settings.timeout_s / 3)
         step = self._ckpt.restore(self._durable_state())
         if step is None:
             return False
@@ -358,8 +368,12 @@ class Replica:
         if not self._save_every or self._rank_in_step != 0 or step == self._saved_step:
             return
         if self._ckpt is None:
-            logger.info("replica %d saves the final step %d: replica 0 was not in it", self.slot, step)
             self._ckpt = self._checkpointer(*self._ckpt_args)
+            # Replica 0 may have committed this step and ended while this replica's vote on
+            # it failed, so that it computed the step again alone: the committed one stands.
+            if any(i.committed and i.step >= step for i in list_checkpoints(self._ckpt.root)):
+                return
+            logger.info("replica %d saves the final step %d: replica 0 was not in it", self.slot, step)
         self._ckpt.save(step, self._durable_state())
         self._saved_step = step
 
@@ -423,22 +437,25 @@ class Replica:
 
     def _average_gradients(self) -> None:
         """One all-reduce (mean over the step's participants) of the gradients of every
-        parameter that requires one, in the model's order: a parameter this replica's batch
-        left without a gradient counts as zeros (as DDP's unused parameters do), so every
-        participant sends the same layout. A failed all-reduce is not raised: torchft
-        records it and the step does not commit."""
+        parameter that requires one, in the model's order, and of a flag per parameter
+        saying whether this replica's batch used it: a parameter without a gradient here is
+        sent as zeros, so every participant sends the same layout; one no participant used
+        keeps no gradient (as DDP leaves a globally unused parameter), so the optimizer does
+        not move it. A failed all-reduce is not raised: torchft records it and the step does
+        not commit."""
         params = [p for p in self._model.parameters() if p.requires_grad]
         if not params:
             return
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        flat = torch.cat([g.reshape(-1) for g in grads])
+        used = torch.tensor([p.grad is not None for p in params], dtype=grads[0].dtype)
+        flat = torch.cat([g.reshape(-1) for g in grads] + [used])
         self.manager.allreduce(flat).wait()
         offset = 0
-        for p, g in zip(params, grads):
+        for i, (p, g) in enumerate(zip(params, grads)):
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            if p.grad is None:
-                p.grad = g
             offset += g.numel()
+            if p.grad is None and flat[-len(params) + i] > 0:
+                p.grad = g
 
     # ---- end ----------------------------------------------------------------------------
 

@@ -24,6 +24,7 @@ logger = logging.getLogger(__name__)
 _lock = threading.Lock()
 _decision: ResumeDecision | None = None
 _upload_wait: tuple[str, float] | None = None  # (root key, seconds), from the driver's Recovery
+_upload_wait_cap: float | None = None  # this process's own bound (replica mode)
 
 
 @dataclass(frozen=True)
@@ -63,13 +64,21 @@ def set_decision(decision: ResumeDecision | None, upload_wait: tuple[str, float]
 def restore_upload_wait_s(root: str | StorageLocation, default: float) -> float:
     """How long a restore under ``root`` that chooses for itself (no decision) waits for the
     saves a dead attempt's uploaders still upload: what the driver's ``Recovery`` watching
-    ``root`` said (its ``upload_wait_s`` on a first attempt; 0 on a later one, whose choice
-    on the driver waited already), else ``default``."""
+    ``root`` said (its ``upload_wait_s``), else ``default``; at most the cap this process
+    set (:func:`cap_restore_upload_wait`)."""
     with _lock:
-        told = _upload_wait
-    if told is not None and told[0] == root_key(root):
-        return told[1]
-    return default
+        told, cap = _upload_wait, _upload_wait_cap
+    bound = told[1] if told is not None and told[0] == root_key(root) else default
+    return bound if cap is None else min(bound, cap)
+
+
+def cap_restore_upload_wait(at_most: float | None) -> None:
+    """Bound this process's restores to wait at most ``at_most`` seconds for a dead
+    attempt's uploads (None: no cap). Replica mode: a restore inside a quorum, whose peers
+    wait for it in the step's all-reduce."""
+    global _upload_wait_cap  # noqa: PLW0603 - the process's bound, beside the driver's
+    with _lock:
+        _upload_wait_cap = at_most
 
 
 def resume_decision(root: str | StorageLocation | None = None) -> ResumeDecision | None:
