@@ -472,6 +472,7 @@ def _end_job_as_survivor(root: str, model: torch.nn.Module, *, last: int = 9) ->
 
     rep = Replica.__new__(Replica)
     rep.slot, rep.configured, rep.replacement, rep.peers_finished = 1, 2, False, False
+    rep.settings = ReplicaGroups(timeout_s=10.0)
     rep.manager, rep._ckpt, rep._ckpt_args = _LastSteps(step=7), None, (root, {"uploader": "thread"})
     rep._model, rep.model, rep._optim, rep._extra = model, model, torch.optim.SGD(model.parameters(), lr=0.1), {}
     rep._dataset, rep._batch_size, rep._seed, rep._shuffle = torch.arange(64.0), 4, 0, False
@@ -535,3 +536,46 @@ def test_a_dataset_smaller_than_one_step_is_refused_naming_the_fix_not_read_as_a
     rep._order, rep._seed, rep._shuffle, rep._collate, rep._save_every = None, 0, False, torch.stack, None
     with pytest.raises(ConfigError, match=r"6 samples, fewer than one step of 2 replicas × batch_size 4"):
         next(rep.batches(total_steps=3))
+
+
+def test_a_survivor_saves_the_last_step_when_only_an_older_lineage_has_it(tmp_path):
+    """Storage holds step 9 from a dead attempt (an older generation) and step 5 from the
+    newer one that resumed before it: a restore takes step 5. The survivor looked for a
+    committed step 9 by number alone, skipped its save, and the job's last steps were lost."""
+    from ray_goodput import Checkpointer
+
+    root = str(tmp_path / "ckpt")
+    with Checkpointer(root, uploader="thread") as dead_attempt:
+        dead_attempt.save(9, {"model": torch.nn.Linear(1, 1)})
+    with Checkpointer(root, uploader="thread") as resumed:  # the next generation
+        resumed.save(5, {"model": torch.nn.Linear(1, 1)})
+    assert _restored(root)[0] == 5
+    model = torch.nn.Linear(1, 1)
+    _end_job_as_survivor(root, model)
+    step, weight = _restored(root)
+    assert step == 9 and torch.equal(weight, model.weight)
+
+
+def test_replica_0s_restore_inside_a_quorum_bounds_its_upload_wait_for_that_restore_only(tmp_path, monkeypatch):
+    """Its peers wait for it in the step's all-reduce, so its wait for a dead replica 0's
+    uploads is capped below ``timeout_s``; the cap stayed on the process, so any later
+    restore there (the user's own) was capped too."""
+    from ray_goodput import Checkpointer
+    from ray_goodput.checkpoint import _checkpointer
+    from ray_goodput.replica._replica import Replica
+    from ray_goodput.runtime._resume import restore_upload_wait_s
+
+    waits = []
+    monkeypatch.setattr(_checkpointer, "ray_initialized", lambda: True)  # as under Ray
+    monkeypatch.setattr(
+        _checkpointer, "wait_for_uploads", lambda root, *, above, timeout_s: waits.append(timeout_s) or {}
+    )
+    rep = Replica.__new__(Replica)
+    rep.replacement, rep.settings, rep._extra = True, ReplicaGroups(timeout_s=30.0), {}
+    rep.manager = SimpleNamespace(current_step=lambda: 0)
+    rep._model = model = torch.nn.Linear(1, 1)
+    rep._optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Checkpointer(str(tmp_path / "ckpt"), uploader="thread") as rep._ckpt:
+        assert rep._restore_if_no_peer_had_state() is False  # nothing committed yet
+    assert waits == [10.0]
+    assert restore_upload_wait_s(str(tmp_path / "ckpt"), 120.0) == 120.0

@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import numbers
 import os
 from collections.abc import Callable
 from typing import Any, Literal
@@ -150,7 +151,7 @@ class Recovery(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):
             raise ConfigError(f"pg_shutdown_timeout_s must be >= 1 or None, got {pg_shutdown_timeout_s}")
         if (
             isinstance(upload_wait_s, bool)
-            or not isinstance(upload_wait_s, (int, float))
+            or not isinstance(upload_wait_s, numbers.Real)
             or not 0 <= upload_wait_s < math.inf
         ):
             raise ConfigError(f"upload_wait_s must be a number of seconds >= 0, got {upload_wait_s}")

@@ -42,7 +42,7 @@ import torch
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils.data import default_collate
 
-from ray_goodput.checkpoint import Checkpointer, list_checkpoints
+from ray_goodput.checkpoint import Checkpointer, newest_valid, wait_for_uploads
 from ray_goodput.data import _order
 from ray_goodput.errors import ConfigError, GoodputError
 from ray_goodput.goodput import get_recorder
@@ -295,7 +295,10 @@ class Replica:
         # Its peers wait for it in this step's all-reduce (``timeout_s``): its wait for a
         # dead attempt's uploads stays well inside that.
         cap_restore_upload_wait(self.settings.timeout_s / 3)
-        step = self._ckpt.restore(self._durable_state())
+        try:
+            step = self._ckpt.restore(self._durable_state())
+        finally:
+            cap_restore_upload_wait(None)
         if step is None:
             return False
         self.manager.load_state_dict({"step": step, "batches_committed": self._batches_restored})
@@ -369,13 +372,30 @@ class Replica:
             return
         if self._ckpt is None:
             self._ckpt = self._checkpointer(*self._ckpt_args)
-            # Replica 0 may have committed this step and ended while this replica's vote on
-            # it failed, so that it computed the step again alone: the committed one stands.
-            if any(i.committed and i.step >= step for i in list_checkpoints(self._ckpt.root)):
+            if self._final_step_saved_by_replica_0(self._ckpt.root, step):
                 return
             logger.info("replica %d saves the final step %d: replica 0 was not in it", self.slot, step)
         self._ckpt.save(step, self._durable_state())
         self._saved_step = step
+
+    def _final_step_saved_by_replica_0(self, root: Any, step: int) -> bool:
+        """Whether the newest checkpoint (by lineage, as a restore ranks them) is of ``step``
+        or later: replica 0 committed the step and ended while this replica's vote on it
+        failed, so that this replica computed it again alone; replica 0's stands. Its save
+        may still be uploading: waited for (within ``timeout_s``). When storage cannot say,
+        this replica saves (a newer generation: its copy of the step is the one kept)."""
+        try:
+            wait_for_uploads(root, above=step - 1, timeout_s=self.settings.timeout_s)
+            newest = newest_valid(root)
+        except Exception as exc:  # noqa: BLE001 - the final save matters more than this look
+            logger.warning(
+                "replica %d saves the final step %d: storage could not say whether replica 0 did (%s)",
+                self.slot,
+                step,
+                exc,
+            )
+            return False
+        return newest is not None and newest[1].step >= step
 
     def _batch(self, rank: int, n: int) -> Any:
         began = time.perf_counter()
