@@ -32,10 +32,15 @@ def cache_root() -> Path:
     return Path(value) if value else Path(tempfile.gettempdir()) / "ray_goodput" / "cache"
 
 
+def user_dir() -> Path:
+    """Node-local directory of this user's private files (``$TMPDIR/ray_goodput-<uid>``)."""
+    return Path(tempfile.gettempdir()) / f"ray_goodput-{os.getuid()}"
+
+
 def events_spool_dir() -> Path:
     """Node-local directory of the goodput event spools: this user's alone by default."""
     value = os.environ.get(EVENTS_SPOOL_DIR_VAR)
-    return Path(value) if value else Path(tempfile.gettempdir()) / f"ray_goodput-{os.getuid()}" / "goodput-spool"
+    return Path(value) if value else user_dir() / "goodput-spool"
 
 
 def s3_endpoint() -> str | None:

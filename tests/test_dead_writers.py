@@ -196,3 +196,21 @@ def test_a_fetch_temp_whose_pid_now_runs_a_later_process_is_deleted_at_the_cache
 
     assert not gone.exists()
     assert live.exists()
+
+
+def test_held_jobs_live_in_this_users_private_directory_and_are_never_read_from_another(node):
+    """The node uploader unpickles the held jobs it takes. They lived in
+    ``$TMPDIR/ray_goodput/held``, shared by the node's users: anyone who could write there
+    could have a pickle of theirs loaded by our uploader."""
+    from ray_goodput.runtime._private_dirs import is_private
+
+    path = _held.hold(node, _job(dead_pid(), 6), None)
+    root = _held.held_dir(node).parent
+    assert is_private(root) and root.stat().st_uid == os.getuid()
+    root.chmod(0o777)  # as if someone else had made it, or opened it up
+    try:
+        assert _held.orphans(node) == []
+        assert path.exists()  # not taken, not read
+    finally:
+        root.chmod(0o700)
+    assert [job.step for _, job, _ in _held.orphans(node)] == [6]

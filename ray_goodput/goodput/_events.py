@@ -18,7 +18,6 @@ import json
 import logging
 import os
 import pickle
-import stat
 import threading
 import time
 import uuid
@@ -28,6 +27,7 @@ from typing import Any
 from ray_goodput import _env
 from ray_goodput._faults import fault_point
 from ray_goodput.runtime import pid_alive
+from ray_goodput.runtime._private_dirs import is_private, make_private
 from ray_goodput.storage import RetryPolicy, StorageLocation, list_dir, read_bytes, write_bytes
 
 logger = logging.getLogger(__name__)
@@ -57,50 +57,14 @@ def spool_dir() -> Path:
 
 
 def _private(directory: Path) -> bool:
-    """Whether ``directory`` is this user's alone and nobody else can put another in its
-    place: a spool names a storage location that is unpickled. The directory is this
-    user's, mode 0700; every directory above it is this user's or root's, and one that
-    others may write has the sticky bit (as ``/tmp``), and every symbolic link on the way
-    is this user's or root's: else its owner, or anyone who may write it, could rename ours
-    away, or point the link elsewhere, and put theirs there."""
-    try:
-        info = directory.lstat()
-    except OSError:
-        return False
-    if not (stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid() and not info.st_mode & 0o077):
-        return False
-    for link in Path(os.path.abspath(directory)).parents:  # a link its owner could point elsewhere
-        try:
-            link_info = link.lstat()
-        except OSError:
-            return False
-        if stat.S_ISLNK(link_info.st_mode) and link_info.st_uid not in (0, os.getuid()):
-            return False
-    above = Path(os.path.realpath(directory.parent))
-    return all(_cannot_be_swapped_in(d) for d in (above, *above.parents))
-
-
-def _cannot_be_swapped_in(directory: Path) -> bool:
-    try:
-        info = directory.stat()
-    except OSError:
-        return False
-    if info.st_uid not in (0, os.getuid()):
-        return False
-    return not info.st_mode & 0o022 or bool(info.st_mode & stat.S_ISVTX)
+    """Whether ``directory`` is this user's alone (a spool names a storage location that is
+    unpickled): see :func:`ray_goodput.runtime._private_dirs.is_private`."""
+    return is_private(directory)
 
 
 def _make_private(directory: Path) -> Path:
-    """``directory``, made (with its parents) this user's alone; PermissionError when it, or
-    a directory above it, is not safe (see ``_private``)."""
-    directory.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    directory.mkdir(mode=0o700, exist_ok=True)
-    if not _private(directory):
-        raise PermissionError(
-            f"{directory} is not this user's alone (mode 0700, owner uid {os.getuid()}, under directories "
-            "only this user or root can write, or sticky): set RAY_GOODPUT_EVENTS_SPOOL_DIR to such a directory"
-        )
-    return directory
+    """``directory``, made this user's alone; PermissionError naming the setting otherwise."""
+    return make_private(directory, setting=_env.EVENTS_SPOOL_DIR_VAR)
 
 
 class EventLog:

@@ -8,6 +8,10 @@ the job reaches it, or the uploader's look for the jobs of workers that died bef
 could hand theirs over (at its start, at each registration and once a second). So a save
 that returned survives its worker either way, as a save handed over does.
 
+The directory, ``$TMPDIR/ray_goodput-<uid>/held``, is this user's alone (mode 0700, and
+nothing above it another user could swap: ``runtime._private_dirs``), as the uploader
+unpickles what it finds there; held jobs under one that is not are never read.
+
 Its snapshot arena carries a mark (``_arena.mark_held``) from before the file is written
 until an uploader mapped it, so the sweep of dead workers' arenas that the run's next
 worker makes keeps it.
@@ -32,13 +36,14 @@ import hashlib
 import logging
 import os
 import pickle
-import tempfile
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ray_goodput import _env
 from ray_goodput._lazy import LazyModule
 from ray_goodput.runtime import pid_alive
+from ray_goodput.runtime._private_dirs import is_private, make_private
 
 if TYPE_CHECKING:
     from ray_goodput.checkpoint.uploader._shard_job import ShardJob
@@ -55,9 +60,23 @@ _JOB, _TAKEN = ".job", ".taken"
 OTHER_NODE_SWEEP_AGE_S = 3600.0
 
 
+def held_root() -> Path:
+    """The held jobs' directory: this user's alone (the uploader unpickles what it finds)."""
+    return _env.user_dir() / "held"
+
+
 def held_dir(node_id: str) -> Path:
     """The directory of one node's held jobs (node-local, shared by its workers and uploader)."""
-    return Path(tempfile.gettempdir()) / "ray_goodput" / "held" / node_id
+    return held_root() / node_id
+
+
+def _ours() -> bool:
+    """Whether the held jobs' directory is this user's alone: else nothing in it is read."""
+    if is_private(held_root()):
+        return True
+    if held_root().exists():
+        logger.warning("not reading held jobs under %s: it is not this user's alone (mode 0700)", held_root())
+    return False
 
 
 def _name(pid: int, key: str) -> str:
@@ -73,7 +92,8 @@ def hold(node_id: str, job: ShardJob, root: bytes | None) -> Path:
         _arena.mark_held(job.arena_path, job.key)
     partial = path.with_suffix(".partial")
     for last in (False, True):
-        directory.mkdir(parents=True, exist_ok=True)
+        make_private(held_root())
+        directory.mkdir(mode=0o700, exist_ok=True)
         try:
             partial.write_bytes(pickle.dumps((job, root)))
             break
@@ -99,6 +119,8 @@ def orphans(node_id: str) -> list[tuple[Path, ShardJob, bytes | None]]:
     by this process (renamed ``.<pid>.taken``: no other taker gets it), oldest save first;
     the caller hands each on and calls :func:`remove`."""
     directory = held_dir(node_id)
+    if not _ours():
+        return []
     try:
         names = os.listdir(directory)
     except FileNotFoundError:
@@ -116,7 +138,7 @@ def orphans(node_id: str) -> list[tuple[Path, ShardJob, bytes | None]]:
         except FileNotFoundError:  # handed over meanwhile, or another look took it
             continue
         try:
-            job, root = pickle.loads(taken.read_bytes())  # noqa: S301 - written by our own workers
+            job, root = pickle.loads(taken.read_bytes())  # noqa: S301 - written by our own workers, in a directory only we can write
         except Exception as exc:  # noqa: BLE001 - an unreadable file is one lost save, not an uploader down
             logger.warning("cannot read the held job %s of a dead worker: %s; dropping it", taken, exc)
             taken.unlink(missing_ok=True)
@@ -170,6 +192,8 @@ def sweep_other_nodes(node_id: str) -> int:
     whose writer or taker is dead, and their directories once empty; returns how many."""
     removed = 0
     now = time.time()
+    if not _ours():
+        return 0
     for directory in held_dir(node_id).parent.glob("*"):
         if directory.name == node_id or not directory.is_dir():
             continue
