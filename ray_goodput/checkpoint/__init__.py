@@ -37,9 +37,9 @@ _EXPORTS = {
     "next_generation": "ray_goodput.checkpoint.protocol._lineage",
     "pin_resume": "ray_goodput.checkpoint.protocol._lineage",
     "apply_retention": "ray_goodput.checkpoint.protocol._retention",
-    "start_node_uploader": "ray_goodput.checkpoint.uploader._actor",
-    "uploader_status": "ray_goodput.checkpoint.uploader._actor",
-    "wait_for_uploads": "ray_goodput.checkpoint.uploader._actor",
+    "start_node_uploader": "ray_goodput.checkpoint.uploader._calls",
+    "uploader_status": "ray_goodput.checkpoint.uploader._calls",
+    "wait_for_uploads": "ray_goodput.checkpoint.uploader._calls",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -60,4 +60,4 @@ if TYPE_CHECKING:
     from ray_goodput.checkpoint.protocol._retention import apply_retention
     from ray_goodput.checkpoint.restore._export import export_torch_save
     from ray_goodput.checkpoint.restore._load import RestoreInfo
-    from ray_goodput.checkpoint.uploader._actor import start_node_uploader, uploader_status, wait_for_uploads
+    from ray_goodput.checkpoint.uploader._calls import start_node_uploader, uploader_status, wait_for_uploads

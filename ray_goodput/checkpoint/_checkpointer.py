@@ -37,7 +37,7 @@ from ray_goodput.checkpoint.save._ray_report import report_closed
 from ray_goodput.checkpoint.save._save_state import SaveRecord
 from ray_goodput.checkpoint.save._schedule import SaveSchedule
 from ray_goodput.checkpoint.save._snapshot import Snapshotter
-from ray_goodput.checkpoint.uploader._actor import wait_for_uploads
+from ray_goodput.checkpoint.uploader._calls import wait_for_uploads
 from ray_goodput.checkpoint.uploader._client import ActorBackend
 from ray_goodput.checkpoint.uploader._metrics import SaveMetrics
 from ray_goodput.checkpoint.uploader._shard_job import ShardJob
