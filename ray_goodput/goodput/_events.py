@@ -56,12 +56,6 @@ def spool_dir() -> Path:
     return _env.events_spool_dir()
 
 
-def _private(directory: Path) -> bool:
-    """Whether ``directory`` is this user's alone (a spool names a storage location that is
-    unpickled): see :func:`ray_goodput.runtime._private_dirs.is_private`."""
-    return is_private(directory)
-
-
 def _make_private(directory: Path) -> Path:
     """``directory``, made this user's alone; PermissionError naming the setting otherwise."""
     return make_private(directory, setting=_env.EVENTS_SPOOL_DIR_VAR)
@@ -151,10 +145,7 @@ class EventLog:
         flushes each event after the end at once). The spool goes when storage has all of
         it, else it stays for the sweep once this process ends."""
         with self._flush_lock:
-            with self._lock:
-                spool, self._spool = self._spool, None
-            if spool is not None:
-                spool.close(remove=spool.sent == spool.size)
+            self._drop_spool()
 
     def close(self) -> None:
         with self._flush_lock:
@@ -163,10 +154,15 @@ class EventLog:
                 if self._file is not None:
                     self._file.close()
                     self._file = None
-                spool, self._spool = self._spool, None
-            if spool is not None:
-                # All shipped: the spool goes. Else it stays for the sweep once this process ends.
-                spool.close(remove=spool.sent == spool.size)
+            self._drop_spool()
+
+    def _drop_spool(self) -> None:
+        """Under the flush lock: all shipped, the spool goes; else it stays for the sweep once
+        this process ends."""
+        with self._lock:
+            spool, self._spool = self._spool, None
+        if spool is not None:
+            spool.close(remove=spool.sent == spool.size)
 
 
 class _Spool:
@@ -261,7 +257,9 @@ def ship_orphaned_events(directory: str | Path | None = None) -> int:
     again; one whose storage refused is put back for the next call. Run about once a second
     by every node uploader, and by each new object-store event log on its node."""
     directory = Path(directory) if directory is not None else spool_dir()
-    if not _private(directory):  # none yet, or not this user's alone: nothing of ours to ship
+    # None yet, or not this user's alone (a spool names a storage location that is unpickled):
+    # nothing of ours to ship.
+    if not is_private(directory):
         return 0
     try:
         names = os.listdir(directory)
