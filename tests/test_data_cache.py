@@ -119,7 +119,7 @@ def test_lru_eviction_under_small_capacity(s3_server, tmp_path):
     assert stats["evictions"] >= 2 * 30 - 5 - 5  # lookahead may keep a few extra fetches
     on_disk = _data_files(tmp_path)
     assert len(on_disk) == stats["files"]
-    keys = {CacheLayout.key(ds.files.ident, p): i for i, p in enumerate(ds.files.paths)}
+    keys = {ds.files.cache_key(i): i for i in range(len(ds.files.paths))}
     for path in on_disk:  # every survivor is complete and is the right file
         assert path.read_bytes() == blobs[ds.files.paths[keys[path.name]].rsplit("/", 1)[1]]
 
@@ -147,7 +147,7 @@ def test_killed_mid_download_leaves_no_corrupt_file_and_is_recreated(s3_server, 
         service = CacheClient(cfg)
         fid = service.register(ds.files)
         service.prefetch(fid, [0])
-        final = CacheLayout(tmp_path).data_path(CacheLayout.key(ds.files.ident, ds.files.paths[0]))
+        final = CacheLayout(tmp_path).data_path(ds.files.cache_key(0))
         wait_for(
             lambda: list(final.parent.glob(".*.part-*")), timeout_s=30, what="the download to start (a .part file)"
         )
@@ -182,7 +182,7 @@ def test_cache_recreated_by_another_rank_gets_file_lists_again(s3_server, tmp_pa
     ray.get(get_cache(cfg).describe.remote())  # another rank starts a new cache first
     service.prefetch(fid, [0, 1])  # answered -1: unknown file list ...
     layout = CacheLayout(tmp_path)
-    paths = [layout.data_path(CacheLayout.key(ds.files.ident, p)) for p in ds.files.paths]
+    paths = [layout.data_path(ds.files.cache_key(i)) for i in range(len(ds.files.paths))]
 
     def announce() -> bool:  # ... noticed by a later call: registers again and announces
         service.prefetch(fid, [2, 3])

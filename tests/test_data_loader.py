@@ -12,6 +12,7 @@ import torch.distributed.checkpoint as dcp
 
 from ray_goodput.data import CacheConfig, DataError, DataLoader, FileDataset, ParquetDataset
 from ray_goodput.errors import ConfigError, StorageError
+from ray_goodput.storage import RetryPolicy
 from ray_goodput.testing import wait_for
 
 N = 53  # prime: every (world, batch) below leaves a ragged tail
@@ -365,3 +366,118 @@ def test_loader_workers_exit_at_once_when_their_rank_is_killed(files_dir, tmp_pa
         for pid in workers:
             with contextlib.suppress(psutil.NoSuchProcess):
                 psutil.Process(pid).kill()
+
+
+def test_a_parquet_row_group_read_failing_in_transit_is_retried_not_ended_as_bad_data(parquet_dir, s3_server):
+    """A 5xx or a reset connection while reading a row group is a storage error to retry,
+    not a DataError (which Recovery does not retry: one network blip would end the run)."""
+    import pyarrow.fs as pafs
+
+    from ray_goodput.testing import FlakyProxy
+
+    uri = s3_server.bucket_uri("pq")
+    bucket = uri[len("s3://") :].split("/")[0]
+    fs = pafs.S3FileSystem(endpoint_override=s3_server.endpoint, scheme="http")
+    for path in sorted(parquet_dir.iterdir()):
+        with fs.open_output_stream(f"{bucket}/pq/{path.name}") as out:
+            out.write(path.read_bytes())
+    proxy = FlakyProxy(s3_server.endpoint)
+    try:
+        ds = ParquetDataset(
+            f"s3://{bucket}/pq?endpoint_override={proxy.endpoint}&scheme=http",
+            cache=None,
+            retry=RetryPolicy(attempts=8, initial_delay=0.2, max_delay=0.5),
+        )
+        # Now most requests fail: some of the row-group reads fail through the S3 client's
+        # own retries in place (5 failures in a row: 17 % of requests).
+        proxy.failure_rate = 0.7
+        rows = [ds[i]["id"] for i in range(len(ds))]
+    finally:
+        proxy.close()
+    assert rows == list(range(17 + 5 + 31))
+    assert proxy.counts["failed"] >= 1
+
+
+def test_a_state_saved_with_shuffle_on_is_refused_by_a_loader_with_shuffle_off(files_dir, tmp_path):
+    """The order of an epoch depends on ``shuffle``: a position in one order resumed in the
+    other repeats some samples and never reads others."""
+    shuffled = DataLoader(FileDataset(str(files_dir), seed=7, cache=None), 4, num_workers=0)
+    state = shuffled.state_dict()
+    plain = DataLoader(FileDataset(str(files_dir), seed=7, shuffle=False, cache=None), 4, num_workers=0)
+    with pytest.raises(DataError, match="shuffle=True"):
+        plain.load_state_dict(state)
+    again = DataLoader(FileDataset(str(files_dir), seed=7, cache=None), 4, num_workers=0)
+    again.load_state_dict(state)  # the same settings resume
+
+
+def test_a_cached_file_rewritten_with_another_size_is_read_again_not_served_stale(tmp_path):
+    """The cache key names the listed size: a dataset rewritten in place (new sizes) is
+    fetched again by the next job instead of being served from the old copy."""
+    data, cache = tmp_path / "data", CacheConfig(directory=str(tmp_path / "cache"))
+    data.mkdir()
+    for i in range(2):
+        (data / f"f{i}.bin").write_bytes(b"old-%d" % i)
+    first = FileDataset(str(data), decode=bytes, cache=cache, shuffle=False)
+    assert [first[i] for i in range(2)] == [b"old-0", b"old-1"]
+    for i in range(2):
+        (data / f"f{i}.bin").write_bytes(b"rewritten-%d" % i)
+    second = FileDataset(str(data), decode=bytes, cache=cache, shuffle=False)
+    assert [second[i] for i in range(2)] == [b"rewritten-0", b"rewritten-1"]
+
+
+def test_the_default_capacity_counts_the_bytes_the_cache_already_holds(tmp_path, monkeypatch):
+    """A new cache keeper (a new job's actor) sizes its capacity from the free disk plus
+    what the cache already holds; from the free disk alone it would evict most of a warm
+    cache at start. The disk's size is a stand-in: the rule is pure arithmetic."""
+    import shutil as _shutil
+
+    from ray_goodput.data._cache_keeper import CacheKeeper
+
+    config = CacheConfig(directory=str(tmp_path / "cache"))
+    keeper = CacheKeeper(config)
+    for i in range(8):  # a warm cache left by a previous keeper: 8 files of 1000 bytes
+        key = f"{i:02d}" + "0" * 30
+        path = keeper.layout.data_path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"x" * 1000)
+    keeper.close(timeout_s=5)
+    real = _shutil.disk_usage
+    monkeypatch.setattr(
+        "ray_goodput.data._cache_keeper.shutil.disk_usage",
+        lambda p: real(p)._replace(free=2000),  # the cache filled the disk but 2000 bytes
+    )
+    warm = CacheKeeper(config)
+    try:
+        assert warm.capacity == int(0.8 * (2000 + 8000))
+        stats = warm.stats()
+        assert (stats["evictions"], stats["files"], stats["bytes_used"]) == (0, 8, 8000)
+    finally:
+        warm.close(timeout_s=5)
+
+
+def test_two_concurrent_polls_of_the_cache_journals_count_each_event_once(tmp_path):
+    """The node cache actor serves ``stats()`` beside its maintenance loop: two polls of
+    the readers' journals at once must not both count the same lines."""
+    import os
+    import threading
+
+    from ray_goodput.data._journal import JournalReader
+
+    for trial in range(30):
+        directory = tmp_path / f"j{trial}"
+        directory.mkdir()
+        for j in range(8):  # 8 readers' journals of this (live) process
+            (directory / f"{os.getpid()}-{j:08x}.log").write_text("h 1000\n" * 200)
+        reader, counted = JournalReader(directory), []
+        barrier = threading.Barrier(2)
+
+        def poll(reader=reader, counted=counted, barrier=barrier):
+            barrier.wait()
+            counted.append(reader.poll()[0])
+
+        threads = [threading.Thread(target=poll) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+        assert sum(counted) + reader.poll()[0] == 8 * 200 * 1000, f"trial {trial}: {counted}"

@@ -66,7 +66,7 @@ class CacheClient:
 
     def register(self, files: FileSet) -> int:
         """Make ``files`` known to the cache (blocking); returns its id for ``prefetch``."""
-        fid = files.fingerprint()
+        fid = files.cache_id()
         if fid not in self._filesets:
             self._filesets[fid] = files
             self._call("register", files, block=True)

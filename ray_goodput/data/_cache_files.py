@@ -46,8 +46,10 @@ class CacheLayout:
     root: Path
 
     @staticmethod
-    def key(ident: str, path: str) -> str:
-        return hashlib.blake2b(f"{ident}\n{path}".encode(), digest_size=16).hexdigest()
+    def key(ident: str, path: str, size: int = -1) -> str:
+        """The cache's name of a file (``FileSet.cache_key``)."""
+        named = f"{ident}\n{path}" if size < 0 else f"{ident}\n{path}\n{size}"
+        return hashlib.blake2b(named.encode(), digest_size=16).hexdigest()
 
     def data_path(self, key: str) -> Path:
         return self.root / "data" / key[:2] / key

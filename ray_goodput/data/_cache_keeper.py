@@ -40,7 +40,7 @@ class CacheKeeper:
         self.config = config
         self.layout = CacheLayout.of(config)
         self.layout.create()
-        self.capacity = config.capacity_bytes or int(0.8 * shutil.disk_usage(self.layout.root).free)
+        self.capacity = config.capacity_bytes or 0  # the default is set by the first scan
         self._policy = RetryPolicy()
         self._lock = threading.Lock()
         self._lru: OrderedDict[str, int] = OrderedDict()
@@ -76,6 +76,9 @@ class CacheKeeper:
                     st = entry.stat()
                     found.append((st.st_mtime, entry.name, st.st_size))
         self._last_sweep = time.monotonic()
+        if not self.capacity:  # 80 % of the disk the cache may use: what is free and what it holds
+            held = sum(size for _, _, size in found)
+            self.capacity = int(0.8 * (shutil.disk_usage(self.layout.root).free + held))
         with self._lock:
             for _, key, size in sorted(found):
                 self._add(key, size)
@@ -90,7 +93,7 @@ class CacheKeeper:
         return {"directory": str(self.layout.root), "capacity_bytes": self.capacity, "node_id": self.node_id}
 
     def register(self, files: FileSet) -> int:
-        fid = files.fingerprint()
+        fid = files.cache_id()
         with self._lock:
             self._filesets.setdefault(fid, files)
         return fid
@@ -104,7 +107,7 @@ class CacheKeeper:
         queued = 0
         with self._lock:
             for i in indices:
-                key = CacheLayout.key(files.ident, files.paths[i])
+                key = files.cache_key(i)
                 self._want(key)
                 if key in self._lru:
                     self._lru.move_to_end(key)

@@ -13,7 +13,8 @@ class CacheConfig:
 
     ``directory``: local (NVMe) path; None means ``RAY_GOODPUT_CACHE_DIR`` or
     ``<tmp>/ray_goodput/cache``. ``capacity_bytes``: LRU limit; None means 80% of the free
-    space of that disk when the node's cache starts. The first process of a node that
+    space of that disk, plus what the cache already holds there, when the node's cache
+    starts. The first process of a node that
     starts the cache fixes both for the node; later configs that differ are logged and
     ignored. ``lookahead``: files per rank fetched ahead of the training loop.
     ``fetch_concurrency``: parallel downloads of the node's prefetcher.

@@ -37,7 +37,7 @@ class CacheReader:
 
         An open file stays readable if it is evicted meanwhile; one evicted between the
         fetch and the open is fetched again."""
-        key = CacheLayout.key(files.ident, files.paths[i])
+        key = files.cache_key(i)
         path = self.layout.data_file(key)
         for attempt in range(_EVICTION_RACE_RETRIES):
             try:

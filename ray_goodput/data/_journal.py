@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 import uuid
 from multiprocessing import util as mp_util
@@ -92,14 +93,17 @@ class JournalReader:
     def __init__(self, directory: Path) -> None:
         self._dir = directory
         self._offsets: dict[str, int] = {}
+        self._lock = threading.Lock()  # one poll at a time: each line is counted once
 
     def poll(self) -> tuple[int, int, list[tuple[str, int, float]]]:
-        """(hits, misses, [(key, bytes, seconds) fetched by readers]) since the last poll."""
+        """(hits, misses, [(key, bytes, seconds) fetched by readers]) since the last poll.
+        Thread-safe."""
         hits = misses = 0
         fetched: list[tuple[str, int, float]] = []
-        for path in sorted(self._dir.glob("*.log")):
-            h, m = self._read_new(path, fetched)
-            hits, misses = hits + h, misses + m
+        with self._lock:
+            for path in sorted(self._dir.glob("*.log")):
+                h, m = self._read_new(path, fetched)
+                hits, misses = hits + h, misses + m
         return hits, misses, fetched
 
     def _read_new(self, path: Path, fetched: list) -> tuple[int, int]:

@@ -22,6 +22,8 @@ from ray_goodput.runtime import WorkerContext, pid_alive
 
 logger = logging.getLogger(__name__)
 STATE_KEYS = ("epoch", "consumed", "seed", "fingerprint")
+#: Mixed into the state's fingerprint of a loader whose epochs are not shuffled.
+_UNSHUFFLED = 0x2D5E_93C1_7A4F_0B68
 #: How often a loader worker checks that its rank is still alive.
 _RANK_POLL_S = 0.1
 
@@ -203,7 +205,7 @@ class DataLoader(torch.utils.data.DataLoader):
     def state_dict(self) -> dict[str, int]:
         """``{epoch, consumed, seed, fingerprint}``; take it at a step boundary."""
         s = self._rg_sampler
-        return {"epoch": s.epoch, "consumed": s.consumed, "seed": s.dataset.seed, "fingerprint": s.dataset.fingerprint}
+        return {"epoch": s.epoch, "consumed": s.consumed, "seed": s.dataset.seed, "fingerprint": _order(s.dataset)}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Resume at ``state`` (from any world size). Raises DataError when it was saved
@@ -212,10 +214,17 @@ class DataLoader(torch.utils.data.DataLoader):
         if missing:
             raise DataError(f"loader state lacks {missing}; pass what state_dict() returned")
         s = self._rg_sampler
-        if int(state["fingerprint"]) != s.dataset.fingerprint:
+        saved = int(state["fingerprint"])
+        if saved != _order(s.dataset) and saved == _order(s.dataset, shuffle=not s.dataset.shuffle):
+            raise DataError(
+                f"loader state was saved with shuffle={not s.dataset.shuffle} but the dataset has "
+                f"shuffle={s.dataset.shuffle}: a position in one order resumed in the other repeats "
+                "samples and skips others; use the same shuffle"
+            )
+        if saved != _order(s.dataset):
             raise DataError(
                 f"loader state was saved for another dataset (fingerprint "
-                f"{int(state['fingerprint'])} != {s.dataset.fingerprint}); point "
+                f"{saved} != {_order(s.dataset)}); point "
                 "the dataset at the same files, or do not load this state"
             )
         if int(state["seed"]) != s.dataset.seed:
@@ -230,6 +239,13 @@ class DataLoader(torch.utils.data.DataLoader):
         """Release the link to the node cache (the cache itself keeps running)."""
         if self._cache is not None:
             self._cache.close()
+
+
+def _order(dataset: CachedDataset, *, shuffle: bool | None = None) -> int:
+    """The fingerprint a loader state carries: the dataset's, and whether its epochs are
+    shuffled (the order a position counts in)."""
+    shuffled = dataset.shuffle if shuffle is None else shuffle
+    return dataset.fingerprint if shuffled else dataset.fingerprint ^ _UNSHUFFLED
 
 
 class _Hints:

@@ -119,15 +119,22 @@ class ParquetDataset(CachedDataset):
         return table
 
     def _read_group(self, f: int, g: int) -> pa.Table:
-        try:
+        """Row group ``g`` of file ``f``. A failed read of storage (an ``OSError``: a 5xx, a
+        reset connection) is retried by the dataset's RetryPolicy and ends as a
+        StorageError; bytes that are not the Parquet they were listed as are a DataError."""
+
+        def read() -> pa.Table:
             with self.reader.open(self.files, f) as src:
-                return pq.ParquetFile(src).read_row_group(g, columns=self.columns)
-        except (StorageError, DataError):
-            raise
-        except Exception as exc:
-            raise DataError(
-                f"reading row group {g} of {self.files.uri(f)} failed: {type(exc).__name__}: {exc}"
-            ) from exc
+                try:
+                    return pq.ParquetFile(src).read_row_group(g, columns=self.columns)
+                except OSError:
+                    raise
+                except Exception as exc:  # anything else is the content of the file
+                    raise DataError(
+                        f"reading row group {g} of {self.files.uri(f)} failed: {type(exc).__name__}: {exc}"
+                    ) from exc
+
+        return self.retry.call(f"read of row group {g} of {self.files.uri(f)}", read)
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_decoded": OrderedDict()}

@@ -11,6 +11,7 @@ from urllib.parse import urlsplit
 import pyarrow.fs as pafs
 
 from ray_goodput import storage
+from ray_goodput.data._cache_files import CacheLayout
 from ray_goodput.errors import ConfigError, DataError, StorageError
 
 logger = logging.getLogger(__name__)
@@ -32,6 +33,16 @@ class FileSet:
     def uri(self, i: int) -> str:
         """Printable name of file ``i`` for messages and logs."""
         return f"{self.ident.split('?')[0]}{self.paths[i]}"
+
+    def cache_key(self, i: int) -> str:
+        """The node cache's name of file ``i``: its filesystem, path and listed size, so that
+        a file rewritten with another size is fetched again (a size not listed, -1, as with a
+        list of file URIs, leaves only the path to tell)."""
+        return CacheLayout.key(self.ident, self.paths[i], self.sizes[i])
+
+    def cache_id(self) -> int:
+        """63-bit int naming this file list as the node cache knows it: paths and sizes."""
+        return self.fingerprint(self.sizes)
 
     def fingerprint(self, extra: Sequence[int] = ()) -> int:
         """63-bit int naming this file list (and e.g. row counts), for loader states."""

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from ray_goodput.errors import ConfigError, StorageError
+from ray_goodput.errors import ConfigError, GoodputError, StorageError
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -58,13 +58,14 @@ class RetryPolicy:
         return random.uniform(cap / 2, cap)
 
     def call(self, what: str, fn: Callable[[], T]) -> T:
-        """Run ``fn``; retry transient errors; raise StorageError naming ``what`` at the end."""
+        """Run ``fn``; retry transient errors; raise StorageError naming ``what`` at the end.
+        A library error (``GoodputError``) that ``fn`` raises is raised as it is."""
         for attempt in range(1, self.attempts + 1):
             try:
                 return fn()
             except Exception as exc:  # classified below
                 if not is_transient(exc) or attempt == self.attempts:
-                    if isinstance(exc, StorageError):
+                    if isinstance(exc, GoodputError):  # the library's own verdict keeps its type
                         raise
                     raise StorageError(
                         f"{what} failed after {attempt} attempt(s): {type(exc).__name__}: {exc}"
