@@ -102,6 +102,12 @@ def not_retryable(exc: BaseException) -> BaseException | None:
     return next((e for e in causes(exc) if isinstance(e, NOT_RETRYABLE)), None)
 
 
+class NoHealthyNodesError(GoodputError, RuntimeError):
+    """The nodes that failed their health check left too little room for the workers at
+    ``Recovery(max_failures_per_node=...)`` starts in a row: the message names each node and
+    why it failed. Fix the nodes (or the check), or add nodes."""
+
+
 class InjectedFault(GoodputError, RuntimeError):
     """A fault injected on purpose by ``RAY_GOODPUT_FAULT`` (fault soaks and tests).
     Unset that variable to run without injected faults."""

@@ -607,6 +607,54 @@ def test_node_checks_start_when_the_failure_is_seen_and_the_next_start_uses_thei
     assert cluster["x"] in selector["ray.io/node-id"]
 
 
+@pytest.mark.cluster
+def test_the_last_nodes_that_can_hold_the_workers_are_never_isolated(cluster, tmp_path, monkeypatch):
+    """A worker of 2 CPUs fits on X alone: isolating X after its failures would leave no
+    node for it, and Ray would wait for capacity for ever (its placement timeout is retried
+    without limit). X stays, and Ray's max_failures bounds the retries; a 1-CPU worker's
+    failing node is isolated as before, Y and Z hold it."""
+    from types import SimpleNamespace
+
+    monkeypatch.setenv("TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S", "30")  # the hook sets it otherwise
+    for cpus, isolated in ((2, []), (1, [cluster["x"]])):
+        rec = Recovery(max_failures_per_node=1, storage_path=str(tmp_path / f"ckpt{cpus}"))
+        rec.after_controller_start(SimpleNamespace(run_config=None))
+        scaling = ScalingConfig(num_workers=1, resources_per_worker={"CPU": cpus})
+        assert rec.on_controller_start_worker_group(scaling_config=scaling, num_workers=1) is None
+        rec._rank_nodes = {0: cluster["x"]}  # where after_worker_group_start found rank 0
+        rec.after_worker_group_poll_status(SimpleNamespace(errors={0: RuntimeError("a bug")}))
+        assert rec.isolated_nodes == isolated, cpus
+        selector = rec.on_controller_start_worker_group(scaling_config=scaling, num_workers=1)
+        assert (selector is None) == (not isolated), selector
+        assert rec.ledger.failures[cluster["x"]] == 1
+
+
+@pytest.mark.cluster
+def test_nodes_failing_their_check_at_every_start_with_no_room_left_end_the_run_naming_them(
+    cluster, tmp_path, monkeypatch
+):
+    """Only X holds a 2-CPU worker and X fails its check at every start: Ray would wait for
+    capacity and retry that start for ever. At max_failures_per_node starts in a row the
+    start raises, naming the node and why it failed; Ray ends the run with it."""
+    from types import SimpleNamespace
+
+    from ray_goodput.errors import NoHealthyNodesError
+
+    monkeypatch.setenv("TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S", "30")  # the hook sets it otherwise
+    checks = tmp_path / "checks"
+    checks.mkdir()
+    rec = Recovery(
+        health_check=FailsOn(cluster["x"], str(checks)), max_failures_per_node=2, storage_path=str(tmp_path / "c")
+    )
+    rec.after_controller_start(SimpleNamespace(run_config=None))
+    scaling = ScalingConfig(num_workers=1, resources_per_worker={"CPU": 2})
+    rec.on_controller_start_worker_group(scaling_config=scaling, num_workers=1)  # short once: waits
+    with pytest.raises(NoHealthyNodesError, match=cluster["x"]) as info:
+        rec.on_controller_start_worker_group(scaling_config=scaling, num_workers=1)
+    assert "returned False" in str(info.value) and "max_failures_per_node" in str(info.value)
+    assert rec.isolated_nodes == []  # the only node that holds the worker: never isolated
+
+
 def test_replica_mode_does_not_start_node_checks_at_a_replicas_failure(tmp_path):
     from types import SimpleNamespace
 

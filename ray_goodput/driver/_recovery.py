@@ -13,7 +13,9 @@ It runs in the Ray Train controller (Ray 2.60 DeveloperAPI hooks) and does three
 * **Unhealthy nodes isolated.** Failures are counted per node (a worker raised or died
   there, or the node failed its health check before an attempt). A node that reaches
   ``max_failures_per_node`` gets no worker of this run again: the worker group's label
-  selector excludes it (``ray.io/node-id: "!in(...)"``).
+  selector excludes it (``ray.io/node-id: "!in(...)"``), unless the run could not be
+  placed without it. Unhealthy nodes that leave no room for the workers at that many
+  starts in a row end the run (``NoHealthyNodesError``).
 
 What it decided is kept in ``<root>/recovery/state.json`` (``_record``: the layout, and the
 background writer no restart hook waits for) for the goodput summary, MLflow and
@@ -39,7 +41,7 @@ from ray.train.v2.api.exceptions import ControllerError, WorkerGroupError
 from ray_goodput.driver import _gpu_check, _health
 from ray_goodput.driver._record import ABORT_WRITE_WAIT_S, STATE_WRITE_WAIT_S, StateWriter
 from ray_goodput.driver._resume_choice import UPLOAD_WAIT_S, ResumeChoice
-from ray_goodput.errors import ConfigError, not_retryable
+from ray_goodput.errors import ConfigError, NoHealthyNodesError, not_retryable
 from ray_goodput.runtime import run_root
 from ray_goodput.runtime._resume import root_key, set_decision
 from ray_goodput.storage import StorageLocation, resolve
@@ -88,10 +90,14 @@ class NodeLedger:
         self.failures: dict[str, int] = {}
         self.isolated: list[str] = []
 
-    def record(self, node_id: str) -> bool:
-        """Count one failure of ``node_id``; True when it is newly isolated by it."""
+    def record(self, node_id: str, *, may_isolate: Callable[[str], bool] = lambda node: True) -> bool:
+        """Count one failure of ``node_id``; True when it is newly isolated by it.
+        ``may_isolate(node_id)``: whether the run can do without the node (asked only when
+        the node reaches the limit); a node it cannot do without keeps counting."""
         self.failures[node_id] = self.failures.get(node_id, 0) + 1
         if node_id in self.isolated or self.failures[node_id] < self.max_failures:
+            return False
+        if not may_isolate(node_id):
             return False
         self.isolated.append(node_id)
         return True
@@ -105,6 +111,12 @@ def worker_resources(scaling_config: Any) -> dict[str, float]:
     if scaling_config.use_gpu:
         given.setdefault("GPU", 1.0)
     return given
+
+
+def _fewest_workers(scaling_config: Any) -> int:
+    """The smallest group a start may place: ``num_workers``, or an elastic run's minimum."""
+    n = scaling_config.num_workers
+    return int(n[0] if isinstance(n, tuple) else n)
 
 
 def workers_that_fit(node_resources: dict[str, float], per_worker: dict[str, float]) -> int:
@@ -171,6 +183,7 @@ class Recovery(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):
         self._rank_nodes: dict[int, str] = {}
         self._counted: set[str] = set()
         self._stop: BaseException | None = None
+        self._unhealthy_short = 0  # starts in a row whose unhealthy nodes left too little room
         self._scaling: Any = None  # the run's ScalingConfig, for checks started at a failure
         self._early_checks: dict[Any, str] | None = None  # started when the failure was seen
         self._choice: ResumeChoice | None = None  # made in the controller, with the root
@@ -202,10 +215,11 @@ class Recovery(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):
             self._choice.begin(self.attempt)
         unhealthy = self._check_health(scaling_config)
         excluded = sorted(set(self.ledger.isolated) | set(unhealthy))
-        self._warn_if_short(scaling_config, num_workers, excluded)
         self.attempts.append(
             {"attempt": self.attempt, "resume_step": None, "excluded_nodes": excluded, "unhealthy": unhealthy}
         )
+        self._stop_if_no_healthy_room(scaling_config, unhealthy)
+        self._warn_if_short(scaling_config, num_workers, excluded)
         self._save()
         return self._selector(scaling_config, excluded)
 
@@ -297,7 +311,7 @@ class Recovery(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):
         if node is None or node in self._counted or _preempted(exc):
             return
         self._counted.add(node)  # one failure per node per attempt, however many ranks
-        if self.ledger.record(node):
+        if self.ledger.record(node, may_isolate=self._can_do_without):
             logger.warning(
                 "node %s isolated after %d failures (last: rank %d, %s: %s); no worker "
                 "of this run will be placed there again",
@@ -357,7 +371,7 @@ class Recovery(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):
                 node,
                 reason,
             )
-            if self.ledger.record(node):
+            if self.ledger.record(node, may_isolate=self._can_do_without):
                 logger.warning(
                     "node %s isolated after %d failures; no worker of this run will be placed there again",
                     node,
@@ -365,15 +379,63 @@ class Recovery(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):
                 )
         return unhealthy
 
-    def _warn_if_short(self, scaling_config: Any, num_workers: int, excluded: list[str]) -> None:
-        if not excluded:
-            return
+    def _room(self, scaling_config: Any, excluded: list[str]) -> int:
+        """How many workers the live nodes outside ``excluded`` hold."""
         per_worker = worker_resources(scaling_config)
-        room = sum(
+        return sum(
             workers_that_fit(n["Resources"], per_worker)
             for n in ray.nodes()
             if n["Alive"] and n["NodeID"] not in excluded
         )
+
+    def _can_do_without(self, node: str) -> bool:
+        """Whether the live nodes left once ``node`` is isolated still hold the smallest group
+        the run starts. Isolating the last of them would leave Ray waiting for capacity for
+        ever (it retries its placement timeout without limit); kept, the node's failures go
+        on against ``FailureConfig.max_failures``, which ends the run."""
+        if self._scaling is None:
+            return True
+        room = self._room(self._scaling, [*self.ledger.isolated, node])
+        if room >= _fewest_workers(self._scaling):
+            return True
+        logger.warning(
+            "node %s failed %d times (max_failures_per_node) but is not isolated: without it the "
+            "cluster holds %d of the %d workers the run needs; FailureConfig.max_failures bounds its retries",
+            node,
+            self.ledger.failures[node],
+            room,
+            _fewest_workers(self._scaling),
+        )
+        return False
+
+    def _stop_if_no_healthy_room(self, scaling_config: Any, unhealthy: dict[str, str]) -> None:
+        """Nodes that failed their check leave too little room for the group: Ray would wait
+        for capacity and retry the start for ever. At ``max_failures_per_node`` such starts
+        in a row the start raises, naming the nodes and why (Ray ends the run with it)."""
+        needed = _fewest_workers(scaling_config)
+        short = bool(unhealthy) and (
+            self._room(scaling_config, sorted(set(self.ledger.isolated) | set(unhealthy)))
+            < needed
+            <= self._room(scaling_config, self.ledger.isolated)
+        )
+        self._unhealthy_short = self._unhealthy_short + 1 if short else 0
+        if self._unhealthy_short >= self.ledger.max_failures:
+            reasons = "; ".join(f"{node}: {why}" for node, why in sorted(unhealthy.items()))
+            error = NoHealthyNodesError(
+                f"the nodes that failed their health check left room for fewer than the {needed} "
+                f"workers the run needs, at {self._unhealthy_short} starts in a row "
+                f"(max_failures_per_node={self.ledger.max_failures}): {reasons}. Fix these nodes or "
+                "the health check, or add nodes"
+            )
+            self._unhealthy_short = 0
+            self.stopped = {"attempt": str(self.attempt), "rank": "", "error": f"{type(error).__name__}: {error}"}
+            self._save(wait=True)
+            raise error
+
+    def _warn_if_short(self, scaling_config: Any, num_workers: int, excluded: list[str]) -> None:
+        if not excluded:
+            return
+        room = self._room(scaling_config, excluded)
         if room < num_workers:
             logger.warning(
                 "attempt %d: without the excluded nodes (%s) the cluster has room for %d "
