@@ -165,3 +165,21 @@ def test_a_replicas_wait_for_its_quorum_at_a_failure_and_its_uncommitted_step_ar
     assert ledger.seconds["productive"] + ledger.seconds["degraded"] == pytest.approx(10 * 0.9 - 0.3)
     assert sum(ledger.seconds.values()) == pytest.approx(ledger.total)
     assert ledger.steps_kept == 10 and ledger.steps_lost == 0 and ledger.failures == 0
+
+
+def test_an_attempt_that_died_before_it_restored_does_not_make_the_steps_the_next_one_resumed_lost():
+    """Attempt 2 died in its restore (a node lost, storage down): it wrote its start but no
+    restore and no step. Attempt 3 resumed from step 10 of attempt 1: those 10 steps are
+    kept, not lost because the attempt right after attempt 1 resumed nothing."""
+    first = _attempt(100.0, 0, 15)
+    died = [{"e": "start", "t": first[-1]["t"] + 5.0}]
+    third = _attempt(died[-1]["t"] + 8.0, 10, 10, end=True)
+    ledger = compute([first, died, third], job_start=100.0)
+    assert (ledger.steps_kept, ledger.steps_lost) == (20, 5)
+    assert ledger.work_steps == pytest.approx(20)
+    assert ledger.seconds["productive"] == pytest.approx(20 * 0.9)
+    assert ledger.seconds["lost"] == pytest.approx(5 * 0.9)
+    assert sum(ledger.seconds.values()) == pytest.approx(ledger.total)
+    # The run ended in such an attempt: the steps of the last attempt that got anywhere stay kept.
+    ended = compute([first, died], job_start=100.0)
+    assert (ended.steps_kept, ended.steps_lost) == (15, 0)

@@ -225,6 +225,58 @@ def test_a_fresh_replacement_that_meets_every_replica_at_step_0_does_not_commit_
         set_join(None)
 
 
+class _HealingQuorum(_AloneInQuorum):
+    """torchft's synchronous quorum healing this replica from a peer at ``step``: it loads
+    the peer's state through the replica's callback, then stands at the peer's step."""
+
+    def __init__(self, rep, peer_state: dict, step: int) -> None:
+        self.rep, self.peer_state, self.step, self.healed_to = rep, peer_state, 0, step
+
+    def start_quorum(self) -> None:
+        self.rep._load_heal_state(self.peer_state)
+        self.step = self.healed_to
+
+    def num_participants(self) -> int:
+        return 2
+
+    def current_step(self) -> int:
+        return self.step
+
+
+def test_a_replacement_of_replica_0_records_its_heal_as_a_restore_of_the_peers_step():
+    """Replica 0 writes the goodput timeline. Its replacement healed from a peer at step 12
+    and recorded no restore: the ledger counted the replaced process's 12 steps as lost and
+    the replacement's first step as 13 steps of its own."""
+    import torch
+
+    from ray_goodput.goodput._recorder import StepRecorder
+    from ray_goodput.replica import _position as pos
+
+    class _Log:  # the recorder's sink: the events it would write
+        def __init__(self) -> None:
+            self.events: list[tuple[str, dict]] = []
+
+        def emit(self, name: str, **fields) -> None:
+            self.events.append((name, fields))
+
+    model = torch.nn.Linear(2, 1)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    peer = {"model": model.state_dict(), "optim": optim.state_dict(), "position": pos.Position().to_dict(), "extra": {}}
+    rep = _waiting_replacement(timeout_s=5.0, configured=2)
+    rep.slot, rep._model, rep._optim, rep._extra, rep._healed = 0, model, optim, {}, False
+    rep._recorder = StepRecorder(_Log())
+    rep.manager = _HealingQuorum(rep, peer, 12)
+    set_join(WorkerJoin("replacement"))
+    try:
+        rep._join_quorum()
+    finally:
+        set_join(None)
+    restores = [f for name, f in rep._recorder.log.events if name == "restore"]
+    assert [r["step"] for r in restores] == [12]
+    rep._recorder.step(13)
+    assert rep._recorder.log.events[-1][1]["n"] == 1  # one step of its own, not 13
+
+
 def test_a_waiting_replacement_ends_when_told_its_peers_finished_instead_of_timing_out():
     import threading
 

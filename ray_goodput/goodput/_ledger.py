@@ -104,6 +104,12 @@ def _first_progress(events: list[dict[str, Any]]) -> float | None:
     return next((e["t0"] for e in events if e["e"] == "step"), None)
 
 
+def _got_anywhere(events: list[dict[str, Any]]) -> bool:
+    """Whether an attempt restored or stepped: one that died before either (in its restore,
+    say) says nothing about which steps of the attempts before it were kept."""
+    return any(e["e"] in ("restore", "step") for e in events)
+
+
 def _account_steps(ledger: Ledger, events: list[dict[str, Any]], keep_upto: int | None, *, first_attempt: bool) -> int:
     """Add an attempt's steps (``first_attempt``: the job's first); returns the last step it
     reached."""
@@ -151,18 +157,22 @@ def compute(
     )
     prev_end = ledger.start
     for i, events in enumerate(attempts):
-        nxt = attempts[i + 1] if i + 1 < len(attempts) else None
+        # The steps of an attempt are kept up to where the next attempt that got anywhere
+        # resumed; all of them when none did.
+        nxt = next((a for a in attempts[i + 1 :] if _got_anywhere(a)), None)
         keep_upto = resumed_from(nxt) if nxt is not None else None
+        first = _first_progress(events) or events[-1]["t"]
         restore = sum(e["t"] - e["t0"] for e in events if e["e"] == "restore")
         ledger.seconds["restore"] += restore
-        first = _first_progress(events) or events[-1]["t"]
-        # From the previous attempt's last sign of life to this one's first step, less the restore.
-        gap = max(0.0, first - prev_end - restore)
+        # From the previous attempt's last sign of life to this one's first step, less the
+        # restore before it (replica mode also restores later: a heal from a peer).
+        restore_first = sum(e["t"] - e["t0"] for e in events if e["e"] == "restore" and e["t"] <= first)
+        gap = max(0.0, first - prev_end - restore_first)
         ledger.seconds["startup" if i == 0 else "restart_downtime"] += gap
         last = _account_steps(ledger, events, keep_upto, first_attempt=i == 0)
         if nxt is not None:
             ledger.steps_lost += max(0, last - keep_upto)
-        else:
+        elif _got_anywhere(events):
             ledger.steps_kept = max(last, resumed_from(events))
         prev_end = events[-1]["t"]
     ledger.seconds["other"] = max(0.0, ledger.total - sum(v for k, v in ledger.seconds.items() if k != "other"))

@@ -132,6 +132,9 @@ class Replica:
         self._uncommitted = 0  # steps in a row that did not commit
         self._in_step = False
         self._first_quorum = True
+        self._healed = False  # the quorum under way loaded a peer's state
+        self._healed_in_join = False  # the step's join healed: its time is the restore's, not a wait
+        self._heal_from = 0.0  # where the timeline's restore of a heal in this join begins
         self._drop_step = False
         self._batches_restored = 0  # torchft's counter, from a durable checkpoint
         self._fetch_s = 0.0  # the step's wait for its samples (the ledger's data stall)
@@ -219,6 +222,7 @@ class Replica:
         }
 
     def _load_heal_state(self, sd: dict[str, Any]) -> None:
+        self._healed = True
         self._model.load_state_dict(sd["model"])
         self._optim.load_state_dict(sd["optim"])
         self._position = pos.Position.from_dict(sd["position"])
@@ -226,9 +230,23 @@ class Replica:
             self._extra[k].load_state_dict(v)
         logger.info("replica %d healed from a peer, position %s", self.slot, self._position)
 
+    def _quorum(self) -> None:
+        """One try of torchft's synchronous quorum. A heal from a peer in it is this
+        replica's restore for the goodput timeline, from the start of the step's join: it
+        resumed at the peer's step (a replacement of replica 0, the timeline's rank, would
+        otherwise claim every step before it as its own, and the replaced process's steps
+        as lost)."""
+        self._healed = False
+        self.manager.start_quorum()
+        if self._healed:
+            now = time.time()
+            self._recorder.restored(self.current_step, self._heal_from, now)
+            self._heal_from, self._healed_in_join = now, True
+
     def _join_quorum(self) -> None:
         """The step's quorum (blocking; heals this replica when a participant is ahead)."""
-        self.manager.start_quorum()
+        self._heal_from, self._healed_in_join = time.time(), False
+        self._quorum()
         first, self._first_quorum = self._first_quorum, False
         if not (first or self._unhealed()):
             return
@@ -243,7 +261,7 @@ class Replica:
                     "(ReplicaGroups(timeout_s=...))"
                 )
             time.sleep(self.settings.heartbeat_timeout_s / 4)
-            self.manager.start_quorum()
+            self._quorum()
         if self._unhealed():
             # Every replica is here and none had progress: each was replaced after all of
             # them failed. Replica 0 restores the durable checkpoint in this step (or steps
@@ -347,7 +365,8 @@ class Replica:
             # A quorum of other replicas than the step before (a dead peer timed out, a
             # replacement joined and healed), or a retry: its wait is the failure's cost, not
             # work. Otherwise it is the step's own few milliseconds of coordination.
-            self._quorum_wait_s = waited if (n != self._participants or self._retrying) else 0.0
+            changed = (n != self._participants or self._retrying) and not self._healed_in_join
+            self._quorum_wait_s = waited if changed else 0.0
             if rank is None:
                 raise RuntimeError(f"replica {self.slot} is in no quorum position after a synchronous quorum")
             if not pos.epoch_has_step(self._position, len(self._dataset), n, self._batch_size):
