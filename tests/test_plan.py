@@ -101,6 +101,23 @@ def test_expected_buckets_sum_to_one_and_match_the_first_order_model():
     assert 1 - b["productive"] == pytest.approx(first, rel=1e-4)
 
 
+def test_expected_buckets_of_restarts_far_longer_than_the_mtbf_are_shares_not_an_overflow():
+    """A restart of 1000 s against a 0.36 s MTBF: the model's exp((R + Tr)/M) overflowed and
+    ``ray-goodput plan`` ended in a traceback. The answer is a run that almost never gets
+    through its restarts: goodput 0, nearly all restart downtime."""
+    b = expected_buckets(1, 1, 10, 0.36, 1000, 10, durable_s=5)
+    assert sum(b.values()) == pytest.approx(1.0)
+    assert b["productive"] == 0.0 and b["restart_downtime"] == pytest.approx(1.0)
+    huge_interval = expected_buckets(1, 1, 1e6, 10.0, 0, 0)  # expm1(1e5) overflowed too
+    assert sum(huge_interval.values()) == pytest.approx(1.0) and huge_interval["productive"] == 0.0
+
+
+def test_plan_for_restarts_far_longer_than_the_mtbf_prints_a_goodput_of_zero(capsys):
+    argv = ["--gpus", "1", "--hours", "1", "--mtbf-hours", "0.0001", "--save-seconds", "1", "--restart-seconds", "1000"]
+    out = _run(capsys, "plan", *argv)
+    assert "expected goodput" in out
+
+
 def test_expected_lost_work_is_about_half_an_interval_plus_the_durability_lag():
     sync = expected_lost_s(1, 1, 1000, 1e8)
     lagged = expected_lost_s(1, 1, 1000, 1e8, durable_s=101)

@@ -149,20 +149,25 @@ def expected_buckets(
     d = delta if durable_s is None else positive("durable_s", durable_s, zero_ok=True)
     if d < delta:
         raise ConfigError(f"durable_s ({d}) must be >= save_s ({delta}): a save is durable after it stops blocking")
-    cycle = 1.0 - math.exp(-(tau + delta) / m)
-    run_s = m  # expected running time of a segment between failures
-    computed = m * (1.0 - math.exp(-tau / m)) / cycle
-    kept = tau * math.exp(-(d - delta) / m) / math.expm1((tau + delta) / m)
-    attempts = math.exp((r + tr) / m)  # expected restart+restore attempts per failure
-    seconds = {
-        "productive": kept,
-        "lost": computed - kept,
-        "checkpoint_stall": run_s - computed,
-        "restart_downtime": attempts * m * -math.expm1(-r / m),
-        "restore": attempts * m * math.exp(-r / m) * -math.expm1(-tr / m),
+    # Per segment between failures (expected length M): the compute done, and what its
+    # durable saves kept, as shares of M. A failure costs exp((R + Tr)/M) restart+restore
+    # attempts; each share is taken of the wall time that includes them, with the
+    # exponentials of long restarts or intervals (far beyond M) falling to 0, not overflowing.
+    computed = -math.expm1(-tau / m) / -math.expm1(-(tau + delta) / m)
+    kept = (tau / m) * _exp_over_expm1(-(d - delta) / m, (tau + delta) / m)
+    running = math.exp(-(r + tr) / m)  # the share of wall time in segments, not restarts
+    return {
+        "productive": kept * running,
+        "lost": (computed - kept) * running,
+        "checkpoint_stall": (1.0 - computed) * running,
+        "restart_downtime": -math.expm1(-r / m),
+        "restore": math.exp(-r / m) * -math.expm1(-tr / m),
     }
-    total = run_s * attempts
-    return {k: v / total for k, v in seconds.items()}
+
+
+def _exp_over_expm1(a: float, y: float) -> float:
+    """``exp(a) / expm1(y)`` for ``a <= 0 < y``, without overflow for a large ``y``."""
+    return math.exp(a - y) / -math.expm1(-y)
 
 
 def expected_goodput(
