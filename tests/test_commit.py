@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from ray_goodput import Checkpointer
-from ray_goodput.checkpoint.protocol import _catalog, _layout
+from ray_goodput.checkpoint.protocol import _catalog, _dcp_parts, _layout
 from ray_goodput.checkpoint.protocol._commit import COMMITTED, PENDING, CommitProtocol
 from ray_goodput.checkpoint.protocol._dcp_parts import write_part
 from ray_goodput.checkpoint.protocol._manifest import Manifest, read_manifest
@@ -254,6 +254,60 @@ def test_a_save_whose_elected_committer_is_killed_before_committed_is_committed_
     picked = _catalog.newest_valid(root)
     assert picked is not None and picked[1].step == 7 and picked[1].save_id == save_id, picked
     assert read_manifest(loc) is not None and read_manifest(loc).save_id == save_id
+
+
+def test_a_complete_resave_over_an_older_generations_commit_is_finished_by_the_next_restore(tmp_path):
+    """Generation 2 saved step 7 again over generation 1's commit of it (a late commit of a
+    dead attempt); every rank was durable and the elected committer stood, then died before
+    it replaced the old COMMITTED. The next restore ranked the folder by the old commit and
+    restored generation 1's step 7 (or an older step): the newer save was lost. It is
+    finished instead, as an orphan with no commit is."""
+    from ray_goodput.storage import touch
+
+    root, world = str(tmp_path / "root"), 2
+    loc = _catalog.step_location(resolve(root), 7)
+    for generation in (1, 2):
+        save_id = _layout.save_id(generation, f"{generation:02d}cdef0123")
+        (tmp_path / f"g{generation}").mkdir()
+        owns = [
+            CommitProtocol(loc, 7, world, save_id, generation).declare_durable(
+                r, _stage_rank(loc, tmp_path / f"g{generation}", r, save_id), created=1.0
+            )
+            for r in range(world)
+        ]
+        if generation == 1:
+            assert CommitProtocol(loc, 7, world, save_id, 1).finalize(own=owns[0]).state == COMMITTED
+    touch(loc, _layout.commit_intent(0, save_id))  # generation 2's committer stood, then died
+    assert read_manifest(loc).generation == 1
+    picked = _catalog.newest_valid(root)
+    assert picked is not None and (picked[1].step, picked[1].generation) == (7, 2), picked
+    assert read_manifest(loc).save_id == save_id
+
+
+def test_an_orphan_with_a_damaged_metadata_part_is_skipped_and_the_restore_falls_back(tmp_path):
+    """Step 20's ranks were all durable, its committer died, and one rank's metadata part
+    was damaged since (same size). Finishing it raised the unpickling error on every
+    restore, with step 10 intact; a part that unpickled anyway went into .metadata, whose
+    checksum was then computed from the wrong bytes. The part is checked against what its
+    rank declared: the orphan can never commit, and the restore picks step 10."""
+    root, world = str(tmp_path / "root"), 2
+    for step in (10, 20):
+        loc = _catalog.step_location(resolve(root), step)
+        save_id = _layout.save_id(1, f"{step:02d}cdef0123")
+        (tmp_path / f"s{step}").mkdir()
+        owns = [
+            CommitProtocol(loc, step, world, save_id, 1).declare_durable(
+                r, _stage_rank(loc, tmp_path / f"s{step}", r, save_id), created=1.0
+            )
+            for r in range(world)
+        ]
+        if step == 10:
+            assert CommitProtocol(loc, step, world, save_id, 1).finalize(own=owns[0]).state == COMMITTED
+    part = Path(loc.root) / _dcp_parts.part_file(1, save_id)
+    part.write_bytes(b"\0" * part.stat().st_size)
+    picked = _catalog.newest_valid(root)
+    assert picked is not None and picked[1].step == 10, picked
+    assert read_manifest(loc) is None  # step 20 never committed
 
 
 def test_finishing_an_orphan_never_takes_a_deferral_handed_over_by_a_job_of_the_same_process(tmp_path):

@@ -265,8 +265,14 @@ def newest_valid(
                     quarantine_damaged(d.loc, None, "COMMITTED is unreadable")
                 continue
             if d.manifest is not None and d.manifest.order != order:  # ranked by its files so far
-                heapq.heappush(heap, ((-d.manifest.generation, -d.step), i))
-                continue
+                # A newer generation's save files beside the commit: a save of the step
+                # again whose committer died before replacing the old commit is finished
+                # here, as an orphan with no commit is; else the folder ranks by its commit.
+                newer = finish_orphan(d.loc, d.step, above=d.manifest.generation) if _has_markers(d) else None
+                d.manifest = newer or d.manifest
+                if d.manifest.order != order:
+                    heapq.heappush(heap, ((-d.manifest.generation, -d.step), i))
+                    continue
         if d.quarantined or d.torn or (before is not None and order >= before):
             continue
         manifest = d.manifest

@@ -298,7 +298,7 @@ class CommitProtocol:
             self._delete(_layout.COMMITTED)
         unquarantined = pool.submit(self._delete, _layout.QUARANTINED)
         with self._pruned_meanwhile():
-            metadata, state_keys = self._write_dcp_metadata(parts, local_dir)
+            metadata, state_keys = self._write_dcp_metadata(parts, local_dir, markers)
         unquarantined.result()
         files.append(metadata)
         files.sort(key=lambda f: f.name)
@@ -372,17 +372,35 @@ class CommitProtocol:
         self,
         parts: dict[int, Future[bytes]],
         local_dir: Path | None,
+        markers: dict[int, RankMarker],
     ) -> tuple[FileEntry, str]:
         """Merge the ranks' metadata parts (their reads, by rank) into DCP's ``.metadata``
         (and into the node-local staged copy, when there is one, for local-first restore);
-        returns its entry and the digest of its keys."""
+        returns its entry and the digest of its keys. Each part is checked against what its
+        rank declared durable first: the merged file's checksum is computed from them, so a
+        damaged part would pass every later check."""
         try:
             raw = [parts[rank].result() for rank in range(self.world_size)]
         except FileNotFoundError as exc:  # deleted since its marker was written
             raise IncompleteSaveError(
                 f"step {self.step} save {self.save_id}: a metadata part is gone ({exc}); this save cannot commit"
             ) from exc
-        data, state_keys = _dcp_parts.merge_parts(raw, self.step)
+        for rank, data in enumerate(raw):
+            name = _dcp_parts.part_file(rank, self.save_id)
+            entry = next((f for f in markers[rank].files if f.name == name), None)
+            if entry is not None and (len(data) != entry.size or checksum(data, entry.algorithm) != entry.crc32):
+                raise IncompleteSaveError(
+                    f"step {self.step} save {self.save_id}: rank {rank}'s metadata part {name} does not match "
+                    f"what the rank declared durable ({len(data)} bytes, {entry.size} declared, or its "
+                    "checksum); this save cannot commit"
+                )
+        try:
+            data, state_keys = _dcp_parts.merge_parts(raw, self.step)
+        except Exception as exc:  # bytes that match their checksum but do not unpickle
+            raise IncompleteSaveError(
+                f"step {self.step} save {self.save_id}: its metadata parts cannot be merged "
+                f"({type(exc).__name__}: {exc}); this save cannot commit"
+            ) from exc
         write_bytes(self.step_loc, _layout.DCP_METADATA, data)
         if local_dir is not None and local_dir.is_dir():
             write_local_file(local_dir / _layout.DCP_METADATA, data)
