@@ -4,13 +4,15 @@ async save); export to a single torch.save file (function and CLI handler)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from ray_goodput import Checkpointer, ConfigError, list_checkpoints
+from ray_goodput import CheckpointCorruptError, Checkpointer, ConfigError, list_checkpoints
 from ray_goodput.checkpoint.protocol._dcp_storage import PyArrowStorageReader, PyArrowStorageWriter
 from ray_goodput.checkpoint.restore._export import export_torch_save
 from ray_goodput.cli import main as cli_main
@@ -174,3 +176,48 @@ def test_a_writer_with_more_threads_is_refused_since_dcp_drops_their_errors(tmp_
     .metadata naming a file whose upload had failed."""
     with pytest.raises(ConfigError, match="thread_count=1"):
         PyArrowStorageWriter(str(tmp_path / "ckpt"), thread_count=2)
+
+
+def _filled(value: float) -> torch.nn.Module:
+    m = torch.nn.Linear(2, 2)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.fill_(value)
+    return m
+
+
+def test_export_of_the_newest_takes_the_lineages_newest_not_a_dead_attempts_late_higher_step(tmp_path):
+    """Attempt 1 (generation 1) committed step 10; attempt 2 (generation 2) resumed and
+    committed step 15; attempt 1's uploader then committed step 30 late. A restore takes
+    step 15; the export of "the newest" wrote the dead attempt's step 30."""
+    root = str(tmp_path / "root")
+    dead = Checkpointer(root, staging_dir=str(tmp_path / "s1"), uploader="thread", keep_last=5)
+    dead.save(10, {"model": _filled(10.0)})
+    dead.wait()
+    live = Checkpointer(root, staging_dir=str(tmp_path / "s2"), uploader="thread", keep_last=5)
+    live.save(15, {"model": _filled(15.0)})
+    live.wait()
+    dead.save(30, {"model": _filled(30.0)})  # late: its generation was claimed past
+    with contextlib.suppress(Exception):
+        dead.wait()
+    dead._release()
+    live._release()
+    state = torch.load(export_torch_save(root, None, tmp_path / "newest.pt"), weights_only=True)
+    assert torch.equal(state["model"]["weight"], torch.full((2, 2), 15.0))
+
+
+def test_export_refuses_a_checkpoint_whose_bytes_do_not_match_their_checksums(tmp_path):
+    """Data files carry no checksum of their own: a flipped byte of the same size was
+    exported silently, where a restore quarantines the checkpoint."""
+    root = str(tmp_path / "root")
+    with Checkpointer(root, staging_dir=str(tmp_path / "s"), uploader="thread") as ckpt:
+        ckpt.save(3, {"model": _filled(1.0)})
+    (shard,) = (tmp_path / "root/checkpoints/step-000000003").glob("__0_*.distcp")
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointCorruptError, match="checksum"):
+        export_torch_save(root, 3, tmp_path / "x.pt")
+    with pytest.raises(ConfigError, match="no intact committed checkpoint"):  # the newest: none is intact
+        export_torch_save(root, None, tmp_path / "x.pt")
+    assert not (tmp_path / "x.pt").exists()

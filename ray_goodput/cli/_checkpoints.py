@@ -41,11 +41,15 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if not infos:
         _out(f"no checkpoints under {args.uri}")
         return 0
-    _out(f"{'STEP':>10}  {'STATE':<11}  {'WORLD':>5}  {'SIZE':>10}  {'AGE':>6}")
+    # By step; GEN is the commit's generation: a restore takes the highest (GEN, STEP).
+    _out(f"{'STEP':>10}  {'STATE':<11}  {'GEN':>4}  {'WORLD':>5}  {'SIZE':>10}  {'AGE':>6}")
     for info in infos:
         state = info.state
         world = str(info.world_size) if info.world_size else "-"
-        _out(f"{info.step:>10}  {state:<11}  {world:>5}  {_human(info.num_bytes):>10}  {_age(info.created):>6}")
+        gen = str(info.generation) if info.generation is not None else "-"
+        _out(
+            f"{info.step:>10}  {state:<11}  {gen:>4}  {world:>5}  {_human(info.num_bytes):>10}  {_age(info.created):>6}"
+        )
     return 0
 
 

@@ -21,16 +21,20 @@ from torch.distributed.checkpoint.metadata import Metadata
 # Private, as in DCP's own dcp_to_torch_save: dcp.load() cannot fill an empty dict.
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-from ray_goodput.checkpoint.protocol._catalog import list_checkpoints, step_location, verify
+from ray_goodput.checkpoint.protocol._catalog import list_checkpoints, newest_valid, step_location, verify
 from ray_goodput.checkpoint.protocol._dcp_storage import PyArrowStorageReader
-from ray_goodput.checkpoint.protocol._manifest import read_manifest
+from ray_goodput.checkpoint.protocol._manifest import Manifest, read_manifest
 from ray_goodput.checkpoint.save._state_dict import _INTERNAL_PREFIX
 from ray_goodput.errors import CheckpointCorruptError, ConfigError
+from ray_goodput.storage import StorageLocation
 
 __all__ = ["export_torch_save"]
 
 
-def _pick_step(uri: str, step: int | None) -> int:
+def _pick(uri: str, step: int | None) -> tuple[StorageLocation, Manifest]:
+    """The checkpoint to export, its checksums checked: ``step``'s commit, or (None) the
+    newest intact one by lineage, as a restore picks it (a dead attempt's late commit of a
+    higher step is not the run's newest)."""
     committed = [i.step for i in list_checkpoints(uri) if i.committed]
     if not committed:
         raise ConfigError(
@@ -38,13 +42,28 @@ def _pick_step(uri: str, step: int | None) -> int:
             "(the directory that holds checkpoints/), see `ray-goodput ls URI`"
         )
     if step is None:
-        return committed[-1]
+        found = newest_valid(uri, checksums=True)  # quarantines a damaged one, as a restore does
+        if found is None:
+            raise ConfigError(
+                f"no intact committed checkpoint under {uri!r}: every one is damaged (`ray-goodput verify {uri}`)"
+            )
+        return found
     if step not in committed:
         raise ConfigError(
             f"no committed checkpoint at step {step} under {uri!r}; committed steps: "
             f"{committed} (`ray-goodput ls {uri}`)"
         )
-    return step
+    loc = step_location(uri, step)
+    manifest = read_manifest(loc)
+    if manifest is None:
+        raise ConfigError(f"checkpoint step {step} under {uri!r} is not committed (retention may have removed it)")
+    problems = verify(loc, manifest, checksums=True)
+    if problems:
+        raise CheckpointCorruptError(
+            f"checkpoint step {step} at {loc.uri} is damaged: {'; '.join(problems[:5])}; "
+            "export an older step (`ray-goodput ls`)"
+        )
+    return loc, manifest
 
 
 def _is_optimizer(key: str, metadata: Metadata) -> bool:
@@ -64,22 +83,14 @@ def export_torch_save(uri: str, step: int | None, out: str | os.PathLike, *, opt
     to ``out`` as a single ``torch.save`` file; returns its path.
 
     ``uri`` is the storage root given to ``Checkpointer`` (any ``pyarrow.fs`` URI). The
-    checkpoint's file sizes are checked against its manifest first. Loads the whole
-    model (and optimizer, with ``optim``) into this process's memory. Raises
-    ConfigError when there is no such committed checkpoint, CheckpointCorruptError when
-    it does not match its manifest, StorageError when storage fails.
+    newest is taken by lineage, as a restore takes it. The checkpoint's files are checked
+    against its manifest's sizes and checksums first (one more read of every byte).
+    Loads the whole model (and optimizer, with ``optim``) into this process's memory.
+    Raises ConfigError when there is no such committed checkpoint (or, for the newest,
+    no intact one), CheckpointCorruptError when ``step``'s does not match its manifest,
+    StorageError when storage fails.
     """
-    step = _pick_step(uri, step)
-    loc = step_location(uri, step)
-    manifest = read_manifest(loc)
-    if manifest is None:
-        raise ConfigError(f"checkpoint step {step} under {uri!r} is not committed (retention may have removed it)")
-    problems = verify(loc, manifest, checksums=False)
-    if problems:
-        raise CheckpointCorruptError(
-            f"checkpoint step {step} at {loc.uri} is damaged: {'; '.join(problems[:5])}; "
-            "export an older step (`ray-goodput ls`)"
-        )
+    loc, manifest = _pick(uri, step)
     reader = PyArrowStorageReader(loc)
     keys = _keys_to_export(reader.read_metadata(), optim)
     state: dict[str, Any] = {}
