@@ -207,3 +207,46 @@ def test_a_commit_read_beside_the_listing_is_taken_only_when_the_listing_shows_i
     resaved = StepDir(3, listed.loc, files={**listed.files, "__0_g000002-abcdef0123.distcp": 10})
     assert _listed_manifest(resaved, read(manifest)) is None
     assert _listed_manifest(listed, read(error=OSError("reset"))) is None
+
+
+def test_a_step_the_driver_chose_that_was_quarantined_since_is_not_restored(tmp_path):
+    """The driver's pick read COMMITTED and checked sizes, not QUARANTINED: a commit found
+    damaged after the driver chose it (by `ray-goodput verify`, another reader) was loaded
+    anyway. The restore falls back to the newest intact one below it."""
+    from ray_goodput.checkpoint.protocol._manifest import read_manifest
+    from ray_goodput.checkpoint.restore._load import choose
+
+    root = str(tmp_path / "root")
+    with Checkpointer(root, staging_dir=str(tmp_path / "s"), uploader="thread") as ckpt:
+        for step in (5, 9):
+            ckpt.save(step, {"model": torch.nn.Linear(2, 2)})
+    loc = _catalog.step_location(resolve(root), 9)
+    _catalog.quarantine_damaged(loc, read_manifest(loc), "found damaged by `ray-goodput verify`")
+    picked = choose(resolve(root), step=9, before=None, checksums=False)
+    assert picked is not None and picked.step == 5, picked
+
+
+def test_the_step_loaded_when_the_driver_chose_a_damaged_one_is_the_step_pinned_against_retention(tmp_path):
+    """The driver pinned the step it chose (9) and every rank fell back from it, damaged, to
+    step 5; the pin still named 9, so until this attempt's first commit a dead attempt's
+    late retention could prune step 5 while it was being loaded. Rank 0 pins what it loaded."""
+    import json
+
+    from ray_goodput.checkpoint.protocol import _lineage
+    from ray_goodput.runtime._resume import ResumeDecision, root_key, set_decision
+
+    root = str(tmp_path / "root")
+    with Checkpointer(root, staging_dir=str(tmp_path / "s"), uploader="thread", keep_last=5) as ckpt:
+        for step in (5, 9):
+            ckpt.save(step, {"model": torch.nn.Linear(2, 2)})
+    (shard,) = (tmp_path / "root" / _layout.CHECKPOINTS_DIR / _layout.step_dir(9)).glob("__0_*.distcp")
+    shard.write_bytes(shard.read_bytes()[:-1])  # damaged: shorter than its manifest says
+    _lineage.pin_resume(resolve(root), attempt=2, step=9)  # the driver's pin of its choice
+    set_decision(ResumeDecision(attempt=2, step=9, root_key=root_key(root)))
+    try:
+        with Checkpointer(root, staging_dir=str(tmp_path / "r"), uploader="thread") as ckpt:
+            assert ckpt.restore({"model": torch.nn.Linear(2, 2)}) == 5
+    finally:
+        set_decision(None)
+    pin = json.loads((tmp_path / "root" / _layout.CHECKPOINTS_DIR / _layout.RESUME).read_bytes())
+    assert pin["step"] == 5, pin

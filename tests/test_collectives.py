@@ -120,17 +120,18 @@ def _count_restore_collectives(rank: int, world_size: int, root: str, staging: s
 
 
 def test_a_restore_makes_three_collectives_and_none_in_dcp(tmp_path):
-    """The choice (one broadcast), the agreement once every rank checked its files, and
-    the outcome: DCP plans each rank's reads alone (was 9 collectives). Each agreement is
+    """The choice (a header all-reduce that checks every rank is at it, then one
+    broadcast), the agreement once every rank checked its files, and the outcome: DCP
+    plans each rank's reads alone (was 9 collectives). Each agreement is
     one all-reduce of three integers when no rank failed (was an all_gather_object: two
     all-gathers and pickling). Getting the first save ready adds none; that save agrees
-    on the generation (a broadcast, as at a fresh start: restore no longer waits for the
+    on the generation (a header, a broadcast, as at a fresh start: restore no longer waits for the
     claim) and exchanges the owner plan (a header all-reduce, a gather)."""
     out = run_world(_count_restore_collectives, 2, str(tmp_path / "root"), str(tmp_path / "s"), timeout_s=240)
     for rank in out:
         assert rank["step"] == 1 and rank["equal"] and rank["opt_step"] == 1.0, rank
-        assert rank["calls"] == ["broadcast_object_list", "all_reduce", "all_reduce"], rank
-        assert rank["save_calls"] == ["broadcast_object_list", "all_reduce", "all_gather_object"], rank
+        assert rank["calls"] == ["all_reduce", "broadcast_object_list", "all_reduce", "all_reduce"], rank
+        assert rank["save_calls"] == ["all_reduce", "broadcast_object_list", "all_reduce", "all_gather_object"], rank
 
 
 def _mismatched(rank: int, world_size: int) -> str:
@@ -143,6 +144,25 @@ def _mismatched(rank: int, world_size: int) -> str:
 
 def test_ranks_at_different_collectives_all_raise_instead_of_misreading():
     out = run_world(_mismatched, 2, timeout_s=120)
+    assert all("different checkpoint collectives" in text for text in out), out
+
+
+def _rank0_choice_against_a_gather(rank: int, world_size: int) -> str:
+    try:
+        if rank == 0:
+            _collective.on_rank0(lambda: 5, "the restore's choice")
+        else:
+            _collective.gather_tagged("owner plan", rank)
+    except CheckpointError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_a_rank_0_choice_met_by_another_collective_raises_on_both_instead_of_misreading():
+    """on_rank0 (the restore's choice, the generation claim) was a bare broadcast: a rank
+    at another call read rank 0's value as its own (a Manifest taken for a generation claim:
+    a TypeError) or left rank 0 waiting until the process group timed out."""
+    out = run_world(_rank0_choice_against_a_gather, 2, timeout_s=60)
     assert all("different checkpoint collectives" in text for text in out), out
 
 

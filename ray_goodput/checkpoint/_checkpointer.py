@@ -414,7 +414,9 @@ class Checkpointer:
             self._restored(None, t0)
             return None
         self.last_restore = info
-        if decision is None and self.rank == 0:  # a Recovery pins its own choice
+        # A Recovery pins its own choice; the step loaded instead of it (the decided one was
+        # damaged, every rank fell back) is pinned here, as a restore's own choice is.
+        if self.rank == 0 and (decision is None or decision.step != info.step):
             self._pin_resume(info.step)
         self._restored(info.step, t0)
         self._last_step = info.step

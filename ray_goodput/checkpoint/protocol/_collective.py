@@ -2,7 +2,7 @@
 "raise the same error everywhere" (never one rank raising while another enters a barrier).
 Outside a process group (one rank) they are identities.
 
-A tagged collective (:func:`gather_tagged`, :func:`agree`) opens with one all-reduce of
+A tagged collective (:func:`gather_tagged`, :func:`agree`, :func:`on_rank0`) opens with one all-reduce of
 three integers: the tag's code, its negation and a flag, reduced by MAX. Every rank then
 knows whether all of them are at the same call (the max of the codes and the max of the
 negated codes both give back its own code only when every code is equal) and the max of
@@ -129,7 +129,10 @@ def agree(error: BaseException | None) -> None:
 
 def on_rank0(fn: Callable[[], T], what: str) -> T:
     """Collective: run ``fn`` on rank 0 and give every rank its value, or raise its error
-    on every rank."""
+    on every rank. Tagged by ``what`` (one header all-reduce first): a rank at another
+    call raises the same CheckpointError as rank 0 instead of reading its value."""
+    if distributed():
+        _header(what, True)
     result: tuple[str, Any] = ("ok", None)
     if not distributed() or dist.get_rank() == 0:
         try:

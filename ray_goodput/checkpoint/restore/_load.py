@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from ray_goodput.checkpoint.protocol import _catalog, _collective, _layout
 from ray_goodput.checkpoint.protocol._dcp_parts import data_file, keys_digest
-from ray_goodput.checkpoint.protocol._manifest import Manifest, read_manifest
+from ray_goodput.checkpoint.protocol._manifest import Manifest, is_quarantined, read_manifest, read_quarantine
 from ray_goodput.checkpoint.restore._local_precheck import LocalGuess
 from ray_goodput.checkpoint.restore._prefetch import Countdown, close_result
 from ray_goodput.checkpoint.restore._reader import TieredReader
@@ -389,7 +389,9 @@ def choose(
         except CheckpointCorruptError as exc:
             manifest, present = None, {}
             _catalog.quarantine_damaged(loc, None, str(exc))
-        if manifest is not None:
+        if manifest is not None and _layout.QUARANTINED in present and is_quarantined(manifest, read_quarantine(loc)):
+            before = manifest.order  # found damaged since the driver chose it: never restored
+        elif manifest is not None:
             problems = _catalog.verify(loc, manifest, checksums=checksums, present=present)
             if problems:  # listed beside the read, maybe before the commit (an orphan finished
                 problems = _catalog.verify(loc, manifest, checksums=checksums)  # meanwhile): look again
