@@ -210,3 +210,21 @@ def _wait_until(condition, timeout_s: float = 30.0) -> bool:
             return False
         time.sleep(0.01)
     return True
+
+
+def test_one_failure_polled_many_times_is_one_failure_in_the_ledger_and_mlflow(tmp_path):
+    """Ray calls after_exception at every poll that shows errors; while it waits out a
+    preemption it polls every 2 s before its one decision: each poll was a failure of its
+    own (goodput/failures, a failure_N tag each). A failure is new once a worker group or
+    a replica's replacement started since the last one."""
+    root = str(tmp_path / "run")
+    _finished_job(root)
+    ctx = _run_context(root, "polled")
+    cb, hooks, _ = _started(tmp_path, ctx)
+    for _ in range(30):
+        cb.after_exception(ctx, {1: RuntimeError("node preempted")})
+    hooks.on_controller_start_worker_group(scaling_config=None, num_workers=2)  # the restart
+    cb.after_exception(ctx, {0: RuntimeError("a second failure")})
+    hooks.after_replica_group_start(SimpleNamespace())  # replica mode: a replacement
+    cb.after_exception(ctx, {0: RuntimeError("a third failure")})
+    assert cb.refresh(ctx).failures == 3

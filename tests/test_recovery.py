@@ -674,22 +674,58 @@ def test_replica_mode_does_not_start_node_checks_at_a_replicas_failure(tmp_path)
     assert trainer.recovery._early_checks is None  # no task started on any node
 
 
+def _preempted_error():
+    from ray.core.generated.common_pb2 import ActorDiedErrorContext, NodeDeathInfo
+    from ray.exceptions import ActorDiedError
+
+    drained = NodeDeathInfo(reason=NodeDeathInfo.AUTOSCALER_DRAIN_PREEMPTED)  # as Ray builds it
+    preempted = ActorDiedError(ActorDiedErrorContext(actor_id=b"\0" * 16, node_death_info=drained))
+    assert preempted.preempted
+    return preempted
+
+
+def test_a_preemption_polled_many_times_is_one_failure_and_charges_no_surviving_node(tmp_path):
+    """While Ray waits out a preemption (PreemptingState) it polls every 2 s and the same
+    errors come back at each poll before its one decision: each poll was charged to
+    max_preemption_failures, and the survivors' collateral errors (a collective aborted)
+    counted against their nodes, which two preemptions isolated while the spot node was not."""
+    from types import SimpleNamespace
+
+    from ray.train.v2._internal.execution.failure_handling import FailureDecision
+
+    rec = Recovery(health_check=None, storage_path=str(tmp_path), max_failures_per_node=2)
+    rec.checks_at_failure = False
+    rec.after_controller_start(SimpleNamespace(run_config=None))
+    preempted = _preempted_error()
+    for _ in range(2):  # two preemptions of node A; B hosts the survivor
+        rec.on_controller_start_worker_group(scaling_config=ScalingConfig(num_workers=2), num_workers=2)
+        rec._rank_nodes = {0: "node-B", 1: "node-A"}
+        for _ in range(5):  # the polls of one PreemptingState, then Ray's one decision
+            rec.after_worker_group_poll_status(
+                SimpleNamespace(errors={1: preempted, 0: RuntimeError("collective aborted")})
+            )
+        rec.before_controller_execute_failure_decision(FailureDecision.RETRY)
+    rec.after_controller_finish(None)
+    assert load_state(str(tmp_path))["failures_charged"] == {"max_failures": 0, "max_preemption_failures": 2}
+    assert rec.ledger.failures == {} and rec.isolated_nodes == []
+
+
 def test_the_record_counts_each_failure_against_the_ray_budget_it_uses(tmp_path):
-    """One poll with errors is one of Ray's failure decisions: charged to max_failures, or to
+    """One of Ray's failure decisions is one failure: charged to max_failures, or to
     max_preemption_failures when a worker was preempted; a re-run of fit() goes on from it."""
     from types import SimpleNamespace
 
-    from ray.core.generated.common_pb2 import ActorDiedErrorContext, NodeDeathInfo
-    from ray.exceptions import ActorDiedError
+    from ray.train.v2._internal.execution.failure_handling import FailureDecision
 
     rec = Recovery(health_check=None, storage_path=str(tmp_path))
     rec.after_controller_start(SimpleNamespace(run_config=None))
     rec.on_controller_start_worker_group(scaling_config=ScalingConfig(num_workers=2), num_workers=2)
     rec.after_worker_group_poll_status(SimpleNamespace(errors={}))
     rec.after_worker_group_poll_status(SimpleNamespace(errors={0: RuntimeError("a bug"), 1: RuntimeError("gone")}))
-    drained = NodeDeathInfo(reason=NodeDeathInfo.AUTOSCALER_DRAIN_PREEMPTED)  # as Ray builds it
-    preempted = ActorDiedError(ActorDiedErrorContext(actor_id=b"\0" * 16, node_death_info=drained))
-    assert preempted.preempted
+    rec.before_controller_execute_failure_decision(FailureDecision.RETRY)
+    rec.on_controller_start_worker_group(scaling_config=ScalingConfig(num_workers=2), num_workers=2)
+    preempted = _preempted_error()
     rec.after_worker_group_poll_status(SimpleNamespace(errors={1: preempted, 0: RuntimeError("collateral")}))
+    rec.before_controller_execute_failure_decision(FailureDecision.RETRY)
     rec.after_controller_finish(None)
     assert load_state(str(tmp_path))["failures_charged"] == {"max_failures": 1, "max_preemption_failures": 1}

@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 from ray.train import Checkpoint, UserCallback
-from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
+from ray.train.v2._internal.execution.callback import ControllerCallback, ReplicaGroupCallback, WorkerGroupCallback
 
 from ray_goodput.driver._publish import MlflowSink, RayGauges
 from ray_goodput.driver._record import load_state
@@ -67,6 +67,8 @@ class GoodputCallback(UserCallback):
         self.job_start = time.time()  # constructed in the driver, right before fit()
         self.ledger: Ledger | None = None
         self._failures: list[str] = []
+        self._failure_open = False  # a failure is counted and no group has started since
+        self._hooked = False  # its controller hooks say when a group starts (else: one per poll)
         self._state: dict[str, Any] = {}
 
     @property
@@ -77,6 +79,7 @@ class GoodputCallback(UserCallback):
     def controller_callback(self) -> ControllerCallback:
         """A Ray Train controller callback for this GoodputCallback: pass both in the run's
         callbacks (``ray_goodput.TorchTrainer`` adds it itself)."""
+        self._hooked = True
         return GoodputControllerHooks(self)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -253,11 +256,21 @@ class GoodputCallback(UserCallback):
         finally:
             self._lock().release()
 
+    def group_started(self) -> None:
+        """A worker group, or a replica's replacement, started: the next error is a new failure."""
+        self._failure_open = False
+
     def after_exception(self, run_context: Any, worker_exceptions: dict[int, Exception]) -> None:
         self._root(run_context)  # names the MLflow run before its first entry
         texts = [f"rank {rank}: {type(exc).__name__}: {exc}" for rank, exc in worker_exceptions.items()]
-        self._failures.append("; ".join(texts))  # one worker-group failure, however many ranks
-        self._worker().put(("log_failure", (len(self._failures), self._failures[-1]), None))
+        # One worker-group failure, however many ranks and however many polls show it (Ray
+        # polls a preempted group for its grace period before it decides): a new one once a
+        # group or a replica's replacement started since (``group_started``; without the
+        # controller hooks, each poll with errors counts).
+        if not self._failure_open:
+            self._failure_open = self._hooked
+            self._failures.append("; ".join(texts))
+            self._worker().put(("log_failure", (len(self._failures), self._failures[-1]), None))
         futile = [text for exc, text in zip(worker_exceptions.values(), texts) if not_retryable(exc) is not None]
         if futile and not self._state.get("finished"):
             # A Recovery ends the run here; without one, every retry fails the same way.
@@ -269,7 +282,7 @@ class GoodputCallback(UserCallback):
             self._publish_final(run_context)
 
 
-class GoodputControllerHooks(ControllerCallback, WorkerGroupCallback):
+class GoodputControllerHooks(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):
     """The controller's start and end for a :class:`GoodputCallback` (Ray Train calls a
     ``UserCallback`` at reports and exceptions only), and a refresh of its ledger every
     ``log_every_s`` between them, in a thread started from the controller's poll of the
@@ -283,6 +296,12 @@ class GoodputControllerHooks(ControllerCallback, WorkerGroupCallback):
 
     def after_controller_start(self, train_run_context: Any) -> None:
         self.goodput.controller_started(train_run_context)
+
+    def on_controller_start_worker_group(self, *, scaling_config: Any, num_workers: int) -> None:
+        self.goodput.group_started()
+
+    def after_replica_group_start(self, replica_group: Any) -> None:
+        self.goodput.group_started()
 
     def after_worker_group_poll_status(self, worker_group_status: Any) -> None:
         ctx = self.goodput.run_context

@@ -184,6 +184,8 @@ class Recovery(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):
         self._counted: set[str] = set()
         self._stop: BaseException | None = None
         self._unhealthy_short = 0  # starts in a row whose unhealthy nodes left too little room
+        self._failure_seen = False  # polls showed errors that Ray has not decided on yet
+        self._attempt_preempted = False  # a worker of this attempt (or replica) was preempted
         self._scaling: Any = None  # the run's ScalingConfig, for checks started at a failure
         self._early_checks: dict[Any, str] | None = None  # started when the failure was seen
         self._choice: ResumeChoice | None = None  # made in the controller, with the root
@@ -208,6 +210,7 @@ class Recovery(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):
     def on_controller_start_worker_group(self, *, scaling_config: Any, num_workers: int) -> dict[str, str] | None:
         self.attempt += 1
         self._counted = set()
+        self._failure_seen = self._attempt_preempted = False
         self._scaling = scaling_config
         if self.attempt > 1 and self._choice is not None:
             # Taken once the workers are up (after_worker_group_start), not waited for here:
@@ -224,6 +227,11 @@ class Recovery(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):
         return self._selector(scaling_config, excluded)
 
     def before_controller_execute_failure_decision(self, failure_decision: Any) -> None:
+        if self._failure_seen:  # one of Ray's decisions on a worker group's failure
+            self._failure_seen = False
+            budget = MAX_PREEMPTION_FAILURES if self._attempt_preempted else MAX_FAILURES
+            self.failures_charged[budget] = self.failures_charged.get(budget, 0) + 1
+            self._save()
         if self._stop is None or getattr(failure_decision, "value", None) != "RETRY":
             return
         error, self._stop = self._stop, None
@@ -272,6 +280,7 @@ class Recovery(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):
         # Replica 0's replacement restores when no peer has progress: our bound on its wait.
         replica_group.execute(set_decision, None, self._upload_wait())
         self._counted = set()
+        self._failure_seen = self._attempt_preempted = False
         for ref in self._early_checks or {}:  # no group start follows to read them
             ray.cancel(ref, force=True)
         self._early_checks = None
@@ -284,13 +293,15 @@ class Recovery(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):
             return
         self._start_checks_early()
         self._start_resume_choice_early()
-        # One poll with errors is one failure decision of Ray's policy, charged to the
-        # preemption budget when any of its errors is a preemption (as Ray charges it).
-        budget = MAX_PREEMPTION_FAILURES if any(_preempted(e) for e in errors.values()) else MAX_FAILURES
-        self.failures_charged[budget] = self.failures_charged.get(budget, 0) + 1
-        self._save()
+        # While Ray waits out a preemption it polls again and again before its one failure
+        # decision, and the survivors' errors are collateral (a collective aborted): the
+        # failure is charged once, at the decision, and to no node of this attempt.
+        if any(_preempted(e) for e in errors.values()):
+            self._attempt_preempted = True
+        self._failure_seen = True
         for rank, exc in sorted(errors.items()):
-            self._count_failure(rank, exc)
+            if not self._attempt_preempted:
+                self._count_failure(rank, exc)
             hit = futile(exc)
             if hit is not None and self._stop is None:
                 self._stop = hit
