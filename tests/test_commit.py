@@ -256,32 +256,67 @@ def test_a_save_whose_elected_committer_is_killed_before_committed_is_committed_
     assert read_manifest(loc) is not None and read_manifest(loc).save_id == save_id
 
 
+def _two_generations_of_step_7(tmp_path, root: str):
+    """Generation 1's commit of step 7 and generation 2's save of it again, every rank of
+    it durable, its committer dead before it replaced the commit; returns (loc, gen 2's id)."""
+    from ray_goodput.storage import touch
+
+    loc = _catalog.step_location(resolve(root), 7)
+    for generation in (1, 2):
+        save_id = _layout.save_id(generation, f"{generation:02d}cdef0123")
+        (tmp_path / f"g{generation}").mkdir()
+        owns = [
+            CommitProtocol(loc, 7, 2, save_id, generation).declare_durable(
+                r, _stage_rank(loc, tmp_path / f"g{generation}", r, save_id), created=1.0
+            )
+            for r in range(2)
+        ]
+        if generation == 1:
+            assert CommitProtocol(loc, 7, 2, save_id, 1).finalize(own=owns[0]).state == COMMITTED
+    touch(loc, _layout.commit_intent(0, save_id))
+    return loc, save_id
+
+
 def test_a_complete_resave_over_an_older_generations_commit_is_finished_by_the_next_restore(tmp_path):
     """Generation 2 saved step 7 again over generation 1's commit of it (a late commit of a
     dead attempt); every rank was durable and the elected committer stood, then died before
     it replaced the old COMMITTED. The next restore ranked the folder by the old commit and
     restored generation 1's step 7 (or an older step): the newer save was lost. It is
     finished instead, as an orphan with no commit is."""
-    from ray_goodput.storage import touch
-
-    root, world = str(tmp_path / "root"), 2
-    loc = _catalog.step_location(resolve(root), 7)
-    for generation in (1, 2):
-        save_id = _layout.save_id(generation, f"{generation:02d}cdef0123")
-        (tmp_path / f"g{generation}").mkdir()
-        owns = [
-            CommitProtocol(loc, 7, world, save_id, generation).declare_durable(
-                r, _stage_rank(loc, tmp_path / f"g{generation}", r, save_id), created=1.0
-            )
-            for r in range(world)
-        ]
-        if generation == 1:
-            assert CommitProtocol(loc, 7, world, save_id, 1).finalize(own=owns[0]).state == COMMITTED
-    touch(loc, _layout.commit_intent(0, save_id))  # generation 2's committer stood, then died
+    root = str(tmp_path / "root")
+    loc, save_id = _two_generations_of_step_7(tmp_path, root)
     assert read_manifest(loc).generation == 1
     picked = _catalog.newest_valid(root)
     assert picked is not None and (picked[1].step, picked[1].generation) == (7, 2), picked
     assert read_manifest(loc).save_id == save_id
+
+
+def test_a_resave_that_cannot_commit_leaves_the_older_generations_commit_of_the_step_standing(tmp_path):
+    """Generation 2's save of step 7 has a damaged metadata part. Finishing it deleted
+    generation 1's COMMITTED before the part's check refused it: the step was left with
+    no commit (and each later finish deleted it again). Everything that can refuse a save
+    is checked before the commit there is touched."""
+    root = str(tmp_path / "root")
+    loc, save_id = _two_generations_of_step_7(tmp_path, root)
+    part = Path(loc.root) / _dcp_parts.part_file(1, save_id)
+    part.write_bytes(b"\0" * part.stat().st_size)
+    picked = _catalog.newest_valid(root)
+    assert picked is not None and (picked[1].step, picked[1].generation) == (7, 1), picked
+    assert read_manifest(loc) is not None and read_manifest(loc).generation == 1
+    assert _catalog.newest_valid(root)[1].generation == 1  # and again: it stays
+
+
+def test_a_resave_finished_over_a_quarantined_commit_is_the_one_restored(tmp_path):
+    """Step 7 was quarantined, the run fell back and saved step 7 again, and that save's
+    committer died. The restore finished it (which removes the quarantine) but still
+    judged the folder by the old commit's quarantine, and fell back further."""
+    from ray_goodput.checkpoint.protocol._manifest import quarantine
+
+    root = str(tmp_path / "root")
+    loc, save_id = _two_generations_of_step_7(tmp_path, root)
+    quarantine(loc, read_manifest(loc), "found damaged")
+    picked = _catalog.newest_valid(root)
+    assert picked is not None and (picked[1].step, picked[1].generation) == (7, 2), picked
 
 
 def test_an_orphan_with_a_damaged_metadata_part_is_skipped_and_the_restore_falls_back(tmp_path):

@@ -15,7 +15,7 @@ from ray_goodput import Checkpointer, list_checkpoints
 from ray_goodput.checkpoint.protocol import _catalog, _layout, _lineage, _retention
 from ray_goodput.checkpoint.protocol._commit import CommitProtocol
 from ray_goodput.checkpoint.protocol._dcp_parts import part_file
-from ray_goodput.checkpoint.protocol._manifest import read_manifest
+from ray_goodput.checkpoint.protocol._manifest import read_manifest, read_rank_marker
 from ray_goodput.checkpoint.uploader import _actor
 from ray_goodput.checkpoint.uploader._thread_backend import ThreadBackend
 from ray_goodput.errors import FencedError, IncompleteSaveError, StorageError
@@ -255,10 +255,11 @@ def test_an_orphan_whose_metadata_part_went_after_the_presence_check_is_skipped_
     loc.fs.delete_file(loc.join(_layout.COMMITTED))
     protocol = CommitProtocol(loc, 20, 1, manifest.save_id, manifest.generation)
     loc.fs.delete_file(loc.join(part_file(0, manifest.save_id)))
+    marker = read_rank_marker(loc, 0, manifest.save_id)
     with ThreadPoolExecutor(1) as pool:  # the commit reads the parts beside the presence check
         parts = {0: pool.submit(protocol._read_part, 0, None)}
         with pytest.raises(IncompleteSaveError):
-            protocol._write_dcp_metadata(parts, None)
+            protocol._merged_metadata(parts, {0: marker})
 
 
 def test_finishing_an_orphan_whose_commit_write_retention_prunes_is_skipped_not_raised(tmp_path, monkeypatch):

@@ -269,7 +269,8 @@ def newest_valid(
                 # again whose committer died before replacing the old commit is finished
                 # here, as an orphan with no commit is; else the folder ranks by its commit.
                 newer = finish_orphan(d.loc, d.step, above=d.manifest.generation) if _has_markers(d) else None
-                d.manifest = newer or d.manifest
+                if newer is not None:  # committed now (its commit removed the old one's quarantine)
+                    d.manifest, d.quarantined = newer, False
                 if d.manifest.order != order:
                     heapq.heappush(heap, ((-d.manifest.generation, -d.step), i))
                     continue

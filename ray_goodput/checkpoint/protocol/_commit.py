@@ -289,6 +289,9 @@ class CommitProtocol:
             return Finalized(PENDING)  # the pool's exit waits for the reads still running
         files = [f for m in markers.values() for f in m.files]
         self._check_present(files, present.result())
+        # Everything that can refuse this save is checked before the step's commit is
+        # touched: a save that cannot commit leaves an older generation's commit standing.
+        merged, state_keys = self._merged_metadata(parts, markers)
         # Replacing an older generation's commit (or a torn one): it stops being one
         # first, so that no reader pairs its manifest with the new .metadata. Its
         # quarantine record goes with it, before the new COMMITTED (beside the .metadata
@@ -298,7 +301,7 @@ class CommitProtocol:
             self._delete(_layout.COMMITTED)
         unquarantined = pool.submit(self._delete, _layout.QUARANTINED)
         with self._pruned_meanwhile():
-            metadata, state_keys = self._write_dcp_metadata(parts, local_dir, markers)
+            metadata = self._write_dcp_metadata(merged, local_dir)
         unquarantined.result()
         files.append(metadata)
         files.sort(key=lambda f: f.name)
@@ -368,17 +371,12 @@ class CommitProtocol:
                 "committed checkpoint stays the recovery point"
             )
 
-    def _write_dcp_metadata(
-        self,
-        parts: dict[int, Future[bytes]],
-        local_dir: Path | None,
-        markers: dict[int, RankMarker],
-    ) -> tuple[FileEntry, str]:
-        """Merge the ranks' metadata parts (their reads, by rank) into DCP's ``.metadata``
-        (and into the node-local staged copy, when there is one, for local-first restore);
-        returns its entry and the digest of its keys. Each part is checked against what its
-        rank declared durable first: the merged file's checksum is computed from them, so a
-        damaged part would pass every later check."""
+    def _merged_metadata(self, parts: dict[int, Future[bytes]], markers: dict[int, RankMarker]) -> tuple[bytes, str]:
+        """The ranks' metadata parts (their reads, by rank) merged into DCP's ``.metadata``
+        bytes, and the digest of its keys. Each part is checked against what its rank
+        declared durable first: the merged file's checksum is computed from them, so a
+        damaged part would pass every later check. IncompleteSaveError when one is gone,
+        damaged or does not merge: this save can never commit."""
         try:
             raw = [parts[rank].result() for rank in range(self.world_size)]
         except FileNotFoundError as exc:  # deleted since its marker was written
@@ -395,18 +393,20 @@ class CommitProtocol:
                     "checksum); this save cannot commit"
                 )
         try:
-            data, state_keys = _dcp_parts.merge_parts(raw, self.step)
+            return _dcp_parts.merge_parts(raw, self.step)
         except Exception as exc:  # bytes that match their checksum but do not unpickle
             raise IncompleteSaveError(
                 f"step {self.step} save {self.save_id}: its metadata parts cannot be merged "
                 f"({type(exc).__name__}: {exc}); this save cannot commit"
             ) from exc
+
+    def _write_dcp_metadata(self, data: bytes, local_dir: Path | None) -> FileEntry:
+        """Write the merged ``.metadata`` (and into the node-local staged copy, when there is
+        one, for local-first restore); returns its entry."""
         write_bytes(self.step_loc, _layout.DCP_METADATA, data)
         if local_dir is not None and local_dir.is_dir():
             write_local_file(local_dir / _layout.DCP_METADATA, data)
-        return FileEntry(
-            name=_layout.DCP_METADATA, size=len(data), crc32=checksum(data), algorithm=DEFAULT_ALGORITHM
-        ), state_keys
+        return FileEntry(name=_layout.DCP_METADATA, size=len(data), crc32=checksum(data), algorithm=DEFAULT_ALGORITHM)
 
 
 def finish_orphan(step_loc: StorageLocation, step: int, *, above: int = -1) -> Manifest | None:
