@@ -408,6 +408,14 @@ def test_a_state_saved_with_shuffle_on_is_refused_by_a_loader_with_shuffle_off(f
         plain.load_state_dict(state)
     again = DataLoader(FileDataset(str(files_dir), seed=7, cache=None), 4, num_workers=0)
     again.load_state_dict(state)  # the same settings resume
+    unshuffled = plain.state_dict()
+    with pytest.raises(DataError, match="shuffle=False"):
+        again.load_state_dict(unshuffled)
+    # A state saved before the order was recorded (the dataset's fingerprint alone) still
+    # loads into either: it cannot say which order it counted in.
+    legacy = {**unshuffled, "fingerprint": plain.dataset.fingerprint}
+    plain.load_state_dict(legacy)
+    again.load_state_dict(legacy)
 
 
 def test_a_cached_file_rewritten_with_another_size_is_read_again_not_served_stale(tmp_path):
@@ -481,3 +489,48 @@ def test_two_concurrent_polls_of_the_cache_journals_count_each_event_once(tmp_pa
         for t in threads:
             t.join(timeout=30)
         assert sum(counted) + reader.poll()[0] == 8 * 200 * 1000, f"trial {trial}: {counted}"
+
+
+def test_a_files_cache_identity_names_its_endpoint_and_host_not_only_the_scheme(monkeypatch):
+    """An S3 endpoint set by RAY_GOODPUT_S3_ENDPOINT gave the same identity as AWS's own,
+    and two HDFS namenodes one identity: the same bucket and key on two endpoints shared a
+    cache file, one served for the other."""
+    from ray_goodput.data._sources import _ident
+
+    monkeypatch.delenv("RAY_GOODPUT_S3_ENDPOINT", raising=False)
+    aws = _ident("s3://bucket/train/a.bin")
+    monkeypatch.setenv("RAY_GOODPUT_S3_ENDPOINT", "http://minio.internal:9000")
+    minio = _ident("s3://bucket/train/a.bin")
+    assert aws != minio
+    assert "endpoint_override=http://minio.internal:9000" in minio
+    assert _ident("hdfs://nn-a:8020/data") != _ident("hdfs://nn-b:8020/data")
+    assert _ident("s3://one/x") == _ident("s3://two/y")  # the bucket is in each file's path
+    # The node cache's id of a file list names its filesystem too: the same bucket, keys and
+    # sizes on two endpoints are two lists (else prefetch fetched the first one's files).
+    import pyarrow.fs as pafs
+
+    from ray_goodput.data._sources import FileSet
+
+    lists = [FileSet(ident=i, fs=pafs.LocalFileSystem(), paths=("b/k",), sizes=(5,)) for i in (aws, minio)]
+    assert lists[0].cache_id() != lists[1].cache_id()
+
+
+def test_a_parquet_row_group_that_does_not_decode_is_bad_data_at_once_not_a_storage_error_retried(tmp_path):
+    """pyarrow raises OSError for a damaged page header too ("Couldn't deserialize
+    thrift"): retried as storage, a damaged file took every retry, then every restart
+    Recovery gave it, and was named a storage failure. Only the file's reads are retried."""
+    import time
+
+    path = tmp_path / "d" / "a.parquet"
+    path.parent.mkdir()
+    pq.write_table(pa.table({"id": list(range(100))}), path)
+    raw = bytearray(path.read_bytes())
+    offset = pq.ParquetFile(path).metadata.row_group(0).column(0).data_page_offset
+    for k in range(offset, offset + 16):  # the page header; the footer stays intact
+        raw[k] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    ds = ParquetDataset(str(path.parent), cache=None, retry=RetryPolicy(attempts=6, initial_delay=1.0, max_delay=1.0))
+    began = time.monotonic()
+    with pytest.raises(DataError, match="row group 0"):
+        ds[0]
+    assert time.monotonic() - began < 1.0  # no retry waited

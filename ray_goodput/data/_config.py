@@ -16,7 +16,9 @@ class CacheConfig:
     space of that disk, plus what the cache already holds there, when the node's cache
     starts. The first process of a node that
     starts the cache fixes both for the node; later configs that differ are logged and
-    ignored. ``lookahead``: files per rank fetched ahead of the training loop.
+    ignored. ``lookahead``: samples per rank whose files are fetched ahead of the
+    training loop (a file per sample for a FileDataset; for Parquet, rows: a file is
+    announced about ``lookahead`` rows before its first row is read).
     ``fetch_concurrency``: parallel downloads of the node's prefetcher.
     ``job_check_interval_s``: how often the cache checks that the jobs that use it are
     alive; it exits within about this long after the last of them is gone.

@@ -22,8 +22,12 @@ from ray_goodput.runtime import WorkerContext, pid_alive
 
 logger = logging.getLogger(__name__)
 STATE_KEYS = ("epoch", "consumed", "seed", "fingerprint")
-#: Mixed into the state's fingerprint of a loader whose epochs are not shuffled.
-_UNSHUFFLED = 0x2D5E_93C1_7A4F_0B68
+#: Above a dataset's 63-bit fingerprint, a loader state's says whether its epochs were
+#: shuffled: ``_ORDERED`` marks a state that records it (one saved before does not), and
+#: ``_UNSHUFFLED`` is set for ``shuffle=False``.
+_FILES = (1 << 63) - 1
+_ORDERED = 1 << 63
+_UNSHUFFLED = 1 << 64
 #: How often a loader worker checks that its rank is still alive.
 _RANK_POLL_S = 0.1
 
@@ -215,17 +219,17 @@ class DataLoader(torch.utils.data.DataLoader):
             raise DataError(f"loader state lacks {missing}; pass what state_dict() returned")
         s = self._rg_sampler
         saved = int(state["fingerprint"])
-        if saved != _order(s.dataset) and saved == _order(s.dataset, shuffle=not s.dataset.shuffle):
+        if saved & _FILES != s.dataset.fingerprint:
+            raise DataError(
+                f"loader state was saved for another dataset (fingerprint "
+                f"{saved & _FILES} != {s.dataset.fingerprint}); point "
+                "the dataset at the same files, or do not load this state"
+            )
+        if saved & _ORDERED and bool(saved & _UNSHUFFLED) == s.dataset.shuffle:
             raise DataError(
                 f"loader state was saved with shuffle={not s.dataset.shuffle} but the dataset has "
                 f"shuffle={s.dataset.shuffle}: a position in one order resumed in the other repeats "
                 "samples and skips others; use the same shuffle"
-            )
-        if saved != _order(s.dataset):
-            raise DataError(
-                f"loader state was saved for another dataset (fingerprint "
-                f"{saved} != {_order(s.dataset)}); point "
-                "the dataset at the same files, or do not load this state"
             )
         if int(state["seed"]) != s.dataset.seed:
             raise DataError(
@@ -241,11 +245,10 @@ class DataLoader(torch.utils.data.DataLoader):
             self._cache.close()
 
 
-def _order(dataset: CachedDataset, *, shuffle: bool | None = None) -> int:
+def _order(dataset: CachedDataset) -> int:
     """The fingerprint a loader state carries: the dataset's, and whether its epochs are
     shuffled (the order a position counts in)."""
-    shuffled = dataset.shuffle if shuffle is None else shuffle
-    return dataset.fingerprint if shuffled else dataset.fingerprint ^ _UNSHUFFLED
+    return dataset.fingerprint | _ORDERED | (0 if dataset.shuffle else _UNSHUFFLED)
 
 
 class _Hints:

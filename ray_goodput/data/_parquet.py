@@ -119,17 +119,18 @@ class ParquetDataset(CachedDataset):
         return table
 
     def _read_group(self, f: int, g: int) -> pa.Table:
-        """Row group ``g`` of file ``f``. A failed read of storage (an ``OSError``: a 5xx, a
-        reset connection) is retried by the dataset's RetryPolicy and ends as a
-        StorageError; bytes that are not the Parquet they were listed as are a DataError."""
+        """Row group ``g`` of file ``f``. A failed read of the file's bytes (a 5xx, a reset
+        connection) is retried by the dataset's RetryPolicy and ends as a StorageError;
+        bytes that do not decode are a DataError (pyarrow raises OSError for both: the
+        file's reads are told apart by :class:`_Transport`)."""
 
         def read() -> pa.Table:
             with self.reader.open(self.files, f) as src:
                 try:
-                    return pq.ParquetFile(src).read_row_group(g, columns=self.columns)
-                except OSError:
+                    return pq.ParquetFile(_Transport(src)).read_row_group(g, columns=self.columns)
+                except _TransportError:
                     raise
-                except Exception as exc:  # anything else is the content of the file
+                except Exception as exc:  # the bytes came, and are not what they should be
                     raise DataError(
                         f"reading row group {g} of {self.files.uri(f)} failed: {type(exc).__name__}: {exc}"
                     ) from exc
@@ -138,3 +139,44 @@ class ParquetDataset(CachedDataset):
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_decoded": OrderedDict()}
+
+
+class _TransportError(OSError):
+    """A read of a Parquet file's bytes failed (storage), as opposed to their decoding."""
+
+
+class _Transport:
+    """The file a row group is decoded from: its own read errors are ``_TransportError``s,
+    so that one failed read is retried and a file that does not decode is not. pyarrow
+    reads a Python file through these methods and raises their exceptions as they are."""
+
+    def __init__(self, f: Any) -> None:
+        self._f = f
+
+    def read(self, n: int = -1) -> bytes:
+        try:
+            return self._f.read(n)
+        except Exception as exc:
+            raise _TransportError(f"{type(exc).__name__}: {exc}") from exc
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        try:
+            return self._f.seek(offset, whence)
+        except Exception as exc:
+            raise _TransportError(f"{type(exc).__name__}: {exc}") from exc
+
+    def tell(self) -> int:
+        return self._f.tell()
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    @property
+    def closed(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        pass  # the caller's ``with`` closes the file

@@ -10,7 +10,7 @@ from urllib.parse import urlsplit
 
 import pyarrow.fs as pafs
 
-from ray_goodput import storage
+from ray_goodput import _env, storage
 from ray_goodput.data._cache_files import CacheLayout
 from ray_goodput.errors import ConfigError, DataError, StorageError
 
@@ -41,8 +41,10 @@ class FileSet:
         return CacheLayout.key(self.ident, self.paths[i], self.sizes[i])
 
     def cache_id(self) -> int:
-        """63-bit int naming this file list as the node cache knows it: paths and sizes."""
-        return self.fingerprint(self.sizes)
+        """63-bit int naming this file list as the node cache knows it: its filesystem,
+        paths and sizes."""
+        h = hashlib.blake2b(self.ident.encode(), digest_size=8)
+        return self.fingerprint([*self.sizes, int.from_bytes(h.digest(), "little", signed=True)])
 
     def fingerprint(self, extra: Sequence[int] = ()) -> int:
         """63-bit int naming this file list (and e.g. row counts), for loader states."""
@@ -55,11 +57,23 @@ class FileSet:
         return int.from_bytes(h.digest(), "little") & (2**63 - 1)
 
 
+#: Schemes whose URI host is the bucket, which pyarrow keeps in the path of every file.
+_BUCKET_SCHEMES = ("s3", "gs", "gcs")
+
+
 def _ident(uri: str) -> str:
+    """The filesystem of ``uri``: its scheme, its endpoint (the S3 endpoint set by
+    ``RAY_GOODPUT_S3_ENDPOINT`` included) and, where the path does not carry it, its host
+    (an HDFS namenode, an Azure account)."""
     parts = urlsplit(uri)
     if "://" not in uri or parts.scheme == "file":
         return "file://"
-    return f"{parts.scheme}://?{parts.query}"
+    query = parts.query
+    endpoint = _env.s3_endpoint()
+    if parts.scheme == "s3" and endpoint and "endpoint_override" not in query:
+        query = f"{query}&endpoint_override={endpoint}" if query else f"endpoint_override={endpoint}"
+    host = "" if parts.scheme in _BUCKET_SCHEMES else parts.netloc
+    return f"{parts.scheme}://{host}?{query}"
 
 
 def _list_directory(uri: str, suffixes: tuple[str, ...]) -> FileSet:
@@ -99,9 +113,17 @@ def _list_files(uris: Sequence[str]) -> FileSet:
     first = storage.resolve(uris[0])
     paths = []
     for u in uris:
-        # Only the path differs between files of one filesystem: resolve it without
-        # building one filesystem per file (that costs ~ms each for S3).
-        paths.append(storage.resolve(u).root if "://" not in u or u.startswith("file://") else _remote_path(u))
+        # Only the path differs between files of one filesystem: take it without building
+        # one filesystem per file (~ms each on S3, a namenode connection on HDFS) where the
+        # URI says it: on S3 and GCS the host is the bucket, kept in the path; on HDFS the
+        # path is the URI's. Elsewhere (an Azure container and account) pyarrow resolves it.
+        scheme = urlsplit(u).scheme if "://" in u else ""
+        if scheme in _BUCKET_SCHEMES:
+            paths.append(_remote_path(u))
+        elif scheme in ("hdfs", "viewfs"):
+            paths.append(urlsplit(u).path)
+        else:
+            paths.append(storage.resolve(u).root)
     return FileSet(ident=_ident(uris[0]), fs=first.fs, paths=tuple(paths), sizes=tuple(-1 for _ in paths))
 
 
