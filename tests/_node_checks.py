@@ -19,3 +19,16 @@ class FailsOn:
         node = ray.get_runtime_context().get_node_id()
         Path(self.out, f"check-{node}-{time.time_ns()}").touch()
         return node != self.node_id
+
+
+class FailsWhileBusy:
+    """A health check that fails on one node while a file exists (the failed group's
+    workers still hold that node's GPUs), and records where it ran."""
+
+    def __init__(self, node_id: str, busy: str, out: str) -> None:
+        self.node_id, self.busy, self.out = node_id, busy, out
+
+    def __call__(self) -> bool:
+        node = ray.get_runtime_context().get_node_id()
+        Path(self.out, f"check-{node}-{time.time_ns()}").touch()
+        return node != self.node_id or not Path(self.busy).exists()

@@ -228,3 +228,9 @@ def test_one_failure_polled_many_times_is_one_failure_in_the_ledger_and_mlflow(t
     hooks.after_replica_group_start(SimpleNamespace())  # replica mode: a replacement
     cb.after_exception(ctx, {0: RuntimeError("a third failure")})
     assert cb.refresh(ctx).failures == 3
+    # A preemption Ray decides on although no poll showed an error (the draining node's
+    # worker still ran) is a failure too.
+    hooks.on_controller_start_worker_group(scaling_config=None, num_workers=2)
+    for _ in range(3):
+        hooks.after_worker_group_poll_status(SimpleNamespace(errors={}, get_preemption_info=lambda: "node-A"))
+    assert cb.refresh(ctx).failures == 4

@@ -655,6 +655,36 @@ def test_nodes_failing_their_check_at_every_start_with_no_room_left_end_the_run_
     assert rec.isolated_nodes == []  # the only node that holds the worker: never isolated
 
 
+@pytest.mark.cluster
+def test_a_node_that_failed_its_check_while_the_failed_group_still_ran_there_is_checked_again(
+    cluster, tmp_path, monkeypatch
+):
+    """The checks start at the poll that sees the failure, before Ray shut the old group
+    down: on X, where its workers still ran, a GPU check's 2 GiB allocation meets their
+    memory and fails. That verdict kept a healthy X out and counted toward its isolation;
+    the start now checks X again."""
+    from types import SimpleNamespace
+
+    from tests._node_checks import FailsWhileBusy
+
+    monkeypatch.setenv("TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S", "30")  # the hook sets it otherwise
+    checks, busy = tmp_path / "checks", tmp_path / "busy"
+    checks.mkdir()
+    rec = Recovery(health_check=FailsWhileBusy(cluster["x"], str(busy), str(checks)), storage_path=str(tmp_path / "c"))
+    rec.after_controller_start(SimpleNamespace(run_config=None))
+    scaling = ScalingConfig(num_workers=2)
+    assert rec.on_controller_start_worker_group(scaling_config=scaling, num_workers=2) is None
+    rec._rank_nodes = {0: cluster["x"], 1: cluster["x"]}  # where the group ran
+    busy.touch()  # its workers hold X until Ray shuts the group down
+    rec.after_worker_group_poll_status(SimpleNamespace(errors={0: RuntimeError("a worker died")}))
+    wait_for(lambda: len(list(checks.iterdir())) == 6, timeout_s=60, what="the checks of the failure")
+    busy.unlink()  # the old group is gone
+    assert rec.on_controller_start_worker_group(scaling_config=scaling, num_workers=2) is None
+    assert rec.attempts[1]["unhealthy"] == {}
+    assert rec.ledger.failures == {cluster["x"]: 1}  # its worker's failure, not its check's
+    assert len(list(checks.iterdir())) == 7  # X once more; Y and Z kept their verdicts
+
+
 def test_replica_mode_does_not_start_node_checks_at_a_replicas_failure(tmp_path):
     from types import SimpleNamespace
 
@@ -708,6 +738,24 @@ def test_a_preemption_polled_many_times_is_one_failure_and_charges_no_surviving_
     rec.after_controller_finish(None)
     assert load_state(str(tmp_path))["failures_charged"] == {"max_failures": 0, "max_preemption_failures": 2}
     assert rec.ledger.failures == {} and rec.isolated_nodes == []
+
+
+def test_a_preemption_that_ray_decides_on_with_no_error_in_any_poll_is_still_charged(tmp_path):
+    """Ray decides on a PreemptionError when the grace period ends, also when no poll showed
+    an error (the draining node's worker still ran): nothing was charged."""
+    from types import SimpleNamespace
+
+    from ray.train.v2._internal.execution.failure_handling import FailureDecision
+
+    rec = Recovery(health_check=None, storage_path=str(tmp_path))
+    rec.after_controller_start(SimpleNamespace(run_config=None))
+    rec.on_controller_start_worker_group(scaling_config=ScalingConfig(num_workers=2), num_workers=2)
+    draining = SimpleNamespace(errors={}, get_preemption_info=lambda: "node-A drains")
+    for _ in range(3):
+        rec.after_worker_group_poll_status(draining)
+    rec.before_controller_execute_failure_decision(FailureDecision.RETRY)
+    rec.after_controller_finish(None)
+    assert load_state(str(tmp_path))["failures_charged"] == {"max_failures": 0, "max_preemption_failures": 1}
 
 
 def test_the_record_counts_each_failure_against_the_ray_budget_it_uses(tmp_path):

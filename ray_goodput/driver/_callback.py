@@ -16,6 +16,7 @@ from ray.train.v2._internal.execution.callback import ControllerCallback, Replic
 
 from ray_goodput.driver._publish import MlflowSink, RayGauges
 from ray_goodput.driver._record import load_state
+from ray_goodput.driver._recovery import preemption_info
 from ray_goodput.errors import not_retryable
 from ray_goodput.goodput import EventReader, Ledger, compute, fetch_stats, summary, table
 from ray_goodput.runtime import run_root
@@ -256,6 +257,17 @@ class GoodputCallback(UserCallback):
         finally:
             self._lock().release()
 
+    def failed(self, what: str) -> None:
+        """A worker group failed (or a node of it is being preempted): one failure, however
+        many ranks and however many polls show it (Ray polls a preempted group for its
+        grace period before it decides); a new one once a group or a replica's replacement
+        started since (``group_started``; without the controller hooks, each poll with
+        errors counts)."""
+        if not self._failure_open:
+            self._failure_open = self._hooked
+            self._failures.append(what)
+            self._worker().put(("log_failure", (len(self._failures), what), None))
+
     def group_started(self) -> None:
         """A worker group, or a replica's replacement, started: the next error is a new failure."""
         self._failure_open = False
@@ -263,14 +275,7 @@ class GoodputCallback(UserCallback):
     def after_exception(self, run_context: Any, worker_exceptions: dict[int, Exception]) -> None:
         self._root(run_context)  # names the MLflow run before its first entry
         texts = [f"rank {rank}: {type(exc).__name__}: {exc}" for rank, exc in worker_exceptions.items()]
-        # One worker-group failure, however many ranks and however many polls show it (Ray
-        # polls a preempted group for its grace period before it decides): a new one once a
-        # group or a replica's replacement started since (``group_started``; without the
-        # controller hooks, each poll with errors counts).
-        if not self._failure_open:
-            self._failure_open = self._hooked
-            self._failures.append("; ".join(texts))
-            self._worker().put(("log_failure", (len(self._failures), self._failures[-1]), None))
+        self.failed("; ".join(texts))
         futile = [text for exc, text in zip(worker_exceptions.values(), texts) if not_retryable(exc) is not None]
         if futile and not self._state.get("finished"):
             # A Recovery ends the run here; without one, every retry fails the same way.
@@ -304,6 +309,9 @@ class GoodputControllerHooks(ControllerCallback, WorkerGroupCallback, ReplicaGro
         self.goodput.group_started()
 
     def after_worker_group_poll_status(self, worker_group_status: Any) -> None:
+        info = preemption_info(worker_group_status)
+        if info is not None and self.goodput.run_context is not None:
+            self.goodput.failed(f"a node of the worker group is being preempted: {info}")
         ctx = self.goodput.run_context
         now = time.monotonic()
         if ctx is None or now < self._next_refresh or (self._refresher is not None and self._refresher.is_alive()):

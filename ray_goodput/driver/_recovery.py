@@ -82,6 +82,12 @@ def _preempted(exc: BaseException) -> bool:
     return any(getattr(e, "preempted", False) for e in unwrap(exc))
 
 
+def preemption_info(worker_group_status: Any) -> Any:
+    """What Ray's poll says of a node being preempted (None: none is)."""
+    getter = getattr(worker_group_status, "get_preemption_info", None)
+    return getter() if getter is not None else None
+
+
 class NodeLedger:
     """Failures per node and the nodes isolated for good (pure bookkeeping)."""
 
@@ -188,6 +194,7 @@ class Recovery(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):
         self._attempt_preempted = False  # a worker of this attempt (or replica) was preempted
         self._scaling: Any = None  # the run's ScalingConfig, for checks started at a failure
         self._early_checks: dict[Any, str] | None = None  # started when the failure was seen
+        self._early_busy: set[str] = set()  # nodes the failed group's workers ran on then
         self._choice: ResumeChoice | None = None  # made in the controller, with the root
         self._writer: StateWriter | None = None  # made in the controller, at the first record
         # Off in replica mode (the trainer says so): a replica's failure is replaced, not
@@ -288,6 +295,10 @@ class Recovery(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):
             self._choice.drop()
 
     def after_worker_group_poll_status(self, worker_group_status: Any) -> None:
+        if preemption_info(worker_group_status) is not None:
+            # A node is being preempted: Ray waits out its grace period and then decides on a
+            # PreemptionError, whether or not any poll showed an error.
+            self._failure_seen = self._attempt_preempted = True
         errors = worker_group_status.errors
         if not errors:
             return
@@ -360,6 +371,9 @@ class Recovery(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):
             return
         try:
             self._early_checks = _health.start_checks(self.health_check, self._candidate_nodes(self._scaling))
+            # Their workers still run (and hold their GPUs' memory) until Ray shuts the group
+            # down: a failed check there is checked again at the start.
+            self._early_busy = set(self._rank_nodes.values())
         except Exception as exc:  # noqa: BLE001 - the next start checks on its own
             logger.warning("could not start node health checks at the failure: %s", exc)
 
@@ -375,6 +389,20 @@ class Recovery(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):
         missing = [n for n in nodes if n not in started.values()]
         refs = {**started, **_health.start_checks(self.health_check, missing)}
         unhealthy = _health.collect(refs, self.health_check_timeout_s)
+        # A node that failed its check at the failure while the old group's workers still ran
+        # there (a GPU check's allocation meets their memory) is judged by a check now.
+        again = sorted(n for n in unhealthy if n in self._early_busy and n in started.values())
+        self._early_busy = set()
+        if again:
+            logger.info(
+                "attempt %d: checking %s again: they failed while the failed group ran there", self.attempt, again
+            )
+            verdicts = _health.collect(_health.start_checks(self.health_check, again), self.health_check_timeout_s)
+            for node in again:
+                if node in verdicts:
+                    unhealthy[node] = verdicts[node]
+                else:
+                    del unhealthy[node]
         for node, reason in sorted(unhealthy.items()):
             logger.warning(
                 "attempt %d: node %s failed its health check (%s); no worker goes there this attempt",
