@@ -92,6 +92,16 @@ def test_the_held_jobs_of_a_dead_worker_are_taken_oldest_first_and_a_live_worker
     assert _held.orphans(node) == []  # each is taken once
 
 
+def test_the_pending_held_jobs_are_the_live_workers_jobs_nobody_took(node):
+    """What a wait for a run's uploads must also wait for: a save a live worker (maybe in
+    its teardown) still holds, not yet handed over. A dead worker's is the look's to take."""
+    mine = _held.hold(node, _job(os.getpid(), 5), b"root")
+    _held.hold(node, _job(dead_pid(), 9), None)
+    assert [(job.step, root) for job, root in _held.pending(node)] == [(5, b"root")]
+    _held.remove(mine, _job(os.getpid(), 5))  # handed over
+    assert _held.pending(node) == []
+
+
 def test_a_held_job_whose_pid_now_runs_a_later_process_is_taken_as_a_dead_workers(node):
     # Before: the live process under the pid kept the dead worker's save from ever being taken.
     _set_back(_held.hold(node, _job(os.getpid(), 3), None))

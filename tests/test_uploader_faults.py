@@ -405,6 +405,32 @@ def test_the_uploaders_wait_for_a_result_ends_at_its_bound(ray_cluster, s3_serve
     proxy.close()
 
 
+def test_the_wait_for_a_runs_uploads_also_waits_for_a_save_a_live_worker_still_holds(ray_cluster, tmp_path):
+    """A save made while its worker's connection to the uploader was being made is held in
+    a file until the worker hands it over (or, once it died, the uploader takes it). The
+    resume choice's wait asked only for the jobs in the uploader: a worker in its teardown
+    that still held a newer save let the choice settle on the commit before it."""
+    import pickle
+
+    from ray_goodput.checkpoint.uploader import _held
+    from ray_goodput.checkpoint.uploader._calls import start_node_uploader, wait_for_uploads
+    from ray_goodput.storage import resolve
+
+    node = _other_node(ray_cluster)
+    start_node_uploader(node)
+    wait_for(lambda: node in _services.find(KIND), timeout_s=120, what=f"the uploader on node {node}")
+    root = resolve(str(tmp_path / "run"))
+    job = SimpleNamespace(owner_pid=os.getpid(), key=f"held-{os.getpid()}-7", step=7, slots=(), arena_path="")
+    held = _held.hold(node, job, pickle.dumps(root))  # this process stands for the live worker
+    try:
+        assert wait_for_uploads(root, above=5, timeout_s=1.0) == {node: [7]}
+        assert wait_for_uploads(root, above=7, timeout_s=1.0) == {}  # not above the step asked for
+        threading.Timer(0.5, _held.remove, (held, job)).start()  # the worker hands it over
+        assert wait_for_uploads(root, above=5, timeout_s=30.0) == {}
+    finally:
+        _held.remove(held, job)
+
+
 def test_a_restart_resumes_from_the_save_a_dead_workers_uploader_was_still_uploading(ray_cluster, s3_server):
     """A CI run of the restart-fidelity test resumed attempt 2 from scratch while the killed
     attempt's uploader was still uploading step 4, which committed during that attempt's

@@ -346,10 +346,13 @@ class CheckpointUploader:
     def wait_uploads(self, root: str, above: int | None, timeout_s: float) -> list[int]:
         """Wait up to ``timeout_s`` for this node's jobs of storage root ``root`` (its
         ``root_key``) of steps above ``above`` (None: any step) to end, the held jobs of
-        dead workers taken first; the steps still in flight then (empty: none left)."""
-        self._take_orphans()
+        dead workers taken first; the steps still in flight then (empty: none left). A job
+        a live worker still holds (saved while its connection to this uploader was being
+        made; the worker may be in its teardown) is waited for too: it reaches this
+        uploader by its worker or, once the worker is dead, by the look for orphans."""
         deadline = time.monotonic() + timeout_s
         while True:
+            self._take_orphans()
             with self._lock:
                 open_ = [
                     t
@@ -359,10 +362,23 @@ class CheckpointUploader:
                     and t.job.root is not None
                     and root_key(t.job.root) == root
                 ]
+            held = self._held_steps(root, above)
             left = deadline - time.monotonic()
-            if not open_ or left <= 0:
-                return sorted({t.job.step for t in open_})
-            open_[0].done.wait(min(left, 0.5))
+            if (not open_ and not held) or left <= 0:
+                return sorted({t.job.step for t in open_} | held)
+            if open_:
+                open_[0].done.wait(min(left, 0.5))
+            else:
+                time.sleep(min(left, 0.1))
+
+    def _held_steps(self, root: str, above: int | None) -> set[int]:
+        """Steps of root ``root`` (a ``root_key``) above ``above`` that live workers of this
+        node still hold (``_held.pending``)."""
+        steps = set()
+        for job, loc in _held.pending(self.node_id):
+            if (above is None or job.step > above) and loc is not None and root_key(pickle.loads(loc)) == root:  # noqa: S301 - our own workers' file, in a directory only we can write
+                steps.add(job.step)
+        return steps
 
     # -- lifetime --
     def busy(self) -> bool:

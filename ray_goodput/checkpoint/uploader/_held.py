@@ -151,6 +151,28 @@ def orphans(node_id: str) -> list[tuple[Path, ShardJob, bytes | None]]:
     return sorted(out, key=lambda t: t[1].step)
 
 
+def pending(node_id: str) -> list[tuple[ShardJob, bytes | None]]:
+    """The held jobs of workers still alive that nobody has taken yet: saves that returned
+    and will reach the uploader (their worker hands them over, or the look for dead
+    workers' jobs takes them once it dies), each with its storage root, pickled."""
+    if not _ours():
+        return []
+    out = []
+    for path in held_dir(node_id).glob(f"*{_JOB}"):
+        holder = _holder(path.name)
+        if holder is None or not _alive(path, holder):
+            continue  # a dead worker's: the look for orphans takes it
+        try:
+            job, root = pickle.loads(path.read_bytes())  # noqa: S301 - written by our own workers, in a directory only we can write
+        except FileNotFoundError:  # handed over or taken meanwhile
+            continue
+        except Exception as exc:  # noqa: BLE001 - an unreadable file is the look's to report
+            logger.debug("cannot read the held job %s: %s", path, exc)
+            continue
+        out.append((job, root))
+    return out
+
+
 def _settle_claim(job: ShardJob, *, retaken: bool) -> bool:
     """Whether ``job``'s snapshot is still its own, for the uploader's claim before reading.
 
