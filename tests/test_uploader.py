@@ -18,7 +18,7 @@ import pytest
 import ray
 import torch
 
-from ray_goodput import Checkpointer
+from ray_goodput import Checkpointer, CheckpointError, list_checkpoints
 from ray_goodput.testing import wait_for
 from tests._helpers import stepped as _stepped
 
@@ -308,3 +308,47 @@ def test_a_job_whose_worker_claimed_it_reads_nothing_and_ends_superseded(tmp_pat
     assert not (tmp_path / "local").exists() and not (tmp_path / "root").exists()  # nothing written
     assert not claim_path(job.arena_path, job.key).exists()  # the uploader, last to look, dropped it
     arena.close()
+
+
+def test_a_hand_off_by_actor_call_that_timed_out_never_commits_bytes_saved_after_it(ray_local, tmp_path, monkeypatch):
+    # With the uploader's socket out of reach, a save hands its job over by an actor call
+    # bounded by _HANDOFF_TIMEOUT_S. When the call timed out the save failed and its arena
+    # went back to the worker, but the queued call still ran later: the uploader read the
+    # arena, which by then held a later save, and committed those bytes under the failed
+    # step. Here the uploader is stopped (SIGSTOP) while three saves time out, then runs on.
+    import contextlib
+    import signal
+
+    from ray_goodput.checkpoint.restore._export import export_torch_save
+    from ray_goodput.checkpoint.uploader import _client
+    from ray_goodput.checkpoint.uploader._actor import KIND, _actor_class
+    from ray_goodput.checkpoint.uploader._calls import wait_for_uploads
+    from ray_goodput.runtime import _services
+
+    node = _services.current_node_id()
+    uploader = _services.get_or_create(_actor_class(), KIND, node, node_id=node, max_concurrency=64)
+    os.unlink(ray.get(uploader.endpoint.remote(os.getpid(), None, "probe"), timeout=60))  # by actor calls
+    ray.get(uploader.unregister.remote(os.getpid(), "probe"), timeout=60)
+    pid = ray.get(uploader.__ray_call__.remote(lambda self: os.getpid()), timeout=60)
+    monkeypatch.setattr(_client, "_HANDOFF_TIMEOUT_S", 1.0)
+    model, root = torch.nn.Linear(64, 64), str(tmp_path / "r")
+    with Checkpointer(root, staging_dir=str(tmp_path / "s"), uploader="actor") as ckpt:
+        ckpt.save(1, {"model": model})
+        ckpt.wait()
+        assert ckpt._uploader._channel is None
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            for step in (10, 20, 30):
+                with torch.no_grad():
+                    model.weight.fill_(float(step))
+                ckpt.save(step, {"model": model})  # its hand-off times out: the save fails
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        with contextlib.suppress(CheckpointError):
+            ckpt.wait()
+        assert wait_for_uploads(root, above=1, timeout_s=60) == {}  # the late calls ran
+    committed = [i.step for i in list_checkpoints(root) if i.committed and i.step > 1]
+    for step in committed:  # a step that committed holds its own bytes
+        weight = torch.load(export_torch_save(root, step, tmp_path / f"{step}.pt"))["model"]["weight"]
+        assert torch.equal(weight, torch.full((64, 64), float(step))), (step, weight[0, 0].item())
+    _services.shutdown(KIND, drain_timeout_s=10)

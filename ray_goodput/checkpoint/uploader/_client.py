@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ray_goodput._lazy import LazyModule
+from ray_goodput.checkpoint.save._arena import claim
 from ray_goodput.checkpoint.save._handoff import Handoff
 from ray_goodput.checkpoint.uploader import _held
 from ray_goodput.checkpoint.uploader._actor import KIND, _actor_class
@@ -268,11 +269,34 @@ class ActorBackend:
                 f"could not hand step {light.step} to the node uploader: "
                 f"{type(exc).__name__}: {exc}; check it with 'ray-goodput status'"
             )
-            settle(handoff.released, None, None)
+            self._take_back(light, handoff)
             settle(handoff.durable, None, failure)
             return
         _chain(attempt.released, handoff.released)
         _chain(attempt.durable, handoff.durable)
+
+    def _take_back(self, light: ShardJob, handoff: Handoff) -> None:
+        """A hand-off that failed: the arena goes back to the worker only once its snapshot
+        is claimed, as a supersede claims it. A call that timed out can still run later in
+        the uploader, which then finds the claim and ends the job unread; without it, it
+        would read whatever the worker copied there since and commit it under this step.
+        When the uploader claimed it first (it began the job after all), the arena is
+        released when that job lets go of it."""
+        if not light.slots or claim(light.arena_path, light.key):
+            settle(handoff.released, None, None)
+            return
+        logger.warning(
+            "step %d's job reached the node uploader after its hand-off failed: the uploader writes it, and its "
+            "arena is reused once that job lets go of it",
+            light.step,
+        )
+        actor = self._actor
+        if actor is None:
+            return  # released by nobody: the arena pair's bounded wait raises if it needs it
+        try:
+            _chain(actor.wait_released.remote(light.key).future(), handoff.released)
+        except Exception as exc:  # noqa: BLE001 - the pair's bounded wait raises if it needs it
+            logger.warning("cannot learn when step %d's job lets go of its arena: %s", light.step, exc)
 
     def _send(self, actor: Any, light: ShardJob) -> Handoff:
         attempt = Handoff(released=Future(), durable=Future(), key=light.key)
