@@ -8,6 +8,7 @@ test_uploader.py."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -350,3 +351,54 @@ def test_a_dead_workers_arena_is_kept_while_a_job_of_it_waits_in_a_held_file_the
     unmark_held(waiting, "job-a")  # an uploader mapped it
     sweep_dead(tmp_path, other_runs=False)
     assert list(tmp_path.iterdir()) == []
+
+
+_FULL_SHM = """
+import sys
+from pathlib import Path
+import torch
+from ray_goodput.checkpoint.save._arena import Arena
+from ray_goodput.errors import CheckpointError
+
+small, disk = Path(sys.argv[1]), Path(sys.argv[2])
+state = {"w": torch.ones(2 << 20)}  # 8 MiB: more than the 4 MiB filesystem holds
+try:
+    Arena(small / "run" / "rank-00000-1-1-0.arena").snapshot(state)
+    print("no error")
+except CheckpointError as exc:
+    print("refused", "staging_dir" in str(exc))
+moved = Arena(small / "run" / "rank-00000-1-0-0.arena", fallback=disk / "run")
+slots = moved.snapshot(state)
+print("moved", moved.path.parent == disk / "run", slots[0].nbytes)
+"""
+
+
+def test_a_snapshot_arena_with_no_room_on_its_filesystem_moves_or_refuses_instead_of_killing_the_worker(tmp_path):
+    """Arenas were sparse files: each rank of a node found /dev/shm roomy enough, together
+    they were not, and the copy into a hole with no room behind it was a SIGBUS that killed
+    the training process. Here a 4 MiB tmpfs (mounted in a user namespace) stands for a
+    full /dev/shm: the arena moves to its fallback on disk, or, with none, the save gets
+    a CheckpointError naming the fix."""
+    import shutil
+    import subprocess
+    import sys
+
+    small, disk = tmp_path / "small", tmp_path / "disk"
+    small.mkdir()
+    script = tmp_path / "full_shm.py"
+    script.write_text(_FULL_SHM)
+    mount = f"mount -t tmpfs -o size=4m none {small} && exec {sys.executable} {script} {small} {disk}"
+    unshare = shutil.which("unshare")
+    probe = subprocess.run([unshare or "unshare", "--user", "--map-root-user", "--mount", "true"], capture_output=True)
+    if unshare is None or probe.returncode != 0:
+        pytest.skip(f"needs user namespaces to mount a small tmpfs (unshare: {probe.stderr.decode()[:200]})")
+    root = str(Path(__file__).resolve().parents[1])
+    done = subprocess.run(
+        [unshare, "--user", "--map-root-user", "--mount", "sh", "-c", mount],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": root},
+    )
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])  # -7 / 135: SIGBUS
+    assert done.stdout.split() == ["refused", "True", "moved", "True", str(8 << 20)], done.stdout

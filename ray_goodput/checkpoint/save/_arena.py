@@ -15,6 +15,7 @@ wait between the two processes.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import itertools
 import logging
@@ -29,6 +30,7 @@ import numpy as np
 import torch
 
 from ray_goodput._faults import fault_point
+from ray_goodput.errors import CheckpointError
 from ray_goodput.runtime import pid_alive
 
 logger = logging.getLogger(__name__)
@@ -270,8 +272,9 @@ class Arena:
     On CUDA the mapped file is registered as pinned host memory ahead of the first save
     (:meth:`prefault`), else at the first snapshot of a GPU tensor (and again after it grows)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, fallback: Path | None = None) -> None:
         self.path = path
+        self._fallback = fallback  # where it moves when the filesystem of ``path`` is full
         self._buf: torch.Tensor | None = None
         self.size = 0
         self.pinned = False
@@ -302,13 +305,45 @@ class Arena:
         return self._buf
 
     def _create(self, size: int) -> None:
-        """Make the file ``size`` bytes long, and its directory first: another run's sweep
-        removes an empty run directory (``sweep_dead``), so one found here may go before the
-        file is in it; it is made again once."""
+        """Make the file ``size`` bytes long, its space reserved.
+
+        Reserved, not sparse: a write through the mapping into a hole the filesystem has no
+        room for is a SIGBUS, which kills the training process (each rank of a node finds
+        /dev/shm roomy enough; together they may not fit). When it has no room the arena
+        moves to its ``fallback`` directory (the staging directory, on disk), and where
+        that has none either it is a CheckpointError naming the fix."""
+        try:
+            self._reserve(size)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            if self._fallback is None or self.path.parent == self._fallback:
+                raise CheckpointError(
+                    f"no room for a {size >> 20} MiB snapshot arena at {self.path} ({exc.strerror}): free "
+                    "space there, or give the Checkpointer a staging_dir on a disk with room"
+                ) from exc
+            logger.warning(
+                "no room for a %d MiB snapshot arena at %s (%s): it moves to %s",
+                size >> 20,
+                self.path,
+                exc.strerror,
+                self._fallback,
+            )
+            self.path.unlink(missing_ok=True)
+            self.path = self._fallback / self.path.name
+            self._create(size)
+
+    def _reserve(self, size: int) -> None:
+        """Grow the file to ``size`` bytes with its blocks allocated, and make its directory
+        first: another run's sweep removes an empty run directory (``sweep_dead``), so one
+        found here may go before the file is in it; it is made again once."""
         for last in (False, True):
             self.path.parent.mkdir(parents=True, exist_ok=True)
             try:
                 with open(self.path, "ab") as f:
+                    old = os.fstat(f.fileno()).st_size
+                    if size > old:
+                        os.posix_fallocate(f.fileno(), old, size - old)
                     f.truncate(size)
                 return
             except FileNotFoundError:

@@ -153,7 +153,8 @@ class ArenaPair:
     def _new(self, need_bytes: int) -> list[Arena]:
         base = pick_dir(self._staging, 2 * need_bytes) / self._run_key
         sweep_dead(base)
-        return [Arena(base / name) for name in arena_names(self._rank)]
+        fallback = self._staging / self._run_key  # when /dev/shm fills up with the other ranks'
+        return [Arena(base / name, fallback) for name in arena_names(self._rank)]
 
     def close(self) -> None:
         """Unlink both arenas (jobs that accepted a snapshot keep their own mapping). One
