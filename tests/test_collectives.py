@@ -182,3 +182,38 @@ def test_a_rank_agreeing_while_another_gathers_raises_on_both_instead_of_hanging
     same header, so ranks at different calls raise alike."""
     out = run_world(_agree_against_a_gather, 2, timeout_s=120)
     assert all("different checkpoint collectives (agree, owner plan)" in text for text in out), out
+
+
+def _capture_fails_on_rank_1_at_the_first_save(rank: int, world_size: int, root: str, staging: str) -> str:
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.stateful import Stateful
+
+    class Counter(Stateful):
+        def state_dict(self) -> dict:
+            if rank == 1:
+                raise RuntimeError("out of memory on rank 1")
+            return {"n": 1}
+
+        def load_state_dict(self, state_dict: dict) -> None:
+            pass
+
+    with Checkpointer(root, staging_dir=f"{staging}/{rank}", uploader="thread") as ckpt:
+        ckpt.save(1, {"model": torch.nn.Linear(4, 4), "counter": Counter()})
+        dist.all_reduce(torch.ones(1000))  # the next training step's collective
+        try:
+            ckpt.wait()
+        except CheckpointError as exc:
+            return str(exc)
+    return "no error"
+
+
+def test_a_capture_that_fails_on_one_rank_at_the_first_save_fails_that_save_on_every_rank(tmp_path):
+    """The first save exchanges the owner plan; a rank whose capture raised (an OOM while
+    DCP makes up an unstepped optimizer's state, a Stateful failing there) skipped the
+    exchange and went on training, so the others' exchange met its next training
+    collective: a gloo size mismatch here, a hang or worse under NCCL. It now enters the
+    exchange with its error, and the save fails on every rank."""
+    out = run_world(
+        _capture_fails_on_rank_1_at_the_first_save, 2, str(tmp_path / "r"), str(tmp_path / "s"), timeout_s=120
+    )
+    assert all("out of memory on rank 1" in text for text in out), out

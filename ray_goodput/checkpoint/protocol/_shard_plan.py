@@ -24,6 +24,8 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from ray_goodput.errors import CheckpointError
+
 # Leaf kinds
 SHARD = "shard"  # a chunk of a DTensor: every rank writes its own chunk
 REPLICATED = "tensor"  # a full tensor present on several ranks: one owner writes it
@@ -109,6 +111,13 @@ def local_keys(leaves: dict[str, Leaf], owners: dict[str, int], rank: int) -> li
 
 
 @dataclass(frozen=True)
+class _Failed:
+    """What a rank whose capture failed sends to the plan's exchange."""
+
+    error: str
+
+
+@dataclass(frozen=True)
 class Share:
     """What one rank writes of one save."""
 
@@ -126,17 +135,34 @@ class OwnerPlan:
     own rule that ranks save alike; a rank re-planning alone meets the others' next sync,
     and every rank raises instead of hanging)."""
 
-    def __init__(self, rank: int, gather: Callable[[dict[str, Leaf]], list[dict[str, Leaf]]]) -> None:
+    def __init__(self, rank: int, gather: Callable[[Any], list[Any]]) -> None:
         self._rank = rank
         self._gather = gather
         self._cached: tuple[int, dict[str, int]] | None = None  # (structure signature, owners)
+
+    @property
+    def exchanges_next(self) -> bool:
+        """Whether the next save exchanges the plan on every rank (no plan yet: the first
+        save, or the one after a failed exchange), whatever its state."""
+        return self._cached is None
+
+    def fail_exchange(self, error: BaseException) -> None:
+        """This rank could not capture its state at a save where every rank exchanges its
+        plan: it enters the exchange with its error, so that the other ranks raise it too
+        instead of waiting in the exchange for this rank's next collective."""
+        self._gather(_Failed(f"{type(error).__name__}: {error}"))
 
     def share(self, flat: dict[str, Any]) -> Share:
         """This rank's share of the flat state dict ``flat`` (values are not copied)."""
         leaves = {fqn: describe(value) for fqn, value in flat.items()}
         sig = signature(leaves)
         if self._cached is None or self._cached[0] != sig:
-            self._cached = (sig, assign_owners(self._gather(leaves)))
+            gathered = self._gather(leaves)
+            failed = [(rank, g) for rank, g in enumerate(gathered) if isinstance(g, _Failed)]
+            if failed:
+                rank, g = failed[0]
+                raise CheckpointError(f"rank {rank} could not capture its state for this save: {g.error}")
+            self._cached = (sig, assign_owners(gathered))
         mine = {fqn: leaves[fqn] for fqn in local_keys(leaves, self._cached[1], self._rank)}
         tensors: dict[str, torch.Tensor] = {}
         objects: dict[str, bytes] = {}

@@ -46,7 +46,12 @@ class Snapshotter:
         ``step_of`` tells the pair which waiting save to supersede to free an arena.
         Collective only when the state's structure changed (see ``OwnerPlan``)."""
         self._arenas.stop_watching_steps()  # the capture's made-up steps are not the optimizers' first
-        captured = _state_dict.capture(state)
+        try:
+            captured = _state_dict.capture(state)
+        except Exception as exc:
+            if self._plan.exchanges_next:  # the others wait in the plan's exchange: they raise too
+                self._plan.fail_exchange(exc)
+            raise
         share = self._plan.share(captured.flat)
         index, arena = self._arenas.take(share.nbytes, step_of=step_of)
         slots = arena.snapshot(share.tensors)
