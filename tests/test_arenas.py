@@ -402,3 +402,36 @@ def test_a_snapshot_arena_with_no_room_on_its_filesystem_moves_or_refuses_instea
     )
     assert done.returncode == 0, (done.returncode, done.stderr[-2000:])  # -7 / 135: SIGBUS
     assert done.stdout.split() == ["refused", "True", "moved", "True", str(8 << 20)], done.stdout
+
+
+def test_a_save_supersedes_the_newer_held_snapshot_even_when_its_save_was_already_settled_failed(tmp_path, monkeypatch):
+    """Both arenas held: the older job running (the uploader claimed its snapshot), the
+    newer one waiting. The pair took the newer by its step among the saves still pending;
+    one already agreed failed and dropped from them had no step, so the pair claimed the
+    running job's snapshot, which always fails, and waited for its release (600 s by
+    default). The newer is the one handed over last, whatever its save's fate."""
+    from concurrent.futures import Future
+
+    from ray_goodput.checkpoint.save import _arena_pair
+    from ray_goodput.checkpoint.save._arena import claim
+    from ray_goodput.checkpoint.save._arena_pair import ArenaPair
+    from ray_goodput.checkpoint.save._handoff import Handoff
+    from ray_goodput.errors import CheckpointError
+
+    monkeypatch.setattr(_arena_pair, "_ARENA_WAIT_S", 2.0)
+    pair = ArenaPair(tmp_path / "staging", "run", 0, 1)
+    handoffs = []
+    for key in ("job-10", "job-20"):
+        index, arena = pair.take(1024, step_of=lambda h: -1)
+        arena.snapshot({"w": torch.ones(256)})
+        handoffs.append(Handoff(released=Future(), durable=Future(), key=key))
+        pair.hold(index, handoffs[-1])
+    running = pair.arenas[0]
+    assert claim(running.path, "job-10")  # the uploader began the older job
+    steps = {id(handoffs[0]): 10}  # the newer save was agreed failed: no longer pending
+    try:
+        index, _ = pair.take(1024, step_of=lambda h: steps.get(id(h), -1))
+    except CheckpointError as exc:
+        pytest.fail(f"the save waited for the running job's arena: {exc}")
+    assert index == 1
+    pair.close()

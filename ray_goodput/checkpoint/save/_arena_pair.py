@@ -15,6 +15,7 @@ page's first touch on the training thread.
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import threading
 from collections.abc import Callable
@@ -46,6 +47,8 @@ class ArenaPair:
         self._rank, self._world_size = rank, world_size
         self.arenas: list[Arena] = []  # none until sized (by a save, or ahead of the first)
         self._holders: list[Handoff | None] = [None, None]
+        self._order = [0, 0]  # when each arena's holder was handed over (the newer: higher)
+        self._handed = itertools.count(1)
         self._preparing: dict[int, threading.Thread] = {}  # arenas being touched (pinned) ahead of use
         self._touched: set[int] = set()  # arenas touched ahead, or by a snapshot
         self._first_steps: list[Any] = []  # hooks that size arena 0 after a fresh start's first step
@@ -111,9 +114,10 @@ class ArenaPair:
     # -- a save --
     def take(self, need_bytes: int, *, step_of: Callable[[Handoff], int]) -> tuple[int, Arena]:
         """``(index, arena)`` of an arena no job holds, for ``need_bytes``. When both are
-        held (one being written, one waiting), the waiting job (the newer by ``step_of``)
-        is superseded by claiming its snapshot before the uploader starts reading it; its
-        arena is free at once. Only when the uploader claimed it first (it started: the
+        held (one being written, one waiting), the waiting job (the one handed over last,
+        whatever its save's fate; ``step_of`` names its step in the log) is superseded by
+        claiming its snapshot before the uploader starts reading it; its arena is free at
+        once. Only when the uploader claimed it first (it started: the
         older job has ended) does this wait, for the older arena's release, already sent
         (bounded)."""
         index = self._pick(need_bytes, step_of)
@@ -127,7 +131,7 @@ class ArenaPair:
         free = [i for i, h in enumerate(self._holders) if h is None or h.released.done()]
         if free:
             return free[0]
-        newer = max((0, 1), key=lambda i: step_of(self._holders[i]))
+        newer = max((0, 1), key=lambda i: self._order[i])
         if claim(self.arenas[newer].path, self._holders[newer].key):
             logger.info(
                 "superseding the waiting save of step %d: a newer save came before it started",
@@ -146,6 +150,7 @@ class ArenaPair:
         """Arena ``index`` is the job's until ``handoff.released``; the other arena, never
         used yet, is touched (and pinned like this one) in the background."""
         self._holders[index] = handoff
+        self._order[index] = next(self._handed)
         other, used = 1 - index, self.arenas[index]
         if other not in self._touched and not self._closed:
             self._prefault(other, used.size, used.device if used.pinned else None)
