@@ -85,6 +85,36 @@ def test_a_save_retrying_through_an_outage_gives_way_to_a_newer_save(proxied, tm
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))
 
 
+def test_leaving_the_with_block_on_an_error_during_an_outage_does_not_wait_out_the_saves_retries(proxied, tmp_path):
+    """The in-process (thread) uploader's close waited for its lane's running job, which
+    retries an outage for its whole budget (600 s at least): leaving ``with Checkpointer``
+    on an error, meant to release and re-raise, blocked for that long. The job retrying
+    the outage now gives up at its next round once the Checkpointer closes."""
+    uri, proxy = proxied
+    model, left = _model(), []
+
+    def train() -> None:
+        try:
+            with Checkpointer(uri, staging_dir=str(tmp_path / "s"), retry=SHORT, uploader="thread") as ckpt:
+                ckpt.save(1, {"model": model})
+                ckpt.wait()
+                proxy.outage(600.0)
+                ckpt.save(2, {"model": model})
+                deadline = time.monotonic() + 10.0
+                while proxy.counts["failed"] <= SHORT.attempts and time.monotonic() < deadline:
+                    time.sleep(0.05)  # step 2's upload is retrying through the outage
+                raise RuntimeError("the training loop failed")
+        except RuntimeError:
+            left.append(time.monotonic())
+
+    worker = threading.Thread(target=train, daemon=True)
+    worker.start()
+    worker.join(60)
+    proxy.outage(0.0)
+    assert not worker.is_alive() and left, "leaving the with block waited for the save's outage retries"
+    assert _committed(uri) == [1]
+
+
 def test_an_outage_longer_than_the_recovery_point_bound_raises_naming_age_storage_and_error(proxied, tmp_path):
     uri, proxy = proxied
     model = _model()

@@ -115,6 +115,7 @@ class RankLane:
         self._policy = policy or RetryPolicy()  # for jobs that carry none
         self._lock = threading.Lock()
         self._waiting: Ticket | None = None
+        self._stopping = False  # shut down with stop: the job retrying an outage gives up
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="rg-lane")
 
     def submit(self, ticket: Ticket) -> None:
@@ -133,8 +134,19 @@ class RankLane:
             ticket.run(concurrency=job.concurrency, policy=job.retry or self._policy, newer=self._has_waiting)
 
     def _has_waiting(self) -> bool:
+        """What a job retrying a storage outage asks between rounds: a newer save waits (it
+        gives way to it), or the lane stops (it gives up)."""
         with self._lock:
-            return self._waiting is not None
+            return self._waiting is not None or self._stopping
 
-    def shutdown(self, wait: bool = True) -> None:
+    def shutdown(self, wait: bool = True, *, stop: bool = False) -> None:
+        """Stop taking tickets; ``wait``: until the running job ended. ``stop``: the waiting
+        ticket is dropped (superseded) and a job retrying a storage outage gives up at its
+        next round, so that the wait is not the job's whole retry budget."""
+        if stop:
+            with self._lock:
+                self._stopping = True
+                waiting, self._waiting = self._waiting, None
+            if waiting is not None:
+                waiting.supersede(by="the lane's shutdown")
         self._pool.shutdown(wait=wait)
