@@ -357,11 +357,11 @@ _FULL_SHM = """
 import sys
 from pathlib import Path
 import torch
-from ray_goodput.checkpoint.save._arena import Arena
+from ray_goodput.checkpoint.save._arena import Arena, open_slots
 from ray_goodput.errors import CheckpointError
 
-small, disk = Path(sys.argv[1]), Path(sys.argv[2])
-state = {"w": torch.ones(2 << 20)}  # 8 MiB: more than the 4 MiB filesystem holds
+small, full, disk, ram = (Path(a) for a in sys.argv[1:5])
+state = {"w": torch.ones(2 << 20)}  # 8 MiB: more than a 4 MiB filesystem holds
 try:
     Arena(small / "run" / "rank-00000-1-1-0.arena").snapshot(state)
     print("no error")
@@ -370,6 +370,22 @@ except CheckpointError as exc:
 moved = Arena(small / "run" / "rank-00000-1-0-0.arena", fallback=disk / "run")
 slots = moved.snapshot(state)
 print("moved", moved.path.parent == disk / "run", slots[0].nbytes)
+# A move whose fallback is full too: the next (smaller) snapshot must not go into the old,
+# unlinked mapping while the job reads a new, empty file (which was read as zeros).
+stuck = Arena(small / "run" / "rank-00000-1-2-0.arena", fallback=full / "run")
+stuck.snapshot({"w": torch.full((1 << 18,), 7.0)})  # 1 MiB fits in /dev/shm
+try:
+    stuck.snapshot(state)
+    print("no error")
+except CheckpointError:
+    print("refused-both")
+slots = stuck.snapshot({"w": torch.full((1 << 18,), 7.0)})
+print("read", open_slots(stuck.path, slots)["w"][:2].tolist() == [7.0, 7.0])
+# ramfs cannot allocate ahead (nor can NFS before 4.2, ZFS before 2.2, FUSE): the arena
+# stays sparse there, and saves work (glibc's emulation failed on an appending file).
+on_ram = Arena(ram / "run" / "rank-00000-1-3-0.arena")
+slots = on_ram.snapshot({"w": torch.full((1 << 18,), 3.0)})
+print("ramfs", open_slots(on_ram.path, slots)["w"][:1].tolist() == [3.0])
 """
 
 
@@ -378,16 +394,22 @@ def test_a_snapshot_arena_with_no_room_on_its_filesystem_moves_or_refuses_instea
     they were not, and the copy into a hole with no room behind it was a SIGBUS that killed
     the training process. Here a 4 MiB tmpfs (mounted in a user namespace) stands for a
     full /dev/shm: the arena moves to its fallback on disk, or, with none, the save gets
-    a CheckpointError naming the fix."""
+    a CheckpointError naming the fix. A move whose fallback is full too leaves no mapping
+    of the old file behind: a later snapshot was copied there while its job read a new,
+    empty file, and zeros were committed."""
     import shutil
     import subprocess
     import sys
 
-    small, disk = tmp_path / "small", tmp_path / "disk"
-    small.mkdir()
+    small, full, disk, ram = tmp_path / "small", tmp_path / "full", tmp_path / "disk", tmp_path / "ram"
+    for d in (small, full, ram):
+        d.mkdir()
     script = tmp_path / "full_shm.py"
     script.write_text(_FULL_SHM)
-    mount = f"mount -t tmpfs -o size=4m none {small} && exec {sys.executable} {script} {small} {disk}"
+    mount = (
+        f"mount -t tmpfs -o size=4m none {small} && mount -t tmpfs -o size=4m none {full} && "
+        f"mount -t ramfs none {ram} && exec {sys.executable} {script} {small} {full} {disk} {ram}"
+    )
     unshare = shutil.which("unshare")
     probe = subprocess.run([unshare or "unshare", "--user", "--map-root-user", "--mount", "true"], capture_output=True)
     if unshare is None or probe.returncode != 0:
@@ -401,7 +423,8 @@ def test_a_snapshot_arena_with_no_room_on_its_filesystem_moves_or_refuses_instea
         env={**os.environ, "PYTHONPATH": root},
     )
     assert done.returncode == 0, (done.returncode, done.stderr[-2000:])  # -7 / 135: SIGBUS
-    assert done.stdout.split() == ["refused", "True", "moved", "True", str(8 << 20)], done.stdout
+    expected = ["refused", "True", "moved", "True", str(8 << 20), "refused-both", "read", "True", "ramfs", "True"]
+    assert done.stdout.split() == expected, done.stdout
 
 
 def test_a_save_supersedes_the_newer_held_snapshot_even_when_its_save_was_already_settled_failed(tmp_path, monkeypatch):

@@ -15,7 +15,9 @@ wait between the two processes.
 
 from __future__ import annotations
 
+import ctypes
 import errno
+import functools
 import hashlib
 import itertools
 import logging
@@ -25,6 +27,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -305,13 +308,14 @@ class Arena:
         return self._buf
 
     def _create(self, size: int) -> None:
-        """Make the file ``size`` bytes long, its space reserved.
+        """Make the file ``size`` bytes long, its blocks allocated where the filesystem can
+        (tmpfs, ext4, xfs, btrfs; others leave it sparse).
 
-        Reserved, not sparse: a write through the mapping into a hole the filesystem has no
-        room for is a SIGBUS, which kills the training process (each rank of a node finds
-        /dev/shm roomy enough; together they may not fit). When it has no room the arena
-        moves to its ``fallback`` directory (the staging directory, on disk), and where
-        that has none either it is a CheckpointError naming the fix."""
+        Allocated, not sparse: a write through the mapping into a hole the filesystem has
+        no room for is a SIGBUS, which kills the training process, and each rank of a node
+        finds /dev/shm roomy enough alone while together they may not fit. When it has no
+        room the arena moves to its ``fallback`` directory (the staging directory, on
+        disk), and where that has none either it is a CheckpointError naming the fix."""
         try:
             self._reserve(size)
         except OSError as exc:
@@ -329,26 +333,38 @@ class Arena:
                 exc.strerror,
                 self._fallback,
             )
+            # The old file and its mapping go first: nothing may copy into them again.
+            self._unpin()
+            self._buf, self.size = None, 0
             self.path.unlink(missing_ok=True)
             self.path = self._fallback / self.path.name
-            self._create(size)
+            try:
+                self._create(size)
+            except BaseException:
+                self.path.unlink(missing_ok=True)  # the next save makes it again
+                raise
 
     def _reserve(self, size: int) -> None:
-        """Grow the file to ``size`` bytes with its blocks allocated, and make its directory
-        first: another run's sweep removes an empty run directory (``sweep_dead``), so one
-        found here may go before the file is in it; it is made again once."""
+        """Grow the file to ``size`` bytes, its blocks allocated, and make its
+        directory first: another run's sweep removes an empty run directory
+        (``sweep_dead``), so one found here may go before the file is in it; it is made
+        again once."""
         for last in (False, True):
             self.path.parent.mkdir(parents=True, exist_ok=True)
             try:
-                with open(self.path, "ab") as f:
-                    old = os.fstat(f.fileno()).st_size
-                    if size > old:
-                        os.posix_fallocate(f.fileno(), old, size - old)
-                    f.truncate(size)
-                return
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
             except FileNotFoundError:
                 if last:
                     raise
+                continue
+            try:
+                old = os.fstat(fd).st_size
+                if size > old:
+                    _allocate(fd, old, size - old)
+                os.ftruncate(fd, max(size, old))
+            finally:
+                os.close(fd)
+            return
 
     def prefault(self, size: int, device: torch.device | None = None) -> None:
         """Map ``size`` bytes and touch each page, and pin them for CUDA ``device`` (when
@@ -397,6 +413,35 @@ class Arena:
             pass
 
 
+@functools.cache
+def _fallocate() -> Any:
+    """libc's ``fallocate(2)``, or None. Not ``os.posix_fallocate``: where the filesystem
+    cannot allocate ahead (NFS before 4.2, ZFS before 2.2, FUSE) glibc emulates it by
+    writing a byte into every block (millions of writes per GiB, on the save path), and
+    fails on a file opened for appending."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        call = libc.fallocate
+    except (OSError, AttributeError):  # not Linux
+        return None
+    call.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    call.restype = ctypes.c_int
+    return call
+
+
+def _allocate(fd: int, offset: int, length: int) -> None:
+    """Allocate the file's blocks (OSError ENOSPC when the filesystem has no room for
+    them); left sparse where the filesystem cannot allocate ahead."""
+    call = _fallocate()
+    if call is None or call(fd, 0, offset, length) == 0:
+        return
+    err = ctypes.get_errno()
+    if err in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+        logger.debug("cannot allocate a snapshot arena's blocks ahead (%s): it stays sparse", os.strerror(err))
+        return
+    raise OSError(err, os.strerror(err))
+
+
 def open_slots(path: str | os.PathLike, slots: list[TensorSlot]) -> dict[str, torch.Tensor]:
     """Reader side: tensors over the arena (no copy). Keep the file until done.
 
@@ -405,6 +450,8 @@ def open_slots(path: str | os.PathLike, slots: list[TensorSlot]) -> dict[str, to
     ``torch.save`` does not write the rest), and that clone into fresh memory cost more
     than the write itself (page faults on every page of the fresh memory)."""
     size = max((s.offset + s.nbytes for s in slots), default=0)
+    if os.stat(path).st_size < size:  # mapped "r+", a short file would be extended with zeros
+        raise CheckpointError(f"the snapshot arena {path} is shorter than its snapshot ({size} bytes)")
     mm = np.memmap(Path(path), dtype=np.uint8, mode="r+", shape=(max(size, 1),))
     return {s.fqn: _own_storage(mm, s) for s in slots}
 

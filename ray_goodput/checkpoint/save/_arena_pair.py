@@ -157,8 +157,9 @@ class ArenaPair:
 
     def _new(self, need_bytes: int) -> list[Arena]:
         base = pick_dir(self._staging, 2 * need_bytes) / self._run_key
-        sweep_dead(base)
         fallback = self._staging / self._run_key  # when /dev/shm fills up with the other ranks'
+        for directory in {base, fallback}:  # a dead worker's arena may have moved there
+            sweep_dead(directory)
         return [Arena(base / name, fallback) for name in arena_names(self._rank)]
 
     def close(self) -> None:
