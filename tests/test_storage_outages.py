@@ -115,6 +115,21 @@ def test_leaving_the_with_block_on_an_error_during_an_outage_does_not_wait_out_t
     assert _committed(uri) == [1]
 
 
+def test_leaving_the_with_block_on_an_error_with_storage_up_still_commits_the_waiting_save(proxied, tmp_path):
+    """Stopping the lanes at close dropped the waiting save too: an unrelated error in the
+    loop (a NaN, a data error) threw away the newest save, which would have committed
+    seconds later, and the restart resumed from an older step."""
+    uri, proxy = proxied
+    model = _model()
+    proxy.latency_s = 0.5  # uploads take a while: step 2 waits behind step 1
+    with pytest.raises(RuntimeError), Checkpointer(uri, staging_dir=str(tmp_path / "s"), uploader="thread") as ckpt:
+        ckpt.save(1, {"model": model})
+        ckpt.save(2, {"model": model})
+        raise RuntimeError("the training loop failed")
+    proxy.latency_s = 0.0
+    assert _committed(uri) == [1, 2]
+
+
 def test_an_outage_longer_than_the_recovery_point_bound_raises_naming_age_storage_and_error(proxied, tmp_path):
     uri, proxy = proxied
     model = _model()

@@ -140,13 +140,10 @@ class RankLane:
             return self._waiting is not None or self._stopping
 
     def shutdown(self, wait: bool = True, *, stop: bool = False) -> None:
-        """Stop taking tickets; ``wait``: until the running job ended. ``stop``: the waiting
-        ticket is dropped (superseded) and a job retrying a storage outage gives up at its
-        next round, so that the wait is not the job's whole retry budget."""
+        """Stop taking tickets; ``wait``: until the running job and the waiting one ended.
+        ``stop``: a job retrying a storage outage gives up at its next round, so that the
+        wait is not its whole retry budget (a healthy storage's saves still commit)."""
         if stop:
             with self._lock:
                 self._stopping = True
-                waiting, self._waiting = self._waiting, None
-            if waiting is not None:
-                waiting.supersede(by="the lane's shutdown")
         self._pool.shutdown(wait=wait)

@@ -34,6 +34,6 @@ class ThreadBackend:
     def close(self) -> None:
         """Called once the Checkpointer waited for its saves (bounded): a job still retrying
         a storage outage gives up at its next round instead of holding the caller for its
-        whole retry budget (it would die with this process anyway)."""
+        whole retry budget (it would die with this process anyway); the others finish."""
         for lane in self._lanes.values():
             lane.shutdown(wait=True, stop=True)
