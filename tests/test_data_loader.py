@@ -515,7 +515,7 @@ def test_a_files_cache_identity_names_its_endpoint_and_host_not_only_the_scheme(
     assert lists[0].cache_id() != lists[1].cache_id()
 
 
-def test_a_parquet_row_group_that_does_not_decode_is_bad_data_at_once_not_a_storage_error_retried(tmp_path):
+def test_parquet_that_does_not_decode_is_bad_data_at_once_not_a_storage_error_retried(tmp_path):
     """pyarrow raises OSError for a damaged page header too ("Couldn't deserialize
     thrift"): retried as storage, a damaged file took every retry, then every restart
     Recovery gave it, and was named a storage failure. Only the file's reads are retried."""
@@ -534,3 +534,16 @@ def test_a_parquet_row_group_that_does_not_decode_is_bad_data_at_once_not_a_stor
     with pytest.raises(DataError, match="row group 0"):
         ds[0]
     assert time.monotonic() - began < 1.0  # no retry waited
+    # A footer that does not decode is bad data too, found when the dataset is made.
+    footer = tmp_path / "f" / "a.parquet"
+    footer.parent.mkdir()
+    pq.write_table(pa.table({"id": list(range(100))}), footer)
+    raw = bytearray(footer.read_bytes())
+    begins = len(raw) - 8 - int.from_bytes(raw[-8:-4], "little")  # the footer: thrift, length, PAR1
+    for k in range(begins, begins + 16):
+        raw[k] ^= 0xFF
+    footer.write_bytes(bytes(raw))
+    began = time.monotonic()
+    with pytest.raises(DataError, match="not a readable Parquet file"):
+        ParquetDataset(str(footer.parent), cache=None, retry=RetryPolicy(attempts=6, initial_delay=1.0, max_delay=1.0))
+    assert time.monotonic() - began < 1.0

@@ -17,7 +17,7 @@ from ray_goodput.data._config import CacheConfig
 from ray_goodput.data._datasets import _DEFAULT_CACHE, CachedDataset
 from ray_goodput.data._order import block_permutation
 from ray_goodput.data._sources import FileSet, resolve_source
-from ray_goodput.errors import DataError, StorageError
+from ray_goodput.errors import DataError
 from ray_goodput.storage import RetryPolicy
 
 logger = logging.getLogger(__name__)
@@ -30,18 +30,18 @@ def _row_groups(files: FileSet, policy: RetryPolicy) -> list[list[int]]:
     def one(i: int) -> list[int]:
         def _meta() -> list[int]:
             with files.fs.open_input_file(files.paths[i]) as f:
-                md = pq.ParquetFile(f).metadata
+                try:
+                    md = pq.ParquetFile(_Transport(f)).metadata
+                except _TransportError:
+                    raise  # storage: retried
+                except Exception as exc:  # the bytes came, and are not Parquet (a damaged footer too)
+                    raise DataError(
+                        f"{files.uri(i)} is not a readable Parquet file: {type(exc).__name__}: {exc}; "
+                        "remove it or filter with suffixes="
+                    ) from exc
                 return [md.row_group(g).num_rows for g in range(md.num_row_groups)]
 
-        try:
-            return policy.call(f"read of the Parquet footer of {files.uri(i)}", _meta)
-        except StorageError as exc:
-            if isinstance(exc.__cause__, pa.ArrowInvalid):  # readable, but not Parquet
-                raise DataError(
-                    f"{files.uri(i)} is not a readable Parquet file: "
-                    f"{exc.__cause__}; remove it or filter with suffixes="
-                ) from exc
-            raise
+        return policy.call(f"read of the Parquet footer of {files.uri(i)}", _meta)
 
     with ThreadPoolExecutor(16, thread_name_prefix="rg-parquet") as pool:
         return list(pool.map(one, range(len(files.paths))))
