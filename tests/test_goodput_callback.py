@@ -229,8 +229,17 @@ def test_one_failure_polled_many_times_is_one_failure_in_the_ledger_and_mlflow(t
     cb.after_exception(ctx, {0: RuntimeError("a third failure")})
     assert cb.refresh(ctx).failures == 3
     # A preemption Ray decides on although no poll showed an error (the draining node's
-    # worker still ran) is a failure too.
+    # worker still ran) is a failure too; one whose group finished within its grace is not.
+    from ray.train.v2._internal.execution.failure_handling import FailureDecision
+
+    notice = SimpleNamespace(errors={}, get_preemption_info=lambda: "node-A")
     hooks.on_controller_start_worker_group(scaling_config=None, num_workers=2)
     for _ in range(3):
-        hooks.after_worker_group_poll_status(SimpleNamespace(errors={}, get_preemption_info=lambda: "node-A"))
+        hooks.after_worker_group_poll_status(notice)
+    assert cb.refresh(ctx).failures == 3  # not yet: Ray has not decided
+    hooks.before_controller_execute_failure_decision(FailureDecision.RETRY)
+    assert cb.refresh(ctx).failures == 4
+    hooks.on_controller_start_worker_group(scaling_config=None, num_workers=2)
+    hooks.after_worker_group_poll_status(notice)
+    hooks.after_controller_finish(SimpleNamespace(error=None))  # it finished within the grace period
     assert cb.refresh(ctx).failures == 4

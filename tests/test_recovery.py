@@ -754,8 +754,19 @@ def test_a_preemption_that_ray_decides_on_with_no_error_in_any_poll_is_still_cha
     for _ in range(3):
         rec.after_worker_group_poll_status(draining)
     rec.before_controller_execute_failure_decision(FailureDecision.RETRY)
+    # In the next attempt a node is again being preempted, but a worker on another node
+    # fails on its own meanwhile: Ray fails fast on that worker group error, charged to
+    # max_failures, and that worker's node counts it.
+    rec.on_controller_start_worker_group(scaling_config=ScalingConfig(num_workers=2), num_workers=2)
+    rec._rank_nodes = {0: "node-A", 1: "node-B"}
+    rec.after_worker_group_poll_status(draining)
+    failing = SimpleNamespace(errors={1: RuntimeError("a bug")}, get_preemption_info=lambda: "node-A drains")
+    failing.has_preempted_worker = lambda: False
+    rec.after_worker_group_poll_status(failing)
+    rec.before_controller_execute_failure_decision(FailureDecision.RETRY)
     rec.after_controller_finish(None)
-    assert load_state(str(tmp_path))["failures_charged"] == {"max_failures": 0, "max_preemption_failures": 1}
+    assert load_state(str(tmp_path))["failures_charged"] == {"max_failures": 1, "max_preemption_failures": 1}
+    assert rec.ledger.failures == {"node-B": 1}
 
 
 def test_the_record_counts_each_failure_against_the_ray_budget_it_uses(tmp_path):

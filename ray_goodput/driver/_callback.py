@@ -298,20 +298,29 @@ class GoodputControllerHooks(ControllerCallback, WorkerGroupCallback, ReplicaGro
         self.goodput = goodput
         self._refresher: threading.Thread | None = None
         self._next_refresh = 0.0  # time.monotonic() of the next one
+        self._preemption: str | None = None  # a poll's notice of a node being preempted
 
     def after_controller_start(self, train_run_context: Any) -> None:
         self.goodput.controller_started(train_run_context)
 
     def on_controller_start_worker_group(self, *, scaling_config: Any, num_workers: int) -> None:
+        self._preemption = None
         self.goodput.group_started()
 
+    def before_controller_execute_failure_decision(self, failure_decision: Any) -> None:
+        """A preemption Ray decided on is a failure, also when no poll showed an error."""
+        preemption, self._preemption = self._preemption, None
+        if preemption is not None and self.goodput.run_context is not None:
+            self.goodput.failed(preemption)
+
     def after_replica_group_start(self, replica_group: Any) -> None:
+        self._preemption = None
         self.goodput.group_started()
 
     def after_worker_group_poll_status(self, worker_group_status: Any) -> None:
         info = preemption_info(worker_group_status)
-        if info is not None and self.goodput.run_context is not None:
-            self.goodput.failed(f"a node of the worker group is being preempted: {info}")
+        if info is not None:  # counted at Ray's decision: the group may finish within its grace
+            self._preemption = f"a node of the worker group was preempted: {info}"
         ctx = self.goodput.run_context
         now = time.monotonic()
         if ctx is None or now < self._next_refresh or (self._refresher is not None and self._refresher.is_alive()):

@@ -82,6 +82,12 @@ def _preempted(exc: BaseException) -> bool:
     return any(getattr(e, "preempted", False) for e in unwrap(exc))
 
 
+def _has_preempted_worker(worker_group_status: Any) -> bool:
+    """Whether Ray's poll counts a worker as preempted (its errors are then collateral)."""
+    check = getattr(worker_group_status, "has_preempted_worker", None)
+    return bool(check()) if check is not None else False
+
+
 def preemption_info(worker_group_status: Any) -> Any:
     """What Ray's poll says of a node being preempted (None: none is)."""
     getter = getattr(worker_group_status, "get_preemption_info", None)
@@ -192,6 +198,8 @@ class Recovery(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):
         self._unhealthy_short = 0  # starts in a row whose unhealthy nodes left too little room
         self._failure_seen = False  # polls showed errors that Ray has not decided on yet
         self._attempt_preempted = False  # a worker of this attempt (or replica) was preempted
+        self._preemption_notice = False  # a poll said a node of this attempt is being preempted
+        self._plain_errors = False  # a poll showed errors with no preempted worker among them
         self._scaling: Any = None  # the run's ScalingConfig, for checks started at a failure
         self._early_checks: dict[Any, str] | None = None  # started when the failure was seen
         self._early_busy: set[str] = set()  # nodes the failed group's workers ran on then
@@ -217,7 +225,7 @@ class Recovery(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):
     def on_controller_start_worker_group(self, *, scaling_config: Any, num_workers: int) -> dict[str, str] | None:
         self.attempt += 1
         self._counted = set()
-        self._failure_seen = self._attempt_preempted = False
+        self._failure_seen = self._attempt_preempted = self._preemption_notice = self._plain_errors = False
         self._scaling = scaling_config
         if self.attempt > 1 and self._choice is not None:
             # Taken once the workers are up (after_worker_group_start), not waited for here:
@@ -236,7 +244,8 @@ class Recovery(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):
     def before_controller_execute_failure_decision(self, failure_decision: Any) -> None:
         if self._failure_seen:  # one of Ray's decisions on a worker group's failure
             self._failure_seen = False
-            budget = MAX_PREEMPTION_FAILURES if self._attempt_preempted else MAX_FAILURES
+            preemption = self._attempt_preempted or (self._preemption_notice and not self._plain_errors)
+            budget = MAX_PREEMPTION_FAILURES if preemption else MAX_FAILURES
             self.failures_charged[budget] = self.failures_charged.get(budget, 0) + 1
             self._save()
         if self._stop is None or getattr(failure_decision, "value", None) != "RETRY":
@@ -287,7 +296,7 @@ class Recovery(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):
         # Replica 0's replacement restores when no peer has progress: our bound on its wait.
         replica_group.execute(set_decision, None, self._upload_wait())
         self._counted = set()
-        self._failure_seen = self._attempt_preempted = False
+        self._failure_seen = self._attempt_preempted = self._preemption_notice = self._plain_errors = False
         for ref in self._early_checks or {}:  # no group start follows to read them
             ray.cancel(ref, force=True)
         self._early_checks = None
@@ -298,7 +307,7 @@ class Recovery(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):
         if preemption_info(worker_group_status) is not None:
             # A node is being preempted: Ray waits out its grace period and then decides on a
             # PreemptionError, whether or not any poll showed an error.
-            self._failure_seen = self._attempt_preempted = True
+            self._failure_seen = self._preemption_notice = True
         errors = worker_group_status.errors
         if not errors:
             return
@@ -306,9 +315,12 @@ class Recovery(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):
         self._start_resume_choice_early()
         # While Ray waits out a preemption it polls again and again before its one failure
         # decision, and the survivors' errors are collateral (a collective aborted): the
-        # failure is charged once, at the decision, and to no node of this attempt.
-        if any(_preempted(e) for e in errors.values()):
+        # failure is charged once, at the decision, and to no node of this attempt. Errors
+        # with no preempted worker among them fail fast, as Ray's own worker-group failure.
+        if any(_preempted(e) for e in errors.values()) or _has_preempted_worker(worker_group_status):
             self._attempt_preempted = True
+        else:
+            self._plain_errors = True
         self._failure_seen = True
         for rank, exc in sorted(errors.items()):
             if not self._attempt_preempted:
