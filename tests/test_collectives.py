@@ -147,10 +147,17 @@ def test_ranks_at_different_collectives_all_raise_instead_of_misreading():
     assert all("different checkpoint collectives" in text for text in out), out
 
 
-def _rank0_choice_against_a_gather(rank: int, world_size: int) -> str:
+# What rank 0 calls while rank 1 gathers the owner plan: each a collective of its own.
+_RANK_0_CALLS = {
+    "choice": lambda: _collective.on_rank0(lambda: 5, "the restore's choice"),
+    "agree": lambda: _collective.agree(None),
+}
+
+
+def _rank_0_against_a_gather(rank: int, world_size: int, call: str) -> str:
     try:
         if rank == 0:
-            _collective.on_rank0(lambda: 5, "the restore's choice")
+            _RANK_0_CALLS[call]()
         else:
             _collective.gather_tagged("owner plan", rank)
     except CheckpointError as exc:
@@ -162,25 +169,14 @@ def test_a_rank_0_choice_met_by_another_collective_raises_on_both_instead_of_mis
     """on_rank0 (the restore's choice, the generation claim) was a bare broadcast: a rank
     at another call read rank 0's value as its own (a Manifest taken for a generation claim:
     a TypeError) or left rank 0 waiting until the process group timed out."""
-    out = run_world(_rank0_choice_against_a_gather, 2, timeout_s=60)
+    out = run_world(_rank_0_against_a_gather, 2, "choice", timeout_s=60)
     assert all("different checkpoint collectives" in text for text in out), out
-
-
-def _agree_against_a_gather(rank: int, world_size: int) -> str:
-    try:
-        if rank == 0:
-            _collective.agree(None)
-        else:
-            _collective.gather_tagged("owner plan", rank)
-    except CheckpointError as exc:
-        return str(exc)
-    return "no error"
 
 
 def test_a_rank_agreeing_while_another_gathers_raises_on_both_instead_of_hanging():
     """The agreement is one all-reduce now, not a tagged gather: both still open with the
     same header, so ranks at different calls raise alike."""
-    out = run_world(_agree_against_a_gather, 2, timeout_s=120)
+    out = run_world(_rank_0_against_a_gather, 2, "agree", timeout_s=120)
     assert all("different checkpoint collectives (agree, owner plan)" in text for text in out), out
 
 

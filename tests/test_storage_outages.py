@@ -47,6 +47,18 @@ def _committed(uri: str) -> list[int]:
     return [i.step for i in list_checkpoints(uri) if i.committed]
 
 
+def _retrying_through_an_outage(ckpt: Checkpointer, proxy: FlakyProxy, model: torch.nn.Module, seconds: float) -> None:
+    """Step 1 committed, then storage out for ``seconds`` and step 2's upload retrying
+    through it (past the policy's budget)."""
+    ckpt.save(1, {"model": model})
+    ckpt.wait()
+    proxy.outage(seconds)
+    ckpt.save(2, {"model": model})
+    deadline = time.monotonic() + 10.0
+    while proxy.counts["failed"] <= SHORT.attempts and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def test_an_outage_past_the_retry_budget_is_retried_through_and_the_save_commits(proxied, tmp_path):
     uri, proxy = proxied
     model = _model()
@@ -65,13 +77,7 @@ def test_a_save_retrying_through_an_outage_gives_way_to_a_newer_save(proxied, tm
     uri, proxy = proxied
     model = _model()
     with Checkpointer(uri, staging_dir=str(tmp_path / "s"), retry=SHORT, uploader="thread") as ckpt:
-        ckpt.save(1, {"model": model})
-        ckpt.wait()
-        proxy.outage(4.0)
-        ckpt.save(2, {"model": model})
-        deadline = time.monotonic() + 3.0
-        while proxy.counts["failed"] <= SHORT.attempts and time.monotonic() < deadline:
-            time.sleep(0.05)  # step 2's upload is retrying through the outage
+        _retrying_through_an_outage(ckpt, proxy, model, 4.0)
         with torch.no_grad():
             model[0].weight.add_(1.0)
         ckpt.save(3, {"model": model})  # waits behind step 2: step 2 gives way to it
@@ -96,13 +102,7 @@ def test_leaving_the_with_block_on_an_error_during_an_outage_does_not_wait_out_t
     def train() -> None:
         try:
             with Checkpointer(uri, staging_dir=str(tmp_path / "s"), retry=SHORT, uploader="thread") as ckpt:
-                ckpt.save(1, {"model": model})
-                ckpt.wait()
-                proxy.outage(600.0)
-                ckpt.save(2, {"model": model})
-                deadline = time.monotonic() + 10.0
-                while proxy.counts["failed"] <= SHORT.attempts and time.monotonic() < deadline:
-                    time.sleep(0.05)  # step 2's upload is retrying through the outage
+                _retrying_through_an_outage(ckpt, proxy, model, 600.0)
                 raise RuntimeError("the training loop failed")
         except RuntimeError:
             left.append(time.monotonic())
