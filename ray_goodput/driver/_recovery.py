@@ -315,15 +315,17 @@ class Recovery(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):
         self._start_resume_choice_early()
         # While Ray waits out a preemption it polls again and again before its one failure
         # decision, and the survivors' errors are collateral (a collective aborted): the
-        # failure is charged once, at the decision, and to no node of this attempt. Errors
-        # with no preempted worker among them fail fast, as Ray's own worker-group failure.
+        # failure is charged once, at the decision. Errors with no preempted worker among
+        # them fail fast, charged as Ray's own worker-group failure. No node is charged
+        # while a node of the attempt is being preempted: a worker's own failure cannot be
+        # told from a side effect of the reclaim.
         if any(_preempted(e) for e in errors.values()) or _has_preempted_worker(worker_group_status):
             self._attempt_preempted = True
         else:
             self._plain_errors = True
         self._failure_seen = True
         for rank, exc in sorted(errors.items()):
-            if not self._attempt_preempted:
+            if not (self._attempt_preempted or self._preemption_notice):
                 self._count_failure(rank, exc)
             hit = futile(exc)
             if hit is not None and self._stop is None:

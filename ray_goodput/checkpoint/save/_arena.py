@@ -421,7 +421,7 @@ def _fallocate() -> Any:
     fails on a file opened for appending."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        call = libc.fallocate
+        call = libc.fallocate64  # 64-bit offsets on every ABI
     except (OSError, AttributeError):  # not Linux
         return None
     call.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
@@ -433,9 +433,14 @@ def _allocate(fd: int, offset: int, length: int) -> None:
     """Allocate the file's blocks (OSError ENOSPC when the filesystem has no room for
     them); left sparse where the filesystem cannot allocate ahead."""
     call = _fallocate()
-    if call is None or call(fd, 0, offset, length) == 0:
+    if call is None:
         return
-    err = ctypes.get_errno()
+    while call(fd, 0, offset, length) != 0:
+        err = ctypes.get_errno()
+        if err != errno.EINTR:  # a signal (tmpfs on older kernels stops at any pending one): again
+            break
+    else:
+        return
     if err in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
         logger.debug("cannot allocate a snapshot arena's blocks ahead (%s): it stays sparse", os.strerror(err))
         return

@@ -13,6 +13,7 @@ was superseded there (its arena already holds a newer snapshot) and ends unread.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections.abc import Callable
@@ -131,7 +132,10 @@ class RankLane:
             ticket, self._waiting = self._waiting, None
         if ticket is not None:
             job = ticket.job
-            ticket.run(concurrency=job.concurrency, policy=job.retry or self._policy, newer=self._has_waiting)
+            policy = job.retry or self._policy
+            if self._stopping:  # closing: one try per request (a healthy storage still commits it)
+                policy = dataclasses.replace(policy, attempts=1)
+            ticket.run(concurrency=job.concurrency, policy=policy, newer=self._has_waiting)
 
     def _has_waiting(self) -> bool:
         """What a job retrying a storage outage asks between rounds: a newer save waits (it
