@@ -121,7 +121,7 @@ def test_leaving_the_with_block_on_an_error_with_storage_up_still_commits_the_wa
     seconds later, and the restart resumed from an older step."""
     uri, proxy = proxied
     model = _model()
-    proxy.latency_s = 0.5  # uploads take a while: step 2 waits behind step 1
+    proxy.latency_s = 0.2  # uploads take a while: step 2 waits behind step 1
     with pytest.raises(RuntimeError), Checkpointer(uri, staging_dir=str(tmp_path / "s"), uploader="thread") as ckpt:
         ckpt.save(1, {"model": model})
         ckpt.save(2, {"model": model})
