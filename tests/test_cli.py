@@ -50,6 +50,34 @@ def test_ls_and_verify(tmp_path, capsys):
     assert _run(capsys, "verify", root, "--step", "99")[0] == 2
 
 
+def test_verify_goes_on_past_a_step_it_cannot_check_and_quarantines_nothing_for_it(tmp_path, capsys):
+    """A storage error while checking one step (here a manifest naming a checksum this
+    version does not know: a newer writer's) ended the command with a traceback-like error
+    and exit 2, and the steps after it were never checked. The step is reported as not
+    checked (and not quarantined: storage failing says nothing of the checkpoint), the
+    others are checked, and the exit status says it (2, or 1 when one is damaged)."""
+    import json
+
+    root = str(tmp_path / "root")
+    with Checkpointer(root, staging_dir=str(tmp_path / "s"), keep_last=5) as ckpt:
+        for step in (5, 10, 15):
+            ckpt.save(step, {"model": torch.nn.Linear(8, 8)})
+            ckpt.wait()
+    commit = tmp_path / "root/checkpoints/step-000000010/COMMITTED"
+    record = json.loads(commit.read_text())
+    commit.write_text(json.dumps({**record, "files": [{**f, "checksum": "md5"} for f in record["files"]]}))
+    code, out, _ = _run(capsys, "verify", root)
+    assert code == 2, out
+    assert "step 5: ok" in out and "step 10: could not be checked" in out and "step 15: ok" in out, out
+    assert not (commit.parent / "QUARANTINED").exists()
+    (shard,) = (tmp_path / "root/checkpoints/step-000000015").glob("__0_*.distcp")
+    data = bytearray(shard.read_bytes())
+    data[100] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    code, out, _ = _run(capsys, "verify", root)
+    assert code == 1 and "step 15: DAMAGED (quarantined)" in out, out
+
+
 def test_bad_uri_is_a_clear_error(capsys):
     code, _, err = _run(capsys, "ls", "nosuchscheme://x")
     assert code == 2 and "cannot resolve storage URI" in err

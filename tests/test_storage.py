@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import os
 import zlib
+from pathlib import Path
 
 import pytest
 
@@ -81,6 +82,49 @@ def test_env_endpoint_applies_to_plain_s3_uri(monkeypatch, s3_server):
     monkeypatch.setenv("RAY_GOODPUT_S3_ENDPOINT", f"http://{s3_server.endpoint}")
     loc = storage.resolve(plain)
     loc.probe()
+
+
+def test_a_local_upload_is_fsynced_before_it_is_renamed_into_place_and_a_failed_write_leaves_no_temp(
+    tmp_path, monkeypatch
+):
+    """The local upload renamed its file into place, then fsynced it: after a crash the
+    final name (a replayed upload's, replacing a committed file) could hold a short file.
+    And a small write whose fsync or move failed left its temp file beside COMMITTED."""
+    import os
+
+    from ray_goodput.storage import _transfer
+
+    loc = storage.resolve(str(tmp_path / "dest"))
+    src = tmp_path / "src.bin"
+    src.write_bytes(b"x" * 4096)
+    calls: list[str] = []
+    real_fsync, real_replace = _transfer.fsync_file, os.replace
+    monkeypatch.setattr(_transfer, "fsync_file", lambda p: (calls.append(f"fsync {Path(p).name}"), real_fsync(p)))
+    monkeypatch.setattr(
+        _transfer.os, "replace", lambda a, b: (calls.append(f"rename {Path(a).name}"), real_replace(a, b))
+    )
+    for link in (False, True):
+        calls.clear()
+        storage.upload_file(src, loc, f"copy-{link}.bin", link=link)
+        tmp = next(c.split()[1] for c in calls if c.startswith("rename"))
+        assert calls.index(f"fsync {tmp}") < calls.index(f"rename {tmp}"), calls
+
+    def broken(path):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(_transfer, "fsync_file", broken)
+    with pytest.raises(StorageError):
+        storage.write_bytes(loc, "COMMITTED", b"{}", policy=storage.RetryPolicy(attempts=1))
+    assert sorted(p.name for p in Path(loc.root).iterdir() if "COMMITTED" in p.name) == []
+
+
+def test_a_name_too_long_is_not_retried():
+    """pyarrow raises a plain OSError with the errno: ENAMETOOLONG went through every retry
+    (about 4 s and five warnings by default), as if the name could get shorter."""
+    import errno
+
+    assert not storage.is_transient(OSError(errno.ENAMETOOLONG, "File name too long"))
+    assert storage.is_transient(OSError(errno.ECONNRESET, "Connection reset by peer"))
 
 
 def test_retry_policy_retries_transient_only():

@@ -10,7 +10,7 @@ import time
 import torch
 
 from ray_goodput.checkpoint import export_torch_save, list_checkpoints, quarantine, read_manifest, step_location, verify
-from ray_goodput.errors import CheckpointCorruptError
+from ray_goodput.errors import CheckpointCorruptError, StorageError
 from ray_goodput.storage import resolve
 
 
@@ -60,26 +60,30 @@ def cmd_verify(args: argparse.Namespace) -> int:
         if not infos:
             _out(f"no committed checkpoint at step {args.step} under {args.uri}")
             return 2
-    damaged = 0
+    damaged = unchecked = 0
     for info in infos:
         loc = step_location(resolve(args.uri), info.step)
+        manifest = None
         try:
             manifest = read_manifest(loc)
-        except CheckpointCorruptError as exc:
-            manifest = None
-            problems = [str(exc)]
-        else:
             problems = verify(loc, manifest, checksums=True) if manifest else ["COMMITTED vanished"]
-        if problems and info.committed:
+        except CheckpointCorruptError as exc:
+            problems = [str(exc)]
+        except StorageError as exc:  # storage failed, not the checkpoint: say so, check the rest
+            _out(f"step {info.step}: could not be checked: {exc}")
+            unchecked += 1
+            continue
+        quarantined = bool(problems) and info.committed
+        if quarantined:
             quarantine(loc, manifest, "; ".join(problems[:5]))
-        status = "ok" if not problems else "DAMAGED (quarantined)"
+        status = "ok" if not problems else "DAMAGED (quarantined)" if quarantined else "DAMAGED"
         _out(f"step {info.step}: {status} ({len(manifest.files) if manifest else 0} files, {_human(info.num_bytes)})")
         for problem in problems:
             _out(f"  {problem}")
         damaged += bool(problems)
     if not infos:
         _out(f"no committed checkpoints under {args.uri}")
-    return 1 if damaged else 0
+    return 1 if damaged else 2 if unchecked else 0
 
 
 def cmd_export(args: argparse.Namespace) -> int:

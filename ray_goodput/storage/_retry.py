@@ -26,7 +26,18 @@ _PERMANENT_TYPES = (
     FileExistsError,
     StorageError,
 )
-_PERMANENT_ERRNOS = frozenset({errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EDQUOT})
+_PERMANENT_ERRNOS = frozenset(
+    {
+        errno.ENOSPC,
+        errno.EROFS,
+        errno.EACCES,
+        errno.EDQUOT,
+        errno.ENAMETOOLONG,  # the same name is as long on the next try
+        errno.ELOOP,
+        errno.EFBIG,
+        errno.EXDEV,
+    }
+)
 
 
 def is_transient(exc: BaseException) -> bool:

@@ -93,6 +93,7 @@ def _copy_aside(
     tmp = f"{dest}.part-{os.getpid()}-{threading.get_ident()}"
     try:
         got = _copy_up(local, fs, tmp, algorithm, blocks, block_bytes)
+        fsync_file(tmp)  # before the rename: a crash must not leave the final name short
         os.replace(tmp, dest)
     finally:
         Path(tmp).unlink(missing_ok=True)
@@ -136,6 +137,7 @@ def _link_up(
             blocks.extend(known.blocks)
         else:
             size, crc = file_crc32(tmp, algorithm, blocks=blocks, block_bytes=block_bytes)  # page cache
+        fsync_file(tmp)  # before the rename: a crash must not leave the final name short
         os.replace(tmp, dest)
     finally:
         Path(tmp).unlink(missing_ok=True)
@@ -181,8 +183,7 @@ def upload_file(
 
     size, crc = policy.call(f"upload of {local} to {loc.uri}/{name}", _send)
     if loc.is_local:
-        fsync_file(dest)
-        fsync_dir(parent)
+        fsync_dir(parent)  # the rename (the file was fsynced before it)
     return FileEntry(
         name=name,
         size=size,
@@ -324,10 +325,13 @@ def write_bytes(loc: StorageLocation, name: str, data: bytes, policy: RetryPolic
         tmp = f"{dest}.tmp-{os.getpid()}-{threading.get_ident()}"
 
         def _aside() -> None:
-            with loc.fs.open_output_stream(tmp) as out:
-                out.write(data)
-            fsync_file(tmp)
-            loc.fs.move(tmp, dest)
+            try:
+                with loc.fs.open_output_stream(tmp) as out:
+                    out.write(data)
+                fsync_file(tmp)
+                loc.fs.move(tmp, dest)
+            finally:
+                Path(tmp).unlink(missing_ok=True)  # a failed write or move leaves nothing aside
 
         _into_dir(loc, posixpath.dirname(dest), _aside)
         fsync_dir(posixpath.dirname(dest))
@@ -340,8 +344,10 @@ def open_output(loc: StorageLocation, name: str) -> Iterator[Any]:
     """A stream to ``<loc>/<name>`` for a writer that makes the bytes as it goes (there is
     no local file to upload). On a file system it is written aside, fsynced and renamed into
     place; an object appears when the stream closes. A write that raises leaves nothing
-    under ``name`` (on object storage the partial object is deleted, best effort). Not
-    retried: the caller retries the whole write."""
+    under ``name`` on a file system; on object storage pyarrow has no abort, so closing the
+    stream publishes the partial object, which is then deleted, best effort (a reader may
+    see it meanwhile; a failed delete leaves it: the manifest's sizes and checksums reject
+    it). Not retried: the caller retries the whole write."""
     dest = loc.join(name)
     parent = posixpath.dirname(dest)
     target = f"{dest}.tmp-{os.getpid()}-{threading.get_ident()}" if loc.is_local else dest
