@@ -272,6 +272,31 @@ def test_a_send_cut_midway_ends_the_connection_instead_of_leaving_a_partial_fram
     client.close(timeout_s=1)
 
 
+def test_a_job_handed_over_now_is_not_sent_at_all_when_the_socket_has_no_room_for_it(uploader):
+    # save() hands its job over "now": a send that would wait for the uploader to read
+    # (its buffer full of frames it has not read, or a frame larger than the buffer) sends
+    # nothing, so the caller can keep the job another way; the connection stays usable.
+    uploader.gate.clear()  # the uploader reads the first frame, then stops reading
+    client = ChannelClient(uploader.server.path, (os.getpid(), None, "t"), 10)
+    assert client.submit("job-1", None, _handoff("job-1"), now=True)
+    wait_for(lambda: uploader.peers, timeout_s=10, what="the connection")
+    room = client._sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+    assert not client.submit(b"x" * room, None, _handoff("huge"), now=True)  # never fits
+    sent = []
+    for i in range(2, 64):
+        if not client.submit(b"x" * (room // 8), None, _handoff(f"job-{i}"), now=True):
+            break
+        sent.append(i)
+    assert 4 <= len(sent) < 8, (len(sent), room)
+    assert client.alive
+    uploader.gate.set()
+    wait_for(lambda: len(uploader.requests) == 1 + len(sent), timeout_s=30, what="every frame sent read")
+    assert [len(r[1]) for r in uploader.requests[1:]] == [room // 8] * len(sent)  # whole, in order
+    assert client.submit("job-last", None, _handoff("job-last"), now=True)  # read: room again
+    wait_for(lambda: len(uploader.requests) == 2 + len(sent), timeout_s=30, what="the last frame read")
+    assert client.close(timeout_s=10)
+
+
 def test_a_connection_that_breaks_while_a_job_is_pickled_leaves_that_job_to_its_caller(uploader):
     # The job used to be registered before its frame was pickled: a break in between
     # handed it to on_lost as well as raising to the caller (found in review).

@@ -233,6 +233,64 @@ def test_a_stopped_uploader_costs_nothing_to_a_save_that_supersedes_the_waiting_
         assert not [p for a in arenas for p in a.path.parent.glob(f"{a.path.name}.*.claim")]
 
 
+def test_a_save_whose_job_finds_the_uploaders_socket_full_does_not_wait_for_the_stopped_uploader(ray_local, tmp_path):
+    # A job's frame describes every tensor of the share (238 KB for a Llama-7B-shaped one),
+    # and frames the uploader has not read stay in the socket's send buffer. When the
+    # buffer had no room for the next frame, save() blocked in the send until the uploader
+    # read, up to the send's 120 s bound and then its retry. Here the uploader is stopped
+    # (SIGSTOP) while saves of a 1,400-tensor share fill the buffer and go on past it: they
+    # all return, and once it runs again the newest commits, bit for bit.
+    import fcntl
+    import signal
+    import socket
+    import struct
+    import termios
+
+    from ray_goodput.checkpoint.uploader import _held
+
+    model = torch.nn.Sequential(*(torch.nn.Linear(4, 4) for _ in range(700)))
+    state = {"model": model}
+    with Checkpointer(str(tmp_path / "r"), staging_dir=str(tmp_path / "s"), uploader="actor") as ckpt:
+        ckpt.save(1, state)
+        ckpt.wait()  # connected, and both sides warm
+        sock = ckpt._uploader._channel._sock
+        room = sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+
+        def unsent() -> int:  # bytes written to the socket that the uploader has not read
+            return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0" * 4))[0]
+
+        pid = ray.get(ckpt._uploader._actor.__ray_call__.remote(lambda self: os.getpid()), timeout=60)
+        steps: list[int] = []
+
+        def saves() -> None:
+            full = 0  # saves made while the buffer had no room for two more frames
+            while full < 3 and len(steps) < 300:
+                step = len(steps) + 2
+                with torch.no_grad():
+                    model[0].weight.fill_(float(step))
+                before = unsent()
+                ckpt.save(step, state)
+                steps.append(step)
+                frame = max(unsent() - before, 1)  # 0 once saves no longer write to the socket
+                full += unsent() + 2 * frame > room or unsent() == before
+
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            saver = threading.Thread(target=saves, daemon=True)
+            saver.start()
+            saver.join(60)
+            assert not saver.is_alive(), f"save() waited for the stopped uploader after {len(steps)} saves"
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert len(steps) < 300, f"{len(steps)} saves never filled a send buffer of {room} bytes"
+        ckpt.wait()
+        assert ckpt.stats.committed[-1] == steps[-1] and ckpt.stats.failed_saves == 0, ckpt.stats
+        assert not list(_held.held_dir(ckpt._uploader._node_id).glob("*")), "a held job's file was left"
+        fresh = torch.nn.Sequential(*(torch.nn.Linear(4, 4) for _ in range(700)))
+        assert ckpt.restore({"model": fresh}) == steps[-1]
+    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values()))
+
+
 def test_the_first_save_does_not_wait_for_an_uploader_that_has_not_answered_yet(ray_local, tmp_path):
     # The first save joined the connection begun at construction: with the node's uploader
     # still starting (11.5 s on a loaded node, seen in the replica example), save() waited

@@ -1,16 +1,16 @@
 """The socket through which a worker hands its save jobs to its node's uploader.
 
 A save that returned must survive its worker being killed, so the job has to be out of
-the worker's process before ``save()`` returns. As a Ray actor call that waited for the
-uploader's answer, the hand-off measured 7-23 ms on this project's 2-core machine with the
-training ranks busy (several processes and threads between the caller and the method),
-against a 5-20 ms copy. Over a Unix socket a save waits only for its job's frame to be
-written: once ``send`` returns, the frame is in the uploader's receive queue, where the
-kernel keeps it when the worker dies (the uploader reads it before it sees the close). The
+the worker's process before ``save()`` returns. Over a Unix socket a save waits only for
+its job's frame to be written, and only when the socket's send buffer has room for it
+(``submit(now=True)``; the caller keeps the job in a file otherwise): once ``send``
+returns, the frame is in the uploader's receive queue, where the kernel keeps it when the
+worker dies (the uploader reads it before it sees the close). An actor call would wait
+for the uploader's answer (docs/design/uploader-channel.md has the measurements). The
 uploader maps the job's arena when it handles the frame; its reply (accepted, or refused
-with an error) comes back later, like the job's other events. A final close waits for the
-reply to its "bye": requests are served in order, so by then every job sent before it has
-mapped its arena, and the worker may unlink its arenas.
+with an error) comes back later, like the job's other events. A final close waits for
+the reply to its "bye": requests are served in order, so by then every job sent before it
+has mapped its arena, and the worker may unlink its arenas.
 
 A job's arena is free once the uploader says so, or once the uploader is gone. A connection
 that breaks while the uploader lives (a send stuck past its bound, a frame it could not
@@ -34,6 +34,7 @@ node, as one user.
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import itertools
 import logging
@@ -43,6 +44,7 @@ import socket
 import stat
 import struct
 import tempfile
+import termios
 import threading
 import uuid
 import weakref
@@ -61,6 +63,9 @@ logger = logging.getLogger(__name__)
 _LENGTH = struct.Struct("!Q")  # a job is KBs (slots, leaves, RNG state) plus its pickled plain values
 # Bound on one frame's send when the other end stopped reading (a full socket buffer).
 _SEND_TIMEOUT_S = 60
+# The send buffer a worker asks for (the kernel caps it at net.core.wmem_max): room for
+# the frames of saves made while the uploader does not read.
+_SEND_BUFFER = 4 << 20
 
 
 def _bound_sends(sock: socket.socket, seconds: int) -> None:
@@ -76,6 +81,19 @@ class UploaderGoneError(CheckpointError):
 class UploaderExitingError(CheckpointError):
     """The uploader a worker tried to register with is exiting (it was idle with no live
     client); the worker waits until it is gone and makes a new one."""
+
+
+def _has_room(sock: socket.socket, size: int) -> bool:
+    """Whether a frame of ``size`` bytes fits in ``sock``'s send buffer beside the bytes the
+    peer has not read yet, so that writing it cannot block. The caller holds the send lock
+    (the peer's reads only make room). The kernel charges each buffer of a send with a
+    header (under 1 KB) on top of its bytes; a socket that cannot tell says it fits."""
+    try:
+        limit = sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+        unread = struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0" * 4))[0]
+    except OSError:
+        return True
+    return unread + size + (size // 16384 + 3) * 1024 <= limit
 
 
 # ---- frames ---------------------------------------------------------------------------
@@ -310,6 +328,7 @@ class ChannelClient:
         self._release_held = False  # a final close's goodbye was answered
         self._on_lost = on_lost
         try:
+            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SEND_BUFFER)
             self._sock.settimeout(timeout_s)
             self._sock.connect(path)
             _write(self._sock, self._lock, _frame(("hello", *hello, self.conn)))
@@ -344,12 +363,17 @@ class ChannelClient:
     def alive(self) -> bool:
         return not self._closed
 
-    def submit(self, job: Any, root: bytes | None, handoff: Handoff) -> None:
+    def submit(self, job: Any, root: bytes | None, handoff: Handoff, *, now: bool = False) -> bool:
         """Hand ``job`` over: return once its frame is in the uploader's socket queue.
-        ``handoff`` gets its acceptance (a refusal fails it), release and end. Raises
+        ``handoff`` gets its acceptance (a refusal fails it), release and end. ``now``: only
+        if the send buffer has room for the frame, so that the send cannot wait for the
+        uploader to read; returns False, having sent nothing, when it has not. Raises
         UploaderGoneError when the uploader's end is closed or the send ran past its bound."""
-        reply = self._send_request(("submit", job, root), handoff)
+        reply = self._send_request(("submit", job, root), handoff, now=now)
+        if reply is None:
+            return False
         reply.add_done_callback(functools.partial(self._refused, handoff.key))
+        return True
 
     def _refused(self, key: str, reply: Future[Any]) -> None:
         error = reply.exception()
@@ -368,15 +392,20 @@ class ChannelClient:
         except (TimeoutError, FutureTimeout) as exc:  # two classes before Python 3.11
             raise TimeoutError(f"the node uploader did not answer {body[0]!r} within {timeout_s:.0f}s") from exc
 
-    def _send_request(self, body: tuple[Any, ...], handoff: Handoff | None = None) -> Future[Any]:
+    def _send_request(
+        self, body: tuple[Any, ...], handoff: Handoff | None = None, *, now: bool = False
+    ) -> Future[Any] | None:
         """Send a request (``handoff``: the job it submits). A job is registered, and its
         frame written, under the send lock, which ``_fail_all`` takes to collect the jobs
         of a broken connection: a job whose send failed is never among them (its error is
-        the caller's alone), and one sent whole always is."""
+        the caller's alone), and one sent whole always is. ``now``: None, nothing sent,
+        when the send buffer has no room for the frame."""
         rid = next(self._ids)
         blob = _frame(("request", rid, *body))  # a pickling error raises here, before anything is kept
         reply: Future[Any] = Future()
         with self._lock:
+            if now and not self._closed and not _has_room(self._sock, _LENGTH.size + len(blob)):
+                return None
             with self._state_lock:
                 if self._closed:
                     raise UploaderGoneError("the connection to the node uploader is closed")

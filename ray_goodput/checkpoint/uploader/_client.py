@@ -2,11 +2,12 @@
 
 It finds or creates the node's uploader, registers with it and connects to its socket
 (``_channel``) in the background; ``submit`` hands a job over before it returns, so a save
-that returned survives its worker. While that first connection is still being made, a save
-does not wait for it: the job is written to the node's held jobs (``_held``), which the
-uploader takes from if the worker dies first, and a thread hands it over, in order, once
-the uploader answers. When the connection breaks or the uploader exits, it asks the actor
-about the jobs in flight and hands new ones to a fresh uploader.
+that returned survives its worker. While that first connection is still being made, or
+its socket has no room for the job, a save does not wait for it: the job is written to
+the node's held jobs (``_held``), which the uploader takes from if the worker dies first,
+and a thread hands it over, in order, once the uploader answers. When the connection
+breaks or the uploader exits, it asks the actor about the jobs in flight and hands new
+ones to a fresh uploader.
 """
 
 from __future__ import annotations
@@ -73,7 +74,9 @@ class ActorBackend:
     not wait for it: its job is written to a file of the node (``_held``) and handed over by
     a thread (``_hand_over_held``) once the uploader answers, before any later job; the
     snapshot stays in its arena until then, and an uploader takes the file's job itself
-    when the worker died first.
+    when the worker died first. So does a save whose frame the socket has no room for
+    (the uploader not reading, or a frame larger than the send buffer): writing it would
+    wait for the uploader.
     """
 
     def __init__(self, *, durable_timeout_s: float, root: StorageLocation | None = None) -> None:
@@ -220,17 +223,28 @@ class ActorBackend:
             attaching = self._attaching
             connecting = attaching is not None and attaching.is_alive()
             if connecting or self._holding is not None:  # held jobs go first, in order
-                self._held.append((light, handoff, self._hold(light)))
-                if self._holding is None:
-                    self._holding = threading.Thread(target=self._hand_over_held, name="rg-uploader-held", daemon=True)
-                    self._holding.start()
+                self._hold_job(light, handoff)
                 return handoff
-        self._hand_over(light, handoff)
+        if not self._hand_over(light, handoff, now=True):
+            # The socket has no room for the frame: the uploader is not reading (stopped,
+            # starved), or the frame is larger than the whole send buffer. Sending would
+            # wait for it; the job is held instead, as before the first connection.
+            logger.debug("step %d's job waits in a file: the uploader's socket has no room for it", light.step)
+            with self._held_lock:
+                self._hold_job(light, handoff)
         return handoff
 
+    def _hold_job(self, light: ShardJob, handoff: Handoff) -> None:
+        """Keep ``light`` in a file of the node and queue it for the held jobs' thread (the
+        caller holds ``_held_lock``)."""
+        self._held.append((light, handoff, self._hold(light)))
+        if self._holding is None:
+            self._holding = threading.Thread(target=self._hand_over_held, name="rg-uploader-held", daemon=True)
+            self._holding.start()
+
     def _hand_over_held(self) -> None:
-        """Hand the jobs held while the connection was made over, oldest first, until none
-        is left; ``submit`` holds every job while this runs, so none overtakes another."""
+        """Hand the held jobs over, oldest first, until none is left; ``submit`` holds every
+        job while this runs, so none overtakes another."""
         while True:
             with self._held_lock:
                 if not self._held:
@@ -255,15 +269,17 @@ class ActorBackend:
             )
             return None
 
-    def _hand_over(self, light: ShardJob, handoff: Handoff) -> None:
+    def _hand_over(self, light: ShardJob, handoff: Handoff, *, now: bool = False) -> bool:
         """Hand ``light`` over, once more to a fresh uploader when this one is gone; each
-        try has its own events, and only the one that took the job reaches ``handoff``."""
+        try has its own events, and only the one that took the job reaches ``handoff``.
+        ``now``: not when the uploader's socket has no room for the job (returns False,
+        nothing done); a failure settles ``handoff``."""
         try:
             try:
-                attempt = self._send(self._get(), light)
+                attempt = self._send(self._get(), light, now=now)
             except (ray.exceptions.RayActorError, UploaderGoneError):
                 # The uploader died (killed, or exiting as idle): a new one takes the job.
-                attempt = self._send(self._get(fresh=True), light)
+                attempt = self._send(self._get(fresh=True), light, now=now)
         except Exception as exc:  # noqa: BLE001 - the save fails; wait() raises it on every rank
             failure = CheckpointError(
                 f"could not hand step {light.step} to the node uploader: "
@@ -271,9 +287,12 @@ class ActorBackend:
             )
             self._take_back(light, handoff)
             settle(handoff.durable, None, failure)
-            return
+            return True
+        if attempt is None:
+            return False
         _chain(attempt.released, handoff.released)
         _chain(attempt.durable, handoff.durable)
+        return True
 
     def _take_back(self, light: ShardJob, handoff: Handoff) -> None:
         """A hand-off that failed: the arena goes back to the worker only once its snapshot
@@ -298,11 +317,11 @@ class ActorBackend:
         except Exception as exc:  # noqa: BLE001 - the pair's bounded wait raises if it needs it
             logger.warning("cannot learn when step %d's job lets go of its arena: %s", light.step, exc)
 
-    def _send(self, actor: Any, light: ShardJob) -> Handoff:
+    def _send(self, actor: Any, light: ShardJob, *, now: bool = False) -> Handoff | None:
+        """One try of the hand-off; None when ``now`` and the socket has no room for it."""
         attempt = Handoff(released=Future(), durable=Future(), key=light.key)
         if self._channel is not None:
-            self._channel.submit(light, self._root_blob, attempt)
-            return attempt
+            return attempt if self._channel.submit(light, self._root_blob, attempt, now=now) else None
         ray.get(actor.submit.remote(light, self._root_blob), timeout=_HANDOFF_TIMEOUT_S)
         # Asked only after submit returned: the actor knows the key by then.
         _chain(actor.wait_released.remote(light.key).future(), attempt.released)

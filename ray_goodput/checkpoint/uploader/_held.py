@@ -1,9 +1,10 @@
-"""Jobs saved before their worker reached the node uploader, kept as files until taken.
+"""Jobs saved before their worker could send them to the node uploader, kept as files until taken.
 
 A save made while a worker's first connection to its node's uploader is still being made
-(the uploader still starting) does not wait for it: the worker writes the job here (one
-small file per job, in a directory of its node) and a thread of the worker hands it over
-once the uploader answers. Whoever takes a job first removes its file: the uploader when
+(the uploader still starting), or while that connection's socket has no room for the
+job's frame (the uploader not reading), does not wait for it: the worker writes the job
+here (one file per job, in a directory of its node) and a thread of the worker hands it
+over once the uploader answers. Whoever takes a job first removes its file: the uploader when
 the job reaches it, or the uploader's look for the jobs of workers that died before they
 could hand theirs over (at its start, at each registration and once a second). So a save
 that returned survives its worker either way, as a save handed over does.
