@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 from pathlib import Path
 
 import pyarrow as pa
@@ -431,6 +432,23 @@ def test_a_cached_file_rewritten_with_another_size_is_read_again_not_served_stal
         (data / f"f{i}.bin").write_bytes(b"rewritten-%d" % i)
     second = FileDataset(str(data), decode=bytes, cache=cache, shuffle=False)
     assert [second[i] for i in range(2)] == [b"rewritten-0", b"rewritten-1"]
+
+
+def test_a_cached_file_rewritten_in_place_with_the_same_size_is_read_again_not_served_stale(tmp_path):
+    """Fixed-size records rewritten in place keep every file's size: the cache key also
+    names the listed modification time, so the next job reads the new bytes."""
+    data, cache = tmp_path / "data", CacheConfig(directory=str(tmp_path / "cache"))
+    data.mkdir()
+    for i in range(2):
+        (data / f"f{i}.bin").write_bytes(b"old-%d" % i)
+        os.utime(data / f"f{i}.bin", ns=(1_000_000_000, 1_000_000_000))
+    first = FileDataset(str(data), decode=bytes, cache=cache, shuffle=False)
+    assert [first[i] for i in range(2)] == [b"old-0", b"old-1"]
+    for i in range(2):
+        (data / f"f{i}.bin").write_bytes(b"new-%d" % i)  # same size, a later time
+    second = FileDataset(str(data), decode=bytes, cache=cache, shuffle=False)
+    assert [second[i] for i in range(2)] == [b"new-0", b"new-1"]
+    assert second.files.cache_id() != first.files.cache_id()  # the node cache's list too
 
 
 def test_the_default_capacity_counts_the_bytes_the_cache_already_holds(tmp_path, monkeypatch):

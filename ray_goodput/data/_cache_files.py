@@ -46,9 +46,11 @@ class CacheLayout:
     root: Path
 
     @staticmethod
-    def key(ident: str, path: str, size: int = -1) -> str:
-        """The cache's name of a file (``FileSet.cache_key``)."""
+    def key(ident: str, path: str, size: int = -1, mtime_ns: int = -1) -> str:
+        """The cache's name of a file (``FileSet.cache_key``); -1: not listed."""
         named = f"{ident}\n{path}" if size < 0 else f"{ident}\n{path}\n{size}"
+        if mtime_ns >= 0:
+            named += f"\n@{mtime_ns}"
         return hashlib.blake2b(named.encode(), digest_size=16).hexdigest()
 
     def data_path(self, key: str) -> Path:

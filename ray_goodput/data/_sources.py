@@ -22,29 +22,31 @@ class FileSet:
     """Files of a dataset on one filesystem. Picklable (DataLoader workers get a copy).
 
     ``ident`` names the filesystem (scheme and endpoint) so that cache keys of two
-    endpoints never collide; ``paths`` are paths inside ``fs``; ``sizes`` are bytes or -1.
+    endpoints never collide; ``paths`` are paths inside ``fs``; ``sizes`` are bytes and
+    ``mtimes`` modification times in ns as listed, -1 (or no ``mtimes``) where not listed.
     """
 
     ident: str
     fs: pafs.FileSystem
     paths: tuple[str, ...]
     sizes: tuple[int, ...]
+    mtimes: tuple[int, ...] = ()
 
     def uri(self, i: int) -> str:
         """Printable name of file ``i`` for messages and logs."""
         return f"{self.ident.split('?')[0]}{self.paths[i]}"
 
     def cache_key(self, i: int) -> str:
-        """The node cache's name of file ``i``: its filesystem, path and listed size, so that
-        a file rewritten with another size is fetched again (a size not listed, -1, as with a
-        list of file URIs, leaves only the path to tell)."""
-        return CacheLayout.key(self.ident, self.paths[i], self.sizes[i])
+        """The node cache's name of file ``i``: its filesystem, path, listed size and
+        modification time, so that a file rewritten in place is fetched again (a list of
+        file URIs lists neither: only the path tells)."""
+        return CacheLayout.key(self.ident, self.paths[i], self.sizes[i], self.mtimes[i] if self.mtimes else -1)
 
     def cache_id(self) -> int:
         """63-bit int naming this file list as the node cache knows it: its filesystem,
-        paths and sizes."""
+        paths, sizes and modification times."""
         h = hashlib.blake2b(self.ident.encode(), digest_size=8)
-        return self.fingerprint([*self.sizes, int.from_bytes(h.digest(), "little", signed=True)])
+        return self.fingerprint([*self.sizes, *self.mtimes, int.from_bytes(h.digest(), "little", signed=True)])
 
     def fingerprint(self, extra: Sequence[int] = ()) -> int:
         """63-bit int naming this file list (and e.g. row counts), for loader states."""
@@ -82,7 +84,9 @@ def _list_directory(uri: str, suffixes: tuple[str, ...]) -> FileSet:
         infos = storage.list_dir(loc, recursive=True)
     except StorageError as exc:
         raise StorageError(f"cannot list dataset source {uri!r}: {exc}") from exc
-    files = sorted((i.path, i.size) for i in infos if i.type == pafs.FileType.File and _wanted(i.path, suffixes))
+    files = sorted(
+        (i.path, i.size, i.mtime_ns) for i in infos if i.type == pafs.FileType.File and _wanted(i.path, suffixes)
+    )
     if not files:
         raise DataError(
             f"dataset source {uri!r} holds no files"
@@ -92,8 +96,9 @@ def _list_directory(uri: str, suffixes: tuple[str, ...]) -> FileSet:
     return FileSet(
         ident=_ident(uri),
         fs=loc.fs,
-        paths=tuple(p for p, _ in files),
-        sizes=tuple(int(s) if s is not None else -1 for _, s in files),
+        paths=tuple(p for p, _, _ in files),
+        sizes=tuple(int(s) if s is not None else -1 for _, s, _ in files),
+        mtimes=tuple(int(t) if t is not None else -1 for _, _, t in files),
     )
 
 
