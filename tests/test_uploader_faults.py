@@ -58,6 +58,9 @@ class Worker:
         self.ckpt.wait()
         return self.ckpt.stats.committed
 
+    def arenas(self) -> list[str]:
+        return [str(a.path) for a in self.ckpt._arenas.arenas]
+
     def connect(self) -> None:
         """Until connected to the uploader: a save made before hands its job over later."""
         self.ckpt._uploader._attached()
@@ -226,6 +229,28 @@ def test_worker_killed_right_after_save_still_commits(ray_cluster, s3_server, tm
     expected = _big_state(1)["model"].state_dict().values()
     assert all(torch.equal(a, b) for a, b in zip(tensors, expected))
     ray.get(reader.close.remote())
+
+
+def test_a_killed_workers_snapshot_arenas_are_removed_by_its_nodes_uploader(ray_cluster, tmp_path):
+    # A killed worker cannot remove its arenas (in /dev/shm: memory), and only the next
+    # Checkpointer of a run on the node swept them: when a job's last attempt was killed,
+    # twice its shard's bytes stayed until a reboot. Its uploader, which sees the worker's
+    # connection end without a goodbye, removes them once the process is gone.
+    node = _other_node(ray_cluster)
+    worker = _on(node).remote(str(tmp_path / "root"), seed=5)
+    ray.get(worker.save.remote(1))
+    ray.get(worker.save.remote(2))  # while 1 may still be written: both arenas in use
+    assert ray.get(worker.wait.remote())[-1] == 2
+    arenas = ray.get(worker.arenas.remote())
+    assert arenas and all(os.path.exists(p) for p in arenas)
+    ray.kill(worker)  # SIGKILL: no close, no goodbye
+    wait_for(
+        lambda: not any(os.path.exists(p) for p in arenas),
+        timeout_s=20,  # the uploader lives on for 30 s after its last worker died
+        what=f"the killed worker's arenas {arenas} removed",
+        interval_s=0.2,
+    )
+    assert node in _services.find(KIND)  # removed by the uploader still serving, not at its exit
 
 
 def _cut_connections(uploader) -> None:

@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from ray_goodput.checkpoint.uploader._shard_job import ShardJob, ShardResult
 
 ray = LazyModule("ray")  # a process that saves through the thread backend never imports it
+_arena = LazyModule("ray_goodput.checkpoint.save._arena")  # torch: loaded in __init__, not with this module
 # Loaded by job_modules(), once the actor runs at its lowered priority.
 torch = LazyModule("torch")
 _rank_queue = LazyModule("ray_goodput.checkpoint.uploader._rank_queue")
@@ -58,6 +59,9 @@ _GRACE_AFTER_DEATH_S = 30.0
 _GRACE_BEFORE_FIRST_CLIENT_S = 600.0
 #: How often the uploader ships what dead workers' goodput event spools hold.
 _EVENT_SWEEP_S = 1.0
+# How long, after a worker's connection ended without a goodbye, to wait for its process to
+# be gone before removing its snapshot arenas (a cut connection of a live worker: never).
+_DEAD_WORKER_WAIT_S = 10.0
 
 __all__ = [
     "CheckpointUploader",
@@ -99,6 +103,8 @@ class CheckpointUploader:
         self._peers: set[Peer] = set()
         self._connections: dict[str, Peer] = {}  # by connection id (the worker's, from its hello)
         self._clients: set[tuple[int, str]] = set()
+        self._conn_pids: dict[str, int] = {}  # each connection's worker process
+        self._arena_dirs: dict[int, set[str]] = {}  # directories of each worker's jobs' arenas
         self._clean_close = False
         self._had_client = False
         self._exiting = False  # set under _lock once the watchdog decided to exit
@@ -156,6 +162,7 @@ class CheckpointUploader:
             self._peers.add(peer)
             self._clients.discard((pid, token))
             self._connections[conn] = peer
+            self._conn_pids[conn] = pid
 
         peer.conn = conn
         try:
@@ -176,8 +183,26 @@ class CheckpointUploader:
             self._peers.discard(peer)
             if self._connections.get(peer.conn) is peer:
                 del self._connections[peer.conn]
+            pid = self._conn_pids.pop(peer.conn, None)
             self._clean_close = peer.said_bye and not (self._peers or self._clients)
         self._idle_since = time.monotonic()
+        if pid is not None and not peer.said_bye:  # the worker died, or its connection was cut
+            threading.Thread(target=self._sweep_after, args=(pid,), name="rg-uploader-sweep", daemon=True).start()
+
+    def _sweep_after(self, pid: int) -> None:
+        """Once worker ``pid`` is gone, remove its snapshot arenas (a killed worker cannot;
+        when it ran its job's last attempt, no later worker of the run sweeps them either).
+        Arenas its jobs still use stay mapped here, and a job held in a file keeps its own
+        (``_arena.sweep_dead``). A worker still running after ``_DEAD_WORKER_WAIT_S`` had its
+        connection cut and reconnects: its arenas are its own to remove."""
+        deadline = time.monotonic() + _DEAD_WORKER_WAIT_S
+        while pid_alive(pid):
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.1)
+        with self._lock:
+            directories = self._arena_dirs.pop(pid, set())
+        _sweep_arenas(directories)
 
     def _resolve_root(self, root: bytes | None) -> StorageLocation | None:
         if root is None:
@@ -212,6 +237,9 @@ class CheckpointUploader:
             return
         ticket = _rank_queue.Ticket(dataclasses.replace(job, root=self._resolve_root(root)))
         _held.arena_mapped(job)  # a sweep may unlink it now
+        if job.slots:
+            with self._lock:
+                self._arena_dirs.setdefault(job.owner_pid, set()).add(str(Path(job.arena_path).parent))
         if held is not None:
             ticket.callbacks.append(lambda _t: _held.remove(held, job))
         if peer is not None:  # first: the worker must hear whatever the bookkeeping does
@@ -419,6 +447,7 @@ class CheckpointUploader:
                         continue
                     self._exiting = True
                 logger.info("uploader on node %s: idle with no live client; exiting", self.node_id)
+                self._sweep_all()
                 try:
                     if self._channel is not None:
                         self._channel.close()
@@ -432,13 +461,32 @@ class CheckpointUploader:
                     continue
                 return
 
+    def _sweep_all(self) -> None:
+        """Remove the arenas of every dead worker whose jobs this uploader ran (it exits:
+        nobody else might)."""
+        with self._lock:
+            directories = set().union(*self._arena_dirs.values()) if self._arena_dirs else set()
+            self._arena_dirs.clear()
+        _sweep_arenas(directories)
+
     def drain_and_exit(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while self.busy() and time.monotonic() < deadline:
             time.sleep(0.1)
+        self._sweep_all()
         if self._channel is not None:
             self._channel.close()
         ray.actor.exit_actor()
+
+
+def _sweep_arenas(directories: set[str]) -> None:
+    """``_arena.sweep_dead`` on each of ``directories`` (a failure is logged: the next
+    Checkpointer of a run on the node sweeps again)."""
+    for directory in sorted(directories):
+        try:
+            _arena.sweep_dead(Path(directory))
+        except Exception:  # a failed sweep leaves files, never fails a job
+            logger.warning("could not sweep dead workers' snapshot arenas in %s", directory, exc_info=True)
 
 
 def _ship_events() -> None:
