@@ -368,6 +368,45 @@ def test_a_job_whose_worker_claimed_it_reads_nothing_and_ends_superseded(tmp_pat
     arena.close()
 
 
+def test_a_save_a_stopping_lane_starts_gets_one_try_per_request_not_a_retry_round():
+    # Closing during a storage outage stops the lane: the running job gives up at its next
+    # round, but the waiting save then started with the whole retry budget (6 tries with
+    # backoff per request) and the close waited it out. Pure lane logic: stand-in tickets
+    # record the policy each run gets.
+    from ray_goodput.checkpoint.uploader._rank_queue import RankLane
+    from ray_goodput.storage import RetryPolicy
+
+    runs: list[tuple[str, int, bool]] = []
+    gate = threading.Event()
+
+    class _Ticket:
+        def __init__(self, name: str) -> None:
+            self.name = name
+            self.job = types.SimpleNamespace(retry=RetryPolicy(attempts=5), concurrency=1)
+
+        def run(self, *, concurrency: int, policy: RetryPolicy, newer) -> None:
+            runs.append((self.name, policy.attempts, newer()))
+            if self.name == "running":
+                assert gate.wait(30), "the test never let the running job end"
+
+        def supersede(self) -> None:
+            runs.append((self.name, 0, True))
+
+    lane = RankLane()
+    lane.submit(_Ticket("running"))
+    wait_for(lambda: runs, timeout_s=10, what="the first job running")
+    lane.submit(_Ticket("waiting"))
+    closing = threading.Thread(target=lane.shutdown, kwargs={"wait": True, "stop": True}, daemon=True)
+    closing.start()
+    wait_for(lambda: lane._stopping, timeout_s=10, what="the lane told to stop")
+    gate.set()
+    closing.join(30)
+    assert not closing.is_alive()
+    # The running job kept its budget (it gives up between rounds: newer() says stop); the
+    # waiting one, started by the stopping lane, gets one try per request.
+    assert runs == [("running", 5, False), ("waiting", 1, True)]
+
+
 def test_a_hand_off_by_actor_call_that_timed_out_never_commits_bytes_saved_after_it(ray_local, tmp_path, monkeypatch):
     # With the uploader's socket out of reach, a save hands its job over by an actor call
     # bounded by _HANDOFF_TIMEOUT_S. When the call timed out the save failed and its arena
