@@ -144,6 +144,41 @@ def test_a_worker_that_cannot_reach_the_uploaders_socket_hands_jobs_over_by_acto
     _services.shutdown(KIND, drain_timeout_s=10)
 
 
+def test_a_save_handed_over_by_actor_calls_does_not_wait_for_a_stopped_uploader(ray_local, tmp_path):
+    # Without the uploader's socket, save() made the hand-off's actor call and waited for
+    # its answer, up to 120 s: a stopped or starved uploader stopped training. Now the job
+    # is held in a file of the node and a thread makes the call.
+    import signal
+
+    from ray_goodput.checkpoint.uploader._actor import KIND, _actor_class
+    from ray_goodput.runtime import _services
+
+    node = _services.current_node_id()
+    uploader = _services.get_or_create(_actor_class(), KIND, node, node_id=node, max_concurrency=64)
+    os.unlink(ray.get(uploader.endpoint.remote(os.getpid(), None, "probe"), timeout=60))  # by actor calls
+    ray.get(uploader.unregister.remote(os.getpid(), "probe"), timeout=60)
+    pid = ray.get(uploader.__ray_call__.remote(lambda self: os.getpid()), timeout=60)
+    state = {"model": torch.nn.Linear(64, 64)}
+    with Checkpointer(str(tmp_path / "r"), staging_dir=str(tmp_path / "s"), uploader="actor") as ckpt:
+        ckpt.save(1, state)
+        ckpt.wait()
+        assert ckpt._uploader._channel is None
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            saver = threading.Thread(target=lambda: [ckpt.save(s, state) for s in (2, 3, 4)], daemon=True)
+            saver.start()
+            saver.join(60)
+            assert not saver.is_alive(), "save() waited for the stopped uploader's answer"
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        ckpt.wait()
+        assert ckpt.stats.committed[-1] == 4 and ckpt.stats.failed_saves == 0, ckpt.stats
+        fresh = {"model": torch.nn.Linear(64, 64)}
+        assert ckpt.restore(fresh) == 4
+    assert torch.equal(fresh["model"].weight, state["model"].weight)
+    _services.shutdown(KIND, drain_timeout_s=10)
+
+
 def test_restore_gets_the_first_save_ready_connected_and_its_arena_touched(ray_local, tmp_path):
     # The first save of each attempt paid the connection to the uploader and the first
     # touch of its arena's pages (0.04 s per 72 MiB here, against 0.005 s into touched

@@ -76,7 +76,7 @@ class ActorBackend:
     snapshot stays in its arena until then, and an uploader takes the file's job itself
     when the worker died first. So does a save whose frame the socket has no room for
     (the uploader not reading, or a frame larger than the send buffer): writing it would
-    wait for the uploader.
+    wait for the uploader; and every save handed over by actor calls.
     """
 
     def __init__(self, *, durable_timeout_s: float, root: StorageLocation | None = None) -> None:
@@ -222,7 +222,9 @@ class ActorBackend:
         with self._held_lock:
             attaching = self._attaching
             connecting = attaching is not None and attaching.is_alive()
-            if connecting or self._holding is not None:  # held jobs go first, in order
+            # Held jobs go first, in order. Without the socket every job is held: the
+            # actor call that hands it over waits for the uploader's answer.
+            if connecting or self._holding is not None or self._by_actor:
                 self._hold_job(light, handoff)
                 return handoff
         if not self._hand_over(light, handoff, now=True):
