@@ -179,6 +179,38 @@ def test_a_save_handed_over_by_actor_calls_does_not_wait_for_a_stopped_uploader(
     _services.shutdown(KIND, drain_timeout_s=10)
 
 
+def test_a_save_after_the_connection_broke_does_not_wait_for_the_reconnect(ray_local, tmp_path):
+    # A connection that broke between two saves (the uploader died, exited, or cut it) was
+    # made again by the next save() itself: a new actor's start, or the stopped uploader's
+    # answer, up to 120 s. Now that save's job is held in a file and the held jobs' thread
+    # reconnects. Here the uploader is stopped (SIGSTOP) and the connection cut.
+    import signal
+    import socket
+
+    state = {"model": torch.nn.Linear(64, 64)}
+    with Checkpointer(str(tmp_path / "r"), staging_dir=str(tmp_path / "s"), uploader="actor") as ckpt:
+        ckpt.save(1, state)
+        ckpt.wait()
+        channel = ckpt._uploader._channel
+        pid = ray.get(ckpt._uploader._actor.__ray_call__.remote(lambda self: os.getpid()), timeout=60)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            channel._sock.shutdown(socket.SHUT_RDWR)
+            wait_for(lambda: not channel.alive, timeout_s=10, what="the cut connection seen")
+            saver = threading.Thread(target=lambda: [ckpt.save(s, state) for s in (2, 3)], daemon=True)
+            saver.start()
+            saver.join(60)
+            assert not saver.is_alive(), "save() waited to reconnect to the stopped uploader"
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        ckpt.wait()
+        assert ckpt.stats.committed[-1] == 3 and ckpt.stats.failed_saves == 0, ckpt.stats
+        assert ckpt._uploader._channel is not channel and ckpt._uploader._channel.alive
+        fresh = {"model": torch.nn.Linear(64, 64)}
+        assert ckpt.restore(fresh) == 3
+    assert torch.equal(fresh["model"].weight, state["model"].weight)
+
+
 def test_restore_gets_the_first_save_ready_connected_and_its_arena_touched(ray_local, tmp_path):
     # The first save of each attempt paid the connection to the uploader and the first
     # touch of its arena's pages (0.04 s per 72 MiB here, against 0.005 s into touched
@@ -405,8 +437,8 @@ def test_a_job_whose_worker_claimed_it_reads_nothing_and_ends_superseded(tmp_pat
 
 def test_a_save_a_stopping_lane_starts_gets_one_try_per_request_not_a_retry_round():
     # Closing during a storage outage stops the lane: the running job gives up at its next
-    # round, but the waiting save then started with the whole retry budget (6 tries with
-    # backoff per request) and the close waited it out. Pure lane logic: stand-in tickets
+    # round, but the waiting save then started with the whole retry budget (every try of
+    # the policy, with backoff, per request) and the close waited it out. Pure lane logic: stand-in tickets
     # record the policy each run gets.
     from ray_goodput.checkpoint.uploader._rank_queue import RankLane
     from ray_goodput.storage import RetryPolicy

@@ -407,6 +407,31 @@ def test_a_worker_killed_before_its_uploader_answered_still_commits_its_save_thr
     ray.get(reader.close.remote())
 
 
+def test_a_dead_workers_job_the_uploader_has_not_read_keeps_its_arena_through_the_sweeps(ray_cluster, s3_server):
+    # A job sent over the socket sits in the uploader's receive queue until it reads it; a
+    # starved uploader reads late. The worker was SIGKILLed meanwhile, and the sweeps of
+    # dead workers' arenas (the next attempt's worker as it makes its arenas; the uploader
+    # when a connection ends without a goodbye) unlinked the snapshot the queued job still
+    # had to map: a save that returned never committed.
+    from pathlib import Path
+
+    from ray_goodput.checkpoint.save._arena import sweep_dead
+
+    uri = s3_server.bucket_uri("unread")
+    node, worker, _ = _worker_with_a_commit(ray_cluster, uri, 8)  # connected: save() writes to the socket
+    directory = Path(ray.get(worker.arenas.remote())[0]).parent
+    with _uploader_stopped(node):
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(worker.save_and_die.remote(9), timeout=60)
+        sweep_dead(directory)  # what the run's next worker does as it makes its arenas
+    _wait_committed(uri, 9, timeout=60)
+    reader = _on(node).remote(uri, seed=4)
+    step, tensors = ray.get(reader.restore.remote())
+    assert step == 9
+    assert all(torch.equal(a, b) for a, b in zip(tensors, _big_state(8)["model"].state_dict().values()))
+    ray.get(reader.close.remote())
+
+
 def test_the_uploaders_wait_for_a_result_ends_at_its_bound(ray_cluster, s3_server):
     """An actor thread that waits for a save's result gives up after its bound (the worker
     passes twice its ``wait_timeout_s``) instead of waiting on a stuck upload for ever;

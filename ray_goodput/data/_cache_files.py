@@ -9,7 +9,7 @@ because DataLoader workers cannot make Ray calls.
 
 Layout under ``root``::
 
-    data/<k[:2]>/<k>            cached files, k = blake2b(filesystem ident, path)
+    data/<k[:2]>/<k>            cached files, k = blake2b(filesystem ident, path, listed size, mtime)
     data/<k[:2]>/.<k>.part-<pid>-<n>   a fetch in progress (removed by the actor if pid died)
     locks/<stripe>.lock         4096 lock stripes (bounded count; flock, never deleted)
     journal/<pid>-<token>.log   reader events: "h n", "m n", "f key size seconds"

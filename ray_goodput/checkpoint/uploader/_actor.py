@@ -192,9 +192,10 @@ class CheckpointUploader:
     def _sweep_after(self, pid: int) -> None:
         """Once worker ``pid`` is gone, remove its snapshot arenas (a killed worker cannot;
         when it ran its job's last attempt, no later worker of the run sweeps them either).
-        Arenas its jobs still use stay mapped here, and a job held in a file keeps its own
-        (``_arena.sweep_dead``). A worker still running after ``_DEAD_WORKER_WAIT_S`` had its
-        connection cut and reconnects: its arenas are its own to remove."""
+        Arenas its jobs still use stay mapped here, and the arena of a job not mapped yet
+        (held in a file, or unread in a socket) is marked and kept (``_arena.sweep_dead``).
+        A worker still running after ``_DEAD_WORKER_WAIT_S`` had its connection cut and
+        reconnects: its arenas are its own to remove."""
         deadline = time.monotonic() + _DEAD_WORKER_WAIT_S
         while pid_alive(pid):
             if time.monotonic() > deadline:

@@ -84,16 +84,29 @@ class UploaderExitingError(CheckpointError):
 
 
 def _has_room(sock: socket.socket, size: int) -> bool:
-    """Whether a frame of ``size`` bytes fits in ``sock``'s send buffer beside the bytes the
-    peer has not read yet, so that writing it cannot block. The caller holds the send lock
-    (the peer's reads only make room). The kernel charges each buffer of a send with a
-    header (under 1 KB) on top of its bytes; a socket that cannot tell says it fits."""
+    """Whether writing a frame of ``size`` bytes to ``sock`` cannot block. The caller holds
+    the send lock (the peer's reads only make room).
+
+    On a Unix stream socket the sender is charged for what the peer has not read, buffers'
+    overhead included (``TIOCOUTQ``), against ``SO_SNDBUF`` (the doubled value the kernel
+    keeps); a send blocks only when the charge has reached the limit before it takes its
+    next buffer (of up to ~36 KB, each charged its bytes plus under 1 KB, a lone small one
+    up to ~2.6 KB). So the charge now, the frame and a margin of 1 KB per 16 KB plus 3 KB
+    staying within the limit means no buffer of the send finds it reached. Where the
+    socket cannot tell (not Linux), the frame is written as before, and may block."""
+    global _room_unknown_logged  # noqa: PLW0603 - one log line per process
     try:
         limit = sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
-        unread = struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0" * 4))[0]
-    except OSError:
+        charged = struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0" * 4))[0]
+    except OSError as exc:
+        if not _room_unknown_logged:
+            _room_unknown_logged = True
+            logger.warning("cannot read the uploader socket's queue (%s): a save may wait for the uploader", exc)
         return True
-    return unread + size + (size // 16384 + 3) * 1024 <= limit
+    return charged + size + (size // 16384 + 3) * 1024 <= limit
+
+
+_room_unknown_logged = False
 
 
 # ---- frames ---------------------------------------------------------------------------

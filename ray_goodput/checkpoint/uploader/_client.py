@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ray_goodput._lazy import LazyModule
-from ray_goodput.checkpoint.save._arena import claim
+from ray_goodput.checkpoint.save._arena import claim, mark_held, unmark_held
 from ray_goodput.checkpoint.save._handoff import Handoff
 from ray_goodput.checkpoint.uploader import _held
 from ray_goodput.checkpoint.uploader._actor import KIND, _actor_class
@@ -222,9 +222,11 @@ class ActorBackend:
         with self._held_lock:
             attaching = self._attaching
             connecting = attaching is not None and attaching.is_alive()
-            # Held jobs go first, in order. Without the socket every job is held: the
-            # actor call that hands it over waits for the uploader's answer.
-            if connecting or self._holding is not None or self._by_actor:
+            # Held jobs go first, in order. So is every job without a live connection: the
+            # actor call that hands it over, or the reconnect, waits for the uploader.
+            channel = self._channel
+            disconnected = self._by_actor or channel is None or not channel.alive
+            if connecting or self._holding is not None or disconnected:
                 self._hold_job(light, handoff)
                 return handoff
         if not self._hand_over(light, handoff, now=True):
@@ -256,7 +258,7 @@ class ActorBackend:
             for light, handoff, path in batch:
                 self._hand_over(light, handoff)  # each wait in it is bounded; failures settle the job
                 if path is not None:  # handed over, or failed for this worker: nobody else takes it
-                    _held.remove(path, light)
+                    path.unlink(missing_ok=True)  # the arena's mark: the uploader's to remove (_send)
 
     def _hold(self, light: ShardJob) -> Path | None:
         """The job written where the node's uploader finds it if this worker dies first."""
@@ -288,6 +290,8 @@ class ActorBackend:
                 f"{type(exc).__name__}: {exc}; check it with 'ray-goodput status'"
             )
             self._take_back(light, handoff)
+            if light.slots:  # no uploader maps it for this try (a late one keeps it mapped)
+                unmark_held(light.arena_path, light.key)
             settle(handoff.durable, None, failure)
             return True
         if attempt is None:
@@ -320,9 +324,20 @@ class ActorBackend:
             logger.warning("cannot learn when step %d's job lets go of its arena: %s", light.step, exc)
 
     def _send(self, actor: Any, light: ShardJob, *, now: bool = False) -> Handoff | None:
-        """One try of the hand-off; None when ``now`` and the socket has no room for it."""
+        """One try of the hand-off; None when ``now`` and the socket has no room for it.
+
+        A job written to the socket waits there until the uploader reads it, seconds or
+        more when it is starved; this worker may be killed meanwhile. Its arena is marked
+        held first (``_arena.mark_held``), as a job held in a file is, so that the sweeps
+        of dead workers' arenas keep it; the uploader removes the mark once it mapped the
+        arena (``_accept``)."""
         attempt = Handoff(released=Future(), durable=Future(), key=light.key)
         if self._channel is not None:
+            if light.slots:
+                try:
+                    mark_held(light.arena_path, light.key)
+                except OSError as exc:  # the save goes on, unprotected from a sweep if this worker dies
+                    logger.warning("could not mark step %d's arena as awaited by the uploader: %s", light.step, exc)
             return attempt if self._channel.submit(light, self._root_blob, attempt, now=now) else None
         ray.get(actor.submit.remote(light, self._root_blob), timeout=_HANDOFF_TIMEOUT_S)
         # Asked only after submit returned: the actor knows the key by then.
