@@ -474,6 +474,39 @@ def test_a_save_a_stopping_lane_starts_gets_one_try_per_request_not_a_retry_roun
     assert runs == [("running", 5, False), ("waiting", 1, True)]
 
 
+def test_an_older_save_of_a_worker_arriving_after_its_newer_one_does_not_supersede_it():
+    # Jobs of one worker can reach its lane out of order: the older one unread on a
+    # connection that broke, the newer one resent on a new connection and read first. The
+    # lane superseded the waiting job by arrival, so the older save dropped the newer one.
+    # Pure lane logic: stand-in tickets record what ran and what was superseded.
+    from ray_goodput.checkpoint.uploader._rank_queue import RankLane
+
+    events: list[tuple[str, int]] = []
+    gate = threading.Event()
+
+    class _Ticket:
+        def __init__(self, step: int, owner: int = 7) -> None:
+            self.job = types.SimpleNamespace(retry=None, concurrency=1, step=step, owner_pid=owner, generation=1)
+
+        def run(self, *, concurrency: int, policy, newer) -> None:
+            events.append(("ran", self.job.step))
+            if self.job.step == 10:
+                assert gate.wait(30), "the test never let the running job end"
+
+        def supersede(self, by: str = "the uploader") -> None:
+            events.append(("superseded", self.job.step))
+
+    lane = RankLane()
+    lane.submit(_Ticket(10))
+    wait_for(lambda: events, timeout_s=10, what="the first job running")
+    lane.submit(_Ticket(30))  # the newer save, read first
+    lane.submit(_Ticket(20))  # the older one, read late: dropped, not the newer
+    lane.submit(_Ticket(25, owner=8))  # another worker's (a new attempt's): arrival order decides
+    gate.set()
+    lane.shutdown(wait=True)
+    assert events == [("ran", 10), ("superseded", 20), ("superseded", 30), ("ran", 25)]
+
+
 def test_a_hand_off_by_actor_call_that_timed_out_never_commits_bytes_saved_after_it(ray_local, tmp_path, monkeypatch):
     # With the uploader's socket out of reach, a save hands its job over by an actor call
     # bounded by _HANDOFF_TIMEOUT_S. When the call timed out the save failed and its arena

@@ -108,6 +108,12 @@ class Ticket:
         self.finish(result, None)
 
 
+def _later_save_of_same_worker(a: ShardJob, b: ShardJob) -> bool:
+    """Whether job ``a`` is a later save than ``b`` by the same worker process (one
+    Checkpointer's steps only increase)."""
+    return a.owner_pid == b.owner_pid and a.generation == b.generation and a.step > b.step
+
+
 class RankLane:
     """Runs one rank's tickets in order; a newer ticket supersedes the waiting one."""
 
@@ -120,11 +126,22 @@ class RankLane:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="rg-lane")
 
     def submit(self, ticket: Ticket) -> None:
+        """Queue ``ticket``; the job waiting before it is superseded, unless it is a later
+        save of the same worker process: jobs of one worker can arrive out of order (the
+        older one unread on a connection that broke, the newer one resent on a new
+        connection), and then the older one is dropped."""
         fault_point("save.queued")  # before the lane holds the ticket: a raise leaves no orphan
         with self._lock:
-            old, self._waiting = self._waiting, ticket
+            old = self._waiting
+            if old is not None and _later_save_of_same_worker(old.job, ticket.job):
+                old, stale = None, ticket
+            else:
+                self._waiting, stale = ticket, None
         if old is not None:
             old.supersede()
+        if stale is not None:
+            stale.supersede(by="a later save of its worker that arrived first")
+            return
         self._pool.submit(self._drain)
 
     def _drain(self) -> None:
