@@ -353,6 +353,29 @@ def test_a_dead_workers_arena_is_kept_while_a_job_of_it_waits_in_a_held_file_the
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_dead_workers_arena_awaited_by_a_dead_uploaders_socket_is_swept(tmp_path):
+    # A job written to an uploader's socket marks its arena until that uploader maps it;
+    # when the uploader died with the frame unread, nobody ever will, and the mark kept a
+    # killed worker's arena (in /dev/shm: memory) for an hour. A mark names its socket's
+    # uploader and keeps the arena only while that process lives; a job in a file, which
+    # any uploader takes, names none.
+    from ray_goodput.checkpoint.save._arena import held_path, mark_held, sweep_dead
+    from tests._helpers import dead_pid
+
+    pid = dead_pid()
+    to_dead, to_live, in_file = (tmp_path / f"rank-00000-{pid}-{i}-0.arena" for i in (0, 1, 2))
+    for path in (to_dead, to_live, in_file):
+        path.write_bytes(b"x" * 4096)
+    mark_held(to_dead, "job-a", reader=dead_pid())
+    mark_held(to_live, "job-b", reader=os.getpid())
+    mark_held(in_file, "job-c")
+
+    sweep_dead(tmp_path, other_runs=False)
+
+    assert not to_dead.exists() and not held_path(to_dead, "job-a").exists()
+    assert to_live.exists() and in_file.exists()
+
+
 _FULL_SHM = """
 import sys
 from pathlib import Path

@@ -206,9 +206,64 @@ def test_a_save_after_the_connection_broke_does_not_wait_for_the_reconnect(ray_l
         ckpt.wait()
         assert ckpt.stats.committed[-1] == 3 and ckpt.stats.failed_saves == 0, ckpt.stats
         assert ckpt._uploader._channel is not channel and ckpt._uploader._channel.alive
+        arenas = ckpt._arenas.arenas  # the uploader mapped every job: no arena is still marked as awaited
+        assert not [p for a in arenas for p in a.path.parent.glob(f"{a.path.name}.*.held")]
         fresh = {"model": torch.nn.Linear(64, 64)}
         assert ckpt.restore(fresh) == 3
     assert torch.equal(fresh["model"].weight, state["model"].weight)
+
+
+def test_a_save_whose_send_finds_the_uploader_just_gone_is_held_not_retried_on_the_training_thread(
+    tmp_path, monkeypatch
+):
+    # The connection still looked alive, but the uploader had just died: the send raised,
+    # and save() then made a fresh uploader and connection itself (an actor start, up to
+    # 250 s). Now the job is held and the held jobs' thread makes that try. A stand-in
+    # channel and uploader lookup (the backend's choice is the logic under test); the held
+    # file is real.
+    from ray_goodput.checkpoint.uploader import _client, _held
+    from ray_goodput.checkpoint.uploader._channel import UploaderGoneError
+    from ray_goodput.checkpoint.uploader._shard_job import ShardJob
+    from ray_goodput.storage import resolve
+
+    class _GoneChannel:
+        alive, peer_pid = True, None
+
+        def submit(self, job, root, handoff, *, now=False) -> bool:
+            self.alive = False
+            raise UploaderGoneError("the node uploader's end closed")
+
+    tried_from: list[str] = []
+
+    def _get(fresh: bool = False):
+        tried_from.append(threading.current_thread().name)
+        raise CheckpointError("no uploader in this test")
+
+    backend = _client.ActorBackend(durable_timeout_s=10)
+    backend._channel, backend._actor, backend._node_id = _GoneChannel(), object(), f"test-node-{os.getpid()}"
+    monkeypatch.setattr(backend, "_get", _get)
+    job = ShardJob(
+        root=resolve(str(tmp_path / "root")),
+        step=3,
+        rank=0,
+        world_size=1,
+        arena_path=str(tmp_path / "a.arena"),
+        slots=(),
+        objects={},
+        leaves={},
+        mappings={},
+        rng=b"",
+        local_dir=str(tmp_path / "local"),
+        keep_last=1,
+        owner_pid=os.getpid(),
+        save_id="g1-x",
+    )
+    handoff = backend.submit(job)
+    with pytest.raises(CheckpointError, match="no uploader in this test"):
+        handoff.durable.result(timeout=30)
+    assert tried_from == ["rg-uploader-held"]  # never the training thread
+    assert not list(_held.held_dir(backend._node_id).glob("*"))
+    _held.held_dir(backend._node_id).rmdir()
 
 
 def test_restore_gets_the_first_save_ready_connected_and_its_arena_touched(ray_local, tmp_path):
@@ -353,6 +408,8 @@ def test_a_save_whose_job_finds_the_uploaders_socket_full_does_not_wait_for_the_
         ckpt.wait()
         assert ckpt.stats.committed[-1] == steps[-1] and ckpt.stats.failed_saves == 0, ckpt.stats
         assert not list(_held.held_dir(ckpt._uploader._node_id).glob("*")), "a held job's file was left"
+        arenas = ckpt._arenas.arenas  # the uploader mapped every job: no arena is still marked as awaited
+        assert not [p for a in arenas for p in a.path.parent.glob(f"{a.path.name}.*.held")]
         fresh = torch.nn.Sequential(*(torch.nn.Linear(4, 4) for _ in range(700)))
         assert ckpt.restore({"model": fresh}) == steps[-1]
     assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values()))

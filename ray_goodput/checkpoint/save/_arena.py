@@ -100,7 +100,7 @@ def sweep_dead(directory: Path, *, other_runs: bool | None = None) -> None:
         if pid_alive(pid, since=written):  # a later process given its pid is not its worker
             continue
         if _held_for_a_job(path, now):
-            logger.info("kept the snapshot arena of dead process %d: a held job of it waits for the uploader", pid)
+            logger.info("kept the snapshot arena of dead process %d: a job of it waits for an uploader", pid)
             continue
         path.unlink(missing_ok=True)
         logger.info("removed the snapshot arena of dead process %d", pid)
@@ -121,16 +121,27 @@ def sweep_dead(directory: Path, *, other_runs: bool | None = None) -> None:
 
 
 def _held_for_a_job(arena: Path, now: float) -> bool:
-    """Whether a job held in a file of the node (``mark_held``) still needs ``arena``: a
-    mark younger than ``OTHER_RUN_SWEEP_AGE_S`` (an older one is removed with it)."""
+    """Whether a job no uploader has mapped yet still needs ``arena`` (``mark_held``): a
+    mark younger than ``OTHER_RUN_SWEEP_AGE_S`` whose uploader, if it names one, lives (a
+    mark that does not is removed)."""
     keep = False
     for mark in arena.parent.glob(arena.name + ".*.held"):
         written = _mtime(mark)
-        if written is not None and now - written <= OTHER_RUN_SWEEP_AGE_S:
+        if written is not None and now - written <= OTHER_RUN_SWEEP_AGE_S and _reader_alive(mark, written):
             keep = True
         else:
             mark.unlink(missing_ok=True)
     return keep
+
+
+def _reader_alive(mark: Path, written: float) -> bool:
+    """Whether the uploader a mark names (none: a job in a file, which any uploader takes)
+    still runs."""
+    try:
+        text = mark.read_text().strip()
+    except OSError:  # removed meanwhile, or unreadable: keep the arena
+        return True
+    return not text.isdigit() or pid_alive(int(text), since=written)
 
 
 def _mtime(path: Path) -> float | None:
@@ -203,17 +214,19 @@ def drop_claim(arena_path: str | os.PathLike, key: str) -> None:
 
 
 def held_path(arena_path: str | os.PathLike, key: str) -> Path:
-    """The mark that job ``key``, held in a file of the node, needs the arena at ``arena_path``."""
+    """The mark that job ``key``, not yet mapped by an uploader, needs the arena at ``arena_path``."""
     digest = hashlib.blake2b(key.encode(), digest_size=8).hexdigest()
     return Path(f"{os.fspath(arena_path)}.{digest}.held")
 
 
-def mark_held(arena_path: str | os.PathLike, key: str) -> None:
+def mark_held(arena_path: str | os.PathLike, key: str, reader: int | None = None) -> None:
     """Keep the arena of job ``key`` from the sweep of dead workers' arenas (``sweep_dead``)
-    while the job waits in a file for the node's uploader: the worker may die before the
-    uploader maps it. Made before the job's file, removed by :func:`unmark_held` once an
-    uploader mapped the arena (or the job ended without one)."""
-    held_path(arena_path, key).touch()
+    until an uploader mapped it: the worker may die before that. Made before the job is
+    written to a file of the node or to an uploader's socket; removed by
+    :func:`unmark_held` once an uploader mapped the arena, or the job ended without one.
+    ``reader``: the pid of the uploader whose socket holds the job; the mark protects the
+    arena only while that process lives (its unread frames die with it)."""
+    held_path(arena_path, key).write_text("" if reader is None else str(reader))
 
 
 def unmark_held(arena_path: str | os.PathLike, key: str) -> None:

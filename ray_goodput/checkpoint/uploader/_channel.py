@@ -109,6 +109,15 @@ def _has_room(sock: socket.socket, size: int) -> bool:
 _room_unknown_logged = False
 
 
+def _peer_pid(sock: socket.socket) -> int | None:
+    """The pid of the process at the other end of a Unix socket (None where unknown)."""
+    try:
+        pid, _, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    except (OSError, AttributeError):  # AttributeError: no SO_PEERCRED (not Linux)
+        return None
+    return pid or None
+
+
 # ---- frames ---------------------------------------------------------------------------
 
 
@@ -352,6 +361,8 @@ class ChannelClient:
             _open_clients.discard(self)
             self._sock.close()
             raise
+        #: The uploader's pid (the process whose receive queue holds what was sent).
+        self.peer_pid: int | None = _peer_pid(self._sock)
         if answer is None or answer[0] != "welcome":
             _open_clients.discard(self)
             self._sock.close()

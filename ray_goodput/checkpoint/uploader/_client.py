@@ -138,7 +138,10 @@ class ActorBackend:
             self._attaching = None
 
     def _get(self, fresh: bool = False) -> Any:
-        """The uploader, attached to (a channel, or actor calls); a fresh one when asked."""
+        """The uploader, attached to (a channel, or actor calls); a fresh one when asked.
+        Raises CheckpointError once close() ran (it gave up waiting for the held jobs)."""
+        if self._closing:
+            raise CheckpointError("the Checkpointer closed before this save was handed to the node uploader")
         self._attached()
         if self._actor is None or fresh or (self._channel is not None and not self._channel.alive):
             self.start()  # a channel that closed is an uploader that died or exited
@@ -256,7 +259,11 @@ class ActorBackend:
                     return
                 batch, self._held = self._held, []
             for light, handoff, path in batch:
-                self._hand_over(light, handoff)  # each wait in it is bounded; failures settle the job
+                try:
+                    self._hand_over(light, handoff)  # each wait in it is bounded; failures settle the job
+                except Exception as exc:  # this job fails; the thread goes on with the next
+                    logger.exception("handing step %d's held job to the node uploader failed", light.step)
+                    settle(handoff.durable, None, CheckpointError(f"could not hand step {light.step} over: {exc}"))
                 if path is not None:  # handed over, or failed for this worker: nobody else takes it
                     path.unlink(missing_ok=True)  # the arena's mark: the uploader's to remove (_send)
 
@@ -279,19 +286,24 @@ class ActorBackend:
         ``now``: not when the uploader's socket has no room for the job (returns False,
         nothing done); a failure settles ``handoff``."""
         try:
-            try:
-                attempt = self._send(self._get(), light, now=now)
-            except (ray.exceptions.RayActorError, UploaderGoneError):
-                # The uploader died (killed, or exiting as idle): a new one takes the job.
-                attempt = self._send(self._get(fresh=True), light, now=now)
+            if now:  # save()'s own try: the live connection or nothing, never a reconnect
+                try:
+                    attempt = self._send(self._actor, light, now=True)
+                except (ray.exceptions.RayActorError, UploaderGoneError):
+                    return False  # the uploader just went: the held jobs' thread makes the fresh try
+            else:
+                try:
+                    attempt = self._send(self._get(), light)
+                except (ray.exceptions.RayActorError, UploaderGoneError):
+                    # The uploader died (killed, or exiting as idle): a new one takes the job.
+                    attempt = self._send(self._get(fresh=True), light)
         except Exception as exc:  # noqa: BLE001 - the save fails; wait() raises it on every rank
             failure = CheckpointError(
                 f"could not hand step {light.step} to the node uploader: "
                 f"{type(exc).__name__}: {exc}; check it with 'ray-goodput status'"
             )
             self._take_back(light, handoff)
-            if light.slots:  # no uploader maps it for this try (a late one keeps it mapped)
-                unmark_held(light.arena_path, light.key)
+            _unmark(light)  # no uploader maps it for this try (a late one keeps it mapped)
             settle(handoff.durable, None, failure)
             return True
         if attempt is None:
@@ -332,13 +344,19 @@ class ActorBackend:
         of dead workers' arenas keep it; the uploader removes the mark once it mapped the
         arena (``_accept``)."""
         attempt = Handoff(released=Future(), durable=Future(), key=light.key)
-        if self._channel is not None:
+        channel = self._channel
+        if now and (channel is None or not channel.alive):
+            return None
+        if channel is not None:
             if light.slots:
                 try:
-                    mark_held(light.arena_path, light.key)
+                    mark_held(light.arena_path, light.key, reader=channel.peer_pid)
                 except OSError as exc:  # the save goes on, unprotected from a sweep if this worker dies
                     logger.warning("could not mark step %d's arena as awaited by the uploader: %s", light.step, exc)
-            return attempt if self._channel.submit(light, self._root_blob, attempt, now=now) else None
+                # Released: the uploader mapped the arena and let go of it, or never will
+                # (refused, its connection's frames all handled, or it died).
+                attempt.released.add_done_callback(lambda _f: _unmark(light))
+            return attempt if channel.submit(light, self._root_blob, attempt, now=now) else None
         ray.get(actor.submit.remote(light, self._root_blob), timeout=_HANDOFF_TIMEOUT_S)
         # Asked only after submit returned: the actor knows the key by then.
         _chain(actor.wait_released.remote(light.key).future(), attempt.released)
@@ -365,6 +383,16 @@ class ActorBackend:
             except Exception as exc:  # noqa: BLE001 - it may be gone already
                 logger.debug("uploader unregister failed: %s", exc)
         self._actor = None
+
+
+def _unmark(light: ShardJob) -> None:
+    """Remove the mark that keeps ``light``'s arena from the sweeps (``_send``)."""
+    if not light.slots:
+        return
+    try:
+        unmark_held(light.arena_path, light.key)
+    except OSError as exc:  # left: it expires with its uploader, or after an hour
+        logger.debug("could not remove the mark of step %d's arena: %s", light.step, exc)
 
 
 def _wait_gone(actor: Any) -> None:

@@ -240,8 +240,7 @@ def sweep_other_nodes(node_id: str) -> int:
 
 
 def remove(path: Path, job: ShardJob) -> None:
-    """A held job's file goes, and its arena's mark: its job was handed over (by the
-    worker), or a taken job ended or could not run."""
+    """A taken job's file goes, and its arena's mark: the job ended or could not run."""
     path.unlink(missing_ok=True)
     arena_mapped(job)
 
