@@ -359,7 +359,7 @@ def test_a_dead_workers_arena_awaited_by_a_dead_uploaders_socket_is_swept(tmp_pa
     # killed worker's arena (in /dev/shm: memory) for an hour. A mark names its socket's
     # uploader and keeps the arena only while that process lives; a job in a file, which
     # any uploader takes, names none.
-    from ray_goodput.checkpoint.save._arena import held_path, mark_held, sweep_dead
+    from ray_goodput.checkpoint.save._arena import forget_reader, held_path, mark_held, sweep_dead
     from tests._helpers import dead_pid
 
     pid = dead_pid()
@@ -374,6 +374,11 @@ def test_a_dead_workers_arena_awaited_by_a_dead_uploaders_socket_is_swept(tmp_pa
 
     assert not to_dead.exists() and not held_path(to_dead, "job-a").exists()
     assert to_live.exists() and in_file.exists()
+    # An uploader that exits has no frame left to read: it drops the marks naming it first,
+    # else its own sweep (made from the process the mark names) kept the arena an hour.
+    forget_reader(tmp_path, os.getpid())
+    sweep_dead(tmp_path, other_runs=False)
+    assert not to_live.exists() and in_file.exists()
 
 
 _FULL_SHM = """

@@ -13,6 +13,7 @@ import os
 import threading
 import time
 import types
+from typing import Any
 
 import pytest
 import ray
@@ -29,6 +30,48 @@ class _Placed:
 
     def __init__(self, node_id: str) -> None:
         self.metadata = types.SimpleNamespace(node_id=node_id)
+
+
+def _job(tmp_path, arena, *, slots: tuple) -> Any:
+    """A shard job of step 3 of this process, its arena at ``arena`` (nothing in it is read
+    by the stand-in channels that get it)."""
+    from ray_goodput.checkpoint.uploader._shard_job import ShardJob
+    from ray_goodput.storage import resolve
+
+    return ShardJob(
+        root=resolve(str(tmp_path / "root")),
+        step=3,
+        rank=0,
+        world_size=1,
+        arena_path=str(arena),
+        slots=slots,
+        objects={},
+        leaves={},
+        mappings={},
+        rng=b"",
+        local_dir=str(tmp_path / "local"),
+        keep_last=1,
+        owner_pid=os.getpid(),
+        save_id="g1-x",
+    )
+
+
+def _saves_return_while_stopped(pid: int, saves, what: str, *, then=None) -> None:
+    """Stop process ``pid`` (SIGSTOP), run ``then`` if given, and run ``saves`` on a thread:
+    fail with ``what`` when they have not returned within 60 s (they waited for it). The
+    process runs again afterwards, whatever happened."""
+    import signal
+
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        if then is not None:
+            then()
+        saver = threading.Thread(target=saves, daemon=True)
+        saver.start()
+        saver.join(60)
+        assert not saver.is_alive(), what
+    finally:
+        os.kill(pid, signal.SIGCONT)
 
 
 def test_an_uploader_no_worker_registered_with_yet_stays_up_longer_than_one_whose_workers_died():
@@ -148,7 +191,6 @@ def test_a_save_handed_over_by_actor_calls_does_not_wait_for_a_stopped_uploader(
     # Without the uploader's socket, save() made the hand-off's actor call and waited for
     # its answer, up to 120 s: a stopped or starved uploader stopped training. Now the job
     # is held in a file of the node and a thread makes the call.
-    import signal
 
     from ray_goodput.checkpoint.uploader._actor import KIND, _actor_class
     from ray_goodput.runtime import _services
@@ -163,14 +205,9 @@ def test_a_save_handed_over_by_actor_calls_does_not_wait_for_a_stopped_uploader(
         ckpt.save(1, state)
         ckpt.wait()
         assert ckpt._uploader._channel is None
-        os.kill(pid, signal.SIGSTOP)
-        try:
-            saver = threading.Thread(target=lambda: [ckpt.save(s, state) for s in (2, 3, 4)], daemon=True)
-            saver.start()
-            saver.join(60)
-            assert not saver.is_alive(), "save() waited for the stopped uploader's answer"
-        finally:
-            os.kill(pid, signal.SIGCONT)
+        _saves_return_while_stopped(
+            pid, lambda: [ckpt.save(s, state) for s in (2, 3, 4)], "save() waited for the stopped uploader's answer"
+        )
         ckpt.wait()
         assert ckpt.stats.committed[-1] == 4 and ckpt.stats.failed_saves == 0, ckpt.stats
         fresh = {"model": torch.nn.Linear(64, 64)}
@@ -184,7 +221,6 @@ def test_a_save_after_the_connection_broke_does_not_wait_for_the_reconnect(ray_l
     # made again by the next save() itself: a new actor's start, or the stopped uploader's
     # answer, up to 120 s. Now that save's job is held in a file and the held jobs' thread
     # reconnects. Here the uploader is stopped (SIGSTOP) and the connection cut.
-    import signal
     import socket
 
     state = {"model": torch.nn.Linear(64, 64)}
@@ -193,16 +229,14 @@ def test_a_save_after_the_connection_broke_does_not_wait_for_the_reconnect(ray_l
         ckpt.wait()
         channel = ckpt._uploader._channel
         pid = ray.get(ckpt._uploader._actor.__ray_call__.remote(lambda self: os.getpid()), timeout=60)
-        os.kill(pid, signal.SIGSTOP)
-        try:
+
+        def cut() -> None:
             channel._sock.shutdown(socket.SHUT_RDWR)
             wait_for(lambda: not channel.alive, timeout_s=10, what="the cut connection seen")
-            saver = threading.Thread(target=lambda: [ckpt.save(s, state) for s in (2, 3)], daemon=True)
-            saver.start()
-            saver.join(60)
-            assert not saver.is_alive(), "save() waited to reconnect to the stopped uploader"
-        finally:
-            os.kill(pid, signal.SIGCONT)
+
+        _saves_return_while_stopped(
+            pid, lambda: [ckpt.save(s, state) for s in (2, 3)], "save() waited to reconnect", then=cut
+        )
         ckpt.wait()
         assert ckpt.stats.committed[-1] == 3 and ckpt.stats.failed_saves == 0, ckpt.stats
         assert ckpt._uploader._channel is not channel and ckpt._uploader._channel.alive
@@ -223,8 +257,6 @@ def test_a_save_whose_send_finds_the_uploader_just_gone_is_held_not_retried_on_t
     # file is real.
     from ray_goodput.checkpoint.uploader import _client, _held
     from ray_goodput.checkpoint.uploader._channel import UploaderGoneError
-    from ray_goodput.checkpoint.uploader._shard_job import ShardJob
-    from ray_goodput.storage import resolve
 
     class _GoneChannel:
         alive, peer_pid = True, None
@@ -242,26 +274,53 @@ def test_a_save_whose_send_finds_the_uploader_just_gone_is_held_not_retried_on_t
     backend = _client.ActorBackend(durable_timeout_s=10)
     backend._channel, backend._actor, backend._node_id = _GoneChannel(), object(), f"test-node-{os.getpid()}"
     monkeypatch.setattr(backend, "_get", _get)
-    job = ShardJob(
-        root=resolve(str(tmp_path / "root")),
-        step=3,
-        rank=0,
-        world_size=1,
-        arena_path=str(tmp_path / "a.arena"),
-        slots=(),
-        objects={},
-        leaves={},
-        mappings={},
-        rng=b"",
-        local_dir=str(tmp_path / "local"),
-        keep_last=1,
-        owner_pid=os.getpid(),
-        save_id="g1-x",
-    )
+    job = _job(tmp_path, tmp_path / "a.arena", slots=())
     handoff = backend.submit(job)
+    holding = backend._holding
     with pytest.raises(CheckpointError, match="no uploader in this test"):
         handoff.durable.result(timeout=30)
+    if holding is not None:  # None: it ended already
+        holding.join(30)  # it removes the job's file after settling it
     assert tried_from == ["rg-uploader-held"]  # never the training thread
+    assert not list(_held.held_dir(backend._node_id).glob("*"))
+    _held.held_dir(backend._node_id).rmdir()
+
+
+def test_a_job_in_a_file_keeps_its_arena_for_any_uploader_while_the_held_thread_sends_it(tmp_path, monkeypatch):
+    # A job held in a file marks its arena for any uploader (one may take the file if the
+    # worker dies). The held thread's send rewrote that mark to name the uploader it sent
+    # to, while the file still existed: the worker killed mid-send, that uploader dying with
+    # the frame unread, and the next worker's sweep took the arena the file's job needed.
+    # Stand-in channel; the mark and the held file are real.
+    from ray_goodput.checkpoint.save._arena import held_path
+    from ray_goodput.checkpoint.uploader import _client, _held
+
+    arena = tmp_path / f"rank-00000-{os.getpid()}-0-0.arena"
+    arena.write_bytes(b"x" * 64)
+    marks: list[str] = []
+
+    class _Channel:
+        alive, peer_pid = False, 4242  # not connected at the save: the job is held
+
+        def submit(self, job, root, handoff, *, now=False) -> bool:
+            marks.append(held_path(job.arena_path, job.key).read_text())
+            return True
+
+    backend = _client.ActorBackend(durable_timeout_s=10)
+    channel = _Channel()
+    backend._channel, backend._actor, backend._node_id = channel, object(), f"test-node-{os.getpid()}"
+
+    def _get(fresh: bool = False):
+        channel.alive = True  # the held thread's connection
+        return backend._actor
+
+    monkeypatch.setattr(backend, "_get", _get)
+    job = _job(tmp_path, arena, slots=("a slot",))
+    backend.submit(job)
+    holding = backend._holding
+    if holding is not None:  # None: it ended already
+        holding.join(30)
+    assert marks == [""]  # sent with the file's mark for any uploader, not one naming pid 4242
     assert not list(_held.held_dir(backend._node_id).glob("*"))
     _held.held_dir(backend._node_id).rmdir()
 
@@ -363,7 +422,6 @@ def test_a_save_whose_job_finds_the_uploaders_socket_full_does_not_wait_for_the_
     # (SIGSTOP) while saves of a 1,400-tensor share fill the buffer and go on past it: they
     # all return, and once it runs again the newest commits, bit for bit.
     import fcntl
-    import signal
     import socket
     import struct
     import termios
@@ -396,14 +454,7 @@ def test_a_save_whose_job_finds_the_uploaders_socket_full_does_not_wait_for_the_
                 frame = max(unsent() - before, 1)  # 0 once saves no longer write to the socket
                 full += unsent() + 2 * frame > room or unsent() == before
 
-        os.kill(pid, signal.SIGSTOP)
-        try:
-            saver = threading.Thread(target=saves, daemon=True)
-            saver.start()
-            saver.join(60)
-            assert not saver.is_alive(), f"save() waited for the stopped uploader after {len(steps)} saves"
-        finally:
-            os.kill(pid, signal.SIGCONT)
+        _saves_return_while_stopped(pid, saves, "save() waited for the stopped uploader")
         assert len(steps) < 300, f"{len(steps)} saves never filled a send buffer of {room} bytes"
         ckpt.wait()
         assert ckpt.stats.committed[-1] == steps[-1] and ckpt.stats.failed_saves == 0, ckpt.stats

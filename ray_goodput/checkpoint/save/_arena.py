@@ -229,6 +229,17 @@ def mark_held(arena_path: str | os.PathLike, key: str, reader: int | None = None
     held_path(arena_path, key).write_text("" if reader is None else str(reader))
 
 
+def forget_reader(directory: Path, reader: int) -> None:
+    """Remove the marks in ``directory`` that name uploader ``reader`` (it exits with no
+    frame left to read)."""
+    for mark in directory.glob("rank-*.held") if directory.is_dir() else []:
+        try:
+            if mark.read_text().strip() == str(reader):
+                mark.unlink(missing_ok=True)
+        except OSError:  # removed meanwhile
+            continue
+
+
 def unmark_held(arena_path: str | os.PathLike, key: str) -> None:
     held_path(arena_path, key).unlink(missing_ok=True)
 

@@ -464,11 +464,12 @@ class CheckpointUploader:
 
     def _sweep_all(self) -> None:
         """Remove the arenas of every dead worker whose jobs this uploader ran (it exits:
-        nobody else might)."""
+        nobody else might). Marks naming this uploader go first: with no connection left,
+        it will read no frame that still needs an arena."""
         with self._lock:
             directories = set().union(*self._arena_dirs.values()) if self._arena_dirs else set()
             self._arena_dirs.clear()
-        _sweep_arenas(directories)
+        _sweep_arenas(directories, reader=os.getpid())
 
     def drain_and_exit(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -480,11 +481,14 @@ class CheckpointUploader:
         ray.actor.exit_actor()
 
 
-def _sweep_arenas(directories: set[str]) -> None:
-    """``_arena.sweep_dead`` on each of ``directories`` (a failure is logged: the next
-    Checkpointer of a run on the node sweeps again)."""
+def _sweep_arenas(directories: set[str], reader: int | None = None) -> None:
+    """``_arena.sweep_dead`` on each of ``directories``, after removing the marks that name
+    uploader ``reader`` if given (a failure is logged: the next Checkpointer of a run on
+    the node sweeps again)."""
     for directory in sorted(directories):
         try:
+            if reader is not None:
+                _arena.forget_reader(Path(directory), reader)
             _arena.sweep_dead(Path(directory))
         except Exception:  # a failed sweep leaves files, never fails a job
             logger.warning("could not sweep dead workers' snapshot arenas in %s", directory, exc_info=True)

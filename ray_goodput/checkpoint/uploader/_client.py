@@ -233,10 +233,10 @@ class ActorBackend:
                 self._hold_job(light, handoff)
                 return handoff
         if not self._hand_over(light, handoff, now=True):
-            # The socket has no room for the frame: the uploader is not reading (stopped,
-            # starved), or the frame is larger than the whole send buffer. Sending would
-            # wait for it; the job is held instead, as before the first connection.
-            logger.debug("step %d's job waits in a file: the uploader's socket has no room for it", light.step)
+            # The socket has no room for the frame (the uploader is not reading, or the frame
+            # is larger than the whole send buffer), or the uploader has just gone. Sending
+            # or reconnecting would wait for it; the job is held instead.
+            logger.debug("step %d's job waits in a file: no room in the uploader's socket, or it went", light.step)
             with self._held_lock:
                 self._hold_job(light, handoff)
         return handoff
@@ -260,12 +260,12 @@ class ActorBackend:
                 batch, self._held = self._held, []
             for light, handoff, path in batch:
                 try:
-                    self._hand_over(light, handoff)  # each wait in it is bounded; failures settle the job
+                    self._hand_over(light, handoff, in_file=path is not None)  # bounded; failures settle the job
                 except Exception as exc:  # this job fails; the thread goes on with the next
                     logger.exception("handing step %d's held job to the node uploader failed", light.step)
                     settle(handoff.durable, None, CheckpointError(f"could not hand step {light.step} over: {exc}"))
                 if path is not None:  # handed over, or failed for this worker: nobody else takes it
-                    path.unlink(missing_ok=True)  # the arena's mark: the uploader's to remove (_send)
+                    path.unlink(missing_ok=True)  # the arena's mark goes with the job's release (_send)
 
     def _hold(self, light: ShardJob) -> Path | None:
         """The job written where the node's uploader finds it if this worker dies first."""
@@ -280,11 +280,12 @@ class ActorBackend:
             )
             return None
 
-    def _hand_over(self, light: ShardJob, handoff: Handoff, *, now: bool = False) -> bool:
+    def _hand_over(self, light: ShardJob, handoff: Handoff, *, now: bool = False, in_file: bool = False) -> bool:
         """Hand ``light`` over, once more to a fresh uploader when this one is gone; each
         try has its own events, and only the one that took the job reaches ``handoff``.
-        ``now``: not when the uploader's socket has no room for the job (returns False,
-        nothing done); a failure settles ``handoff``."""
+        ``now``: only over the live connection, and only when its socket has room for the
+        job (else returns False, the job to be held); a failure settles ``handoff``.
+        ``in_file``: the job is also in a file of the node (see :meth:`_send`)."""
         try:
             if now:  # save()'s own try: the live connection or nothing, never a reconnect
                 try:
@@ -293,10 +294,10 @@ class ActorBackend:
                     return False  # the uploader just went: the held jobs' thread makes the fresh try
             else:
                 try:
-                    attempt = self._send(self._get(), light)
+                    attempt = self._send(self._get(), light, in_file=in_file)
                 except (ray.exceptions.RayActorError, UploaderGoneError):
                     # The uploader died (killed, or exiting as idle): a new one takes the job.
-                    attempt = self._send(self._get(fresh=True), light)
+                    attempt = self._send(self._get(fresh=True), light, in_file=in_file)
         except Exception as exc:  # noqa: BLE001 - the save fails; wait() raises it on every rank
             failure = CheckpointError(
                 f"could not hand step {light.step} to the node uploader: "
@@ -335,27 +336,34 @@ class ActorBackend:
         except Exception as exc:  # noqa: BLE001 - the pair's bounded wait raises if it needs it
             logger.warning("cannot learn when step %d's job lets go of its arena: %s", light.step, exc)
 
-    def _send(self, actor: Any, light: ShardJob, *, now: bool = False) -> Handoff | None:
-        """One try of the hand-off; None when ``now`` and the socket has no room for it.
+    def _send(self, actor: Any, light: ShardJob, *, now: bool = False, in_file: bool = False) -> Handoff | None:
+        """One try of the hand-off; None when ``now`` and there is no live connection or
+        its socket has no room for the job.
 
         A job written to the socket waits there until the uploader reads it, seconds or
         more when it is starved; this worker may be killed meanwhile. Its arena is marked
-        held first (``_arena.mark_held``), as a job held in a file is, so that the sweeps
-        of dead workers' arenas keep it; the uploader removes the mark once it mapped the
-        arena (``_accept``)."""
+        first (``_arena.mark_held``), naming that uploader, so that the sweeps of dead
+        workers' arenas keep it while the uploader lives; the uploader removes the mark
+        once it mapped the arena (``_accept``), and this worker once the arena was
+        released. ``in_file``: the job is also in a file of the node, whose mark (naming
+        no uploader: any may take the file) stays as it is."""
+        if self._closing:
+            raise CheckpointError("the Checkpointer closed before this save was handed to the node uploader")
         attempt = Handoff(released=Future(), durable=Future(), key=light.key)
         channel = self._channel
         if now and (channel is None or not channel.alive):
             return None
         if channel is not None:
             if light.slots:
-                try:
-                    mark_held(light.arena_path, light.key, reader=channel.peer_pid)
-                except OSError as exc:  # the save goes on, unprotected from a sweep if this worker dies
-                    logger.warning("could not mark step %d's arena as awaited by the uploader: %s", light.step, exc)
-                # Released: the uploader mapped the arena and let go of it, or never will
-                # (refused, its connection's frames all handled, or it died).
-                attempt.released.add_done_callback(lambda _f: _unmark(light))
+                if not in_file:
+                    try:
+                        mark_held(light.arena_path, light.key, reader=channel.peer_pid)
+                    except OSError as exc:  # the save goes on, unprotected from a sweep if this worker dies
+                        logger.warning("could not mark step %d's arena as awaited: %s", light.step, exc)
+                # Released without an error: the uploader mapped the arena and let go of it,
+                # or never will (refused). An error (the actor could not be asked) says
+                # nothing of an unread frame: the mark stays, for as long as its uploader lives.
+                attempt.released.add_done_callback(lambda f: f.exception() is None and _unmark(light))
             return attempt if channel.submit(light, self._root_blob, attempt, now=now) else None
         ray.get(actor.submit.remote(light, self._root_blob), timeout=_HANDOFF_TIMEOUT_S)
         # Asked only after submit returned: the actor knows the key by then.
