@@ -103,7 +103,6 @@ class CheckpointUploader:
         self._peers: set[Peer] = set()
         self._connections: dict[str, Peer] = {}  # by connection id (the worker's, from its hello)
         self._clients: set[tuple[int, str]] = set()
-        self._conn_pids: dict[str, int] = {}  # each connection's worker process
         self._arena_dirs: dict[int, set[str]] = {}  # directories of each worker's jobs' arenas
         self._clean_close = False
         self._had_client = False
@@ -162,7 +161,7 @@ class CheckpointUploader:
             self._peers.add(peer)
             self._clients.discard((pid, token))
             self._connections[conn] = peer
-            self._conn_pids[conn] = pid
+            peer.pid = pid
 
         peer.conn = conn
         try:
@@ -183,11 +182,10 @@ class CheckpointUploader:
             self._peers.discard(peer)
             if self._connections.get(peer.conn) is peer:
                 del self._connections[peer.conn]
-            pid = self._conn_pids.pop(peer.conn, None)
             self._clean_close = peer.said_bye and not (self._peers or self._clients)
         self._idle_since = time.monotonic()
-        if pid is not None and not peer.said_bye:  # the worker died, or its connection was cut
-            threading.Thread(target=self._sweep_after, args=(pid,), name="rg-uploader-sweep", daemon=True).start()
+        if peer.pid is not None and not peer.said_bye:  # the worker died, or its connection was cut
+            threading.Thread(target=self._sweep_after, args=(peer.pid,), name="rg-uploader-sweep", daemon=True).start()
 
     def _sweep_after(self, pid: int) -> None:
         """Once worker ``pid`` is gone, remove its snapshot arenas (a killed worker cannot;

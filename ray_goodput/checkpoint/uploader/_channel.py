@@ -199,6 +199,7 @@ class Peer:
         self.said_bye = False
         self.final = False  # its goodbye said the worker is done: nobody asks about its jobs
         self.conn = ""  # the connection's id, from the worker's hello
+        self.pid: int | None = None  # the worker's process, once its hello was accepted
         self.ended = threading.Event()  # set once its last frame is handled
 
     def send(self, message: tuple[Any, ...]) -> bool:

@@ -1,8 +1,8 @@
 """Jobs saved before their worker could send them to the node uploader, kept as files until taken.
 
 A save made while a worker's first connection to its node's uploader is still being made
-(the uploader still starting), or while that connection's socket has no room for the
-job's frame (the uploader not reading), does not wait for it: the worker writes the job
+(the uploader still starting), or that cannot be sent at once (no room in the socket for
+its frame, no live connection, or jobs going by actor calls), does not wait for it: the worker writes the job
 here (one file per job, in a directory of its node) and a thread of the worker hands it
 over once the uploader answers. Whoever takes a job first removes its file: the uploader when
 the job reaches it, or the uploader's look for the jobs of workers that died before they
