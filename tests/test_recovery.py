@@ -23,8 +23,9 @@ from ray.train.v2.api.exceptions import ControllerError, WorkerGroupError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ray_goodput.driver import _gpu_check
+from ray_goodput.driver._placement import NodeLedger, workers_that_fit
 from ray_goodput.driver._record import load_state
-from ray_goodput.driver._recovery import NodeLedger, Recovery, futile, workers_that_fit
+from ray_goodput.driver._recovery import Recovery, futile
 from ray_goodput.driver._trainer import TorchTrainer
 from ray_goodput.errors import ConfigError, StateMismatchError
 from ray_goodput.runtime import _resume

@@ -15,7 +15,8 @@ It runs in the Ray Train controller (Ray 2.60 DeveloperAPI hooks) and does three
   ``max_failures_per_node`` gets no worker of this run again: the worker group's label
   selector excludes it (``ray.io/node-id: "!in(...)"``), unless the run could not be
   placed without it. Unhealthy nodes that leave no room for the workers at that many
-  starts in a row end the run (``NoHealthyNodesError``).
+  starts in a row end the run (``NoHealthyNodesError``). The room and the selector are
+  ``_placement``'s arithmetic.
 
 What it decided is kept in ``<root>/recovery/state.json`` (``_record``: the layout, and the
 background writer no restart hook waits for) for the goodput summary, MLflow and
@@ -38,7 +39,7 @@ from ray.train.v2._internal.exceptions import WorkerHealthCheckFailedError
 from ray.train.v2._internal.execution.callback import ControllerCallback, ReplicaGroupCallback, WorkerGroupCallback
 from ray.train.v2.api.exceptions import ControllerError, WorkerGroupError
 
-from ray_goodput.driver import _gpu_check, _health
+from ray_goodput.driver import _gpu_check, _health, _placement
 from ray_goodput.driver._record import ABORT_WRITE_WAIT_S, STATE_WRITE_WAIT_S, StateWriter
 from ray_goodput.driver._resume_choice import UPLOAD_WAIT_S, ResumeChoice
 from ray_goodput.errors import ConfigError, NoHealthyNodesError, not_retryable
@@ -50,8 +51,6 @@ logger = logging.getLogger(__name__)
 
 #: Ray reads it in the controller when it tears a worker group's process group down.
 TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S = "TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S"
-#: Ray's built-in node label; a value ``"!in(a,b)"`` keeps bundles off nodes a and b.
-NODE_ID_LABEL = "ray.io/node-id"
 #: The ``FailureConfig`` fields whose budgets ``Recovery.failures_charged`` counts.
 MAX_FAILURES = "max_failures"
 MAX_PREEMPTION_FAILURES = "max_preemption_failures"
@@ -92,47 +91,6 @@ def preemption_info(worker_group_status: Any) -> Any:
     """What Ray's poll says of a node being preempted (None: none is)."""
     getter = getattr(worker_group_status, "get_preemption_info", None)
     return getter() if getter is not None else None
-
-
-class NodeLedger:
-    """Failures per node and the nodes isolated for good (pure bookkeeping)."""
-
-    def __init__(self, max_failures_per_node: int) -> None:
-        self.max_failures = max_failures_per_node
-        self.failures: dict[str, int] = {}
-        self.isolated: list[str] = []
-
-    def record(self, node_id: str, *, may_isolate: Callable[[str], bool] = lambda node: True) -> bool:
-        """Count one failure of ``node_id``; True when it is newly isolated by it.
-        ``may_isolate(node_id)``: whether the run can do without the node (asked only when
-        the node reaches the limit); a node it cannot do without keeps counting."""
-        self.failures[node_id] = self.failures.get(node_id, 0) + 1
-        if node_id in self.isolated or self.failures[node_id] < self.max_failures:
-            return False
-        if not may_isolate(node_id):
-            return False
-        self.isolated.append(node_id)
-        return True
-
-
-def worker_resources(scaling_config: Any) -> dict[str, float]:
-    """What one worker asks for, as Ray Train computes it from the public fields."""
-    given = {k: v for k, v in (scaling_config.resources_per_worker or {}).items() if v}
-    if not given:
-        given = {"GPU": 1.0} if scaling_config.use_gpu else {"CPU": 1.0}
-    if scaling_config.use_gpu:
-        given.setdefault("GPU", 1.0)
-    return given
-
-
-def _fewest_workers(scaling_config: Any) -> int:
-    """The smallest group a start may place: ``num_workers``, or an elastic run's minimum."""
-    n = scaling_config.num_workers
-    return int(n[0] if isinstance(n, tuple) else n)
-
-
-def workers_that_fit(node_resources: dict[str, float], per_worker: dict[str, float]) -> int:
-    return int(min(node_resources.get(r, 0.0) // v for r, v in per_worker.items()))
 
 
 class Recovery(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):
@@ -184,7 +142,7 @@ class Recovery(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):
         self.health_check_timeout_s = health_check_timeout_s
         self.pg_shutdown_timeout_s = pg_shutdown_timeout_s
         self.storage_path = storage_path
-        self.ledger = NodeLedger(max_failures_per_node)
+        self.ledger = _placement.NodeLedger(max_failures_per_node)
         self.attempt = 0
         self.attempts: list[dict[str, Any]] = []
         self.stopped: dict[str, str] | None = None
@@ -239,7 +197,7 @@ class Recovery(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):
         self._stop_if_no_healthy_room(scaling_config, unhealthy)
         self._warn_if_short(scaling_config, num_workers, excluded)
         self._save()
-        return self._selector(scaling_config, excluded)
+        return _placement.exclusion_selector(scaling_config, excluded)
 
     def before_controller_execute_failure_decision(self, failure_decision: Any) -> None:
         if self._failure_seen:  # one of Ray's decisions on a worker group's failure
@@ -366,16 +324,6 @@ class Recovery(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):
         if self.checks_at_failure and self._choice is not None:
             self._choice.begin(self.attempt + 1)
 
-    def _candidate_nodes(self, scaling_config: Any) -> list[str]:
-        per_worker = worker_resources(scaling_config)
-        return [
-            n["NodeID"]
-            for n in ray.nodes()
-            if n["Alive"]
-            and n["NodeID"] not in self.ledger.isolated
-            and workers_that_fit(n["Resources"], per_worker) > 0
-        ]
-
     def _start_checks_early(self) -> None:
         """At the poll that first sees this attempt's failure: start the node checks now, so
         they run while Ray decides and shuts the old group down, not after."""
@@ -384,7 +332,9 @@ class Recovery(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):
         if self._early_checks is not None:
             return
         try:
-            self._early_checks = _health.start_checks(self.health_check, self._candidate_nodes(self._scaling))
+            self._early_checks = _health.start_checks(
+                self.health_check, _placement.candidate_nodes(self._scaling, self.ledger.isolated)
+            )
             # Their workers still run (and hold their GPUs' memory) until Ray shuts the group
             # down: a failed check there is checked again at the start.
             self._early_busy = set(self._rank_nodes.values())
@@ -394,7 +344,7 @@ class Recovery(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):
     def _check_health(self, scaling_config: Any) -> dict[str, str]:
         if self.health_check is None:
             return {}
-        nodes = self._candidate_nodes(scaling_config)
+        nodes = _placement.candidate_nodes(scaling_config, self.ledger.isolated)
         early, self._early_checks = self._early_checks or {}, None
         started = {ref: node for ref, node in early.items() if node in nodes}
         for ref, node in early.items():
@@ -432,15 +382,6 @@ class Recovery(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):
                 )
         return unhealthy
 
-    def _room(self, scaling_config: Any, excluded: list[str]) -> int:
-        """How many workers the live nodes outside ``excluded`` hold."""
-        per_worker = worker_resources(scaling_config)
-        return sum(
-            workers_that_fit(n["Resources"], per_worker)
-            for n in ray.nodes()
-            if n["Alive"] and n["NodeID"] not in excluded
-        )
-
     def _can_do_without(self, node: str) -> bool:
         """Whether the live nodes left once ``node`` is isolated still hold the smallest group
         the run starts. Isolating the last of them would leave Ray waiting for capacity for
@@ -448,8 +389,8 @@ class Recovery(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):
         on against ``FailureConfig.max_failures``, which ends the run."""
         if self._scaling is None:
             return True
-        room = self._room(self._scaling, [*self.ledger.isolated, node])
-        if room >= _fewest_workers(self._scaling):
+        room = _placement.room(self._scaling, [*self.ledger.isolated, node])
+        if room >= _placement.fewest_workers(self._scaling):
             return True
         logger.warning(
             "node %s failed %d times (max_failures_per_node) but is not isolated: without it the "
@@ -457,7 +398,7 @@ class Recovery(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):
             node,
             self.ledger.failures[node],
             room,
-            _fewest_workers(self._scaling),
+            _placement.fewest_workers(self._scaling),
         )
         return False
 
@@ -465,11 +406,11 @@ class Recovery(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):
         """Nodes that failed their check leave too little room for the group: Ray would wait
         for capacity and retry the start for ever. At ``max_failures_per_node`` such starts
         in a row the start raises, naming the nodes and why (Ray ends the run with it)."""
-        needed = _fewest_workers(scaling_config)
+        needed = _placement.fewest_workers(scaling_config)
         short = bool(unhealthy) and (
-            self._room(scaling_config, sorted(set(self.ledger.isolated) | set(unhealthy)))
+            _placement.room(scaling_config, sorted(set(self.ledger.isolated) | set(unhealthy)))
             < needed
-            <= self._room(scaling_config, self.ledger.isolated)
+            <= _placement.room(scaling_config, self.ledger.isolated)
         )
         self._unhealthy_short = self._unhealthy_short + 1 if short else 0
         if self._unhealthy_short >= self.ledger.max_failures:
@@ -488,7 +429,7 @@ class Recovery(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):
     def _warn_if_short(self, scaling_config: Any, num_workers: int, excluded: list[str]) -> None:
         if not excluded:
             return
-        room = self._room(scaling_config, excluded)
+        room = _placement.room(scaling_config, excluded)
         if room < num_workers:
             logger.warning(
                 "attempt %d: without the excluded nodes (%s) the cluster has room for %d "
@@ -498,19 +439,6 @@ class Recovery(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):
                 room,
                 num_workers,
             )
-
-    def _selector(self, scaling_config: Any, excluded: list[str]) -> dict[str, str] | None:
-        if not excluded:
-            return None
-        user = scaling_config.label_selector
-        if isinstance(user, list) or NODE_ID_LABEL in (user or {}):
-            logger.warning(
-                "ScalingConfig.label_selector is per worker or names %s already; "
-                "Recovery cannot add its node exclusions to it",
-                NODE_ID_LABEL,
-            )
-            return None
-        return {**(user or {}), NODE_ID_LABEL: f"!in({','.join(excluded)})"}
 
     def state(self) -> dict[str, Any]:
         return {
