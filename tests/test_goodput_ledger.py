@@ -183,3 +183,20 @@ def test_an_attempt_that_died_before_it_restored_does_not_make_the_steps_the_nex
     # The run ended in such an attempt: the steps of the last attempt that got anywhere stay kept.
     ended = compute([first, died], job_start=100.0)
     assert (ended.steps_kept, ended.steps_lost) == (15, 0)
+
+
+def test_steps_a_later_attempt_resumed_below_are_lost_not_counted_twice():
+    """Attempt 3 resumed from step 50, below attempt 2's resume point (100): its pick was
+    damaged and it fell back, or the node-local copy it had loaded was pruned. Attempt 1's
+    steps 51-100 were computed again, so they are lost; the ledger took them as kept (only
+    the next attempt's resume point counted), and counted 250 steps of work for 200.
+    Lost: attempt 1's 51-100 and all of attempt 2's 101-150."""
+    first = _attempt(100.0, 0, 100)
+    second = _attempt(first[-1]["t"] + 5.0, 100, 50)
+    third = _attempt(second[-1]["t"] + 5.0, 50, 150, end=True)
+    ledger = compute([first, second, third], job_start=100.0)
+    assert (ledger.steps_kept, ledger.steps_lost) == (200, 100)
+    assert ledger.work_steps == pytest.approx(200)
+    assert ledger.seconds["productive"] == pytest.approx(200 * 0.9)
+    assert ledger.seconds["lost"] == pytest.approx(100 * 0.9)
+    assert sum(ledger.seconds.values()) == pytest.approx(ledger.total)

@@ -145,3 +145,21 @@ def test_what_the_recorder_hears_after_the_end_reaches_object_storage_at_once(s3
         ("ckpt_superseded", 3),
     ], events
     log.close()
+
+
+def test_timeline_spans_agree_with_the_ledger_when_an_attempt_died_before_it_stepped_or_one_resumed_lower():
+    # The timeline kept an attempt's steps up to the very next row's resume point: a row that
+    # died before it restored drew its predecessor's kept steps as lost, and a later row that
+    # resumed lower left steps drawn as productive that the ledger counts lost.
+    first = _attempt(100.0, 0, 30)
+    died = [{"e": "start", "t": first[-1]["t"] + 5.0}]
+    second = _attempt(died[-1]["t"] + 5.0, 20, 20)
+    third = _attempt(second[-1]["t"] + 5.0, 10, 40, end=True)
+    attempts = [first, died, second, third]
+    ledger = compute(attempts, job_start=95.0)
+    per_bucket: dict[str, float] = {}
+    for s in spans(attempts, job_start=95.0):
+        per_bucket[s.bucket] = per_bucket.get(s.bucket, 0.0) + s.end - s.start
+    assert ledger.seconds["lost"] == pytest.approx((20 + 20) * 0.9)
+    for bucket in ("productive", "lost"):
+        assert per_bucket.get(bucket, 0.0) == pytest.approx(ledger.seconds[bucket]), bucket

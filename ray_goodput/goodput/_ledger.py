@@ -7,7 +7,7 @@ Buckets (named after the ml-goodput-measurement taxonomy where they match):
 - ``degraded``: in replica mode, the share of kept steps' time that missing replicas would
   have computed (a step of P of R configured replicas is P/R productive): capacity lost
   while a replica was replaced, not time,
-- ``lost``: steps computed after the checkpoint the next attempt resumed from (redone),
+- ``lost``: steps computed after the checkpoint a later attempt resumed from (redone),
   and in replica mode a step's try that did not commit (a peer died in it; retried),
 - ``checkpoint_stall``: the loop blocked by ``Checkpointer.save``,
 - ``data_stall``: the loop waiting for a batch,
@@ -157,10 +157,7 @@ def compute(
     )
     prev_end = ledger.start
     for i, events in enumerate(attempts):
-        # The steps of an attempt are kept up to where the next attempt that got anywhere
-        # resumed; all of them when none did.
-        nxt = next((a for a in attempts[i + 1 :] if _got_anywhere(a)), None)
-        keep_upto = resumed_from(nxt) if nxt is not None else None
+        keep_upto = kept_upto(attempts, i)
         first = _first_progress(events) or events[-1]["t"]
         restore = sum(e["t"] - e["t0"] for e in events if e["e"] == "restore")
         ledger.seconds["restore"] += restore
@@ -170,13 +167,22 @@ def compute(
         gap = max(0.0, first - prev_end - restore_first)
         ledger.seconds["startup" if i == 0 else "restart_downtime"] += gap
         last = _account_steps(ledger, events, keep_upto, first_attempt=i == 0)
-        if nxt is not None:
-            ledger.steps_lost += max(0, last - keep_upto)
+        if keep_upto is not None:
+            ledger.steps_lost += max(0, last - max(keep_upto, resumed_from(events)))
         elif _got_anywhere(events):
             ledger.steps_kept = max(last, resumed_from(events))
         prev_end = events[-1]["t"]
     ledger.seconds["other"] = max(0.0, ledger.total - sum(v for k, v in ledger.seconds.items() if k != "other"))
     return ledger
+
+
+def kept_upto(attempts: list[list[dict[str, Any]]], i: int) -> int | None:
+    """The last step of attempt ``i`` (of ``attempts``, sorted by time) whose result was kept:
+    the lowest step a later attempt that got anywhere resumed from (one may resume below
+    another: its pick was damaged and it fell back to an older one); None (all of them)
+    when no later attempt got anywhere."""
+    later = [resumed_from(a) for a in attempts[i + 1 :] if _got_anywhere(a)]
+    return min(later) if later else None
 
 
 def _recovery_point_ages(ledger: Ledger, points: list[dict[str, Any]]) -> None:

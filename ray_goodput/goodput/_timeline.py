@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ray_goodput.goodput._ledger import BUCKETS, resumed_from
+from ray_goodput.goodput._ledger import BUCKETS, kept_upto
 
 COLORS = dict(
     zip(BUCKETS, ["#2ca02c", "#98df8a", "#d62728", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22"])
@@ -64,8 +64,7 @@ def spans(attempts: list[list[dict[str, Any]]], job_start: float | None = None) 
     out: list[Span] = []
     prev_end = job_start if job_start is not None else (attempts[0][0]["t"] if attempts else 0.0)
     for row, events in enumerate(attempts):
-        nxt = attempts[row + 1] if row + 1 < len(attempts) else None
-        keep_upto = resumed_from(nxt) if nxt is not None else None
+        keep_upto = kept_upto(attempts, row)  # as the ledger keeps them
         first = next((e["t0"] for e in events if e["e"] in ("step", "restore")), events[-1]["t"])
         out.append(Span(row, prev_end, first, "startup" if row == 0 else "restart_downtime"))
         stepped = False
