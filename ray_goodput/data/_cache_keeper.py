@@ -124,6 +124,12 @@ class CacheKeeper:
 
     def _fetch(self, key: str, files: FileSet, i: int) -> None:
         try:
+            if files.sizes[i] > self.capacity:  # it can never fit: evict nothing for it
+                self._error(
+                    f"prefetch of {files.uri(i)}: {files.sizes[i]} bytes, larger than the cache capacity "
+                    f"({self.capacity} bytes); its reader raises CacheFullError"
+                )
+                return
             self._fetch_once(key, files, i)
         except CacheFullError:
             with self._lock:  # a full disk: free what we can, then one more try

@@ -70,8 +70,9 @@ class CachedDataset(torch.utils.data.Dataset):
 class FileDataset(CachedDataset):
     """One file is one sample: ``decode(bytes) -> sample`` (default: the bytes).
 
-    ``source``: a directory URI (all files under it, recursively, sorted by path; names
-    starting with '.' or '_' skipped; ``suffixes`` filters) or a list of file URIs on one
+    ``source``: a directory URI (all files under it, recursively, sorted by path; a file
+    whose name, or a folder below the source it is in, starts with '.' or '_' skipped;
+    ``suffixes`` filters) or a list of file URIs on one
     filesystem. Raises DataError for an empty source; a file that cannot be read or
     decoded raises (StorageError / DataError) naming the file when it is accessed.
     """

@@ -6,7 +6,9 @@ file's deterministic cache path; no actor call, no lock.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 from typing import BinaryIO
 
 from ray_goodput.data._cache_files import CacheLayout, fetch
@@ -54,12 +56,29 @@ class CacheReader:
                 )
                 self.journal.miss(None if got is None else (key, got[0], got[1]))
                 continue
+            if not self._whole(f, files, i, path):
+                continue
             if attempt == 0:
                 self.journal.hit()
             return f
         raise FileNotFoundError(
             f"{files.uri(i)} kept being evicted from the cache at {self.layout.root}; raise CacheConfig.capacity_bytes"
         )
+
+    @staticmethod
+    def _whole(f: BinaryIO, files: FileSet, i: int, path: object) -> bool:
+        """Whether the cache file open as ``f`` has file ``i``'s listed size; if not (cut
+        short: renamed into place without an fsync, then the host crashed), it is closed
+        and removed, to be fetched again."""
+        listed = files.sizes[i]
+        size = os.fstat(f.fileno()).st_size
+        if listed < 0 or size == listed:
+            return True
+        f.close()
+        logger.warning("cached copy of %s holds %d of its %d bytes; fetching it again", files.uri(i), size, listed)
+        with contextlib.suppress(FileNotFoundError):  # evicted or replaced meanwhile
+            os.unlink(path)
+        return False
 
 
 class DirectReader:

@@ -85,7 +85,9 @@ def _list_directory(uri: str, suffixes: tuple[str, ...]) -> FileSet:
     except StorageError as exc:
         raise StorageError(f"cannot list dataset source {uri!r}: {exc}") from exc
     files = sorted(
-        (i.path, i.size, i.mtime_ns) for i in infos if i.type == pafs.FileType.File and _wanted(i.path, suffixes)
+        (i.path, i.size, i.mtime_ns)
+        for i in infos
+        if i.type == pafs.FileType.File and _wanted(i.path[len(loc.root) :], suffixes)
     )
     if not files:
         raise DataError(
@@ -102,11 +104,14 @@ def _list_directory(uri: str, suffixes: tuple[str, ...]) -> FileSet:
     )
 
 
-def _wanted(path: str, suffixes: tuple[str, ...]) -> bool:
-    name = path.rsplit("/", 1)[-1]
-    if name.startswith(".") or name.startswith("_"):  # _SUCCESS, .part files
+def _wanted(relative: str, suffixes: tuple[str, ...]) -> bool:
+    """Whether a listed file (its path below the source's root) is data: not one whose
+    name, or the name of a folder it is in, starts with ``.`` or ``_`` (``_SUCCESS``,
+    ``.part`` files, a writer's ``_temporary/`` or ``.hive-staging*/``)."""
+    parts = [p for p in relative.split("/") if p]
+    if not parts or any(p.startswith((".", "_")) for p in parts):
         return False
-    return not suffixes or name.endswith(suffixes)
+    return not suffixes or parts[-1].endswith(suffixes)
 
 
 def _list_files(uris: Sequence[str]) -> FileSet:

@@ -1,0 +1,68 @@
+"""The node cache's files, keeper and listing in one process, on local files: what the
+cache serves, what it evicts and which files a directory source holds. The cache actor,
+its readers in other processes and S3 are tests/test_data_cache.py's."""
+
+from __future__ import annotations
+
+import os
+
+from ray_goodput.data import CacheConfig, FileDataset
+from ray_goodput.data._cache_files import CacheLayout
+from ray_goodput.data._cache_keeper import CacheKeeper
+from ray_goodput.data._file_readers import CacheReader
+from ray_goodput.testing import wait_for
+
+
+def _source(tmp_path, sizes: dict[str, int]) -> str:
+    src = tmp_path / "src"
+    src.mkdir()
+    for name, size in sizes.items():
+        (src / name).write_bytes(os.urandom(size))
+    return str(src)
+
+
+def test_a_cache_file_cut_short_is_fetched_again_not_served(tmp_path):
+    # A cache file renamed into place without an fsync can come back empty or cut short
+    # after the host crashed; a hit was open() + read(), so every later run read the cut
+    # file (a Parquet file failing to decode for good, a sample silently truncated).
+    src = _source(tmp_path, {"a.bin": 1000})
+    cfg = CacheConfig(directory=str(tmp_path / "cache"), capacity_bytes=1 << 20)
+    ds = FileDataset(src, cache=cfg)
+    layout = CacheLayout.of(cfg)
+    layout.create()
+    cut = layout.data_path(ds.files.cache_key(0))
+    cut.parent.mkdir(parents=True, exist_ok=True)
+    cut.write_bytes(b"0123456789")
+    reader = CacheReader(layout, cfg.capacity_bytes)
+    assert reader.read(ds.files, 0) == (tmp_path / "src" / "a.bin").read_bytes()
+    assert cut.stat().st_size == 1000  # the cache holds the whole file again
+
+
+def test_a_file_larger_than_the_cache_evicts_nothing(tmp_path):
+    # The keeper made room for it before learning it could never fit: every file of the
+    # node's cache went, those other ranks were about to read included, twice.
+    src = _source(tmp_path, {**{f"f{i}.bin": 100 for i in range(5)}, "huge.bin": 2000})
+    cfg = CacheConfig(directory=str(tmp_path / "cache"), capacity_bytes=1000)
+    ds = FileDataset(src, cache=cfg)
+    keeper = CacheKeeper(cfg)
+    small = [i for i, p in enumerate(ds.files.paths) if not p.endswith("huge.bin")]
+    fid = keeper.register(ds.files)
+    keeper.prefetch(fid, small)
+    wait_for(lambda: keeper.stats()["files"] == 5, timeout_s=30, what="the five small files cached")
+    keeper.prefetch(fid, [next(i for i, p in enumerate(ds.files.paths) if p.endswith("huge.bin"))])
+    wait_for(lambda: keeper.stats()["inflight"] == 0, timeout_s=30, what="the large file's prefetch to end")
+    stats = keeper.stats()
+    assert stats["evictions"] == 0 and stats["files"] == 5, stats
+    assert any("capacity" in e for e in keeper.errors), keeper.errors
+
+
+def test_files_under_hidden_or_underscore_folders_of_a_source_are_skipped(tmp_path):
+    # Only the file's own name was tested: a writer's staging folder (Spark's _temporary/,
+    # Hive's .hive-staging*/) inside the source was listed, so ranks listing while it wrote
+    # could see different files. A folder above the source may be named so.
+    root = tmp_path / "_jobs" / "data"
+    for rel in ("a.bin", "sub/b.bin", "_temporary/0/c.bin", ".hive-staging_1/d.bin", "sub/_x/e.bin", "sub/.f.bin"):
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(b"x")
+    ds = FileDataset(str(root))
+    assert [os.path.relpath(p, root) for p in ds.files.paths] == ["a.bin", "sub/b.bin"]
