@@ -61,6 +61,10 @@ class Worker:
     def arenas(self) -> list[str]:
         return [str(a.path) for a in self.ckpt._arenas.arenas]
 
+    def by_actor_calls(self) -> bool:
+        """Whether its jobs go to the uploader by actor calls (no connection to its socket)."""
+        return self.ckpt._uploader._channel is None
+
     def connect(self) -> None:
         """Until connected to the uploader: a save made before hands its job over later."""
         self.ckpt._uploader._attached()
@@ -231,19 +235,12 @@ def test_worker_killed_right_after_save_still_commits(ray_cluster, s3_server, tm
     ray.get(reader.close.remote())
 
 
-def test_a_killed_workers_snapshot_arenas_are_removed_by_its_nodes_uploader(ray_cluster, tmp_path):
-    # A killed worker cannot remove its arenas (in /dev/shm: memory), and only the next
-    # Checkpointer of a run on the node swept them: when a job's last attempt was killed,
-    # twice its shard's bytes stayed until a reboot. Its uploader, which sees the worker's
-    # connection end without a goodbye, removes them once the process is gone.
-    node = _other_node(ray_cluster)
-    worker = _on(node).remote(str(tmp_path / "root"), seed=5)
-    ray.get(worker.save.remote(1))
-    ray.get(worker.save.remote(2))  # while 1 may still be written: both arenas in use
-    assert ray.get(worker.wait.remote())[-1] == 2
+def _killed_and_its_arenas_swept(worker, node: str) -> None:
+    """SIGKILL ``worker`` (no close, no goodbye), whose arenas exist, and wait for its node's
+    uploader, still serving (not exiting), to remove them."""
     arenas = ray.get(worker.arenas.remote())
     assert arenas and all(os.path.exists(p) for p in arenas)
-    ray.kill(worker)  # SIGKILL: no close, no goodbye
+    ray.kill(worker)
     wait_for(
         lambda: not any(os.path.exists(p) for p in arenas),
         timeout_s=20,  # the uploader lives on for 30 s after its last worker died
@@ -251,6 +248,44 @@ def test_a_killed_workers_snapshot_arenas_are_removed_by_its_nodes_uploader(ray_
         interval_s=0.2,
     )
     assert node in _services.find(KIND)  # removed by the uploader still serving, not at its exit
+
+
+def test_a_killed_workers_snapshot_arenas_are_removed_by_its_nodes_uploader(ray_cluster, tmp_path):
+    # A killed worker cannot remove its arenas (in /dev/shm: memory), and only the next
+    # Checkpointer of a run on the node swept them: when a job's last attempt was killed,
+    # twice its shard's bytes stayed until a reboot. Its uploader, which ran the worker's
+    # jobs, removes them once the process is gone.
+    node = _other_node(ray_cluster)
+    worker = _on(node).remote(str(tmp_path / "root"), seed=5)
+    ray.get(worker.save.remote(1))
+    ray.get(worker.save.remote(2))  # while 1 may still be written: both arenas in use
+    assert ray.get(worker.wait.remote())[-1] == 2
+    _killed_and_its_arenas_swept(worker, node)
+
+
+def test_a_killed_workers_arenas_are_removed_while_its_uploader_serves_however_its_jobs_came(ray_cluster, tmp_path):
+    # The uploader swept a worker's arenas only when its connection ended without a goodbye,
+    # and only if its process was gone within 10 s of that: a worker whose jobs came by
+    # actor calls (it could not reach the socket), or that outlived its connection, kept
+    # its arenas (twice its shard, in /dev/shm) until the uploader exited. Every worker
+    # whose jobs the uploader ran is now watched until its process is gone.
+    from ray_goodput.checkpoint.uploader._actor import _actor_class
+
+    node = _other_node(ray_cluster)
+    uploader = _services.get_or_create(_actor_class(), KIND, node, node_id=node, max_concurrency=64)
+    # Registered until the end: an uploader whose only client left exits within seconds,
+    # and the worker (slower to start) would make a new one, socket and all.
+    os.unlink(ray.get(uploader.endpoint.remote(os.getpid(), None, "probe"), timeout=60))  # no socket to reach
+    try:
+        worker = _on(node).remote(str(tmp_path / "root"), seed=6)
+        ray.get(worker.save.remote(1))
+        ray.get(worker.save.remote(2))
+        assert ray.get(worker.wait.remote())[-1] == 2
+        assert ray.get(worker.by_actor_calls.remote())
+        _killed_and_its_arenas_swept(worker, node)
+    finally:
+        ray.get(uploader.unregister.remote(os.getpid(), "probe"), timeout=60)
+        ray.kill(uploader, no_restart=True)  # the next test's uploader on the node has its socket
 
 
 def _cut_connections(uploader) -> None:
@@ -411,7 +446,7 @@ def test_a_dead_workers_job_the_uploader_has_not_read_keeps_its_arena_through_th
     # A job sent over the socket sits in the uploader's receive queue until it reads it; a
     # starved uploader reads late. The worker was SIGKILLed meanwhile, and the sweeps of
     # dead workers' arenas (the next attempt's worker as it makes its arenas; the uploader
-    # when a connection ends without a goodbye) unlinked the snapshot the queued job still
+    # once the worker's process is gone) unlinked the snapshot the queued job still
     # had to map: a save that returned never committed.
     from pathlib import Path
 

@@ -59,9 +59,6 @@ _GRACE_AFTER_DEATH_S = 30.0
 _GRACE_BEFORE_FIRST_CLIENT_S = 600.0
 #: How often the uploader ships what dead workers' goodput event spools hold.
 _EVENT_SWEEP_S = 1.0
-# How long, after a worker's connection ended without a goodbye, to wait for its process to
-# be gone before removing its snapshot arenas (a cut connection of a live worker: never).
-_DEAD_WORKER_WAIT_S = 10.0
 
 __all__ = [
     "CheckpointUploader",
@@ -104,6 +101,7 @@ class CheckpointUploader:
         self._connections: dict[str, Peer] = {}  # by connection id (the worker's, from its hello)
         self._clients: set[tuple[int, str]] = set()
         self._arena_dirs: dict[int, set[str]] = {}  # directories of each worker's jobs' arenas
+        self._arena_seen: dict[int, float] = {}  # when each of those workers last handed a job over (time.time())
         self._clean_close = False
         self._had_client = False
         self._exiting = False  # set under _lock once the watchdog decided to exit
@@ -184,23 +182,27 @@ class CheckpointUploader:
                 del self._connections[peer.conn]
             self._clean_close = peer.said_bye and not (self._peers or self._clients)
         self._idle_since = time.monotonic()
-        if peer.pid is not None and not peer.said_bye:  # the worker died, or its connection was cut
-            threading.Thread(target=self._sweep_after, args=(peer.pid,), name="rg-uploader-sweep", daemon=True).start()
 
-    def _sweep_after(self, pid: int) -> None:
-        """Once worker ``pid`` is gone, remove its snapshot arenas (a killed worker cannot;
-        when it ran its job's last attempt, no later worker of the run sweeps them either).
-        Arenas its jobs still use stay mapped here, and the arena of a job not mapped yet
-        (held in a file, or unread in a socket) is marked and kept (``_arena.sweep_dead``).
-        A worker still running after ``_DEAD_WORKER_WAIT_S`` had its connection cut and
-        reconnects: its arenas are its own to remove."""
-        deadline = time.monotonic() + _DEAD_WORKER_WAIT_S
-        while pid_alive(pid):
-            if time.monotonic() > deadline:
-                return
-            time.sleep(0.1)
+    def _sweep_gone(self) -> None:
+        """Remove the snapshot arenas of the workers whose jobs this uploader ran and whose
+        process is gone (a killed worker cannot; when it ran its job's last attempt, no later
+        worker of the run sweeps them either): however the jobs came (a connection, actor
+        calls, a held file) and however long the process outlived its connection. A
+        connected worker is alive; one whose pid a later process took (it started over a
+        minute after the worker's last job) is not. Arenas its jobs still use stay mapped
+        here, and the arena of a job not mapped yet (held in a file, or unread in a
+        socket) is marked and kept (``_arena.sweep_dead``)."""
         with self._lock:
-            directories = self._arena_dirs.pop(pid, set())
+            connected = {peer.pid for peer in self._peers}
+            watched = [(pid, seen) for pid, seen in self._arena_seen.items() if pid not in connected]
+        gone = [pid for pid, seen in watched if not pid_alive(pid, since=seen)]
+        if not gone:
+            return
+        with self._lock:
+            directories: set[str] = set()
+            for pid in gone:
+                directories |= self._arena_dirs.pop(pid, set())
+                self._arena_seen.pop(pid, None)
         _sweep_arenas(directories)
 
     def _resolve_root(self, root: bytes | None) -> StorageLocation | None:
@@ -239,6 +241,7 @@ class CheckpointUploader:
         if job.slots:
             with self._lock:
                 self._arena_dirs.setdefault(job.owner_pid, set()).add(str(Path(job.arena_path).parent))
+                self._arena_seen[job.owner_pid] = time.time()
         if held is not None:
             ticket.callbacks.append(lambda _t: _held.remove(held, job))
         if peer is not None:  # first: the worker must hear whatever the bookkeeping does
@@ -433,10 +436,15 @@ class CheckpointUploader:
         return _GRACE_AFTER_CLOSE_S if self._clean_close else _GRACE_AFTER_DEATH_S
 
     def _watch(self) -> None:
-        """Exit once idle with no live client for a while (its run ended or died)."""
+        """Once a second: run dead workers' held jobs, remove gone workers' arenas, and exit
+        once idle with no live client for a while (its run ended or died)."""
         while True:
             time.sleep(1.0)
             self._take_orphans()
+            try:
+                self._sweep_gone()
+            except Exception:  # a sweep leaves files at worst; this thread must go on
+                logger.warning("the sweep of gone workers' snapshot arenas failed", exc_info=True)
             if self.busy() or self._live_clients():
                 self._idle_since = time.monotonic()
                 continue
@@ -467,6 +475,7 @@ class CheckpointUploader:
         with self._lock:
             directories = set().union(*self._arena_dirs.values()) if self._arena_dirs else set()
             self._arena_dirs.clear()
+            self._arena_seen.clear()
         _sweep_arenas(directories, reader=os.getpid())
 
     def drain_and_exit(self, timeout_s: float) -> None:
