@@ -37,6 +37,7 @@ _EXPORTS = {
     "RecoveryPointTooOldError": "ray_goodput.errors",
     "StateMismatchError": "ray_goodput.errors",
     "StorageError": "ray_goodput.errors",
+    "StorageUnreachableError": "ray_goodput.errors",
     "StorageUnusableError": "ray_goodput.errors",
 }
 
@@ -67,6 +68,7 @@ if TYPE_CHECKING:
         RecoveryPointTooOldError,
         StateMismatchError,
         StorageError,
+        StorageUnreachableError,
         StorageUnusableError,
     )
     from ray_goodput.goodput import record_end, record_step

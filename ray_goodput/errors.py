@@ -26,6 +26,14 @@ class StorageUnusableError(StorageError):
     bucket or read-only directory. A retry of the run cannot fix it; change the URI or access."""
 
 
+class StorageUnreachableError(StorageUnusableError):
+    """The storage probe failed only with errors an outage also gives (nothing accepting
+    connections, timeouts, 5xx, and the errors pyarrow raises untyped, a refusal among
+    them). At a run's first start it is raised at once (a wrong endpoint looks the same);
+    on a restart that ``Recovery`` announces, only after the probe waited for storage for
+    ``RESTART_PROBE_WAIT_S``. Not retried either way."""
+
+
 class CheckpointError(GoodputError, RuntimeError):
     """A checkpoint could not be saved, committed or restored."""
 

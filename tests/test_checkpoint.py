@@ -312,7 +312,7 @@ def test_a_storage_probe_that_fails_on_one_rank_raises_the_same_error_on_every_r
     port = free_port()  # nothing listens here: rank 1's storage is unreachable
     uris = [str(tmp_path / "root"), f"s3://bucket/run?endpoint_override=127.0.0.1:{port}&scheme=http"]
     got = run_world(_make_with_storage_of_rank, 2, uris, str(tmp_path / "s"))
-    assert [kind for kind, _ in got] == ["StorageUnusableError"] * 2, got
+    assert [kind for kind, _ in got] == ["StorageUnreachableError"] * 2, got  # a StorageUnusableError
     assert all(f"127.0.0.1:{port}" in message for _, message in got), got  # rank 1's error, on both
 
 

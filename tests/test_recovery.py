@@ -98,8 +98,10 @@ def test_a_restore_that_chooses_for_itself_waits_for_uploads_as_long_as_the_reco
 
     monkeypatch.setenv("TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S", "30")  # the hook sets it otherwise
     root = str(tmp_path / "ckpt")
-    pushed = []
-    group = SimpleNamespace(get_workers=lambda: [], execute=lambda fn, *args: pushed.append(args))
+    pushed, restarts = [], []
+    group = SimpleNamespace(
+        get_workers=lambda: [], execute=lambda fn, *args, restart: (pushed.append(args), restarts.append(restart))
+    )
     rec = Recovery(storage_path=root, upload_wait_s=7.5)
     rec.after_controller_start(SimpleNamespace(run_config=None))
     rec.attempt = 1
@@ -108,6 +110,7 @@ def test_a_restore_that_chooses_for_itself_waits_for_uploads_as_long_as_the_reco
     rec.after_worker_group_start(group)
     rec.after_replica_group_start(group)  # replica mode: one replica replaced
     assert pushed == [(None, (root_key(root), 7.5))] * 3
+    assert restarts == [False, True, True]  # a first start; a later attempt; a replaced replica (storage probe)
 
     waits = []
     monkeypatch.setattr(_checkpointer, "ray_initialized", lambda: True)  # as under Ray
@@ -223,7 +226,7 @@ def test_a_checkpoint_the_dead_attempt_commits_while_the_new_group_starts_is_the
         get_workers=lambda: [
             SimpleNamespace(distributed_context=SimpleNamespace(world_rank=0), metadata=SimpleNamespace(node_id="n"))
         ],
-        execute=lambda fn, decision, upload_wait: handed.append(decision),
+        execute=lambda fn, decision, upload_wait, restart: handed.append(decision),
     )
     rec.after_worker_group_start(group)
     assert [d.step for d in handed] == [20]
@@ -270,7 +273,7 @@ def test_the_resume_step_is_chosen_when_the_failure_is_seen_not_when_the_next_gr
     handed = []
     worker = SimpleNamespace(distributed_context=SimpleNamespace(world_rank=0), metadata=SimpleNamespace(node_id="n"))
     group = SimpleNamespace(
-        get_workers=lambda: [worker], execute=lambda fn, decision, upload_wait: handed.append(decision)
+        get_workers=lambda: [worker], execute=lambda fn, decision, upload_wait, restart: handed.append(decision)
     )
     rec.after_worker_group_start(group)
     assert [d.step for d in handed] == [20] and pinned() == 20
@@ -314,7 +317,9 @@ def test_placing_the_next_group_does_not_wait_for_the_resume_choice(tmp_path, mo
     handed = []
     worker = SimpleNamespace(distributed_context=SimpleNamespace(world_rank=0), metadata=SimpleNamespace(node_id="n"))
     rec.after_worker_group_start(
-        SimpleNamespace(get_workers=lambda: [worker], execute=lambda fn, decision, upload_wait: handed.append(decision))
+        SimpleNamespace(
+            get_workers=lambda: [worker], execute=lambda fn, decision, upload_wait, restart: handed.append(decision)
+        )
     )
     assert [d.step for d in handed] == [10] and rec.attempts[-1]["resume_step"] == 10
     rec.after_controller_finish(None)
@@ -379,7 +384,9 @@ def test_a_choice_begun_for_an_attempt_whose_group_never_started_is_not_handed_t
     handed = []
     worker = SimpleNamespace(distributed_context=SimpleNamespace(world_rank=0), metadata=SimpleNamespace(node_id="n"))
     rec.after_worker_group_start(
-        SimpleNamespace(get_workers=lambda: [worker], execute=lambda fn, decision, upload_wait: handed.append(decision))
+        SimpleNamespace(
+            get_workers=lambda: [worker], execute=lambda fn, decision, upload_wait, restart: handed.append(decision)
+        )
     )
     assert [(d.attempt, d.step) for d in handed] == [(3, 10)]
     rec.after_controller_finish(None)

@@ -20,9 +20,12 @@ import pytest
 import torch
 
 from ray_goodput import Checkpointer, FencedError, RecoveryPointTooOldError, list_checkpoints
+from ray_goodput.checkpoint import _checkpointer
+from ray_goodput.checkpoint.protocol._lineage import CLAIM_TIMEOUT_S
 from ray_goodput.cli._status import checkpoint_lines
-from ray_goodput.errors import not_retryable
+from ray_goodput.errors import StorageUnreachableError, not_retryable
 from ray_goodput.goodput import compute, read_events
+from ray_goodput.runtime import _resume
 from ray_goodput.storage import RetryPolicy, resolve
 from ray_goodput.testing import FlakyProxy
 
@@ -71,6 +74,57 @@ def test_an_outage_past_the_retry_budget_is_retried_through_and_the_save_commits
         assert ckpt.stats.committed == [1, 2] and ckpt.stats.failed_saves == 0
     assert proxy.counts["failed"] > SHORT.attempts, proxy.counts  # the outage outlived many budgets
     assert _committed(uri) == [1, 2]
+
+
+@pytest.fixture
+def restart():
+    """This process runs a restart of its run, as the driver's Recovery tells a worker."""
+    _resume.set_decision(None, restart=True)
+    yield
+    _resume.set_decision(None)
+
+
+def test_a_restarts_storage_probe_waits_through_an_outage_instead_of_ending_the_run(proxied, tmp_path, restart):
+    # Every attempt's Checkpointer probes storage, and any failure was StorageUnusableError,
+    # which a retry cannot fix: Recovery stopped the run. Storage down when a worker died
+    # (or a restart after RecoveryPointTooOldError, made because storage was down) ended a
+    # run that an outage must not end. A restart's probe now waits for it (within the
+    # generation claim's wait for the probe).
+    assert _checkpointer.RESTART_PROBE_WAIT_S < CLAIM_TIMEOUT_S
+    uri, proxy = proxied
+    model = _model()
+    with Checkpointer(uri, staging_dir=str(tmp_path / "s"), retry=SHORT, uploader="thread") as ckpt:
+        ckpt.save(1, {"model": model})
+        ckpt.wait()
+    proxy.outage(3.0)
+    start = time.monotonic()
+    with Checkpointer(uri, staging_dir=str(tmp_path / "s2"), retry=SHORT, uploader="thread") as ckpt:
+        assert time.monotonic() - start >= 2.0  # it waited for storage to come back
+        fresh = _model()
+        assert ckpt.restore({"model": fresh}) == 1
+    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values()))
+
+
+def test_storage_down_at_a_first_start_fails_at_once_and_a_restarts_wait_ends_at_its_bound(
+    proxied, tmp_path, monkeypatch
+):
+    uri, proxy = proxied
+    proxy.outage(60.0)
+    start = time.monotonic()
+    with pytest.raises(StorageUnreachableError, match="not usable") as first:
+        Checkpointer(uri, staging_dir=str(tmp_path / "s"), retry=SHORT, uploader="thread")
+    assert time.monotonic() - start < 15.0  # a first start does not wait for it: a wrong endpoint looks the same
+    assert not_retryable(first.value) is first.value  # Recovery stops the run
+    monkeypatch.setattr(_checkpointer, "RESTART_PROBE_WAIT_S", 2.0)
+    _resume.set_decision(None, restart=True)
+    try:
+        start = time.monotonic()
+        with pytest.raises(StorageUnreachableError, match=r"probed for 2 s") as again:
+            Checkpointer(uri, staging_dir=str(tmp_path / "s"), retry=SHORT, uploader="thread")
+        assert 2.0 <= time.monotonic() - start < 20.0
+    finally:
+        _resume.set_decision(None)
+    assert not_retryable(again.value) is again.value  # past its wait a restart's is not retried either
 
 
 def test_a_save_retrying_through_an_outage_gives_way_to_a_newer_save(proxied, tmp_path):

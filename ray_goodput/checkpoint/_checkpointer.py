@@ -45,7 +45,7 @@ from ray_goodput.checkpoint.uploader._thread_backend import ThreadBackend
 from ray_goodput.errors import CheckpointError, ConfigError
 from ray_goodput.goodput import get_recorder
 from ray_goodput.runtime import WorkerContext, ray_initialized
-from ray_goodput.runtime._resume import restore_upload_wait_s, resume_decision
+from ray_goodput.runtime._resume import is_restart, restore_upload_wait_s, resume_decision
 from ray_goodput.storage import RetryPolicy
 
 logger = logging.getLogger(__name__)
@@ -106,6 +106,15 @@ def _check_args(
         )
 
 
+#: How long a restart's storage probe (``Recovery`` tells the workers they run one) goes
+#: on through errors an outage gives before it raises StorageUnreachableError (no new
+#: round of the probe starts after it; the round under way ends within its retries).
+#: Below the generation claim's wait for the probe (``_lineage.CLAIM_TIMEOUT_S``) and the
+#: process group's timeout (Ray's 1800 s), in which the ranks that finished probing wait
+#: for this one.
+RESTART_PROBE_WAIT_S = 300.0
+
+
 class Checkpointer:
     """Sharded, committed, asynchronous checkpoints for one training worker (rank).
 
@@ -113,7 +122,9 @@ class Checkpointer:
     ``wait``/``close`` at the same points: they contain collectives, and so does the
     constructor once a process group is up (create it after the rank's device is set, as
     Ray Train does before the training function). Storage is probed here: an unreachable
-    or read-only ``storage_path`` raises StorageUnusableError at once, on every rank.
+    or read-only ``storage_path`` raises StorageUnusableError at once, on every rank (on a
+    restart that ``Recovery`` announces, storage failing as an outage does is waited for
+    first, up to ``RESTART_PROBE_WAIT_S``).
 
     A save that fails in the background (storage down past its retries) does not stop
     training: it is logged and counted, its uploads keep retrying while no newer save waits,
@@ -190,13 +201,17 @@ class Checkpointer:
 
     def _probe_and_claim(self) -> _lineage.EarlyClaim | None:
         """Probe the storage root; collective: when it fails on any rank (unreachable,
-        read-only), every rank raises that rank's StorageUnusableError. Rank 0 claims the
-        generation now, beside the probe; the first save only waits for it."""
+        read-only), every rank raises that rank's StorageUnusableError. On a restart
+        (``Recovery`` says so) a probe failing as an outage does goes on for up to
+        ``RESTART_PROBE_WAIT_S`` first: within rank 0's generation claim's wait for the
+        probe and the process group's timeout, which the ranks that finished probing wait
+        in. Rank 0 claims the generation now, beside the probe; the first save only waits
+        for it."""
         claim = _lineage.EarlyClaim(self.root, self._retry) if self.rank == 0 else None
         error: Exception | None = None
         try:
             try:
-                self.root.probe(self._retry)
+                self.root.probe(self._retry, outage_wait_s=RESTART_PROBE_WAIT_S if is_restart() else 0.0)
             except Exception as exc:  # noqa: BLE001 - agreed: a rank raising alone leaves its peers in a collective
                 error = exc
             _collective.agree(error)

@@ -244,7 +244,7 @@ class Recovery(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):
         # Before the training function starts: every rank of this attempt gets the same step,
         # and a restore that chooses for itself (no decision: a first attempt, or a choice
         # that failed or timed out) our bound on its wait for a dead attempt's uploads.
-        worker_group.execute(set_decision, decision, self._upload_wait())
+        worker_group.execute(set_decision, decision, self._upload_wait(), restart=self.attempt > 1)
 
     def after_replica_group_start(self, replica_group: Any) -> None:
         """Replica mode replaced a failed replica alone: its rank runs in a new process, maybe
@@ -252,7 +252,7 @@ class Recovery(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):
         for w in replica_group.get_workers():
             self._rank_nodes[w.distributed_context.world_rank] = w.metadata.node_id
         # Replica 0's replacement restores when no peer has progress: our bound on its wait.
-        replica_group.execute(set_decision, None, self._upload_wait())
+        replica_group.execute(set_decision, None, self._upload_wait(), restart=True)
         self._counted = set()
         self._failure_seen = self._attempt_preempted = self._preemption_notice = self._plain_errors = False
         for ref in self._early_checks or {}:  # no group start follows to read them

@@ -23,6 +23,7 @@ logger = logging.getLogger(__name__)
 
 _lock = threading.Lock()
 _decision: ResumeDecision | None = None
+_restart = False
 _upload_wait: tuple[str, float] | None = None  # (root key, seconds), from the driver's Recovery
 _upload_wait_cap: float | None = None  # this process's own bound (replica mode)
 
@@ -48,17 +49,31 @@ def root_key(root: str | StorageLocation) -> str:
     return f"{loc.fs.type_name}:{loc.root.rstrip('/')}"
 
 
-def set_decision(decision: ResumeDecision | None, upload_wait: tuple[str, float] | None = None) -> None:
+def set_decision(
+    decision: ResumeDecision | None, upload_wait: tuple[str, float] | None = None, *, restart: bool = False
+) -> None:
     """Install the driver's decision in this worker process (run by the driver through
     the worker group before the training function starts). ``upload_wait``: ``(root key,
     seconds)``, how long a restore under that root that chooses for itself waits for a dead
-    attempt's uploads (see :func:`restore_upload_wait_s`)."""
-    global _decision, _upload_wait  # noqa: PLW0603 - one decision per worker process, set by the driver
+    attempt's uploads (see :func:`restore_upload_wait_s`). ``restart``: this process runs
+    a later attempt of the run (or a replaced replica), not its first start (see
+    :func:`is_restart`)."""
+    global _decision, _upload_wait, _restart  # noqa: PLW0603 - one decision per worker process, set by the driver
     with _lock:
         _decision = decision
         _upload_wait = upload_wait
+        _restart = restart
     if decision is not None:
         logger.info("attempt %d: the driver chose resume step %s", decision.attempt, decision.step)
+
+
+def is_restart() -> bool:
+    """Whether the driver's ``Recovery`` said this process runs a restart of its run (a
+    later attempt, or a replaced replica; a later attempt counts even when the one before
+    died before it probed storage): a storage probe that fails as an outage does then
+    waits for it. False without ``Recovery`` (nothing tells a restart from a first start)."""
+    with _lock:
+        return _restart
 
 
 def restore_upload_wait_s(root: str | StorageLocation, default: float) -> float:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import posixpath
 import socket
+import time
 import uuid
 from dataclasses import dataclass, field
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
@@ -12,8 +13,8 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 import pyarrow.fs as pafs
 
 from ray_goodput import _env
-from ray_goodput.errors import ConfigError, StorageUnusableError
-from ray_goodput.storage._retry import RetryPolicy
+from ray_goodput.errors import ConfigError, StorageError, StorageUnreachableError, StorageUnusableError
+from ray_goodput.storage._retry import RetryPolicy, is_transient
 
 logger = logging.getLogger(__name__)
 
@@ -140,34 +141,70 @@ class StorageLocation:
                 f"({type(exc).__name__}: {exc}; waited up to {timeout_s:.0f} s)"
             ) from None
 
-    def probe(self, policy: RetryPolicy | None = None) -> None:
+    def probe(self, policy: RetryPolicy | None = None, *, outage_wait_s: float = 0.0) -> None:
         """Write, read back and delete a small object under the root, each retried by
         ``policy`` (by default 3 attempts within ~1 s; pass the policy the storage will
         be used with, so that storage it can use is never refused at start).
 
         Raises StorageUnusableError naming the URI and the cause when storage is unreachable,
-        refuses credentials or is read-only. Call it early: at start, not at the first save.
+        refuses credentials or is read-only: StorageUnreachableError (its subclass) when
+        every cause is one an outage also gives (nothing accepting connections, timeouts,
+        5xx). ``outage_wait_s``: how long to go on probing through such errors first (a
+        restart, where this storage worked: an outage, not a wrong endpoint). Call it
+        early: at start, not at the first save.
         """
+        retry = policy or RetryPolicy(attempts=3, initial_delay=0.2, max_delay=1.0)
+        deadline = time.monotonic() + outage_wait_s
+        pause = 1.0
+        while True:
+            try:
+                self._probe_once(retry)
+                return
+            except StorageUnusableError:
+                raise
+            except Exception as exc:  # classified below: an outage's, or anything else
+                outage = _outage_like(exc)
+                left = deadline - time.monotonic()
+                if not outage or left <= 0:
+                    kind = StorageUnreachableError if outage else StorageUnusableError
+                    cause = exc.__cause__ or exc
+                    waited = f" (probed for {outage_wait_s:.0f} s)" if outage_wait_s > 0 else ""
+                    raise kind(
+                        f"storage {self.uri!r} is not usable: a probe write/read failed with "
+                        f"{type(cause).__name__}: {cause}{waited}. Check the URI, that the bucket or "
+                        "directory exists and is writable, the credentials (e.g. AWS_ACCESS_KEY_ID) and, "
+                        "for a custom S3 endpoint, '?endpoint_override=host:port&scheme=http' or "
+                        f"{_env.S3_ENDPOINT_VAR}."
+                    ) from exc
+                logger.warning(
+                    "storage %s does not answer (%s: %s); probing again for up to %.0f s more",
+                    self.uri,
+                    type(exc.__cause__ or exc).__name__,
+                    exc.__cause__ or exc,
+                    left,
+                )
+                time.sleep(min(pause, left))
+                pause = min(2 * pause, 15.0)
+
+    def _probe_once(self, retry: RetryPolicy) -> None:
         path = self.join(f".ray_goodput_probe-{uuid.uuid4().hex}")
         payload = b"ray_goodput probe"
-        retry = policy or RetryPolicy(attempts=3, initial_delay=0.2, max_delay=1.0)
-        try:
-            self._connect_to_endpoint()
-            retry.call("probe mkdir", lambda: self.fs.create_dir(self.root, recursive=True))
-            retry.call("probe write", lambda: self._write(path, payload))
-            back = retry.call("probe read", lambda: self._read(path))
-            retry.call("probe delete", lambda: self.fs.delete_file(path))
-        except Exception as exc:  # any failure here means unusable storage
-            raise StorageUnusableError(
-                f"storage {self.uri!r} is not usable: a probe write/read failed with "
-                f"{type(exc.__cause__ or exc).__name__}: {exc.__cause__ or exc}. Check the URI, "
-                "that the bucket or directory "
-                "exists and is writable, the credentials (e.g. AWS_ACCESS_KEY_ID) and, for a "
-                f"custom S3 endpoint, '?endpoint_override=host:port&scheme=http' or "
-                f"{_env.S3_ENDPOINT_VAR}."
-            ) from exc
+        self._connect_to_endpoint()
+        retry.call("probe mkdir", lambda: self.fs.create_dir(self.root, recursive=True))
+        retry.call("probe write", lambda: self._write(path, payload))
+        back = retry.call("probe read", lambda: self._read(path))
+        retry.call("probe delete", lambda: self.fs.delete_file(path))
         if back != payload:
             raise StorageUnusableError(f"storage {self.uri!r} returned different bytes than written")
+
+
+def _outage_like(exc: BaseException) -> bool:
+    """Whether a failed probe failed as an outage also fails: nothing accepting
+    connections at the endpoint, or an error the retry policy retried to its end
+    (timeouts, 5xx, throttling, resets)."""
+    if isinstance(exc, ConnectionError):  # _connect_to_endpoint's
+        return True
+    return isinstance(exc, StorageError) and exc.__cause__ is not None and is_transient(exc.__cause__)
 
 
 def resolve(uri: str | StorageLocation) -> StorageLocation:
