@@ -572,6 +572,35 @@ def test_a_survivor_does_not_save_again_a_last_step_replica_0_committed(tmp_path
     assert step == 9 and torch.equal(weight, replica_0.weight)
 
 
+def test_replica_0s_replacement_that_restored_the_last_step_ends_without_saving_it_again(tmp_path):
+    """The survivor ended the job while replica 0 was being replaced and saved the last
+    step; the replacement, with no peer left to heal from, restored that very step, and its
+    final save of it raised ConfigError ("not after the last saved step"): not retryable,
+    so a run that had finished and committed its last step failed."""
+    from ray_goodput import Checkpointer
+    from ray_goodput.replica import Position
+    from ray_goodput.replica._replica import Replica
+
+    class _Restores(_LastSteps):
+        def load_state_dict(self, state: dict) -> None:
+            self.step = state["step"]
+
+    root = str(tmp_path / "ckpt")
+    survivor = torch.nn.Linear(1, 1)
+    _end_job_as_survivor(root, survivor)
+    rep = Replica.__new__(Replica)
+    rep.slot, rep.replacement, rep.settings, rep._extra = 0, True, ReplicaGroups(timeout_s=30.0), {}
+    rep.manager, rep._position, rep._batches_restored = _Restores(step=0), Position(), 0
+    rep._model = rep.model = model = torch.nn.Linear(1, 1)
+    rep._optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    rep._save_every, rep._saved_step, rep._rank_in_step = 5, -1, 0
+    with Checkpointer(root, uploader="thread") as rep._ckpt:
+        assert rep._restore_if_no_peer_had_state() is True and rep.current_step == 9
+        rep._save_final()
+    step, weight = _restored(root)
+    assert step == 9 and torch.equal(weight, survivor.weight)
+
+
 def test_a_dataset_smaller_than_one_step_is_refused_naming_the_fix_not_read_as_a_short_batch():
     from ray_goodput.replica import Position
     from ray_goodput.replica._replica import Replica

@@ -319,6 +319,7 @@ class Replica:
             cap_restore_upload_wait(None)
         if step is None:
             return False
+        self._saved_step = step  # durable already: when it is the job's last step, nothing is saved again
         self.manager.load_state_dict({"step": step, "batches_committed": self._batches_restored})
         logger.warning(
             "replica %d replaced while no peer had progress: restored the checkpoint of step %d; "
