@@ -214,7 +214,7 @@ def test_forked_worker_does_not_inherit_a_held_fetch_lock(tmp_path):
     held = threading.Event()
 
     def holder():
-        with _cache_files._flock(layout.lock_path(key)):
+        with _cache_files.flock(layout.lock_path(key)):
             held.set()
             time.sleep(1.0)
 
@@ -224,7 +224,7 @@ def test_forked_worker_does_not_inherit_a_held_fetch_lock(tmp_path):
     pid = os.fork()
     if pid == 0:  # child: a deadlock ends in SIGALRM, i.e. a failing exit status
         signal.alarm(10)
-        with _cache_files._flock(layout.lock_path(key)):
+        with _cache_files.flock(layout.lock_path(key)):
             os._exit(0)
     thread.join()
     _, status = os.waitpid(pid, 0)

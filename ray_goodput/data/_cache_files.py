@@ -24,6 +24,7 @@ import itertools
 import os
 import threading
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -112,7 +113,9 @@ os.register_at_fork(
 
 
 @contextmanager
-def _flock(path: Path):
+def flock(path: Path) -> Iterator[None]:
+    """Hold an exclusive lock on the lock file ``path`` for the block (released by the
+    kernel if this process dies): one key's fetch, or the removal of its cut copy."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with _fds_lock:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
@@ -183,7 +186,7 @@ def fetch(
             f"({max_bytes} bytes); raise CacheConfig.capacity_bytes or pass "
             "cache=None to read it uncached"
         )
-    with _flock(layout.lock_path(key)):
+    with flock(layout.lock_path(key)):
         if dest.exists():  # another process fetched it while we waited for the lock
             return None
         dest.parent.mkdir(parents=True, exist_ok=True)

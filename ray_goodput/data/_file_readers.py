@@ -11,7 +11,7 @@ import logging
 import os
 from typing import BinaryIO
 
-from ray_goodput.data._cache_files import CacheLayout, fetch
+from ray_goodput.data._cache_files import CacheLayout, fetch, flock
 from ray_goodput.data._journal import JournalWriter
 from ray_goodput.data._sources import FileSet
 from ray_goodput.storage import RetryPolicy
@@ -56,7 +56,7 @@ class CacheReader:
                 )
                 self.journal.miss(None if got is None else (key, got[0], got[1]))
                 continue
-            if not self._whole(f, files, i, path):
+            if not self._whole(f, files, i, key):
                 continue
             if attempt == 0:
                 self.journal.hit()
@@ -65,19 +65,26 @@ class CacheReader:
             f"{files.uri(i)} kept being evicted from the cache at {self.layout.root}; raise CacheConfig.capacity_bytes"
         )
 
-    @staticmethod
-    def _whole(f: BinaryIO, files: FileSet, i: int, path: object) -> bool:
+    def _whole(self, f: BinaryIO, files: FileSet, i: int, key: str) -> bool:
         """Whether the cache file open as ``f`` has file ``i``'s listed size; if not (cut
         short: renamed into place without an fsync, then the host crashed), it is closed
-        and removed, to be fetched again."""
+        and removed, to be fetched again: under the key's lock, and only if it is still
+        that file (another reader may have fetched it again meanwhile)."""
         listed = files.sizes[i]
-        size = os.fstat(f.fileno()).st_size
-        if listed < 0 or size == listed:
+        opened = os.fstat(f.fileno())
+        if listed < 0 or opened.st_size == listed:
             return True
-        f.close()
-        logger.warning("cached copy of %s holds %d of its %d bytes; fetching it again", files.uri(i), size, listed)
-        with contextlib.suppress(FileNotFoundError):  # evicted or replaced meanwhile
-            os.unlink(path)
+        logger.warning(
+            "cached copy of %s holds %d of its %d bytes; fetching it again", files.uri(i), opened.st_size, listed
+        )
+        path = self.layout.data_file(key)
+        try:  # f stays open meanwhile: its inode cannot be a fresh copy's
+            with flock(self.layout.lock_path(key)), contextlib.suppress(FileNotFoundError):  # evicted meanwhile
+                now = os.stat(path)
+                if (now.st_dev, now.st_ino) == (opened.st_dev, opened.st_ino):
+                    os.unlink(path)
+        finally:
+            f.close()
         return False
 
 
