@@ -127,6 +127,23 @@ def test_storage_down_at_a_first_start_fails_at_once_and_a_restarts_wait_ends_at
     assert not_retryable(again.value) is again.value  # past its wait a restart's is not retried either
 
 
+def test_a_commits_deletes_are_retried_as_its_other_requests_are(proxied, tmp_path):
+    # Every commit deletes the step's QUARANTINED record (and, replacing an older
+    # generation's commit, its COMMITTED) with one bare request, retried only by the S3
+    # client (~0.4 s): a burst of 503s on it failed the save, where every other request of
+    # the commit is retried by the policy (and a restore finishing an orphan the same way).
+    uri, proxy = proxied
+    policy = RetryPolicy(attempts=4, initial_delay=0.05, max_delay=0.1)
+    with Checkpointer(uri, staging_dir=str(tmp_path / "s"), retry=policy, uploader="thread") as ckpt:
+        proxy.fail_next("QUARANTINED", times=6)  # more than the S3 client's own 4 tries
+        ckpt.save(1, {"model": _model()})
+        ckpt.wait()
+        assert ckpt.stats.committed == [1] and ckpt.stats.failed_saves == 0, ckpt.stats
+    asked = sum(n for (_, path), n in proxy.requests.items() if "QUARANTINED" in path)
+    assert asked > 6, proxy.requests  # the six refusals, then the delete went through
+    assert _committed(uri) == [1]
+
+
 def test_a_save_retrying_through_an_outage_gives_way_to_a_newer_save(proxied, tmp_path):
     uri, proxy = proxied
     model = _model()

@@ -17,6 +17,7 @@ from ray_goodput.storage._retry import RetryPolicy, is_transient
 from ray_goodput.storage._transfer import (
     FileEntry,
     delete_dir,
+    delete_file,
     download_file,
     download_files,
     file_sizes,
@@ -50,6 +51,7 @@ __all__ = [
     "combine_checksums",
     "copy_stream",
     "delete_dir",
+    "delete_file",
     "download_file",
     "download_files",
     "file_crc32",

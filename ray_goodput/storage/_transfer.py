@@ -441,6 +441,18 @@ def file_sizes(loc: StorageLocation, policy: RetryPolicy = DEFAULT_POLICY) -> di
     }
 
 
+def delete_file(loc: StorageLocation, name: str, policy: RetryPolicy = DEFAULT_POLICY) -> None:
+    """Delete the file ``<loc>/<name>``; missing is fine; retried."""
+
+    def _delete() -> None:
+        try:
+            loc.fs.delete_file(loc.join(name))
+        except FileNotFoundError:
+            pass
+
+    policy.call(f"deletion of {loc.uri}/{name}", _delete)
+
+
 def delete_dir(loc: StorageLocation, sub: str, policy: RetryPolicy = DEFAULT_POLICY) -> None:
     """Delete ``<loc>/<sub>`` and everything under it; missing is fine."""
     path = loc.join(sub)

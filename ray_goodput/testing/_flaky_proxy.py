@@ -1,8 +1,8 @@
 """An HTTP proxy for fault tests of storage clients against a real endpoint (e.g. moto's
 S3 server): it fails a share of requests (500/503 answers and connection resets), adds
 latency, holds chosen requests (a download half-way, an upload before it is sent), goes
-down for a while (:meth:`FlakyProxy.outage`: every connection reset), and records every
-request.
+down for a while (:meth:`FlakyProxy.outage`: every connection reset), refuses a burst of
+requests to one object (:meth:`FlakyProxy.fail_next`), and records every request.
 
 Loopback only; deterministic given its seed.
 """
@@ -49,6 +49,7 @@ class FlakyProxy:
         self.spans: dict[str, list[tuple[float, float]]] = {}
         self._stall: tuple[str, tuple[str, ...], bool] | None = None
         self._down_until = 0.0  # time.monotonic() until which every request is reset
+        self._fail_next: tuple[str, int] = ("", 0)  # (path part, how many more): answered 503
         self._release = threading.Event()
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
@@ -67,6 +68,12 @@ class FlakyProxy:
         in flight when its uploader dies)."""
         self._release.clear()
         self._stall = (match, tuple(m.upper() for m in methods), exact)
+
+    def fail_next(self, match: str, times: int) -> None:
+        """Answer 503 (SlowDown) to the next ``times`` requests, of any method, whose path
+        contains ``match``: a burst of refusals on one object."""
+        with self._lock:
+            self._fail_next = (match, times)
 
     def outage(self, seconds: float) -> None:
         """Reset every connection for the next ``seconds`` (the endpoint is down), from now."""
@@ -118,6 +125,11 @@ class FlakyProxy:
             if time.monotonic() < self._down_until:
                 self.counts["failed"] += 1
                 return "reset"
+            match, left = self._fail_next
+            if left > 0 and match in path:
+                self._fail_next = (match, left - 1)
+                self.counts["failed"] += 1
+                return "503"
             if self._rng.random() >= self.failure_rate:
                 self.counts["forwarded"] += 1
                 return None

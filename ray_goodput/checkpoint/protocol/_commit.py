@@ -46,6 +46,7 @@ from ray_goodput.storage import (
     FileEntry,
     StorageLocation,
     checksum,
+    delete_file,
     file_sizes,
     read_bytes,
     touch,
@@ -340,10 +341,7 @@ class CommitProtocol:
         return Finalized(COMMITTED, Manifest.from_bytes(data), committed_at=committed_at)
 
     def _delete(self, name: str) -> None:
-        try:
-            self.step_loc.fs.delete_file(self.step_loc.join(name))
-        except FileNotFoundError:
-            pass
+        delete_file(self.step_loc, name)  # retried, as the commit's writes are
 
     @contextmanager
     def _pruned_meanwhile(self) -> Iterator[None]:

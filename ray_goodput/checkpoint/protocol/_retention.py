@@ -17,7 +17,7 @@ from ray_goodput.checkpoint.protocol import _layout, _lineage
 from ray_goodput.checkpoint.protocol._catalog import StepDir, scan
 from ray_goodput.checkpoint.protocol._manifest import read_manifest
 from ray_goodput.errors import CheckpointCorruptError
-from ray_goodput.storage import RetryPolicy, StorageLocation
+from ray_goodput.storage import RetryPolicy, StorageLocation, delete_file
 
 logger = logging.getLogger(__name__)
 
@@ -152,14 +152,8 @@ def _commit_now(d: StepDir) -> str | None:
     return now.save_id if now is not None else None
 
 
-def _delete_file(loc: StorageLocation, name: str, policy: RetryPolicy = _POLICY) -> None:
-    def _delete() -> None:
-        try:
-            loc.fs.delete_file(loc.join(name))
-        except FileNotFoundError:
-            pass
-
-    policy.call(f"deletion of {loc.uri}/{name}", _delete)
+def _delete_file(loc: StorageLocation, name: str) -> None:
+    delete_file(loc, name, _POLICY)
 
 
 def _remove_empty_dirs(loc: StorageLocation) -> None:
