@@ -256,6 +256,30 @@ def test_a_save_whose_elected_committer_is_killed_before_committed_is_committed_
     assert read_manifest(loc) is not None and read_manifest(loc).save_id == save_id
 
 
+def test_the_elected_committer_run_again_after_an_outage_commits_rather_than_defer_to_ranks_it_outranks(tmp_path):
+    """Ranks 0 and 1 both wrote their intents; rank 1 saw rank 0's and deferred. Rank 0's
+    COMMITTED write then failed past its retries, and the uploader ran its job again once
+    storage answered: that run saw rank 1's intent and deferred to it, and nobody
+    committed a save every rank had made durable. A job whose own intent is there stands
+    where it stood: it commits when its rank is the lowest intent."""
+    from ray_goodput.checkpoint.protocol import _commit
+    from ray_goodput.storage import touch
+
+    world, save_id = 2, _layout.save_id(1, "abcdef0123")
+    loc = _catalog.step_location(resolve(str(tmp_path / "root")), 7)
+    owns = [
+        CommitProtocol(loc, 7, world, save_id, 1).declare_durable(
+            r, _stage_rank(loc, tmp_path, r, save_id), created=1.0
+        )
+        for r in range(world)
+    ]
+    for rank in range(world):
+        touch(loc, _layout.commit_intent(rank, save_id))
+    assert CommitProtocol(loc, 7, world, save_id, 1).finalize(own=owns[1]).state == _commit.DEFERRED
+    assert CommitProtocol(loc, 7, world, save_id, 1).finalize(own=owns[0]).state == COMMITTED
+    assert read_manifest(loc) is not None and read_manifest(loc).save_id == save_id
+
+
 def _two_generations_of_step_7(tmp_path, root: str):
     """Generation 1's commit of step 7 and generation 2's save of it again, every rank of
     it durable, its committer dead before it replaced the commit; returns (loc, gen 2's id)."""

@@ -271,10 +271,15 @@ class CommitProtocol:
         Otherwise it writes its own intent and lists again: it commits when no lower
         rank's intent is there. The job of the lowest intent ever written always commits
         (its second listing cannot show a lower one), so some job does unless that one
-        dies; then the next restore finishes the save (``finish_orphan``)."""
+        dies; then the next restore finishes the save (``finish_orphan``). A job run again
+        (its commit failed past its retries: the uploader runs it again through an
+        outage) finds its own intent: it stands where it stood, the committer when its
+        rank is the lowest intent."""
         if self.world_size == 1:
             return True
-        if intents - {rank}:  # its own: an earlier run of this job that stood, then failed
+        if rank in intents:
+            return min(intents) == rank
+        if intents:
             return False
         touch(self.step_loc, _layout.commit_intent(rank, self.save_id))
         standing = list_ranks(self.step_loc).intents.get(self.save_id, set())
