@@ -601,6 +601,56 @@ def test_replica_0s_replacement_that_restored_the_last_step_ends_without_saving_
     assert step == 9 and torch.equal(weight, survivor.weight)
 
 
+def test_a_step_that_rolled_into_the_next_epoch_and_did_not_commit_leaves_the_epoch_where_it_was():
+    """10 samples, batch 2: with 3 replicas the second step needs 6 of the 4 left, so it
+    rolled over into epoch 1. The step did not commit (a peer died in it) and was retried
+    with 1 replica, which fit in epoch 0's remainder; the position had already moved on,
+    and those 4 samples of epoch 0 were never read (more than the tail of fewer than P*B
+    that the rule drops)."""
+    from ray_goodput.replica import Position
+    from ray_goodput.replica._replica import Replica
+
+    class _Scripted(_Collective):
+        """Each try of a step: (participants, whether it commits)."""
+
+        def __init__(self, tries: list[tuple[int, bool]]) -> None:
+            super().__init__()
+            self.tries, self.step, self.now = list(tries), 0, (0, False)
+
+        def start_quorum(self) -> None:
+            self.now = self.tries.pop(0)
+
+        def num_participants(self) -> int:
+            return self.now[0]
+
+        def participating_rank(self) -> int:
+            return 0
+
+        def current_step(self) -> int:
+            return self.step
+
+        def should_commit(self) -> bool:
+            self.step += self.now[1]
+            return self.now[1]
+
+    model = torch.nn.Linear(1, 1)
+    rep = Replica.__new__(Replica)
+    rep.slot, rep.configured, rep.replacement, rep.peers_finished = 1, 3, False, False
+    rep.manager = _Scripted([(3, True), (3, False), (1, True)])
+    rep._model, rep._optim, rep._ckpt = model, torch.optim.SGD(model.parameters(), lr=0.1), None
+    rep._dataset, rep._batch_size, rep._position, rep._participants = torch.arange(10.0), 2, Position(), 0
+    rep._in_step, rep._first_quorum, rep._retrying, rep._uncommitted, rep._drop_step = False, False, False, 0, False
+    rep._order, rep._seed, rep._shuffle, rep._collate, rep._save_every = None, 0, False, torch.stack, None
+    rep._recorder = SimpleNamespace(step=lambda *a, **k: None, uncommitted=lambda: None)
+    read = []
+    for batch in rep.batches(total_steps=2):
+        read.append(batch.tolist())
+        model(batch[:, None]).sum().backward()
+        rep.step()
+    assert read == [[0.0, 1.0], [0.0, 1.0], [6.0, 7.0]], read  # the retry reads epoch 0's samples 6-7
+    assert rep.position.epoch == 0
+
+
 def test_a_dataset_smaller_than_one_step_is_refused_naming_the_fix_not_read_as_a_short_batch():
     from ray_goodput.replica import Position
     from ray_goodput.replica._replica import Replica

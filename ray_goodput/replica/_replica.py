@@ -124,6 +124,7 @@ class Replica:
         self._batch_size, self._seed, self._shuffle, self._collate = batch_size, seed, shuffle, collate_fn
         self._extra = dict(state or {})
         self._position = pos.Position()
+        self._step_at = self._position  # where the step in progress reads (the position moves at its commit)
         self._order: tuple[int, np.ndarray] | None = None
         self._save_every = save_every
         self._participants = 0
@@ -370,15 +371,19 @@ class Replica:
             self._quorum_wait_s = waited if changed else 0.0
             if rank is None:
                 raise RuntimeError(f"replica {self.slot} is in no quorum position after a synchronous quorum")
-            if not pos.epoch_has_step(self._position, len(self._dataset), n, self._batch_size):
-                self._position = pos.next_epoch(self._position)
-                if not pos.epoch_has_step(self._position, len(self._dataset), n, self._batch_size):
+            # Where this step reads: the next epoch when the rest of this one is too short
+            # for n replicas. The position itself moves only when the step commits: a retry
+            # with fewer replicas may still fit in this epoch.
+            at = self._position
+            if not pos.epoch_has_step(at, len(self._dataset), n, self._batch_size):
+                at = pos.next_epoch(at)
+                if not pos.epoch_has_step(at, len(self._dataset), n, self._batch_size):
                     raise ConfigError(
                         f"the dataset has {len(self._dataset)} samples, fewer than one step of {n} replicas "
                         f"× batch_size {self._batch_size}: use a smaller batch_size or a larger dataset"
                     )
-            self._participants, self._rank_in_step, self._in_step = n, rank, True
-            yield self._batch(rank, n)
+            self._participants, self._rank_in_step, self._in_step, self._step_at = n, rank, True, at
+            yield self._batch(at, rank, n)
         if self.manager is not None and self.current_step >= total_steps:
             self._save_final()
 
@@ -417,16 +422,15 @@ class Replica:
             return False
         return newest is not None and newest[1].step >= step
 
-    def _batch(self, rank: int, n: int) -> Any:
+    def _batch(self, at: pos.Position, rank: int, n: int) -> Any:
         began = time.perf_counter()
-        start, stop = pos.step_span(self._position, rank, n, self._batch_size)
-        order = self._epoch_order()
+        start, stop = pos.step_span(at, rank, n, self._batch_size)
+        order = self._epoch_order(at.epoch)
         batch = self._collate([self._dataset[int(i)] for i in order[start:stop]])
         self._fetch_s = time.perf_counter() - began
         return batch
 
-    def _epoch_order(self) -> np.ndarray:
-        epoch = self._position.epoch
+    def _epoch_order(self, epoch: int) -> np.ndarray:
         if self._order is None or self._order[0] != epoch:
             self._order = (epoch, _order.permutation(len(self._dataset), self._seed, epoch, self._shuffle))
         return self._order[1]
@@ -456,7 +460,7 @@ class Replica:
             return False
         self._retrying, self._uncommitted = False, 0
         self._optim.step()
-        self._position = pos.after_commit(self._position, self._participants, self._batch_size)
+        self._position = pos.after_commit(self._step_at, self._participants, self._batch_size)
         if self.slot == 0 and self._ckpt is not None and self.current_step % self._save_every == 0:
             self._ckpt.save(self.current_step, self._durable_state())
             self._saved_step = self.current_step
