@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from ray_goodput._lazy import LazyModule
 from ray_goodput.checkpoint.save._save_state import SaveState
 from ray_goodput.checkpoint.uploader import _held
+from ray_goodput.checkpoint.uploader._arena_sweep import WorkersArenas
 from ray_goodput.checkpoint.uploader._channel import (
     ChannelServer,
     Peer,
@@ -42,7 +43,6 @@ if TYPE_CHECKING:
     from ray_goodput.checkpoint.uploader._shard_job import ShardJob, ShardResult
 
 ray = LazyModule("ray")  # a process that saves through the thread backend never imports it
-_arena = LazyModule("ray_goodput.checkpoint.save._arena")  # torch: loaded in __init__, not with this module
 # Loaded by job_modules(), once the actor runs at its lowered priority.
 torch = LazyModule("torch")
 _rank_queue = LazyModule("ray_goodput.checkpoint.uploader._rank_queue")
@@ -100,8 +100,7 @@ class CheckpointUploader:
         self._peers: set[Peer] = set()
         self._connections: dict[str, Peer] = {}  # by connection id (the worker's, from its hello)
         self._clients: set[tuple[int, str]] = set()
-        self._arena_dirs: dict[int, set[str]] = {}  # directories of each worker's jobs' arenas
-        self._arena_seen: dict[int, float] = {}  # when each of those workers last handed a job over (time.time())
+        self._arenas = WorkersArenas()  # swept once their worker is gone
         self._clean_close = False
         self._had_client = False
         self._exiting = False  # set under _lock once the watchdog decided to exit
@@ -184,26 +183,11 @@ class CheckpointUploader:
         self._idle_since = time.monotonic()
 
     def _sweep_gone(self) -> None:
-        """Remove the snapshot arenas of the workers whose jobs this uploader ran and whose
-        process is gone (a killed worker cannot; when it ran its job's last attempt, no later
-        worker of the run sweeps them either): however the jobs came (a connection, actor
-        calls, a held file) and however long the process outlived its connection. A
-        connected worker is alive; one whose pid a later process took (it started over a
-        minute after the worker's last job) is not. Arenas its jobs still use stay mapped
-        here, and the arena of a job not mapped yet (held in a file, or unread in a
-        socket) is marked and kept (``_arena.sweep_dead``)."""
+        """Remove the arenas of the workers whose jobs this uploader ran and whose process
+        is gone (``_arena_sweep``)."""
         with self._lock:
             connected = {peer.pid for peer in self._peers}
-            watched = [(pid, seen) for pid, seen in self._arena_seen.items() if pid not in connected]
-        gone = [pid for pid, seen in watched if not pid_alive(pid, since=seen)]
-        if not gone:
-            return
-        with self._lock:
-            directories: set[str] = set()
-            for pid in gone:
-                directories |= self._arena_dirs.pop(pid, set())
-                self._arena_seen.pop(pid, None)
-        _sweep_arenas(directories)
+        self._arenas.sweep_gone(connected)
 
     def _resolve_root(self, root: bytes | None) -> StorageLocation | None:
         if root is None:
@@ -239,9 +223,7 @@ class CheckpointUploader:
         ticket = _rank_queue.Ticket(dataclasses.replace(job, root=self._resolve_root(root)))
         _held.arena_mapped(job)  # a sweep may unlink it now
         if job.slots:
-            with self._lock:
-                self._arena_dirs.setdefault(job.owner_pid, set()).add(str(Path(job.arena_path).parent))
-                self._arena_seen[job.owner_pid] = time.time()
+            self._arenas.ran(job)
         if held is not None:
             ticket.callbacks.append(lambda _t: _held.remove(held, job))
         if peer is not None:  # first: the worker must hear whatever the bookkeeping does
@@ -454,7 +436,7 @@ class CheckpointUploader:
                         continue
                     self._exiting = True
                 logger.info("uploader on node %s: idle with no live client; exiting", self.node_id)
-                self._sweep_all()
+                self._arenas.sweep_all(os.getpid())
                 try:
                     if self._channel is not None:
                         self._channel.close()
@@ -468,37 +450,14 @@ class CheckpointUploader:
                     continue
                 return
 
-    def _sweep_all(self) -> None:
-        """Remove the arenas of every dead worker whose jobs this uploader ran (it exits:
-        nobody else might). Marks naming this uploader go first: with no connection left,
-        it will read no frame that still needs an arena."""
-        with self._lock:
-            directories = set().union(*self._arena_dirs.values()) if self._arena_dirs else set()
-            self._arena_dirs.clear()
-            self._arena_seen.clear()
-        _sweep_arenas(directories, reader=os.getpid())
-
     def drain_and_exit(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while self.busy() and time.monotonic() < deadline:
             time.sleep(0.1)
-        self._sweep_all()
+        self._arenas.sweep_all(os.getpid())
         if self._channel is not None:
             self._channel.close()
         ray.actor.exit_actor()
-
-
-def _sweep_arenas(directories: set[str], reader: int | None = None) -> None:
-    """``_arena.sweep_dead`` on each of ``directories``, after removing the marks that name
-    uploader ``reader`` if given (a failure is logged: the next Checkpointer of a run on
-    the node sweeps again)."""
-    for directory in sorted(directories):
-        try:
-            if reader is not None:
-                _arena.forget_reader(Path(directory), reader)
-            _arena.sweep_dead(Path(directory))
-        except Exception:  # a failed sweep leaves files, never fails a job
-            logger.warning("could not sweep dead workers' snapshot arenas in %s", directory, exc_info=True)
 
 
 def _ship_events() -> None:
