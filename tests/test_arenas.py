@@ -439,8 +439,10 @@ def test_a_snapshot_arena_with_no_room_on_its_filesystem_moves_or_refuses_instea
         f"mount -t ramfs none {ram} && exec {sys.executable} {script} {small} {full} {disk} {ram}"
     )
     unshare = shutil.which("unshare")
-    probe = subprocess.run([unshare or "unshare", "--user", "--map-root-user", "--mount", "true"], capture_output=True)
-    if unshare is None or probe.returncode != 0:
+    if unshare is None:
+        pytest.skip("needs unshare (util-linux) to mount a small tmpfs in a user namespace")
+    probe = subprocess.run([unshare, "--user", "--map-root-user", "--mount", "true"], capture_output=True)
+    if probe.returncode != 0:
         pytest.skip(f"needs user namespaces to mount a small tmpfs (unshare: {probe.stderr.decode()[:200]})")
     root = str(Path(__file__).resolve().parents[1])
     done = subprocess.run(
