@@ -13,7 +13,7 @@ from ray_goodput.storage._checksum import (
     file_crc32,
     upload_block_bytes,
 )
-from ray_goodput.storage._retry import RetryPolicy, is_transient
+from ray_goodput.storage._retry import RetryPolicy, is_outage, is_transient
 from ray_goodput.storage._transfer import (
     FileEntry,
     delete_dir,
@@ -56,6 +56,7 @@ __all__ = [
     "download_files",
     "file_crc32",
     "file_sizes",
+    "is_outage",
     "is_transient",
     "link_local_file",
     "list_dir",

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from ray_goodput.errors import ConfigError, GoodputError, StorageError
+from ray_goodput.errors import ConfigError, GoodputError, StorageError, StorageUnusableError
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -47,6 +47,16 @@ def is_transient(exc: BaseException) -> bool:
     if isinstance(exc, OSError) and exc.errno in _PERMANENT_ERRNOS:
         return False
     return isinstance(exc, (OSError, TimeoutError, ConnectionError))
+
+
+def is_outage(exc: BaseException) -> bool:
+    """A storage error that only its retries running out made final (its cause transient):
+    the storage may answer again. Not a refusal, a missing file, a full disk, nor the
+    probe's verdict (StorageUnusableError)."""
+    if not isinstance(exc, StorageError) or isinstance(exc, StorageUnusableError):
+        return False
+    cause = exc.__cause__
+    return cause is not None and is_transient(cause)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -13,8 +13,8 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 import pyarrow.fs as pafs
 
 from ray_goodput import _env
-from ray_goodput.errors import ConfigError, StorageError, StorageUnreachableError, StorageUnusableError
-from ray_goodput.storage._retry import RetryPolicy, is_transient
+from ray_goodput.errors import ConfigError, StorageUnreachableError, StorageUnusableError
+from ray_goodput.storage._retry import RetryPolicy, is_outage
 
 logger = logging.getLogger(__name__)
 
@@ -200,11 +200,9 @@ class StorageLocation:
 
 def _outage_like(exc: BaseException) -> bool:
     """Whether a failed probe failed as an outage also fails: nothing accepting
-    connections at the endpoint, or an error the retry policy retried to its end
-    (timeouts, 5xx, throttling, resets)."""
-    if isinstance(exc, ConnectionError):  # _connect_to_endpoint's
-        return True
-    return isinstance(exc, StorageError) and exc.__cause__ is not None and is_transient(exc.__cause__)
+    connections at the endpoint (``_connect_to_endpoint``'s one try, made to fail fast at
+    a first start), or an error the retry policy retried to its end (``is_outage``)."""
+    return isinstance(exc, ConnectionError) or is_outage(exc)
 
 
 def resolve(uri: str | StorageLocation) -> StorageLocation:

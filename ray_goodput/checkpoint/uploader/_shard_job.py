@@ -29,14 +29,14 @@ from ray_goodput.checkpoint.save._save_state import SaveRecord, SaveState
 from ray_goodput.checkpoint.uploader import _direct_upload
 from ray_goodput.checkpoint.uploader._direct_upload import StagingFullError, out_of_space
 from ray_goodput.checkpoint.uploader._follow_upload import FollowUpload
-from ray_goodput.errors import CheckpointError, FencedError, StorageError, StorageUnusableError
+from ray_goodput.errors import CheckpointError, FencedError, StorageError
 from ray_goodput.storage import (
     DEFAULT_ALGORITHM,
     FileEntry,
     RetryPolicy,
     StorageLocation,
     Written,
-    is_transient,
+    is_outage,
     upload_files,
 )
 
@@ -287,15 +287,6 @@ def _nothing_sent() -> Sequence[FileEntry]:
     return ()
 
 
-def _outage(exc: BaseException) -> bool:
-    """A storage error that only its retries running out made final: the storage may answer
-    again (not a refusal, a missing file or a full disk)."""
-    if not isinstance(exc, StorageError) or isinstance(exc, (StorageUnusableError, CheckpointError)):
-        return False
-    cause = exc.__cause__
-    return cause is not None and is_transient(cause)
-
-
 def _upload_through_outages(
     job: ShardJob,
     names: list[str],
@@ -308,7 +299,7 @@ def _upload_through_outages(
     written: Mapping[str, Written],
     resend: Callable[[], Sequence[FileEntry]] = _nothing_sent,
 ) -> tuple[int, SaveState, float | None] | None:
-    """:func:`upload_and_commit`, retried while storage is out (``_outage``) until
+    """:func:`upload_and_commit`, retried while storage is out (``storage.is_outage``) until
     ``job.retry_for_s`` from ``started`` or a newer save of the rank waits (then None: this
     save is superseded, the newer one goes next). ``uploaded``: files already sent (None:
     ask ``resend``, as each later round does: what it sent itself, nothing by default)."""
@@ -322,7 +313,7 @@ def _upload_through_outages(
             )
         except StorageError as exc:
             left = started + job.retry_for_s - time.monotonic()
-            if not _outage(exc) or left <= 0:
+            if not is_outage(exc) or left <= 0:
                 raise
             if newer():
                 logger.warning("step %d rank %d: storage is out (%s); a newer save goes next", job.step, job.rank, exc)
