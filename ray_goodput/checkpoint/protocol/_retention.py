@@ -17,11 +17,10 @@ from ray_goodput.checkpoint.protocol import _layout, _lineage
 from ray_goodput.checkpoint.protocol._catalog import StepDir, scan
 from ray_goodput.checkpoint.protocol._manifest import read_manifest
 from ray_goodput.errors import CheckpointCorruptError
-from ray_goodput.storage import RetryPolicy, StorageLocation, delete_file
+from ray_goodput.storage import StorageLocation, delete_file
 
 logger = logging.getLogger(__name__)
 
-_POLICY = RetryPolicy()
 _DELETE_CONCURRENCY = 8  # object stores delete one object per request
 
 
@@ -114,15 +113,15 @@ def _delete_listed(d: StepDir, below: int | None) -> bool:
     if _commit_now(d) != _commit_listed(d):
         return False
     if _layout.COMMITTED in d.files and (below is None or _dead(d, _layout.COMMITTED, below)):
-        _delete_file(d.loc, _layout.COMMITTED)
+        delete_file(d.loc, _layout.COMMITTED)
     names = [n for n in d.files if n != _layout.COMMITTED and (below is None or _dead(d, n, below))]
     markers = [n for n in names if n.startswith(_layout.RANKS_DIR)]
     rest = [n for n in names if not n.startswith(_layout.RANKS_DIR)]
     with ThreadPoolExecutor(max_workers=_DELETE_CONCURRENCY, thread_name_prefix="rg-retention") as pool:
-        list(pool.map(lambda name: _delete_file(d.loc, name), markers))  # before any data file
+        list(pool.map(lambda name: delete_file(d.loc, name), markers))  # before any data file
         if _commit_now(d) is not None:  # the listed one is gone: someone finished an orphan
             return False  # meanwhile (it read the markers in time); keep its files
-        list(pool.map(lambda name: _delete_file(d.loc, name), rest))
+        list(pool.map(lambda name: delete_file(d.loc, name), rest))
     return True
 
 
@@ -150,10 +149,6 @@ def _commit_now(d: StepDir) -> str | None:
     except CheckpointCorruptError:
         return _TORN
     return now.save_id if now is not None else None
-
-
-def _delete_file(loc: StorageLocation, name: str) -> None:
-    delete_file(loc, name, _POLICY)
 
 
 def _remove_empty_dirs(loc: StorageLocation) -> None:
