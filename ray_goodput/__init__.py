@@ -26,6 +26,7 @@ _EXPORTS = {
     "record_end": "ray_goodput.goodput",
     "record_step": "ray_goodput.goodput",
     "CacheFullError": "ray_goodput.errors",
+    "CacheLockTimeoutError": "ray_goodput.errors",
     "CheckpointCorruptError": "ray_goodput.errors",
     "CheckpointError": "ray_goodput.errors",
     "ConfigError": "ray_goodput.errors",
@@ -57,6 +58,7 @@ if TYPE_CHECKING:
     from ray_goodput.driver import GoodputCallback, Recovery, TorchTrainer
     from ray_goodput.errors import (
         CacheFullError,
+        CacheLockTimeoutError,
         CheckpointCorruptError,
         CheckpointError,
         ConfigError,

@@ -80,6 +80,12 @@ class CacheFullError(StorageError):
     A StorageError (an OSError) that retries do not fix, so they are not attempted."""
 
 
+class CacheLockTimeoutError(StorageError, TimeoutError):
+    """A file's fetch into the node cache waited past its bound for the key's lock: the
+    process holding it (named in the message) is stuck mid-download. End that process;
+    the next read fetches the file."""
+
+
 #: Errors that a restart of the run cannot fix: the message says what to change.
 NOT_RETRYABLE: tuple[type[GoodputError], ...] = (
     ConfigError,

@@ -66,3 +66,58 @@ def test_files_under_hidden_or_underscore_folders_of_a_source_are_skipped(tmp_pa
         (root / rel).write_bytes(b"x")
     ds = FileDataset(str(root))
     assert [os.path.relpath(p, root) for p in ds.files.paths] == ["a.bin", "sub/b.bin"]
+
+
+def test_a_fetch_stuck_behind_a_hung_lock_holder_raises_naming_it(tmp_path):
+    # The key's flock was waited for without a bound: a process stopped while it held
+    # the lock (SIGSTOP, a hung mount) froze every reader of the key on the node, and
+    # the training loop with them, forever.
+    import multiprocessing
+    import time
+
+    import pytest
+
+    from ray_goodput.data import _cache_files
+    from ray_goodput.errors import CacheLockTimeoutError
+    from ray_goodput.storage import RetryPolicy
+
+    src = _source(tmp_path, {"a.bin": 100})
+    cfg = CacheConfig(directory=str(tmp_path / "cache"), capacity_bytes=1 << 20)
+    ds = FileDataset(src, cache=cfg)
+    layout = CacheLayout.of(cfg)
+    layout.create()
+    key = ds.files.cache_key(0)
+    ctx = multiprocessing.get_context("spawn")
+    locked, release = ctx.Event(), ctx.Event()
+    holder = ctx.Process(target=_hold_lock, args=(str(layout.lock_path(key)), locked, release))
+    holder.start()
+    try:
+        assert locked.wait(60), "the holder process never took the lock"
+        began = time.monotonic()
+        with pytest.raises(CacheLockTimeoutError) as err:
+            _cache_files.fetch(
+                layout, key, ds.files.fs, ds.files.paths[0], max_bytes=1 << 20, policy=RetryPolicy(), lock_wait_s=0.5
+            )
+        assert time.monotonic() - began < 30
+        assert str(layout.lock_path(key)) in str(err.value) and f"pid {holder.pid}" in str(err.value)
+        assert ds.files.paths[0] in str(err.value)
+        assert not layout.data_path(key).exists()
+        release.set()
+        holder.join(30)
+        # once the holder is gone the same fetch goes through
+        got = _cache_files.fetch(layout, key, ds.files.fs, ds.files.paths[0], max_bytes=1 << 20, policy=RetryPolicy())
+        assert got is not None and got[0] == 100
+    finally:
+        release.set()
+        holder.join(30)
+        if holder.is_alive():
+            holder.kill()
+
+
+def _hold_lock(path: str, locked, release) -> None:
+    import fcntl
+
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    locked.set()
+    release.wait(120)

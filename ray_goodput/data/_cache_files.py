@@ -2,16 +2,18 @@
 
 Any process of the node (the NodeCache actor, training processes, DataLoader workers)
 computes a file's cache path from its identity alone, so a hit is ``open()`` with no actor
-call. A miss fetches under a per-key ``flock`` (single flight across processes and
-threads) into a temp name, then ``os.replace`` (the final name only ever holds a complete
-file). Readers report hits, misses and fetches in an append-only journal the actor tails,
-because DataLoader workers cannot make Ray calls.
+call. A miss fetches under its key's ``flock`` (one of 4096 lock stripes: single flight
+across processes and threads; a wait for it is bounded) into a temp name, then
+``os.replace`` (the final name only ever holds a complete file). Readers report hits,
+misses and fetches in an append-only journal the actor tails, because DataLoader workers
+cannot make Ray calls.
 
 Layout under ``root``::
 
     data/<k[:2]>/<k>            cached files, k = blake2b(filesystem ident, path, listed size, mtime)
     data/<k[:2]>/.<k>.part-<pid>-<n>   a fetch in progress (removed by the actor if pid died)
-    locks/<stripe>.lock         4096 lock stripes (bounded count; flock, never deleted)
+    locks/<stripe>.lock         4096 lock stripes (bounded count; flock, never deleted;
+                                a wait for one is bounded: LOCK_WAIT_S)
     journal/<pid>-<token>.log   reader events: "h n", "m n", "f key size seconds"
 """
 
@@ -33,10 +35,13 @@ import pyarrow.fs as pafs
 
 from ray_goodput import _env
 from ray_goodput.data._config import CacheConfig
-from ray_goodput.errors import CacheFullError
+from ray_goodput.errors import CacheFullError, CacheLockTimeoutError
 from ray_goodput.storage import RetryPolicy, copy_stream
 
 LOCK_STRIPES = 4096
+#: How long a fetch waits for its key's lock, held by another process's download of the
+#: same file (or of another file of the same stripe), before it raises.
+LOCK_WAIT_S = 600.0
 _tmp_counter = itertools.count()
 
 
@@ -112,16 +117,55 @@ os.register_at_fork(
 )
 
 
+def _holder(fd: int) -> str:
+    """Who holds the flock on ``fd``'s file, from ``/proc/locks`` (Linux): "pid N", or
+    "an unknown process"."""
+    st = os.fstat(fd)
+    ident = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    try:
+        with open("/proc/locks") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) > 5 and fields[1] == "FLOCK" and fields[5] == ident:
+                    return f"pid {fields[4]}"
+    except OSError:
+        pass
+    return "an unknown process"
+
+
+def _acquire(fd: int, path: Path, wait_s: float, what: str) -> None:
+    """``flock(fd, LOCK_EX)``, polled, for at most ``wait_s`` seconds; then
+    CacheLockTimeoutError naming ``path``, its holder and ``what`` waited."""
+    deadline = time.monotonic() + wait_s
+    pause = 0.001
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released by the kernel if this process dies
+            return
+        except BlockingIOError:
+            pass
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise CacheLockTimeoutError(
+                f"{what or 'the node cache'} waited {wait_s:.0f} s for the cache lock {path}, held by "
+                f"{_holder(fd)}: that process is stuck in a download of this file (or of another file of "
+                "its lock stripe); end it and read again"
+            )
+        time.sleep(min(pause, left))
+        pause = min(pause * 2, 0.05)
+
+
 @contextmanager
-def flock(path: Path) -> Iterator[None]:
+def flock(path: Path, *, wait_s: float = LOCK_WAIT_S, what: str = "") -> Iterator[None]:
     """Hold an exclusive lock on the lock file ``path`` for the block (released by the
-    kernel if this process dies): one key's fetch, or the removal of its cut copy."""
+    kernel if this process dies): one key's fetch, or the removal of its cut copy. Waits
+    at most ``wait_s`` for it (CacheLockTimeoutError, naming ``what`` waited)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with _fds_lock:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         _held_fds.add(fd)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)  # released by the kernel if this process dies
+        _acquire(fd, path, wait_s, what)
         yield
     finally:
         with _fds_lock:
@@ -170,12 +214,14 @@ def fetch(
     max_bytes: int,
     policy: RetryPolicy,
     expected: int = -1,
+    lock_wait_s: float = LOCK_WAIT_S,
 ) -> tuple[int, float] | None:
     """Bring ``src`` into the cache once (single flight). Blocking.
 
     Returns (bytes, seconds) when this call downloaded it, None when it was already
-    there. ``expected`` (bytes, -1 unknown) is checked. Raises CacheFullError (no retry)
-    or StorageError naming ``src``.
+    there. ``expected`` (bytes, -1 unknown) is checked. Raises CacheFullError (no retry),
+    CacheLockTimeoutError (another process held the key's lock for ``lock_wait_s``) or
+    StorageError naming ``src``.
     """
     dest = layout.data_path(key)
     if dest.exists():
@@ -186,7 +232,7 @@ def fetch(
             f"({max_bytes} bytes); raise CacheConfig.capacity_bytes or pass "
             "cache=None to read it uncached"
         )
-    with flock(layout.lock_path(key)):
+    with flock(layout.lock_path(key), wait_s=lock_wait_s, what=f"the fetch of {src}"):
         if dest.exists():  # another process fetched it while we waited for the lock
             return None
         dest.parent.mkdir(parents=True, exist_ok=True)
