@@ -121,3 +121,47 @@ def _hold_lock(path: str, locked, release) -> None:
     fcntl.flock(fd, fcntl.LOCK_EX)
     locked.set()
     release.wait(120)
+
+
+def test_each_cache_reader_of_a_process_does_not_leak_a_journal_file_handle(tmp_path):
+    # Every CacheReader (one per DataLoader with num_workers=0, e.g. one per epoch) opened
+    # its own journal file and kept it open, with an exit finalizer holding it, for the
+    # life of the process: a job that built a loader per epoch ran out of descriptors.
+    src = _source(tmp_path, {"a.bin": 10})
+    cfg = CacheConfig(directory=str(tmp_path / "cache"), capacity_bytes=1 << 20)
+    ds = FileDataset(src, cache=cfg)
+    layout = CacheLayout.of(cfg)
+
+    def fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    CacheReader(layout, cfg.capacity_bytes).read(ds.files, 0)  # the miss, and the process's journal
+    before = fds()
+    for _ in range(50):
+        CacheReader(layout, cfg.capacity_bytes).read(ds.files, 0)
+    assert fds() - before <= 2, f"{fds() - before} descriptors more after 50 readers"
+    assert len(list(layout.journal_dir.glob(f"{os.getpid()}-*.log"))) == 1
+
+
+def test_a_loader_worker_that_exits_abruptly_still_reports_what_it_fetched(tmp_path):
+    # Fetches were buffered with the hit counts and written at most once a second: a
+    # loader worker ended by os._exit (or a kill) took its last fetches with it, and the
+    # cache never counted those files, so it never evicted them either.
+    from ray_goodput.data._journal import JournalReader
+
+    src = _source(tmp_path, {"a.bin": 321})
+    cfg = CacheConfig(directory=str(tmp_path / "cache"), capacity_bytes=1 << 20)
+    ds = FileDataset(src, cache=cfg)
+    layout = CacheLayout.of(cfg)
+    layout.create()
+    reader = CacheReader(layout, cfg.capacity_bytes)
+    pid = os.fork()
+    if pid == 0:
+        try:
+            reader.read(ds.files, 0)
+        finally:
+            os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+    _, _, fetched = JournalReader(layout.journal_dir).poll()
+    assert [(k, size) for k, size, _ in fetched] == [(ds.files.cache_key(0), 321)]

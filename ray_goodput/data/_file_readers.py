@@ -12,7 +12,7 @@ import os
 from typing import BinaryIO
 
 from ray_goodput.data._cache_files import CacheLayout, fetch, flock
-from ray_goodput.data._journal import JournalWriter
+from ray_goodput.data._journal import journal_writer
 from ray_goodput.data._sources import FileSet
 from ray_goodput.storage import RetryPolicy
 
@@ -27,7 +27,7 @@ class CacheReader:
         self.layout = layout
         self.capacity_bytes = capacity_bytes
         self.policy = policy or RetryPolicy()
-        self.journal = JournalWriter(layout.journal_dir)
+        self.journal = journal_writer(layout.journal_dir)
 
     def read(self, files: FileSet, i: int) -> bytes:
         """Bytes of file ``i``; downloads it into the cache on a miss (blocking)."""

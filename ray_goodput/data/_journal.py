@@ -1,9 +1,11 @@
 """Reader-side cache events, passed to the NodeCache actor through append-only files.
 
 DataLoader workers cannot call actors and a hit must stay a plain file read, so readers
-count hits/misses in memory and append them (with each fetch they made) to a per-process
-journal at most once a second; the actor tails every journal. Lines are short and written
-with O_APPEND, so a line is never interleaved with another.
+count hits/misses in memory and append them to a per-process journal at most once a
+second; a fetch (a download: what the actor counts against the capacity) is written at
+once, so a process that ends abruptly loses only counts. The actor tails every journal.
+Lines are short and written with O_APPEND, so a line is never interleaved with another.
+One writer per process and cache directory (``journal_writer``), however many readers.
 """
 
 from __future__ import annotations
@@ -22,24 +24,39 @@ logger = logging.getLogger(__name__)
 FLUSH_INTERVAL_S = 1.0
 
 
+_writers: dict[Path, JournalWriter] = {}
+_writers_lock = threading.Lock()
+
+
+def journal_writer(directory: Path) -> JournalWriter:
+    """This process's writer of the journal in ``directory``, shared by its readers."""
+    with _writers_lock:
+        writer = _writers.get(directory)
+        if writer is None:
+            writer = _writers[directory] = JournalWriter(directory)
+        return writer
+
+
 class JournalWriter:
-    """Counts reader events of this process; cheap to call on the hot path."""
+    """Counts reader events of this process; cheap to call on the hot path. Get it with
+    ``journal_writer`` (it also unpickles to the receiving process's one)."""
 
     def __init__(self, directory: Path) -> None:
         self._dir = directory
         self._pid = -1
         self._fd = -1
+        self._lock = threading.Lock()
         self._reset()
 
     def _reset(self) -> None:
         self._hits = self._misses = 0
-        self._lines: list[str] = []
         self._last_flush = time.monotonic()
 
     def _ensure_open(self) -> None:
         if self._pid == os.getpid():
             return
         # First use in this process (forked DataLoader workers inherit a copy): own file.
+        self._lock = threading.Lock()  # a fork may have copied it held
         self._reset()
         self._pid = os.getpid()
         self._dir.mkdir(parents=True, exist_ok=True)
@@ -56,9 +73,9 @@ class JournalWriter:
     def miss(self, fetched: tuple[str, int, float] | None) -> None:
         self._ensure_open()
         self._misses += 1
-        if fetched is not None:
+        if fetched is not None:  # written now: the actor counts these bytes against the capacity
             key, size, seconds = fetched
-            self._lines.append(f"f {key} {size} {seconds:.6f}\n")
+            self._write(f"f {key} {size} {seconds:.6f}\n")
         self._maybe_flush()
 
     def _maybe_flush(self) -> None:
@@ -68,23 +85,21 @@ class JournalWriter:
     def flush(self) -> None:
         if self._pid != os.getpid():
             return
-        text = "".join(self._lines)
-        if self._hits:
-            text += f"h {self._hits}\n"
-        if self._misses:
-            text += f"m {self._misses}\n"
-        self._reset()
+        with self._lock:  # two threads flushing at once write each count once
+            hits, misses = self._hits, self._misses
+            self._reset()
+        text = (f"h {hits}\n" if hits else "") + (f"m {misses}\n" if misses else "")
         if text:
-            try:
-                os.write(self._fd, text.encode())
-            except OSError as exc:  # stats only: never fail a read for them
-                logger.debug("cache journal write failed: %s", exc)
+            self._write(text)
 
-    def __getstate__(self) -> dict:
-        return {"_dir": self._dir}
+    def _write(self, text: str) -> None:
+        try:
+            os.write(self._fd, text.encode())
+        except OSError as exc:  # never fail a read for the journal
+            logger.debug("cache journal write failed: %s", exc)
 
-    def __setstate__(self, state: dict) -> None:
-        self.__init__(state["_dir"])
+    def __reduce__(self) -> tuple:
+        return (journal_writer, (self._dir,))
 
 
 class JournalReader:
