@@ -92,6 +92,16 @@ def test_permutations_are_seeded_and_differ_by_epoch():
     assert permutation(5, 3, 0, False).tolist() == [0, 1, 2, 3, 4]
 
 
+def test_seeds_that_differ_only_above_32_bits_or_in_sign_give_different_orders():
+    # The seed was cut to its low 32 bits: seed 1 and seed 2**32 + 1 (or -1 and
+    # 2**32 - 1, e.g. seeds from hash()) shuffled every epoch the same way.
+    for a, b in ((1, 2**32 + 1), (-1, 2**32 - 1), (7, -7), (2**40, 2**41)):
+        assert not np.array_equal(permutation(1000, a, 0, True), permutation(1000, b, 0, True)), (a, b)
+        assert not np.array_equal(block_permutation([10] * 100, a, 0, True), block_permutation([10] * 100, b, 0, True))
+    # seeds that fitted in 32 bits keep the orders they had (a resumed job reads on where it was)
+    assert np.array_equal(permutation(1000, 5, 3, True), np.random.default_rng([5, 3]).permutation(1000))
+
+
 def test_block_permutation_keeps_blocks_together():
     sizes = [5, 1, 7, 3, 0, 9]
     starts = np.concatenate([[0], np.cumsum(sizes)])

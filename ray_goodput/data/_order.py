@@ -4,10 +4,19 @@ from __future__ import annotations
 
 import numpy as np
 
+_WORD = 0xFFFFFFFF
+
 
 def _rng(seed: int, epoch: int) -> np.random.Generator:
-    # A SeedSequence of (seed, epoch) makes epochs independent and platform stable.
-    return np.random.default_rng([int(seed) & 0xFFFFFFFF, int(epoch) & 0xFFFFFFFF])
+    """A SeedSequence of (seed, epoch): epochs independent, platform stable. Any int seed:
+    one in [0, 2**32) is the words (seed, epoch), as it always was (a resumed job's order
+    does not change); any other adds its high bits and a nonzero sign word (a
+    SeedSequence ignores trailing zero words), so no two seeds share an order."""
+    seed, epoch = int(seed), int(epoch)
+    words = [abs(seed) & _WORD, epoch & _WORD]
+    if not 0 <= seed <= _WORD:
+        words += [abs(seed) >> 32, 1 if seed < 0 else 2]
+    return np.random.default_rng(words)
 
 
 def permutation(num_samples: int, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
