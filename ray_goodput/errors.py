@@ -80,6 +80,11 @@ class CacheFullError(StorageError):
     A StorageError (an OSError) that retries do not fix, so they are not attempted."""
 
 
+class FileLargerThanCacheError(CacheFullError):
+    """A file is larger than the whole node cache (``CacheConfig.capacity_bytes``): no
+    eviction makes room for it. Raise the capacity or read it uncached (``cache=None``)."""
+
+
 class CacheLockTimeoutError(StorageError, TimeoutError):
     """A file's fetch into the node cache waited past its bound for the key's lock: the
     process holding it (named in the message) is stuck mid-download. End that process;

@@ -56,6 +56,26 @@ def test_a_file_larger_than_the_cache_evicts_nothing(tmp_path):
     assert any("capacity" in e for e in keeper.errors), keeper.errors
 
 
+def test_a_file_of_unknown_size_found_larger_than_the_cache_evicts_nothing(tmp_path):
+    # A list of file URIs carries no sizes: the download found the file too large, and
+    # the keeper took that CacheFullError for a full disk, evicted a file other ranks
+    # were about to read and downloaded the file again, to fail the same way.
+    src = _source(tmp_path, {**{f"f{i}.bin": 100 for i in range(5)}, "huge.bin": 2000})
+    cfg = CacheConfig(directory=str(tmp_path / "cache"), capacity_bytes=1000)
+    ds = FileDataset([f"{src}/{name}" for name in sorted(os.listdir(src))], cache=cfg)
+    assert set(ds.files.sizes) == {-1}
+    keeper = CacheKeeper(cfg)
+    huge = next(i for i, p in enumerate(ds.files.paths) if p.endswith("huge.bin"))
+    fid = keeper.register(ds.files)
+    keeper.prefetch(fid, [i for i in range(len(ds.files.paths)) if i != huge])
+    wait_for(lambda: keeper.stats()["files"] == 5, timeout_s=30, what="the five small files cached")
+    keeper.prefetch(fid, [huge])
+    wait_for(lambda: keeper.stats()["inflight"] == 0, timeout_s=30, what="the large file's prefetch to end")
+    stats = keeper.stats()
+    assert stats["evictions"] == 0 and stats["files"] == 5, stats
+    assert any("capacity" in e for e in keeper.errors), keeper.errors
+
+
 def test_files_under_hidden_or_underscore_folders_of_a_source_are_skipped(tmp_path):
     # Only the file's own name was tested: a writer's staging folder (Spark's _temporary/,
     # Hive's .hive-staging*/) inside the source was listed, so ranks listing while it wrote

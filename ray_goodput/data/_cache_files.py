@@ -35,7 +35,7 @@ import pyarrow.fs as pafs
 
 from ray_goodput import _env
 from ray_goodput.data._config import CacheConfig
-from ray_goodput.errors import CacheFullError, CacheLockTimeoutError
+from ray_goodput.errors import CacheFullError, CacheLockTimeoutError, FileLargerThanCacheError
 from ray_goodput.storage import RetryPolicy, copy_stream
 
 LOCK_STRIPES = 4096
@@ -178,7 +178,7 @@ def _copy_in(fs: pafs.FileSystem, src: str, dest: Path, max_bytes: int, expected
 
     def check(size: int) -> None:
         if size > max_bytes:
-            raise CacheFullError(
+            raise FileLargerThanCacheError(
                 f"{src} is larger than the cache capacity ({max_bytes} bytes); raise "
                 "CacheConfig.capacity_bytes or pass cache=None to read it uncached"
             )
@@ -219,15 +219,15 @@ def fetch(
     """Bring ``src`` into the cache once (single flight). Blocking.
 
     Returns (bytes, seconds) when this call downloaded it, None when it was already
-    there. ``expected`` (bytes, -1 unknown) is checked. Raises CacheFullError (no retry),
-    CacheLockTimeoutError (another process held the key's lock for ``lock_wait_s``) or
-    StorageError naming ``src``.
+    there. ``expected`` (bytes, -1 unknown) is checked. Raises FileLargerThanCacheError
+    or CacheFullError (a full disk; neither is retried), CacheLockTimeoutError (another
+    process held the key's lock for ``lock_wait_s``) or StorageError naming ``src``.
     """
     dest = layout.data_path(key)
     if dest.exists():
         return None
     if expected > max_bytes:  # known from the listing: fail before downloading
-        raise CacheFullError(
+        raise FileLargerThanCacheError(
             f"{src} ({expected} bytes) is larger than the cache capacity "
             f"({max_bytes} bytes); raise CacheConfig.capacity_bytes or pass "
             "cache=None to read it uncached"

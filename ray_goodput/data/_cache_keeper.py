@@ -23,7 +23,7 @@ from ray_goodput.data._cache_files import CacheLayout, fetch, parse_temp
 from ray_goodput.data._config import CacheConfig
 from ray_goodput.data._journal import JournalReader
 from ray_goodput.data._sources import FileSet
-from ray_goodput.errors import CacheFullError
+from ray_goodput.errors import CacheFullError, FileLargerThanCacheError
 from ray_goodput.runtime import pid_alive
 from ray_goodput.storage import RetryPolicy
 
@@ -127,10 +127,12 @@ class CacheKeeper:
             if files.sizes[i] > self.capacity:  # it can never fit: evict nothing for it
                 self._error(
                     f"prefetch of {files.uri(i)}: {files.sizes[i]} bytes, larger than the cache capacity "
-                    f"({self.capacity} bytes); its reader raises CacheFullError"
+                    f"({self.capacity} bytes); its reader raises FileLargerThanCacheError"
                 )
                 return
             self._fetch_once(key, files, i)
+        except FileLargerThanCacheError as exc:  # its size unknown until downloaded: evict nothing
+            self._error(f"prefetch of {files.uri(i)}: {exc}")
         except CacheFullError:
             with self._lock:  # a full disk: free what we can, then one more try
                 self._make_room(max(files.sizes[i], 1) * 2, keep=key, pressure=True)
