@@ -243,3 +243,36 @@ def test_one_failure_polled_many_times_is_one_failure_in_the_ledger_and_mlflow(t
     hooks.after_worker_group_poll_status(notice)
     hooks.after_controller_finish(SimpleNamespace(error=None))  # it finished within the grace period
     assert cb.refresh(ctx).failures == 4
+
+
+def test_a_run_recovery_stops_for_an_error_no_retry_fixes_says_so_in_its_summary(tmp_path):
+    """Ray calls the user callbacks' ``after_exception`` before any other callback's hook
+    of the same poll (its UserCallbackHandler precedes them), so GoodputCallback published
+    its final summary before Recovery had seen the error: ``stopped`` was null in every
+    run Recovery stopped. A Recovery runs when its record is there."""
+    from ray_goodput.driver._record import STATE_FILE
+    from ray_goodput.errors import StateMismatchError
+    from ray_goodput.storage import write_bytes
+
+    root = str(tmp_path / "run")
+    _finished_job(root)
+    location = StorageLocation(uri=root, fs=pafs.LocalFileSystem(), root=root)
+    record = {"attempts": [{"attempt": 1}, {"attempt": 2}], "stopped": None, "isolated_nodes": []}
+    write_bytes(location, STATE_FILE, json.dumps(record).encode())  # as Recovery wrote it at the start
+    ctx = _run_context(root, "stopped")
+    cb, _, _ = _started(tmp_path, ctx)
+    cb.after_exception(ctx, {0: RuntimeError("collective aborted"), 1: StateMismatchError("no key 'ema'")})
+    summary = json.loads((tmp_path / "run" / "goodput" / "summary.json").read_text())
+    assert summary["stopped"] == {"attempt": "2", "rank": "1", "error": "StateMismatchError: no key 'ema'"}
+
+
+def test_without_a_recovery_an_error_no_retry_fixes_is_not_reported_as_a_stop(tmp_path):
+    """Without a Recovery, Ray retries such an error until max_failures: nothing stopped it."""
+    from ray_goodput.errors import StateMismatchError
+
+    root = str(tmp_path / "run")
+    _finished_job(root)
+    ctx = _run_context(root, "unstopped")
+    cb, _, _ = _started(tmp_path, ctx)
+    cb.after_exception(ctx, {1: StateMismatchError("no key 'ema'")})
+    assert json.loads((tmp_path / "run" / "goodput" / "summary.json").read_text())["stopped"] is None

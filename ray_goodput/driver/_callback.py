@@ -16,8 +16,7 @@ from ray.train.v2._internal.execution.callback import ControllerCallback, Replic
 
 from ray_goodput.driver._publish import MlflowSink, RayGauges
 from ray_goodput.driver._record import load_state
-from ray_goodput.driver._recovery import preemption_info
-from ray_goodput.errors import not_retryable
+from ray_goodput.driver._recovery import futile, preemption_info
 from ray_goodput.goodput import EventReader, Ledger, compute, fetch_stats, summary, table
 from ray_goodput.runtime import run_root
 from ray_goodput.storage import StorageLocation, write_bytes
@@ -169,7 +168,7 @@ class GoodputCallback(UserCallback):
             for i, a in enumerate(recovery.get("attempts", []))
             if a.get("excluded_nodes")
         }
-        result = {**summary(ledger), "isolated_nodes": isolated, "stopped": recovery.get("stopped")}
+        result = {**summary(ledger), "isolated_nodes": isolated, "stopped": _stopped(recovery, self._state.get("stop"))}
         if isolated:
             self._worker().put(("tag", ("ray_goodput.isolated_nodes", ",".join(isolated)), None))
         self._worker().put(("finish", (ledger, step, result, self._state["attempts"], notes), None))
@@ -274,16 +273,20 @@ class GoodputCallback(UserCallback):
 
     def after_exception(self, run_context: Any, worker_exceptions: dict[int, Exception]) -> None:
         self._root(run_context)  # names the MLflow run before its first entry
-        texts = [f"rank {rank}: {type(exc).__name__}: {exc}" for rank, exc in worker_exceptions.items()]
-        self.failed("; ".join(texts))
-        futile = [text for exc, text in zip(worker_exceptions.values(), texts) if not_retryable(exc) is not None]
-        if futile and not self._state.get("finished"):
+        texts = {rank: f"rank {rank}: {type(exc).__name__}: {exc}" for rank, exc in worker_exceptions.items()}
+        self.failed("; ".join(texts.values()))
+        hits = [(rank, hit) for rank, exc in sorted(worker_exceptions.items()) if (hit := futile(exc)) is not None]
+        if hits and not self._state.get("finished"):
             # A Recovery ends the run here; without one, every retry fails the same way.
-            # Either way this is the job's last useful ledger: publish it as final.
+            # Either way this is the job's last useful ledger: publish it as final. Ray
+            # calls this before the Recovery's hook of the same poll: the stop it is about
+            # to make is told here, as it records it (the lowest rank's error).
+            rank, hit = hits[0]
             logger.error(
-                "NOT RETRYABLE (a restart will fail the same way; fix the cause and start a new run): %s", futile[0]
+                "NOT RETRYABLE (a restart will fail the same way; fix the cause and start a new run): %s", texts[rank]
             )
-            self._worker().put(("tag", ("ray_goodput.stopped_by", futile[0]), None))
+            self._worker().put(("tag", ("ray_goodput.stopped_by", texts[rank]), None))
+            self._state["stop"] = {"rank": str(rank), "error": f"{type(hit).__name__}: {hit}"}
             self._publish_final(run_context)
 
 
@@ -354,6 +357,16 @@ def _lowest_cpu_priority() -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
     except OSError as exc:
         logger.debug("could not lower the MLflow thread's priority: %s", exc)
+
+
+def _stopped(recovery: dict[str, Any], stop: dict[str, str] | None) -> dict[str, str] | None:
+    """Why the run was stopped: what the Recovery recorded, or the stop it is about to make
+    for an error a retry cannot fix (``stop``, seen first: see ``after_exception``). None
+    without a Recovery (no record): Ray then retries up to ``max_failures``."""
+    if recovery.get("stopped") or not recovery or stop is None:
+        return recovery.get("stopped")
+    attempts = recovery.get("attempts") or [{}]
+    return {"attempt": str(attempts[-1].get("attempt", "")), **stop}
 
 
 def _recovery_state(root: StorageLocation) -> dict[str, Any]:
