@@ -276,3 +276,21 @@ def test_without_a_recovery_an_error_no_retry_fixes_is_not_reported_as_a_stop(tm
     cb, _, _ = _started(tmp_path, ctx)
     cb.after_exception(ctx, {1: StateMismatchError("no key 'ema'")})
     assert json.loads((tmp_path / "run" / "goodput" / "summary.json").read_text())["stopped"] is None
+
+
+def test_the_nodes_excluded_from_an_attempt_are_noted_on_that_attempts_row():
+    """Notes were keyed by the Recovery's attempt index, rows are rank 0's processes: an
+    attempt whose rank 0 died before its first event (or a replica's replacement, a row
+    of its own) shifted every later note onto the wrong row. Each attempt's note now goes
+    to the first row that began after it started, before the next attempt started."""
+    from ray_goodput.driver._callback import attempt_notes
+
+    recovery = [
+        {"attempt": 1, "t": 100.0, "excluded_nodes": []},
+        {"attempt": 2, "t": 200.0, "excluded_nodes": ["aaaaaaaaaaaa"]},  # rank 0 died before its first event
+        {"attempt": 3, "t": 300.0, "excluded_nodes": ["aaaaaaaaaaaa", "bbbbbbbbbbbb"]},
+    ]
+    rows = [[{"t": 101.0}, {"t": 150.0}], [{"t": 305.0}], [{"t": 340.0}]]  # the last: a replica's replacement
+    assert attempt_notes(recovery, rows) == {1: "excluded aaaaaaaa, bbbbbbbb"}
+    # a record written before attempts had a time places no note rather than a wrong one
+    assert attempt_notes([{"attempt": 1, "excluded_nodes": ["cccccccc"]}], rows) == {}

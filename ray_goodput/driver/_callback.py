@@ -163,11 +163,7 @@ class GoodputCallback(UserCallback):
         root = self._root(run_context)
         recovery = _recovery_state(root)
         isolated = recovery.get("isolated_nodes", [])
-        notes = {
-            i: "excluded " + ", ".join(n[:8] for n in a["excluded_nodes"])
-            for i, a in enumerate(recovery.get("attempts", []))
-            if a.get("excluded_nodes")
-        }
+        notes = attempt_notes(recovery.get("attempts", []), self._state["attempts"])
         result = {**summary(ledger), "isolated_nodes": isolated, "stopped": _stopped(recovery, self._state.get("stop"))}
         if isolated:
             self._worker().put(("tag", ("ray_goodput.isolated_nodes", ",".join(isolated)), None))
@@ -357,6 +353,23 @@ def _lowest_cpu_priority() -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
     except OSError as exc:
         logger.debug("could not lower the MLflow thread's priority: %s", exc)
+
+
+def attempt_notes(recovery_attempts: list[dict[str, Any]], rows: list[list[dict[str, Any]]]) -> dict[int, str]:
+    """The timeline's note of the nodes excluded from each attempt, by row. Rows are rank
+    0's processes (a replica's replacement has its own; an attempt whose rank 0 died before
+    its first event has none), so an attempt's note goes to the first row that began after
+    the attempt started and before the next one did; none when its record has no time."""
+    notes: dict[int, str] = {}
+    starts = [a.get("t") for a in recovery_attempts]
+    for i, a in enumerate(recovery_attempts):
+        if not a.get("excluded_nodes") or starts[i] is None:
+            continue
+        until = next((t for t in starts[i + 1 :] if t is not None), float("inf"))
+        row = next((r for r, events in enumerate(rows) if events and starts[i] <= events[0]["t"] < until), None)
+        if row is not None:
+            notes[row] = "excluded " + ", ".join(n[:8] for n in a["excluded_nodes"])
+    return notes
 
 
 def _stopped(recovery: dict[str, Any], stop: dict[str, str] | None) -> dict[str, str] | None:

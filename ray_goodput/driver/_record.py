@@ -67,8 +67,8 @@ class StateWriter:
 
 
 def load_state(root: str | StorageLocation) -> dict[str, Any] | None:
-    """What a Recovery recorded under ``root`` (``attempts``: attempt, resume_step,
-    excluded_nodes, unhealthy; ``node_failures``; ``isolated_nodes``; ``stopped``;
+    """What a Recovery recorded under ``root`` (``attempts``: attempt, t (its start, epoch
+    seconds), resume_step, excluded_nodes, unhealthy; ``node_failures``; ``isolated_nodes``; ``stopped``;
     ``failures_charged``: Ray's failure budgets used, by ``FailureConfig`` field), or None."""
     try:
         return json.loads(read_bytes(resolve(root), STATE_FILE))

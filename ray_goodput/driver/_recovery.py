@@ -31,6 +31,7 @@ import logging
 import math
 import numbers
 import os
+import time
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -192,7 +193,13 @@ class Recovery(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):
         unhealthy = self._check_health(scaling_config)
         excluded = sorted(set(self.ledger.isolated) | set(unhealthy))
         self.attempts.append(
-            {"attempt": self.attempt, "resume_step": None, "excluded_nodes": excluded, "unhealthy": unhealthy}
+            {
+                "attempt": self.attempt,
+                "t": time.time(),
+                "resume_step": None,
+                "excluded_nodes": excluded,
+                "unhealthy": unhealthy,
+            }
         )
         self._stop_if_no_healthy_room(scaling_config, unhealthy)
         self._warn_if_short(scaling_config, num_workers, excluded)
