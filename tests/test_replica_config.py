@@ -601,6 +601,34 @@ def test_replica_0s_replacement_that_restored_the_last_step_ends_without_saving_
     assert step == 9 and torch.equal(weight, survivor.weight)
 
 
+def test_replica_0_late_to_the_last_step_does_not_save_it_over_a_survivors_newer_generation(tmp_path):
+    """With 3 replicas, replica 0 reached the last quorum after its peers had committed the
+    last step without it and ended (the survivor that led it saved it, a new generation);
+    replica 0 computed the step alone and saved it in its own, older generation: fenced,
+    and a run that had finished and committed its last step failed with FencedError."""
+    from ray_goodput import Checkpointer
+    from ray_goodput.replica import Position
+    from ray_goodput.replica._replica import Replica
+
+    root = str(tmp_path / "ckpt")
+    with Checkpointer(root, uploader="thread") as replica_0_ckpt:  # replica 0's, from the job's start
+        replica_0_ckpt.save(5, {"model": torch.nn.Linear(1, 1)})
+        replica_0_ckpt.wait()
+        survivor = torch.nn.Linear(1, 1)
+        _end_job_as_survivor(root, survivor)  # steps 8 and 9 without replica 0; saves 9
+        rep = Replica.__new__(Replica)
+        rep.slot, rep.configured, rep.replacement, rep._extra = 0, 3, False, {}
+        rep.settings = ReplicaGroups(timeout_s=30.0)
+        rep.manager, rep._position, rep._batches_restored = _LastSteps(step=9), Position(), 0
+        rep._model = rep.model = model = torch.nn.Linear(1, 1)
+        rep._optim = torch.optim.SGD(model.parameters(), lr=0.1)
+        rep._save_every, rep._saved_step, rep._rank_in_step, rep._participants = 5, 5, 0, 1
+        rep._ckpt = replica_0_ckpt
+        rep._save_final()  # step 9, computed alone after the others ended
+    step, weight = _restored(root)
+    assert step == 9 and torch.equal(weight, survivor.weight)
+
+
 def test_a_step_that_rolled_into_the_next_epoch_and_did_not_commit_leaves_the_epoch_where_it_was():
     """10 samples, batch 2: with 3 replicas the second step needs 6 of the 4 left, so it
     rolled over into epoch 1. The step did not commit (a peer died in it) and was retried

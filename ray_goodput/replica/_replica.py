@@ -391,30 +391,38 @@ class Replica:
         """At the job's end, the first participant of the last step saves that step when no
         periodic save did: the steps after the last ``save_every`` are kept too. Replica 0,
         unless it was being replaced then: a survivor that ends the job saves in its place
-        (its first save: a new generation, which outranks replica 0's earlier ones)."""
+        (its first save: a new generation, which outranks replica 0's earlier ones). A
+        last step that some replicas missed may have been saved already by another
+        quorum's first participant (``_final_step_saved``); then nothing is saved."""
         step = self.current_step
         if not self._save_every or self._rank_in_step != 0 or step == self._saved_step:
             return
-        if self._ckpt is None:
+        fresh = self._ckpt is None
+        if fresh:
             self._ckpt = self._checkpointer(*self._ckpt_args)
-            if self._final_step_saved_by_replica_0(self._ckpt.root, step):
-                return
+        if (fresh or self._participants < self.configured) and self._final_step_saved(self._ckpt.root, step):
+            return
+        if fresh:
             logger.info("replica %d saves the final step %d: replica 0 was not in it", self.slot, step)
         self._ckpt.save(step, self._durable_state())
         self._saved_step = step
 
-    def _final_step_saved_by_replica_0(self, root: Any, step: int) -> bool:
+    def _final_step_saved(self, root: Any, step: int) -> bool:
         """Whether the newest checkpoint (by lineage, as a restore ranks them) is of ``step``
-        or later: replica 0 committed the step and ended while this replica's vote on it
-        failed, so that this replica computed it again alone; replica 0's stands. Its save
-        may still be uploading: waited for (within ``timeout_s``). When storage cannot say,
-        this replica saves (a newer generation: its copy of the step is the one kept)."""
+        or later, when this replica computed the last step in a quorum without some of its
+        peers. A survivor: replica 0 committed the step and ended while this replica's vote
+        on it failed, so it computed it again alone; replica 0's stands. Replica 0 (with 3
+        or more replicas): it reached the last quorum after the others had committed the
+        step without it, saved it (a newer generation) and ended; theirs stands, and
+        replica 0's save, in its older generation, would be fenced. That save may still be
+        uploading: waited for (within ``timeout_s``). When storage cannot say, this replica
+        saves."""
         try:
             wait_for_uploads(root, above=step - 1, timeout_s=self.settings.timeout_s)
             newest = newest_valid(root)
         except Exception as exc:  # noqa: BLE001 - the final save matters more than this look
             logger.warning(
-                "replica %d saves the final step %d: storage could not say whether replica 0 did (%s)",
+                "replica %d saves the final step %d: storage could not say whether another replica did (%s)",
                 self.slot,
                 step,
                 exc,
