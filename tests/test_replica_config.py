@@ -207,6 +207,46 @@ def test_two_fresh_replacements_of_three_do_not_step_from_scratch_without_replic
         set_join(None)
 
 
+class _QuorumNeverFormed(_AloneInQuorum):
+    """torchft's quorum with ``min_replicas`` 2 when every peer has finished: it waits out
+    its timeout and raises; meanwhile the driver tells the replacement its peers are done."""
+
+    def start_quorum(self) -> None:
+        set_join(WorkerJoin("done"))
+        raise TimeoutError("quorum timed out")  # as torchft's client raises it
+
+    def num_participants(self) -> int:
+        raise AssertionError("no quorum formed: nothing to ask")
+
+
+def test_a_replacement_whose_peers_finished_while_its_quorum_could_not_form_ends_cleanly():
+    """With min_replicas >= 2, a replacement whose peers all finished while it started
+    waited in a quorum that could never form, and its timeout was a failure of the run:
+    charged to max_failures, the replica replaced again, and a run that had finished
+    could end failed. It ends with nothing to train, as when told before its quorum."""
+    rep = _waiting_replacement(timeout_s=5.0, configured=2, manager=_QuorumNeverFormed())
+    rep.settings = ReplicaGroups(min_replicas=2, heartbeat_timeout_s=0.2, timeout_s=5.0)
+    rep._in_step, rep._optim = False, torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=0.1)
+    set_join(WorkerJoin("replacement"))
+    try:
+        assert list(rep.batches(total_steps=10)) == []
+        assert rep.peers_finished
+    finally:
+        set_join(None)
+
+
+def test_a_replacement_whose_quorum_fails_while_its_peers_still_train_raises():
+    rep = _waiting_replacement(timeout_s=5.0, configured=2, manager=_QuorumNeverFormed())
+    rep.manager.start_quorum = lambda: (_ for _ in ()).throw(TimeoutError("quorum timed out"))
+    rep._in_step, rep._optim = False, torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=0.1)
+    set_join(WorkerJoin("replacement"))
+    try:
+        with pytest.raises(TimeoutError, match="quorum timed out"):
+            list(rep.batches(total_steps=10))
+    finally:
+        set_join(None)
+
+
 def test_a_fresh_replacement_that_meets_every_replica_at_step_0_does_not_commit_that_step():
     """Replica 0's replacement restores the checkpoint inside this quorum and drops the
     step; another fresh replacement that committed it kept a step computed from fresh

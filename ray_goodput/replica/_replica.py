@@ -238,7 +238,14 @@ class Replica:
         otherwise claim every step before it as its own, and the replaced process's steps
         as lost)."""
         self._healed = False
-        self.manager.start_quorum()
+        try:
+            self.manager.start_quorum()
+        except Exception:
+            # A replacement whose peers all finished meanwhile: with min_replicas >= 2 no
+            # quorum can form, and torchft's wait ran out. Nothing is left to train.
+            if self.replacement and self._told_peers_finished():
+                return
+            raise
         if self._healed:
             now = time.time()
             self._recorder.restored(self.current_step, self._heal_from, now)
@@ -248,6 +255,8 @@ class Replica:
         """The step's quorum (blocking; heals this replica when a participant is ahead)."""
         self._heal_from, self._healed_in_join = time.time(), False
         self._quorum()
+        if self.peers_finished:
+            return
         first, self._first_quorum = self._first_quorum, False
         if not (first or self._unhealed()):
             return
@@ -263,6 +272,8 @@ class Replica:
                 )
             time.sleep(self.settings.heartbeat_timeout_s / 4)
             self._quorum()
+            if self.peers_finished:
+                return
         if self._unhealed():
             # Every replica is here and none had progress: each was replaced after all of
             # them failed. Replica 0 restores the durable checkpoint in this step (or steps
