@@ -185,9 +185,16 @@ def _waiting_replacement(timeout_s: float, *, configured: int = 2, manager=None)
     rep = Replica.__new__(Replica)  # the first-quorum wait alone: no torchft, no Ray
     rep.settings = ReplicaGroups(heartbeat_timeout_s=0.2, timeout_s=timeout_s)
     rep.slot, rep.configured, rep.replacement, rep.peers_finished = 1, configured, True, False
-    rep.manager, rep._ckpt, rep._first_quorum, rep._drop_step = manager or _AloneInQuorum(), None, True, False
-    rep._save_every = 10
+    rep.manager, rep._first_quorum, rep._drop_step = manager or _AloneInQuorum(), True, False
+    rep._durable = _durable(rep, slot=1, save_every=10)
     return rep
+
+
+def _durable(rep, *, slot: int, save_every: int | None, root: str | None = None, timeout_s: float = 30.0):
+    """The replica's durable fallback as ``Replica.__init__`` makes it (nothing opened)."""
+    from ray_goodput.replica._durable import DurableCopy
+
+    return DurableCopy(slot, save_every, root, {"uploader": "thread"}, lambda: rep._durable_state(), timeout_s)
 
 
 def test_two_fresh_replacements_of_three_do_not_step_from_scratch_without_replica_0():
@@ -436,7 +443,9 @@ def _closing_replica(parts: _Calls):
     from ray_goodput.replica._replica import Replica
 
     rep = Replica.__new__(Replica)
-    rep.slot, rep.manager, rep._ckpt, rep._recorder = 0, parts, parts, parts
+    rep.slot, rep.manager, rep._recorder = 0, parts, parts
+    rep._durable = _durable(rep, slot=0, save_every=5)
+    rep._durable.ckpt = parts
     return rep
 
 
@@ -565,11 +574,11 @@ def _end_job_as_survivor(root: str, model: torch.nn.Module, *, last: int = 9) ->
     rep = Replica.__new__(Replica)
     rep.slot, rep.configured, rep.replacement, rep.peers_finished = 1, 2, False, False
     rep.settings = ReplicaGroups(timeout_s=10.0)
-    rep.manager, rep._ckpt, rep._ckpt_args = _LastSteps(step=7), None, (root, {"uploader": "thread"})
+    rep.manager, rep._durable = _LastSteps(step=7), _durable(rep, slot=1, save_every=5, root=root, timeout_s=10.0)
     rep._model, rep.model, rep._optim, rep._extra = model, model, torch.optim.SGD(model.parameters(), lr=0.1), {}
     rep._dataset, rep._batch_size, rep._seed, rep._shuffle = torch.arange(64.0), 4, 0, False
     rep._collate, rep._order, rep._position = torch.stack, None, Position()
-    rep._save_every, rep._saved_step, rep._rank_in_step, rep._participants = 5, -1, -1, 0
+    rep._rank_in_step, rep._participants = -1, 0
     rep._in_step, rep._first_quorum, rep._drop_step, rep._retrying, rep._uncommitted = False, False, False, False, 0
     rep._recorder = SimpleNamespace(step=lambda *a, **k: None, uncommitted=lambda: None, end=lambda: None)
     with rep:
@@ -617,7 +626,6 @@ def test_replica_0s_replacement_that_restored_the_last_step_ends_without_saving_
     step; the replacement, with no peer left to heal from, restored that very step, and its
     final save of it raised ConfigError ("not after the last saved step"): not retryable,
     so a run that had finished and committed its last step failed."""
-    from ray_goodput import Checkpointer
     from ray_goodput.replica import Position
     from ray_goodput.replica._replica import Replica
 
@@ -633,10 +641,14 @@ def test_replica_0s_replacement_that_restored_the_last_step_ends_without_saving_
     rep.manager, rep._position, rep._batches_restored = _Restores(step=0), Position(), 0
     rep._model = rep.model = model = torch.nn.Linear(1, 1)
     rep._optim = torch.optim.SGD(model.parameters(), lr=0.1)
-    rep._save_every, rep._saved_step, rep._rank_in_step = 5, -1, 0
-    with Checkpointer(root, uploader="thread") as rep._ckpt:
+    rep._rank_in_step, rep._participants, rep.configured = 0, 1, 2
+    rep._durable = _durable(rep, slot=0, save_every=5, root=root)
+    rep._durable.open()
+    try:
         assert rep._restore_if_no_peer_had_state() is True and rep.current_step == 9
         rep._save_final()
+    finally:
+        rep._durable.close()
     step, weight = _restored(root)
     assert step == 9 and torch.equal(weight, survivor.weight)
 
@@ -646,25 +658,27 @@ def test_replica_0_late_to_the_last_step_does_not_save_it_over_a_survivors_newer
     last step without it and ended (the survivor that led it saved it, a new generation);
     replica 0 computed the step alone and saved it in its own, older generation: fenced,
     and a run that had finished and committed its last step failed with FencedError."""
-    from ray_goodput import Checkpointer
     from ray_goodput.replica import Position
     from ray_goodput.replica._replica import Replica
 
     root = str(tmp_path / "ckpt")
-    with Checkpointer(root, uploader="thread") as replica_0_ckpt:  # replica 0's, from the job's start
-        replica_0_ckpt.save(5, {"model": torch.nn.Linear(1, 1)})
-        replica_0_ckpt.wait()
+    rep = Replica.__new__(Replica)
+    rep.slot, rep.configured, rep.replacement, rep._extra = 0, 3, False, {}
+    rep.settings = ReplicaGroups(timeout_s=30.0)
+    rep.manager, rep._position, rep._batches_restored = _LastSteps(step=5), Position(), 0
+    rep._model = rep.model = model = torch.nn.Linear(1, 1)
+    rep._optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    rep._durable = _durable(rep, slot=0, save_every=5, root=root)
+    rep._durable.open()  # replica 0's, from the job's start
+    try:
+        rep._durable.save_if_due(5)
+        rep._durable.ckpt.wait()
         survivor = torch.nn.Linear(1, 1)
         _end_job_as_survivor(root, survivor)  # steps 8 and 9 without replica 0; saves 9
-        rep = Replica.__new__(Replica)
-        rep.slot, rep.configured, rep.replacement, rep._extra = 0, 3, False, {}
-        rep.settings = ReplicaGroups(timeout_s=30.0)
-        rep.manager, rep._position, rep._batches_restored = _LastSteps(step=9), Position(), 0
-        rep._model = rep.model = model = torch.nn.Linear(1, 1)
-        rep._optim = torch.optim.SGD(model.parameters(), lr=0.1)
-        rep._save_every, rep._saved_step, rep._rank_in_step, rep._participants = 5, 5, 0, 1
-        rep._ckpt = replica_0_ckpt
+        rep.manager.step, rep._rank_in_step, rep._participants = 9, 0, 1
         rep._save_final()  # step 9, computed alone after the others ended
+    finally:
+        rep._durable.close()
     step, weight = _restored(root)
     assert step == 9 and torch.equal(weight, survivor.weight)
 
@@ -705,10 +719,11 @@ def test_a_step_that_rolled_into_the_next_epoch_and_did_not_commit_leaves_the_ep
     rep = Replica.__new__(Replica)
     rep.slot, rep.configured, rep.replacement, rep.peers_finished = 1, 3, False, False
     rep.manager = _Scripted([(3, True), (3, False), (1, True)])
-    rep._model, rep._optim, rep._ckpt = model, torch.optim.SGD(model.parameters(), lr=0.1), None
+    rep._model, rep._optim = model, torch.optim.SGD(model.parameters(), lr=0.1)
+    rep._durable = _durable(rep, slot=1, save_every=None)
     rep._dataset, rep._batch_size, rep._position, rep._participants = torch.arange(10.0), 2, Position(), 0
     rep._in_step, rep._first_quorum, rep._retrying, rep._uncommitted, rep._drop_step = False, False, False, 0, False
-    rep._order, rep._seed, rep._shuffle, rep._collate, rep._save_every = None, 0, False, torch.stack, None
+    rep._order, rep._seed, rep._shuffle, rep._collate = None, 0, False, torch.stack
     rep._recorder = SimpleNamespace(step=lambda *a, **k: None, uncommitted=lambda: None)
     read = []
     for batch in rep.batches(total_steps=2):
@@ -732,7 +747,8 @@ def test_a_dataset_smaller_than_one_step_is_refused_naming_the_fix_not_read_as_a
     rep.manager, rep._optim = _Two(step=0), torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=0.1)
     rep._dataset, rep._batch_size, rep._position, rep._participants = torch.arange(6.0), 4, Position(), 0
     rep._in_step, rep._first_quorum, rep._retrying = False, False, False
-    rep._order, rep._seed, rep._shuffle, rep._collate, rep._save_every = None, 0, False, torch.stack, None
+    rep._order, rep._seed, rep._shuffle, rep._collate = None, 0, False, torch.stack
+    rep._durable = _durable(rep, slot=0, save_every=None)
     with pytest.raises(ConfigError, match=r"6 samples, fewer than one step of 2 replicas × batch_size 4"):
         next(rep.batches(total_steps=3))
 
@@ -759,7 +775,6 @@ def test_replica_0s_restore_inside_a_quorum_bounds_its_upload_wait_for_that_rest
     """Its peers wait for it in the step's all-reduce, so its wait for a dead replica 0's
     uploads is capped below ``timeout_s``; the cap stayed on the process, so any later
     restore there (the user's own) was capped too."""
-    from ray_goodput import Checkpointer
     from ray_goodput.checkpoint import _checkpointer
     from ray_goodput.replica._replica import Replica
     from ray_goodput.runtime._resume import restore_upload_wait_s
@@ -774,7 +789,11 @@ def test_replica_0s_restore_inside_a_quorum_bounds_its_upload_wait_for_that_rest
     rep.manager = SimpleNamespace(current_step=lambda: 0)
     rep._model = model = torch.nn.Linear(1, 1)
     rep._optim = torch.optim.SGD(model.parameters(), lr=0.1)
-    with Checkpointer(str(tmp_path / "ckpt"), uploader="thread") as rep._ckpt:
+    rep._durable = _durable(rep, slot=0, save_every=5, root=str(tmp_path / "ckpt"))
+    rep._durable.open()
+    try:
         assert rep._restore_if_no_peer_had_state() is False  # nothing committed yet
+    finally:
+        rep._durable.close()
     assert waits == [10.0]
     assert restore_upload_wait_s(str(tmp_path / "ckpt"), 120.0) == 120.0

@@ -6,10 +6,8 @@ before it reads a batch, and a heal is applied before the step starts), a gloo p
 group that heals over the same group (``PGTransport``), one all-reduce of the step's
 gradients through the Manager (torchft 0.2.0's DDP wrapper asserts on a failed all-reduce,
 which kills the survivor it should keep), the step's batch taken from the global data
-position (``_position``), and the durable fallback: replica 0
-saves through a :class:`~ray_goodput.checkpoint.Checkpointer` of a world of one (its
-collectives are its own; nothing calls ``ray.train.report``, whose barrier would wait for
-a replica that is being replaced). The loop it gives the user::
+position (``_position``), and the durable fallback (``_durable``: replica 0 saves through
+a ``Checkpointer`` of a world of one). The loop it gives the user::
 
     with Replica(model, optim, dataset, batch_size=32, save_every=50) as rep:
         for batch in rep.batches(total_steps=1000):
@@ -42,15 +40,14 @@ import torch
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils.data import default_collate
 
-from ray_goodput.checkpoint import Checkpointer, newest_valid, wait_for_uploads
 from ray_goodput.data import _order
 from ray_goodput.errors import ConfigError, GoodputError
 from ray_goodput.goodput import get_recorder
 from ray_goodput.replica import _position as pos
 from ray_goodput.replica._config import ReplicaGroups, require_torchft
-from ray_goodput.runtime import WorkerContext, world_of_one
+from ray_goodput.replica._durable import DurableCopy, Progress
+from ray_goodput.runtime import WorkerContext
 from ray_goodput.runtime._join import worker_join
-from ray_goodput.runtime._resume import cap_restore_upload_wait
 
 logger = logging.getLogger(__name__)
 
@@ -70,19 +67,6 @@ class ReplicaStepError(GoodputError, RuntimeError):
 
 class _RestoredMidQuorum(RuntimeError):
     """This replica's step is not to commit: it restored its state inside the step."""
-
-
-class _Progress(Stateful):
-    """The replica's data position and torchft's counters, as one checkpointed value."""
-
-    def __init__(self, get: Callable[[], dict[str, int]], put: Callable[[dict[str, int]], None]) -> None:
-        self._get, self._put = get, put
-
-    def state_dict(self) -> dict[str, int]:
-        return self._get()
-
-    def load_state_dict(self, state_dict: dict[str, int]) -> None:
-        self._put(state_dict)
 
 
 class Replica:
@@ -126,7 +110,6 @@ class Replica:
         self._position = pos.Position()
         self._step_at = self._position  # where the step in progress reads (the position moves at its commit)
         self._order: tuple[int, np.ndarray] | None = None
-        self._save_every = save_every
         self._participants = 0
         self._quorum_wait_s = 0.0  # the step's wait in a quorum whose replicas changed (the ledger's)
         self._retrying = False  # the step before did not commit
@@ -141,42 +124,29 @@ class Replica:
         self._fetch_s = 0.0  # the step's wait for its samples (the ledger's data stall)
         self._recorder = get_recorder()  # before the world of one: the timeline keeps the real rank
         self.model = model  # its gradients are averaged across the step's participants by step()
-        self._ckpt: Checkpointer | None = None
-        self._ckpt_args = (storage_path, dict(checkpoint or {}))
-        self._saved_step = -1  # the last step this replica saved
+        self._durable = DurableCopy(
+            self.slot, save_every, storage_path, checkpoint or {}, self._durable_state, self.settings.timeout_s
+        )
         self._rank_in_step = -1  # this replica's place among the step's participants
         self.manager: Any = None
         if self.peers_finished:  # replaced after its peers finished: nothing left to train
             logger.info("replica %d replaced after every peer finished: nothing to do", self.slot)
             return
         if self.slot == 0 and save_every:
-            self._ckpt = self._checkpointer(*self._ckpt_args)
+            self._durable.open()
         try:
-            self.manager = self._torchft(self._restore())
+            # Replica 0 at a whole-group start restores the newest committed checkpoint; a
+            # replacement restores nothing: it heals from a live peer at its first quorum.
+            self.manager = self._torchft(None if self.replacement else self._durable.restore())
         except BaseException as exc:  # no with-block to release the Checkpointer: released here
-            if self._ckpt is not None:
-                self._ckpt.__exit__(type(exc), exc, exc.__traceback__)
+            self._durable.release(type(exc), exc, exc.__traceback__)
             raise
 
     # ---- set-up ---------------------------------------------------------------------
 
-    def _checkpointer(self, storage_path: str | None, kwargs: dict[str, Any]) -> Checkpointer:
-        with world_of_one():
-            return Checkpointer(storage_path, **kwargs)
-
     def _durable_state(self) -> dict[str, Any]:
-        progress = _Progress(self._progress, self._load_progress)
+        progress = Progress(self._progress, self._load_progress)
         return {"model": self._model, "optim": self._optim, "replica": progress, **self._extra}
-
-    def _restore(self) -> int | None:
-        """Replica 0 at a whole-group start: the newest committed checkpoint, or None. A
-        replacement restores nothing: it heals from a live peer at its first quorum."""
-        if self._ckpt is None or self.replacement:
-            return None
-        step = self._ckpt.restore(self._durable_state())
-        if step is not None:
-            logger.info("replica 0 resumed from the checkpoint of step %d; the others heal from it", step)
-        return step
 
     def _torchft(self, restored: int | None) -> Any:
         """The Manager, built last: a Manager that heartbeats but does not join a quorum
@@ -288,7 +258,7 @@ class Replica:
         had any) in a job that saves: it must not step from scratch, which would throw the
         durable checkpoint that replica 0 restores away."""
         return (
-            bool(self._save_every)  # no checkpoint to lose otherwise
+            bool(self._durable.save_every)  # no checkpoint to lose otherwise
             and self.replacement
             and self.slot != 0
             and self.configured > 1
@@ -320,18 +290,11 @@ class Replica:
     def _restore_if_no_peer_had_state(self) -> bool:
         """After a replacement's first quorum: whether replica 0 restored the durable
         checkpoint because no participant had any progress to heal from."""
-        if not self.replacement or self._ckpt is None or self.current_step > 0:
+        if not self.replacement or self.current_step > 0:
             return False
-        # Its peers wait for it in this step's all-reduce (``timeout_s``): its wait for a
-        # dead attempt's uploads stays well inside that.
-        cap_restore_upload_wait(self.settings.timeout_s / 3)
-        try:
-            step = self._ckpt.restore(self._durable_state())
-        finally:
-            cap_restore_upload_wait(None)
+        step = self._durable.restore_in_quorum()
         if step is None:
             return False
-        self._saved_step = step  # durable already: when it is the job's last step, nothing is saved again
         self.manager.load_state_dict({"step": step, "batches_committed": self._batches_restored})
         logger.warning(
             "replica %d replaced while no peer had progress: restored the checkpoint of step %d; "
@@ -401,45 +364,11 @@ class Replica:
     def _save_final(self) -> None:
         """At the job's end, the first participant of the last step saves that step when no
         periodic save did: the steps after the last ``save_every`` are kept too. Replica 0,
-        unless it was being replaced then: a survivor that ends the job saves in its place
-        (its first save: a new generation, which outranks replica 0's earlier ones). A
-        last step that some replicas missed may have been saved already by another
-        quorum's first participant (``_final_step_saved``); then nothing is saved."""
-        step = self.current_step
-        if not self._save_every or self._rank_in_step != 0 or step == self._saved_step:
-            return
-        fresh = self._ckpt is None
-        if fresh:
-            self._ckpt = self._checkpointer(*self._ckpt_args)
-        if (fresh or self._participants < self.configured) and self._final_step_saved(self._ckpt.root, step):
-            return
-        if fresh:
-            logger.info("replica %d saves the final step %d: replica 0 was not in it", self.slot, step)
-        self._ckpt.save(step, self._durable_state())
-        self._saved_step = step
-
-    def _final_step_saved(self, root: Any, step: int) -> bool:
-        """Whether the newest checkpoint (by lineage, as a restore ranks them) is of ``step``
-        or later, when this replica computed the last step in a quorum without some of its
-        peers. A survivor: replica 0 committed the step and ended while this replica's vote
-        on it failed, so it computed it again alone; replica 0's stands. Replica 0 (with 3
-        or more replicas): it reached the last quorum after the others had committed the
-        step without it, saved it (a newer generation) and ended; theirs stands, and
-        replica 0's save, in its older generation, would be fenced. That save may still be
-        uploading: waited for (within ``timeout_s``). When storage cannot say, this replica
-        saves."""
-        try:
-            wait_for_uploads(root, above=step - 1, timeout_s=self.settings.timeout_s)
-            newest = newest_valid(root)
-        except Exception as exc:  # noqa: BLE001 - the final save matters more than this look
-            logger.warning(
-                "replica %d saves the final step %d: storage could not say whether another replica did (%s)",
-                self.slot,
-                step,
-                exc,
-            )
-            return False
-        return newest is not None and newest[1].step >= step
+        unless it was being replaced then: a survivor that ends the job saves in its place.
+        A last step that some replicas missed may have been saved already by another
+        quorum's first participant; then nothing is saved (``DurableCopy.save_final``)."""
+        if self._rank_in_step == 0:
+            self._durable.save_final(self.current_step, peers_missed_it=self._participants < self.configured)
 
     def _batch(self, at: pos.Position, rank: int, n: int) -> Any:
         began = time.perf_counter()
@@ -480,9 +409,8 @@ class Replica:
         self._retrying, self._uncommitted = False, 0
         self._optim.step()
         self._position = pos.after_commit(self._step_at, self._participants, self._batch_size)
-        if self.slot == 0 and self._ckpt is not None and self.current_step % self._save_every == 0:
-            self._ckpt.save(self.current_step, self._durable_state())
-            self._saved_step = self.current_step
+        if self.slot == 0:
+            self._durable.save_if_due(self.current_step)
         self._recorder.step(
             self.current_step,
             fetch_seconds=self._fetch_s,
@@ -530,8 +458,7 @@ class Replica:
             if self.manager is not None:
                 self.manager.shutdown(wait=False)
         finally:
-            if self._ckpt is not None:
-                self._ckpt.close()
+            self._durable.close()
         if stepped:
             self._recorder.end()  # the ledger's "finished" (only rank 0's recorder writes)
 
@@ -552,8 +479,7 @@ class Replica:
         except Exception:
             logger.warning("replica %d: torchft's Manager did not shut down cleanly", self.slot, exc_info=True)
         finally:
-            if self._ckpt is not None:
-                self._ckpt.__exit__(exc_type, exc, tb)
+            self._durable.release(exc_type, exc, tb)
 
 
 def _check(model: Any, batch_size: int, save_every: int | None, state: dict[str, Any] | None) -> None:
