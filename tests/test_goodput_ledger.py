@@ -200,3 +200,27 @@ def test_steps_a_later_attempt_resumed_below_are_lost_not_counted_twice():
     assert ledger.seconds["productive"] == pytest.approx(200 * 0.9)
     assert ledger.seconds["lost"] == pytest.approx(100 * 0.9)
     assert sum(ledger.seconds.values()) == pytest.approx(ledger.total)
+
+
+def test_a_step_try_that_failed_before_the_attempts_first_step_is_counted_once():
+    """The gap to an attempt's first step went to startup or restart downtime whole, and a
+    failed try of a step inside it (replica 0's replacement restoring in its first quorum
+    and dropping that step; a peer dying in the job's first step) went to lost as well:
+    the buckets summed to more than the job's time."""
+    attempt = [
+        {"e": "start", "t": 0.0},
+        {"e": "restore", "step": 5, "t0": 4.0, "t": 6.0},
+        {"e": "uncommitted", "t0": 6.0, "t": 10.0},  # the step the restore happened in
+        {"e": "step", "step": 6, "n": 1, "t0": 10.0, "t": 11.0},
+        {"e": "end", "t": 11.0},
+    ]
+    ledger = compute([attempt], job_start=0.0)
+    assert sum(ledger.seconds.values()) == pytest.approx(ledger.total) == pytest.approx(11.0)
+    assert ledger.seconds["startup"] == pytest.approx(4.0)
+    assert ledger.seconds["restore"] == pytest.approx(2.0) and ledger.seconds["lost"] == pytest.approx(4.0)
+    from ray_goodput.goodput._timeline import spans
+
+    drawn: dict[str, float] = {}
+    for s in spans([attempt], job_start=0.0):
+        drawn[s.bucket] = drawn.get(s.bucket, 0.0) + s.end - s.start
+    assert drawn == pytest.approx({k: v for k, v in ledger.seconds.items() if v})

@@ -101,7 +101,8 @@ def resumed_from(events: list[dict[str, Any]]) -> int:
 
 
 def _first_progress(events: list[dict[str, Any]]) -> float | None:
-    return next((e["t0"] for e in events if e["e"] == "step"), None)
+    """When the attempt's first step, or first try of one that did not commit, began."""
+    return next((e["t0"] for e in events if e["e"] in ("step", "uncommitted")), None)
 
 
 def _got_anywhere(events: list[dict[str, Any]]) -> bool:
@@ -161,8 +162,8 @@ def compute(
         first = _first_progress(events) or events[-1]["t"]
         restore = sum(e["t"] - e["t0"] for e in events if e["e"] == "restore")
         ledger.seconds["restore"] += restore
-        # From the previous attempt's last sign of life to this one's first step, less the
-        # restore before it (replica mode also restores later: a heal from a peer).
+        # From the previous attempt's last sign of life to this one's first step (or try of
+        # one), less the restore before it (replica mode also restores later: a heal).
         restore_first = sum(e["t"] - e["t0"] for e in events if e["e"] == "restore" and e["t"] <= first)
         gap = max(0.0, first - prev_end - restore_first)
         ledger.seconds["startup" if i == 0 else "restart_downtime"] += gap

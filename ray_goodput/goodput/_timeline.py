@@ -65,7 +65,7 @@ def spans(attempts: list[list[dict[str, Any]]], job_start: float | None = None) 
     prev_end = job_start if job_start is not None else (attempts[0][0]["t"] if attempts else 0.0)
     for row, events in enumerate(attempts):
         keep_upto = kept_upto(attempts, row)  # as the ledger keeps them
-        first = next((e["t0"] for e in events if e["e"] in ("step", "restore")), events[-1]["t"])
+        first = next((e["t0"] for e in events if e["e"] in ("step", "uncommitted", "restore")), events[-1]["t"])
         out.append(Span(row, prev_end, first, "startup" if row == 0 else "restart_downtime"))
         stepped = False
         for e in events:
