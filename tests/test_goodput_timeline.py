@@ -163,3 +163,24 @@ def test_timeline_spans_agree_with_the_ledger_when_an_attempt_died_before_it_ste
     assert ledger.seconds["lost"] == pytest.approx((20 + 20) * 0.9)
     for bucket in ("productive", "lost"):
         assert per_bucket.get(bucket, 0.0) == pytest.approx(ledger.seconds[bucket]), bucket
+
+
+def test_the_breakdown_chart_draws_each_bucket_in_the_timelines_colour(tmp_path, monkeypatch):
+    """The chart had 8 colours for 9 buckets (``degraded`` was added to the buckets only):
+    matplotlib cycled them, drawing productive in other's colour and degraded in
+    productive's green, against the timeline's legend."""
+    import matplotlib.axes
+
+    from ray_goodput.goodput import BUCKETS, chart_png
+    from ray_goodput.goodput._timeline import COLORS
+
+    drawn = {}
+    barh = matplotlib.axes.Axes.barh
+
+    def recording(self, y, width, *args, color=None, **kwargs):
+        drawn.update(zip(y, color))
+        return barh(self, y, width, *args, color=color, **kwargs)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "barh", recording)
+    chart_png(compute(_two_attempts(), job_start=95.0), str(tmp_path / "breakdown.png"))
+    assert drawn == {b: COLORS[b] for b in BUCKETS}

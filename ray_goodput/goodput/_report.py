@@ -6,6 +6,7 @@ import logging
 from typing import Any
 
 from ray_goodput.goodput._ledger import BUCKETS, Ledger
+from ray_goodput.goodput._timeline import COLORS
 
 logger = logging.getLogger(__name__)
 
@@ -28,8 +29,7 @@ def chart_png(ledger: Ledger, path: str) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 3.2))
     values = [ledger.seconds[b] for b in BUCKETS]
-    colors = ["#2ca02c"] + ["#d62728", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22"]
-    ax.barh(list(BUCKETS)[::-1], values[::-1], color=colors[::-1])
+    ax.barh(list(BUCKETS)[::-1], values[::-1], color=[COLORS[b] for b in BUCKETS][::-1])  # as the timeline
     ax.set_xlabel("seconds")
     ax.set_title(
         f"goodput {ledger.goodput:.1%} of {ledger.total:.0f} s "
