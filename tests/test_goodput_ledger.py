@@ -224,3 +224,28 @@ def test_a_step_try_that_failed_before_the_attempts_first_step_is_counted_once()
     for s in spans([attempt], job_start=0.0):
         drawn[s.bucket] = drawn.get(s.bucket, 0.0) + s.end - s.start
     assert drawn == pytest.approx({k: v for k, v in ledger.seconds.items() if v})
+
+
+def test_status_gives_a_finished_runs_recovery_point_age_at_its_end_not_now(tmp_path):
+    """``ray-goodput status --run`` aged the recovery point of a run that had finished up to
+    the moment it was asked, and labelled that "at the run's end": a day later it said
+    86,400 s old."""
+    import time
+
+    import pyarrow.fs as pafs
+
+    from ray_goodput.cli._status import checkpoint_lines
+    from ray_goodput.goodput._events import EventLog
+    from ray_goodput.storage import StorageLocation
+
+    root = str(tmp_path / "run")
+    log = EventLog(StorageLocation(uri=root, fs=pafs.LocalFileSystem(), root=root), rank=0, world_size=1)
+    t = time.time() - 1.0  # a run that ended just now, asked about a day later
+    log.emit("start", t=t - 15.0)
+    log.emit("step", step=1, n=1, t0=t - 15.0, t=t - 5.0)
+    log.emit("recovery_point", step=1, at=t - 5.0, t=t - 3.0)
+    log.emit("end", t=t)
+    log.close()
+    (line,) = checkpoint_lines(root, now=t + 86400.0)
+    age = int(line.split("recovery point ")[1].split(" s old")[0])
+    assert 5 <= age < 60 and "old at the run's end" in line, line  # its end: the last event (close's)

@@ -70,11 +70,14 @@ def recovery_lines(run: str) -> list[str]:
 
 def checkpoint_lines(run: str, now: float | None = None) -> list[str]:
     """The run's checkpoints as its goodput events tell: failed and superseded saves, and
-    how old the recovery point (the newest committed checkpoint's state) is now."""
+    how old the recovery point (the newest committed checkpoint's state) is now, or was at
+    the run's end when it finished."""
     events = read_events(resolve(run))
     if not events:
         return [f"checkpoints: no goodput events under {run}"]
-    ledger = compute(list(events.values()), job_end=time.time() if now is None else now)
+    ledger = compute(list(events.values()))
+    if not ledger.finished:  # a run under way (or dead): its recovery point ages until now
+        ledger = compute(list(events.values()), job_end=time.time() if now is None else now)
     if ledger.recovery_point_age_s is None or ledger.recovery_point_age_max_s is None:
         point = "none committed yet"
     else:
