@@ -7,6 +7,7 @@ test_uploader.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -488,3 +489,69 @@ def test_a_save_supersedes_the_newer_held_snapshot_even_when_its_save_was_alread
         pytest.fail(f"the save waited for the running job's arena: {exc}")
     assert index == 1
     pair.close()
+
+
+def test_the_uploader_keeps_a_dead_workers_arena_that_a_newer_unmapped_job_still_needs(tmp_path):
+    # The worker superseded its waiting job A by claiming A's snapshot, copied save C into
+    # the same arena, handed C over (held in a file, or unread in the socket) and was
+    # killed. A's turn came, its claim failed, it was released, and the uploader unlinked
+    # the dead worker's arena at once, ignoring C's mark: C, a save that had returned,
+    # failed to open its snapshot and was lost.
+    from types import SimpleNamespace
+
+    from ray_goodput.checkpoint.save._arena import mark_held, unmark_held
+    from ray_goodput.checkpoint.uploader._actor import CheckpointUploader
+    from ray_goodput.checkpoint.uploader._arena_sweep import WorkersArenas
+    from tests._helpers import dead_pid
+
+    pid = dead_pid()
+    arena = tmp_path / f"rank-00000-{pid}-0-0.arena"
+    arena.write_bytes(b"x" * 4096)
+    mark_held(arena, "job-c")
+    uploader = CheckpointUploader.__new__(CheckpointUploader)  # no actor, no watchdog
+    uploader._arenas = WorkersArenas()
+    released_a = SimpleNamespace(job=SimpleNamespace(owner_pid=pid, arena_path=str(arena), key="job-a"))
+    uploader._released(released_a)
+    assert arena.exists()  # C still needs it
+    unmark_held(arena, "job-c")  # an uploader mapped C
+    uploader._released(released_a)
+    assert not arena.exists()
+
+
+def test_a_dead_workers_held_job_keeps_its_arena_marked_until_the_job_ends(tmp_path):
+    # An uploader took a dead worker's held job, staged it and released its arena, which it
+    # unlinked (the worker was dead), then died mid-upload: the next uploader took the job
+    # again to run it from its snapshot, and found the arena gone. The mark stays until the
+    # job ends, so neither the release nor a sweep takes the arena while the job may run again.
+    import threading
+    from types import SimpleNamespace
+
+    from ray_goodput.checkpoint.save._arena import TensorSlot, held_path, mark_held, sweep_dead
+    from ray_goodput.checkpoint.uploader import _actor, _held
+    from ray_goodput.checkpoint.uploader._arena_sweep import WorkersArenas
+    from tests._helpers import dead_pid
+    from tests.test_uploader import _job
+
+    pid = dead_pid()
+    arena = tmp_path / f"rank-00000-{pid}-0-0.arena"
+    arena.write_bytes(b"x" * 4096)
+    slot = TensorSlot("w", torch.uint8, (4096,), 0, 4096)
+    job = dataclasses.replace(_job(tmp_path, arena, slots=(slot,)), owner_pid=pid)
+    mark_held(arena, job.key)  # as the worker held it in a file, then died
+    tickets = []
+    uploader = _actor.CheckpointUploader.__new__(_actor.CheckpointUploader)  # no actor, no watchdog
+    uploader.node_id, uploader._lock, uploader._jobs, uploader._arenas = "n", threading.Lock(), {}, WorkersArenas()
+    uploader._lanes = {job.lane: SimpleNamespace(submit=tickets.append)}  # a lane that only keeps it
+    uploader._metrics = SimpleNamespace(queued=lambda *a: None)
+    uploader._resolve_root = lambda root: job.root
+    taken = tmp_path / "job.taken"
+    taken.touch()
+    uploader._accept(job, b"", None, held=taken)  # the orphan path: a dead worker's held job
+    (ticket,) = tickets
+    for callback in ticket.release_callbacks:  # staged: the arena is let go
+        callback(ticket)
+    sweep_dead(tmp_path, other_runs=False)
+    assert arena.exists() and held_path(arena, job.key).exists()  # a retake still finds it
+    _held.remove(taken, job)  # the job ended
+    sweep_dead(tmp_path, other_runs=False)
+    assert not arena.exists() and not held_path(arena, job.key).exists()

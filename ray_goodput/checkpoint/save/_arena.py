@@ -120,6 +120,11 @@ def sweep_dead(directory: Path, *, other_runs: bool | None = None) -> None:
                 _sweep_other_run(run, now)
 
 
+def held_for_a_job(arena: Path) -> bool:
+    """Whether a job no uploader has mapped yet still needs ``arena`` (see ``mark_held``)."""
+    return _held_for_a_job(arena, time.time())
+
+
 def _held_for_a_job(arena: Path, now: float) -> bool:
     """Whether a job no uploader has mapped yet still needs ``arena`` (``mark_held``): a
     mark younger than ``OTHER_RUN_SWEEP_AGE_S`` whose uploader, if it names one, lives (a

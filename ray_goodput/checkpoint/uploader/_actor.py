@@ -221,7 +221,10 @@ class CheckpointUploader:
             logger.info("uploader on node %s: %s was taken from its held file already", self.node_id, job.key)
             return
         ticket = _rank_queue.Ticket(dataclasses.replace(job, root=self._resolve_root(root)))
-        _held.arena_mapped(job)  # a sweep may unlink it now
+        if held is None:  # a sweep may unlink it now
+            _held.arena_mapped(job)
+        # else a dead worker's held job: its arena stays marked until the job ends, as the
+        # next uploader takes the job again, from its snapshot, if this one dies first
         if job.slots:
             self._arenas.ran(job)
         if held is not None:
@@ -314,8 +317,7 @@ class CheckpointUploader:
 
     # -- bookkeeping --
     def _released(self, ticket: Ticket) -> None:
-        if not pid_alive(ticket.job.owner_pid):  # its worker died: nobody else frees the arena
-            Path(ticket.job.arena_path).unlink(missing_ok=True)
+        self._arenas.released(ticket.job)
 
     def _finished(self, ticket: Ticket) -> None:
         job, result = ticket.job, ticket.result

@@ -4,9 +4,10 @@ A killed worker cannot remove its two arenas (twice its shard, in ``/dev/shm``),
 it ran its job's last attempt no later worker of the run sweeps them either. The uploader
 remembers the arena directories of every worker whose jobs it ran, however the jobs came
 (a connection, actor calls, a held file), and sweeps them once that worker's process is
-gone, and all of them when it exits. Arenas its jobs still use stay mapped in the
-uploader, and the arena of a job not mapped yet (held in a file, or unread in a socket)
-is marked and kept (``_arena.sweep_dead``)."""
+gone, and all of them when it exits; a dead worker's arena goes as soon as its job
+lets go of it. Arenas its jobs still use stay mapped in the uploader, and the arena of a
+job not mapped yet (held in a file, or unread in a socket), or of a dead worker's held
+job until that job ends, is marked and kept (``_arena.sweep_dead``)."""
 
 from __future__ import annotations
 
@@ -40,6 +41,15 @@ class WorkersArenas:
             directories, _ = self._workers.get(job.owner_pid, (set(), 0.0))
             directories.add(str(Path(job.arena_path).parent))
             self._workers[job.owner_pid] = (directories, time.time())
+
+    def released(self, job: ShardJob) -> None:
+        """``job`` let go of its arena. When its worker is gone nobody else frees it, unless
+        a job not mapped yet still needs it: a newer save of that worker copied into it
+        (held in a file, or unread in a socket), or this job itself, taken from a dead
+        worker's held file, which the next uploader takes again if this one dies."""
+        arena = Path(job.arena_path)
+        if not pid_alive(job.owner_pid) and not _arena.held_for_a_job(arena):
+            arena.unlink(missing_ok=True)
 
     def sweep_gone(self, connected: set[int | None]) -> None:
         """Sweep the directories of the workers whose process is gone. A ``connected``
