@@ -81,3 +81,37 @@ def test_verify_goes_on_past_a_step_it_cannot_check_and_quarantines_nothing_for_
 def test_bad_uri_is_a_clear_error(capsys):
     code, _, err = _run(capsys, "ls", "nosuchscheme://x")
     assert code == 2 and "cannot resolve storage URI" in err
+
+
+def test_verify_of_a_step_whose_commit_vanishes_meanwhile_neither_calls_it_damaged_nor_condemns_it(
+    tmp_path, capsys, monkeypatch
+):
+    """Retention removed a step (or a newer generation was re-committing it) between the
+    listing and the manifest's read: verify called it DAMAGED, exited 1, and wrote a
+    QUARANTINED record with no digest, which condemns every later commit of that step, so
+    a fresh commit made meanwhile was skipped by restores and deleted by retention."""
+    from ray_goodput.cli import _checkpoints
+
+    root = str(tmp_path / "root")
+    with Checkpointer(root, staging_dir=str(tmp_path / "s"), keep_last=5) as ckpt:
+        for step in (5, 10):
+            ckpt.save(step, {"model": torch.nn.Linear(8, 8)})
+            ckpt.wait()
+    read = _checkpoints.read_manifest
+    monkeypatch.setattr(_checkpoints, "read_manifest", lambda loc: None if loc.uri.endswith("010") else read(loc))
+    code, out, _ = _run(capsys, "verify", root)
+    assert code == 0 and "step 5: ok" in out and "step 10: removed while verify ran" in out, out
+    assert not (tmp_path / "root/checkpoints/step-000000010/QUARANTINED").exists()
+
+
+def test_ls_loads_neither_torch_nor_ray(tmp_path):
+    """The docs promise it (a listing should not wait seconds for imports); the module that
+    holds ``ls`` imported torch and DCP for ``export``."""
+    script = (
+        "import sys\n"
+        "from ray_goodput.cli import main\n"
+        f"assert main(['ls', {str(tmp_path)!r}]) == 0\n"
+        "assert 'torch' not in sys.modules and 'ray' not in sys.modules, 'imported'\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]

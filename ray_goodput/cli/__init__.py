@@ -46,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out", help="output file, e.g. model.pt")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest committed)")
     p.add_argument("--optim", action="store_true", help="include the optimizer state")
-    p.set_defaults(fn=_lazy("cli._checkpoints", "cmd_export"))
+    p.set_defaults(fn=_lazy("cli._export", "cmd_export"))
     p = sub.add_parser("status", help="per-node uploader and cache actors of a running cluster")
     p.add_argument("--address", default="auto", help="Ray cluster address (default: auto)")
     p.add_argument(

@@ -1,5 +1,5 @@
-"""``ray-goodput ls``, ``verify`` and ``export``: what is in a checkpoint storage, is it
-intact, and one committed checkpoint as a single ``torch.save`` file."""
+"""``ray-goodput ls`` and ``verify``: what is in a checkpoint storage, and is it intact.
+Neither imports torch nor Ray (``export``, which needs torch, is ``_export``)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,7 @@ import argparse
 import sys
 import time
 
-import torch
-
-from ray_goodput.checkpoint import export_torch_save, list_checkpoints, quarantine, read_manifest, step_location, verify
+from ray_goodput.checkpoint import list_checkpoints, quarantine, read_manifest, step_location, verify
 from ray_goodput.errors import CheckpointCorruptError, StorageError
 from ray_goodput.storage import resolve
 
@@ -66,7 +64,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
         manifest = None
         try:
             manifest = read_manifest(loc)
-            problems = verify(loc, manifest, checksums=True) if manifest else ["COMMITTED vanished"]
+            if manifest is None and info.committed:
+                # Retention removed it, or a newer generation is committing it again, since
+                # the listing: nothing to judge, and a record made now would condemn that commit.
+                _out(f"step {info.step}: removed while verify ran (retention, or a new commit of it); not checked")
+                continue
+            problems = verify(loc, manifest, checksums=True) if manifest else ["COMMITTED missing"]
         except CheckpointCorruptError as exc:
             problems = [str(exc)]
         except StorageError as exc:  # storage failed, not the checkpoint: say so, check the rest
@@ -84,10 +87,3 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if not infos:
         _out(f"no committed checkpoints under {args.uri}")
     return 1 if damaged else 2 if unchecked else 0
-
-
-def cmd_export(args: argparse.Namespace) -> int:
-    path = export_torch_save(args.uri, args.step, args.out, optim=args.optim)
-    state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    _out(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB): keys {sorted(state)}")
-    return 0
