@@ -115,3 +115,32 @@ def test_ls_loads_neither_torch_nor_ray(tmp_path):
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_export_to_a_directory_or_a_full_disk_is_a_clear_error_and_leaves_no_temp_file(tmp_path, capsys, monkeypatch):
+    """``export ROOT existing_dir/`` failed in the final rename with a traceback and left a
+    temp file the size of the whole model beside it; a full disk left a partial one."""
+    root = str(tmp_path / "root")
+    with Checkpointer(root, staging_dir=str(tmp_path / "s")) as ckpt:
+        ckpt.save(1, {"model": torch.nn.Linear(8, 8)})
+        ckpt.wait()
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    code, _, err = _run(capsys, "export", root, str(out_dir))
+    assert code == 2 and "is a directory" in err and "model.pt" in err, err
+    assert list(out_dir.iterdir()) == [] and not list(tmp_path.glob(".out.tmp-*"))
+    import errno
+
+    from ray_goodput.checkpoint.restore import _export
+
+    def disk_fills(state, path):  # torch.save's first bytes land, then the disk is full
+        with open(path, "wb") as f:
+            f.write(b"x" * 4096)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(_export.torch, "save", disk_fills)
+    code, _, err = _run(capsys, "export", root, str(out_dir / "model.pt"))
+    assert code == 2 and "could not write" in err and "No space left" in err, err
+    assert list(out_dir.iterdir()) == []
+    monkeypatch.undo()
+    assert _run(capsys, "export", root, str(out_dir / "model.pt"))[0] == 0

@@ -25,7 +25,7 @@ from ray_goodput.checkpoint.protocol._catalog import list_checkpoints, newest_va
 from ray_goodput.checkpoint.protocol._dcp_storage import PyArrowStorageReader
 from ray_goodput.checkpoint.protocol._manifest import Manifest, read_manifest
 from ray_goodput.checkpoint.save._state_dict import _INTERNAL_PREFIX
-from ray_goodput.errors import CheckpointCorruptError, ConfigError
+from ray_goodput.errors import CheckpointCorruptError, ConfigError, StorageError
 from ray_goodput.storage import StorageLocation
 
 __all__ = ["export_torch_save"]
@@ -87,9 +87,13 @@ def export_torch_save(uri: str, step: int | None, out: str | os.PathLike, *, opt
     against its manifest's sizes and checksums first (one more read of every byte).
     Loads the whole model (and optimizer, with ``optim``) into this process's memory.
     Raises ConfigError when there is no such committed checkpoint (or, for the newest,
-    no intact one), CheckpointCorruptError when ``step``'s does not match its manifest,
-    StorageError when storage fails.
+    no intact one, or ``out`` is a directory), CheckpointCorruptError when ``step``'s does
+    not match its manifest, StorageError when storage, or writing ``out``, fails (no
+    temporary file is left).
     """
+    out = Path(out)
+    if out.is_dir():
+        raise ConfigError(f"{out} is a directory; give the file to write, e.g. {out / 'model.pt'}")
     loc, manifest = _pick(uri, step)
     reader = PyArrowStorageReader(loc)
     keys = _keys_to_export(reader.read_metadata(), optim)
@@ -98,9 +102,13 @@ def export_torch_save(uri: str, step: int | None, out: str | os.PathLike, *, opt
     for key in manifest.unstepped:  # saved before its first step: DCP made its state up
         if isinstance(state.get(key), dict):
             state[key]["state"] = {}
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    torch.save(state, tmp)
-    os.replace(tmp, out)  # never leave a half-written file under the final name
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(state, tmp)
+        os.replace(tmp, out)  # never leave a half-written file under the final name
+    except OSError as exc:
+        raise StorageError(f"could not write {out}: {exc}; free space there or choose another path") from exc
+    finally:
+        tmp.unlink(missing_ok=True)  # the whole model's size, if the write failed
     return out
