@@ -184,3 +184,35 @@ def test_the_breakdown_chart_draws_each_bucket_in_the_timelines_colour(tmp_path,
     monkeypatch.setattr(matplotlib.axes.Axes, "barh", recording)
     chart_png(compute(_two_attempts(), job_start=95.0), str(tmp_path / "breakdown.png"))
     assert drawn == {b: COLORS[b] for b in BUCKETS}
+
+
+def test_an_event_chunk_whose_read_failed_is_read_again_at_the_next_poll(s3_server, monkeypatch):
+    """A chunk was marked read before its read: a read that failed (its retries spent on a
+    flaky store) left its events out of every later poll of the job's one reader, so an
+    end in it made the run "not finished" and its steps restart downtime."""
+    from ray_goodput.errors import StorageError
+    from ray_goodput.goodput import _events
+    from ray_goodput.goodput._recorder import StepRecorder
+
+    root = storage.resolve(s3_server.bucket_uri("flaky"))
+    log = EventLog(root, rank=0, world_size=1)
+    rec = StepRecorder(log)
+    rec.step(1)
+    rec.end()  # the end goes to the store at once, in a chunk of its own
+    read = _events.read_bytes
+    failed = []
+
+    def flaky(location, rel, *args, **kwargs):
+        if not failed:
+            failed.append(rel)
+            raise StorageError(f"read of {rel} failed after 6 attempt(s)")
+        return read(location, rel, *args, **kwargs)
+
+    monkeypatch.setattr(_events, "read_bytes", flaky)
+    reader = EventReader(root)
+    with pytest.raises(StorageError):
+        reader.poll()
+    events = reader.poll()[log.attempt]
+    assert {e["e"] for e in events} >= {"start", "step", "end"}, events
+    assert [e["t"] for e in events] == sorted(e["t"] for e in events)
+    log.close()

@@ -373,17 +373,21 @@ class EventReader:
         self.reads = 0
 
     def poll(self) -> dict[str, list[dict[str, Any]]]:
-        """Every attempt's events so far, ``{attempt: [event, ...]}`` in time order."""
+        """Every attempt's events so far, ``{attempt: [event, ...]}`` in time order. Raises
+        the storage error of a listing or read that failed; the next poll reads on from
+        what was read before it."""
         changed: set[str] = set()
-        for info in list_dir(self._root, EVENTS_DIR, recursive=True):
-            rel = info.path[len(self._base) + 1 :]
-            if rel.endswith(".jsonl") and self._is_new(rel, info.size):
-                attempt = rel.split("/")[0].removesuffix(".jsonl")
-                fresh = self._seen.setdefault(attempt, _Seqs()).keep_new(self._read_new(rel))
-                self._events.setdefault(attempt, []).extend(fresh)
-                changed.add(attempt)
-        for attempt in changed:
-            self._events[attempt].sort(key=lambda e: e["t"])
+        try:
+            for info in list_dir(self._root, EVENTS_DIR, recursive=True):
+                rel = info.path[len(self._base) + 1 :]
+                if rel.endswith(".jsonl") and self._is_new(rel, info.size):
+                    attempt = rel.split("/")[0].removesuffix(".jsonl")
+                    fresh = self._seen.setdefault(attempt, _Seqs()).keep_new(self._read_new(rel))
+                    self._events.setdefault(attempt, []).extend(fresh)
+                    changed.add(attempt)
+        finally:  # a read that failed leaves what was read before it in order
+            for attempt in changed:
+                self._events[attempt].sort(key=lambda e: e["t"])
         return self._events
 
     def _is_new(self, rel: str, size: int | None) -> bool:
@@ -394,8 +398,9 @@ class EventReader:
     def _read_new(self, rel: str) -> list[dict[str, Any]]:
         self.reads += 1
         if "/" in rel:
-            self._chunks.add(rel)
-            return _parse(read_bytes(self._root, f"{EVENTS_DIR}/{rel}").decode())
+            events = _parse(read_bytes(self._root, f"{EVENTS_DIR}/{rel}").decode())
+            self._chunks.add(rel)  # once read: a failed read is tried again at the next poll
+            return events
         start = self._offsets.get(rel, 0)
         with self._root.fs.open_input_file(f"{self._base}/{rel}") as f:
             f.seek(start)
