@@ -294,3 +294,27 @@ def test_the_nodes_excluded_from_an_attempt_are_noted_on_that_attempts_row():
     assert attempt_notes(recovery, rows) == {1: "excluded aaaaaaaa, bbbbbbbb"}
     # a record written before attempts had a time places no note rather than a wrong one
     assert attempt_notes([{"attempt": 1, "excluded_nodes": ["cccccccc"]}], rows) == {}
+
+
+def test_the_controllers_end_waits_for_mlflow_once_within_its_bound(tmp_path, monkeypatch):
+    """The final publication waited up to the bound for MLflow to finish the run, and the
+    controller's end then waited the bound again behind the same stuck call: twice the
+    documented 120 s (with a refresh holding the lock, 60 s more) before the controller
+    could go."""
+    from ray_goodput.driver import _callback
+
+    root = str(tmp_path / "run")
+    _finished_job(root)
+    ctx = _run_context(root, "stuck")
+    release = threading.Event()
+    monkeypatch.setattr(_publish.MlflowSink, "finish", lambda self, *args: release.wait(60))
+    monkeypatch.setattr(_callback, "_MLFLOW_DRAIN_S", 2.0)
+    cb, hooks, _ = _started(tmp_path, ctx)
+    began = time.monotonic()
+    try:
+        hooks.after_controller_finish(SimpleNamespace(error=None))
+        waited = time.monotonic() - began
+    finally:
+        release.set()
+    assert 2.0 <= waited < 3.5, waited  # one bound: the stuck finish, not a wait per caller
+    assert json.loads((tmp_path / "run" / "goodput" / "summary.json").read_text())["finished"]

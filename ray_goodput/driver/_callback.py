@@ -169,7 +169,8 @@ class GoodputCallback(UserCallback):
             self._worker().put(("tag", ("ray_goodput.isolated_nodes", ",".join(isolated)), None))
         self._worker().put(("finish", (ledger, step, result, self._state["attempts"], notes), None))
         write_bytes(root, "goodput/summary.json", json.dumps(result, indent=1).encode())
-        self._wait_for_mlflow(_MLFLOW_DRAIN_S)
+        if not self._state.get("drained_at_end"):  # else the controller's end waits, once, for all of it
+            self._wait_for_mlflow(_MLFLOW_DRAIN_S)
         logger.info(
             "goodput of the job:\n%s%s", table(ledger), f"\nisolated nodes: {', '.join(isolated)}" if isolated else ""
         )
@@ -192,10 +193,11 @@ class GoodputCallback(UserCallback):
         MLflow thread is let finish the run. A run whose training function recorded no end
         (replica 0 replaced after its peers finished, or no ``Checkpointer``) is published
         too: its summary says ``finished: false``."""
+        deadline = time.monotonic() + _MLFLOW_DRAIN_S  # for the publication and MLflow together
         ctx = self.run_context
         if ctx is not None and getattr(result, "error", None) is None:
             self._publish_final(ctx)
-        if not self._wait_for_mlflow(_MLFLOW_DRAIN_S):
+        if not self._wait_for_mlflow(max(0.0, deadline - time.monotonic())):
             logger.warning("goodput MLflow calls still running after %.0f s; the run may stay open", _MLFLOW_DRAIN_S)
 
     # -- Ray Train hooks --
