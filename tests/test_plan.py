@@ -343,3 +343,21 @@ def test_plan_bad_flag_raises_config_error_naming_it(flags, flag):
 def test_plan_needs_days_or_hours_not_both():
     with pytest.raises(SystemExit):
         _cli("plan", "--gpus", "8", "--days", "1", "--hours", "3", "--save-seconds", "1", "--restart-seconds", "1")
+
+
+def test_rounding_the_interval_to_whole_steps_never_takes_it_below_the_upload():
+    """Rounding to the nearest step undid the floor: with 6 s steps and an 8 s upload,
+    the 8 s interval became one 6 s step, shorter than the time to durable, the regime the
+    floor exists to avoid (a save lands once per upload and the rest are superseded)."""
+    from ray_goodput.plan._formulas import interval_steps
+
+    assert interval_steps(8.0, 6.0, at_least_s=8.0) == 2
+    assert interval_steps(20.0, 6.0, at_least_s=8.0) == 3  # above the floor: nearest, as before
+    assert interval_steps(4.0, 6.0, at_least_s=8.0) == 1  # an interval chosen below it stays the user's
+    auto = AutoInterval(world_size=8, mtbf_hours=200 / 3600, warmup_steps=10)
+    for _ in range(5):
+        auto.observe_step(6.0)
+        auto.observe_save(0.01)
+        auto.observe_durable(8.01)
+    assert auto.optimal_interval_s() == pytest.approx(8.0)
+    assert auto.proposal() * auto.step_s >= auto.durable_s - auto.save_s

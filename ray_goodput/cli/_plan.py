@@ -36,7 +36,9 @@ def _plan_column(args: argparse.Namespace, save_s: float, durable_s: float | Non
         "durable_s": save_s if durable_s is None else durable_s,
         "optimal_interval_s": interval,
         "young_interval_s": f.young_interval_s(save_s, mtbf_s),
-        "interval_steps": f.interval_steps(interval, args.step_seconds),
+        "interval_steps": f.interval_steps(
+            interval, args.step_seconds, at_least_s=0.0 if durable_s is None else durable_s - save_s
+        ),
         "expected_lost_s": f.expected_lost_s(*costs[:4], durable_s=durable_s),
         "expected_goodput": buckets["productive"],
         "buckets": buckets,

@@ -101,8 +101,10 @@ class AutoInterval:
         seconds, step = self.optimal_interval_s(), self.step_s
         if seconds is None or not step:
             return self._steps_in_force
-        steps = f.interval_steps(seconds, step)
-        if abs(steps - self._steps_in_force) <= self.min_change * self._steps_in_force:
+        upload = 0.0 if self.durable_s is None else max(0.0, self.durable_s - (self.save_s or 0.0))
+        steps = f.interval_steps(seconds, step, at_least_s=upload)
+        near = abs(steps - self._steps_in_force) <= self.min_change * self._steps_in_force
+        if near and self._steps_in_force * step >= upload:  # never kept below the upload either
             return self._steps_in_force
         return steps
 

@@ -121,9 +121,15 @@ def optimal_interval_s(
     return max(math.sqrt(2.0 * delta * m) * (1.0 + math.sqrt(ratio) / 3.0 + ratio / 9.0) - delta, upload)
 
 
-def interval_steps(interval_s: float, step_s: float) -> int:
-    """A compute interval as a whole number of steps (nearest, at least 1)."""
-    return max(1, round(positive("interval_s", interval_s) / positive("step_s", step_s)))
+def interval_steps(interval_s: float, step_s: float, *, at_least_s: float = 0.0) -> int:
+    """A compute interval as a whole number of steps (nearest, at least 1). An interval at
+    or above ``at_least_s`` (the upload: time to durable less the blocking) is not rounded
+    below it: ``optimal_interval_s`` keeps the interval out of that regime."""
+    interval, step = positive("interval_s", interval_s), positive("step_s", step_s)
+    steps = max(1, round(interval / step))
+    if interval >= at_least_s > steps * step:
+        steps = math.ceil(at_least_s / step)
+    return steps
 
 
 def expected_buckets(
@@ -143,10 +149,10 @@ def expected_buckets(
     ``save_s``: synchronous). Keys: ``productive``, ``lost``, ``checkpoint_stall``,
     ``restore``, ``restart_downtime``.
     """
-    tau = interval_steps(interval_s, step_s) * step_s
     delta, m = positive("save_s", save_s, zero_ok=True), positive("mtbf_s", mtbf_s)
     r, tr = positive("restart_s", restart_s, zero_ok=True), positive("restore_s", restore_s, zero_ok=True)
     d = delta if durable_s is None else positive("durable_s", durable_s, zero_ok=True)
+    tau = interval_steps(interval_s, step_s, at_least_s=d - delta) * step_s
     if d < delta:
         raise ConfigError(f"durable_s ({d}) must be >= save_s ({delta}): a save is durable after it stops blocking")
     # Per segment between failures (expected length M): the compute done, and what its

@@ -63,12 +63,13 @@ class System:
     def interval_steps(self, mtbf_s: float) -> int:
         """Steps between saves: the fixed interval, or the optimum for this MTBF (never
         below the upload: :func:`~ray_goodput.plan._formulas.optimal_interval_s`)."""
+        save = max(self.save_blocking_s, 1e-9)
+        durable = max(self.durable_s, save)
         if self.interval == "auto":
-            save = max(self.save_blocking_s, 1e-9)
-            seconds = f.optimal_interval_s(save, mtbf_s, durable_s=max(self.durable_s, save))
+            seconds = f.optimal_interval_s(save, mtbf_s, durable_s=durable)
         else:
             seconds = float(self.interval)
-        return f.interval_steps(seconds, self.step_s)
+        return f.interval_steps(seconds, self.step_s, at_least_s=durable - save)
 
 
 @dataclass
