@@ -4,6 +4,7 @@ seconds of imports)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -144,3 +145,28 @@ def test_export_to_a_directory_or_a_full_disk_is_a_clear_error_and_leaves_no_tem
     assert list(out_dir.iterdir()) == []
     monkeypatch.undo()
     assert _run(capsys, "export", root, str(out_dir / "model.pt"))[0] == 0
+
+
+def test_status_without_a_cluster_says_so_instead_of_a_traceback(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["RAY_TMPDIR"] = str(tmp_path)  # where Ray would find a running instance: none
+    done = subprocess.run(
+        [sys.executable, "-m", "ray_goodput.cli", "status"], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert done.returncode == 2 and "no Ray cluster" in done.stderr, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr, done.stderr[-2000:]
+
+
+def test_report_finds_a_run_whose_name_has_a_quote(tmp_path, capsys):
+    """The name went into MLflow's filter unescaped: a quote in it raised a parse error."""
+    import mlflow
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = mlflow.MlflowClient(tracking_uri=uri)
+    exp = client.create_experiment("ray_goodput")
+    run = client.create_run(exp, run_name="it's")
+    client.log_metric(run.info.run_id, "goodput/goodput", 0.5)
+    client.log_metric(run.info.run_id, "goodput/total_s", 10.0)
+    client.set_terminated(run.info.run_id)
+    code, out, err = _run(capsys, "report", "it's", "--tracking-uri", uri)
+    assert code == 0 and "goodput 50.0%" in out, out + err

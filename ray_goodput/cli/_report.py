@@ -7,11 +7,23 @@ import sys
 
 import mlflow
 
+from ray_goodput.errors import ConfigError
 from ray_goodput.goodput import BUCKETS
 
 
 def _out(line: str = "") -> None:
     sys.stdout.write(line + "\n")
+
+
+def _quoted(value: str) -> str:
+    """``value`` as a string literal of MLflow's search filter (which has no escapes)."""
+    if "'" not in value:
+        return f"'{value}'"
+    if '"' not in value:
+        return f'"{value}"'
+    raise ConfigError(
+        f"run name {value!r} has both quote characters, which MLflow's search cannot match; rename the run"
+    )
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -20,7 +32,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     runs = (
         client.search_runs(
             [exp.experiment_id],
-            filter_string=f"tags.mlflow.runName = '{args.run}'",
+            filter_string=f"tags.mlflow.runName = {_quoted(args.run)}",
             order_by=["attributes.start_time DESC"],
         )
         if exp

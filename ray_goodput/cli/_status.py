@@ -90,7 +90,15 @@ def checkpoint_lines(run: str, now: float | None = None) -> list[str]:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    lines = status_lines(args.address) + (recovery_lines(args.run) + checkpoint_lines(args.run) if args.run else [])
+    try:
+        nodes = status_lines(args.address)
+    except ConnectionError as exc:  # ray.init: nothing runs at that address
+        sys.stderr.write(
+            f"ray-goodput: no Ray cluster at {args.address!r} ({exc}); start one (ray start --head, "
+            "ray up) or pass --address\n"
+        )
+        return 2
+    lines = nodes + (recovery_lines(args.run) + checkpoint_lines(args.run) if args.run else [])
     for line in lines:
         sys.stdout.write(line + "\n")
     return 0
