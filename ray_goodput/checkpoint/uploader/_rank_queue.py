@@ -108,12 +108,6 @@ class Ticket:
         self.finish(result, None)
 
 
-def _later_save_of_same_worker(a: ShardJob, b: ShardJob) -> bool:
-    """Whether job ``a`` is a later save than ``b`` by the same worker process (one
-    Checkpointer's steps only increase)."""
-    return a.owner_pid == b.owner_pid and a.generation == b.generation and a.step > b.step
-
-
 class RankLane:
     """Runs one rank's tickets in order; a newer ticket supersedes the waiting one."""
 
@@ -122,21 +116,26 @@ class RankLane:
         self._policy = policy or RetryPolicy()  # for jobs that carry none
         self._lock = threading.Lock()
         self._waiting: Ticket | None = None
+        # (worker pid, generation) -> the newest step the lane took from that worker: one
+        # Checkpointer's steps only increase, so an older one arriving later is stale
+        self._newest: dict[tuple[int, int], int] = {}
         self._stopping = False  # shut down with stop: the job retrying an outage gives up
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="rg-lane")
 
     def submit(self, ticket: Ticket) -> None:
-        """Queue ``ticket``; the job waiting before it is superseded, unless it is a later
-        save of the same worker process: jobs of one worker can arrive out of order (the
-        older one unread on a connection that broke, the newer one resent on a new
-        connection), and then the older one is dropped."""
+        """Queue ``ticket``; the job waiting before it is superseded, unless the lane took a
+        later save of the same worker process before (waiting, running or ended): jobs of
+        one worker can arrive out of order (the older one unread on a connection that broke,
+        the newer one resent on a new connection), and then the older one is dropped."""
         fault_point("save.queued")  # before the lane holds the ticket: a raise leaves no orphan
+        job = ticket.job
+        worker = (job.owner_pid, job.generation)
         with self._lock:
-            old = self._waiting
-            if old is not None and _later_save_of_same_worker(old.job, ticket.job):
+            if self._newest.get(worker, -1) > job.step:
                 old, stale = None, ticket
             else:
-                self._waiting, stale = ticket, None
+                old, self._waiting, stale = self._waiting, ticket, None
+                self._newest[worker] = job.step
         if old is not None:
             old.supersede()
         if stale is not None:
