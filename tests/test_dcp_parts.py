@@ -70,3 +70,30 @@ def test_the_zip_crc32_switch_is_counted_across_concurrent_writers_and_put_back_
     with pytest.raises(OSError), _without_zip_crc32():
         raise OSError("disk full")
     assert config.save.compute_crc32
+
+
+def test_staging_a_job_again_never_rewrites_in_place_a_file_storage_holds_as_a_hard_link(tmp_path):
+    """On local storage a staged file becomes the stored one as a hard link (one inode).
+    A job run again (taken again after its uploader died) rewrote its metadata part and
+    extras in place: a kill mid-write left the committed checkpoint's own files cut short,
+    and it was then quarantined. Staged files are now written aside and renamed."""
+    import dataclasses
+    import os
+    import pickle
+
+    from ray_goodput.checkpoint.uploader._shard_job import write_local
+    from tests.test_uploader import _job
+
+    job = dataclasses.replace(_job(tmp_path, tmp_path / "none.arena", slots=()), objects={"x": pickle.dumps(7)})
+    names = write_local(job)
+    stored = tmp_path / "stored"
+    stored.mkdir()
+    staged = tmp_path / "local"
+    for name in names:
+        os.link(staged / name, stored / name.replace("/", "_"))  # as _link_up does
+    before = {name: (stored / name.replace("/", "_")).read_bytes() for name in names}
+    write_local(job)  # the same job again
+    for name in names:
+        linked = stored / name.replace("/", "_")
+        assert os.stat(linked).st_ino != os.stat(staged / name).st_ino, f"{name} rewritten in place"
+        assert linked.read_bytes() == before[name]

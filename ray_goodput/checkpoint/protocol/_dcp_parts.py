@@ -128,6 +128,18 @@ def _without_zip_crc32() -> Iterator[None]:
                 save_config.compute_crc32 = _crc_before
 
 
+def write_staged(path: Path, data: bytes) -> None:
+    """Write a small staged file aside, then rename it over ``path``: a new inode, never the
+    one that local storage may hold as a hard link of an earlier run of the same job (a
+    rewrite in place, cut short by a kill, would cut the committed file short too)."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def writing_path(out_dir: Path, rank: int, save_id: str) -> Path:
     """Where :func:`write_part` has DCP write this rank's data file (front to back, once)
     before renaming it into ``out_dir``: named after the save, so that nothing a killed
@@ -220,8 +232,9 @@ def write_part(
         if written is not None and fs is not None and fs.written is not None:
             written[data] = fs.written
         (out_dir / "parts").mkdir(parents=True, exist_ok=True)
-        with open(out_dir / part_file(rank, save_id), "wb") as f:
-            pickle.dump(_globalize(meta, rank, save_id, leaves, mappings), f)
+        write_staged(
+            out_dir / part_file(rank, save_id), pickle.dumps(_globalize(meta, rank, save_id, leaves, mappings))
+        )
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # a failed write must not keep eating the disk
     return [data, part_file(rank, save_id)]

@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from ray_goodput._faults import fault_point
 from ray_goodput.checkpoint.protocol import _catalog, _layout, _lineage, _retention
 from ray_goodput.checkpoint.protocol._commit import COMMITTED, OUTRANKED, CommitProtocol
-from ray_goodput.checkpoint.protocol._dcp_parts import data_file, write_part, writing_path
+from ray_goodput.checkpoint.protocol._dcp_parts import data_file, write_part, write_staged, writing_path
 from ray_goodput.checkpoint.protocol._shard_plan import Leaf
 from ray_goodput.checkpoint.save._arena import TensorSlot, open_slots
 from ray_goodput.checkpoint.save._save_state import SaveRecord, SaveState
@@ -184,7 +184,7 @@ def write_local(
     fault_point("upload.staging_write")
     extras = out / _layout.extras_file(job.rank, job.save_id)
     extras.parent.mkdir(parents=True, exist_ok=True)
-    extras.write_bytes(job.rng)
+    write_staged(extras, job.rng)
     return [*names, _layout.extras_file(job.rank, job.save_id)]
 
 
