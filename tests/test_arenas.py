@@ -510,7 +510,7 @@ def test_the_uploader_keeps_a_dead_workers_arena_that_a_newer_unmapped_job_still
     mark_held(arena, "job-c")
     uploader = CheckpointUploader.__new__(CheckpointUploader)  # no actor, no watchdog
     uploader._arenas = WorkersArenas()
-    released_a = SimpleNamespace(job=SimpleNamespace(owner_pid=pid, arena_path=str(arena), key="job-a"))
+    released_a = SimpleNamespace(job=SimpleNamespace(owner_pid=pid, arena_path=str(arena), key="job-a", slots=(1,)))
     uploader._released(released_a)
     assert arena.exists()  # C still needs it
     unmark_held(arena, "job-c")  # an uploader mapped C
@@ -527,7 +527,7 @@ def test_a_dead_workers_held_job_keeps_its_arena_marked_until_the_job_ends(tmp_p
     from types import SimpleNamespace
 
     from ray_goodput.checkpoint.save._arena import TensorSlot, held_path, mark_held, sweep_dead
-    from ray_goodput.checkpoint.uploader import _actor, _held
+    from ray_goodput.checkpoint.uploader import _actor
     from ray_goodput.checkpoint.uploader._arena_sweep import WorkersArenas
     from tests._helpers import dead_pid
     from tests.test_uploader import _job
@@ -552,6 +552,7 @@ def test_a_dead_workers_held_job_keeps_its_arena_marked_until_the_job_ends(tmp_p
         callback(ticket)
     sweep_dead(tmp_path, other_runs=False)
     assert arena.exists() and held_path(arena, job.key).exists()  # a retake still finds it
-    _held.remove(taken, job)  # the job ended
-    sweep_dead(tmp_path, other_runs=False)
-    assert not arena.exists() and not held_path(arena, job.key).exists()
+    for callback in ticket.callbacks:  # the job ended: its held file goes, and the arena with it
+        callback(ticket)
+    assert not taken.exists() and not held_path(arena, job.key).exists()
+    assert not arena.exists()  # not left in /dev/shm for a sweep that no longer looks

@@ -227,8 +227,8 @@ class CheckpointUploader:
         # next uploader takes the job again, from its snapshot, if this one dies first
         if job.slots:
             self._arenas.ran(job)
-        if held is not None:
-            ticket.callbacks.append(lambda _t: _held.remove(held, job))
+        if held is not None:  # its file and its arena's mark go when it ends, then the arena if unneeded
+            ticket.callbacks.append(lambda t: (_held.remove(held, job), self._arenas.released(t.job)))
         if peer is not None:  # first: the worker must hear whatever the bookkeeping does
             ticket.origin = peer.conn
             ticket.release_callbacks.append(lambda t: peer.send(("released", t.job.key)))

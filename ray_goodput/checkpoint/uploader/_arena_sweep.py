@@ -47,6 +47,8 @@ class WorkersArenas:
         a job not mapped yet still needs it: a newer save of that worker copied into it
         (held in a file, or unread in a socket), or this job itself, taken from a dead
         worker's held file, which the next uploader takes again if this one dies."""
+        if not job.slots:  # its snapshot had no tensors: no arena
+            return
         arena = Path(job.arena_path)
         if not pid_alive(job.owner_pid) and not _arena.held_for_a_job(arena):
             arena.unlink(missing_ok=True)
