@@ -595,8 +595,10 @@ def test_an_older_save_of_a_worker_arriving_after_its_newer_one_does_not_superse
     gate = threading.Event()
 
     class _Ticket:
-        def __init__(self, step: int, owner: int = 7) -> None:
-            self.job = types.SimpleNamespace(retry=None, concurrency=1, step=step, owner_pid=owner, generation=1)
+        def __init__(self, step: int, owner: int = 7, seq: int = 0) -> None:
+            self.job = types.SimpleNamespace(
+                retry=None, concurrency=1, step=step, owner_pid=owner, generation=1, seq=seq if seq else step
+            )
 
         def run(self, *, concurrency: int, policy, newer) -> None:
             events.append(("ran", self.job.step))
@@ -628,8 +630,10 @@ def test_an_older_save_of_a_worker_arriving_while_its_newer_one_runs_is_dropped_
     gate = threading.Event()
 
     class _Ticket:
-        def __init__(self, step: int, owner: int = 7) -> None:
-            self.job = types.SimpleNamespace(retry=None, concurrency=1, step=step, owner_pid=owner, generation=1)
+        def __init__(self, step: int, owner: int = 7, seq: int = 0) -> None:
+            self.job = types.SimpleNamespace(
+                retry=None, concurrency=1, step=step, owner_pid=owner, generation=1, seq=seq if seq else step
+            )
 
         def run(self, *, concurrency: int, policy, newer) -> None:
             events.append(("ran", self.job.step))
@@ -647,8 +651,12 @@ def test_an_older_save_of_a_worker_arriving_while_its_newer_one_runs_is_dropped_
     wait_for(lambda: len(events) >= 2, timeout_s=10, what="the older job's fate")
     lane.submit(_Ticket(15))  # after the newer one ended: still older than it
     lane.submit(_Ticket(5, owner=8))  # another worker's (a new attempt's): runs
+    wait_for(lambda: len(events) >= 4, timeout_s=10, what="the other worker's job")
+    # The worker restored step 10 (its step 20 had failed) and saves 11 next: a later
+    # hand-off, though a lower step, so it runs; order is by hand-off, not by step.
+    lane.submit(_Ticket(11, seq=21))
     lane.shutdown(wait=True)
-    assert events == [("ran", 20), ("superseded", 10), ("superseded", 15), ("ran", 5)]
+    assert events == [("ran", 20), ("superseded", 10), ("superseded", 15), ("ran", 5), ("ran", 11)]
 
 
 def test_a_hand_off_by_actor_call_that_timed_out_never_commits_bytes_saved_after_it(ray_local, tmp_path, monkeypatch):

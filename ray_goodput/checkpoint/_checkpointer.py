@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import logging
 import os
 import threading
@@ -56,6 +57,8 @@ __all__ = ["Checkpointer", "SaveStats"]
 #: (seconds for a GPU-sized shard); what is left is collected by the run's next
 #: Checkpointer on the node.
 _DROP_JOIN_S = 60.0
+#: This process's save hand-offs, in order, across its Checkpointers (``ShardJob.seq``).
+_HANDOFFS = itertools.count(1)
 #: How long rank 0 of a restore that chooses for itself (no driver decision for its
 #: storage) waits for the saves of its storage still uploading in the node uploaders.
 RESTORE_UPLOAD_WAIT_S = 120.0
@@ -324,6 +327,7 @@ class Checkpointer:
             concurrency=self.upload_concurrency,
             retry=self._retry,
             retry_for_s=self._outcomes.bound_s,
+            seq=next(_HANDOFFS),
         )
         try:
             handoff = self._snapshots.hand_off(state, job=job, backend=self._uploader, step_of=self._pending_step_of)

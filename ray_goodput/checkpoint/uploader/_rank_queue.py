@@ -116,26 +116,28 @@ class RankLane:
         self._policy = policy or RetryPolicy()  # for jobs that carry none
         self._lock = threading.Lock()
         self._waiting: Ticket | None = None
-        # (worker pid, generation) -> the newest step the lane took from that worker: one
-        # Checkpointer's steps only increase, so an older one arriving later is stale
+        # (worker pid, generation) -> the newest hand-off (ShardJob.seq) the lane took from
+        # that worker: one arriving later with an older one is stale
         self._newest: dict[tuple[int, int], int] = {}
         self._stopping = False  # shut down with stop: the job retrying an outage gives up
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="rg-lane")
 
     def submit(self, ticket: Ticket) -> None:
         """Queue ``ticket``; the job waiting before it is superseded, unless the lane took a
-        later save of the same worker process before (waiting, running or ended): jobs of
-        one worker can arrive out of order (the older one unread on a connection that broke,
-        the newer one resent on a new connection), and then the older one is dropped."""
+        later hand-off of the same worker process before (waiting, running or ended): jobs
+        of one worker can arrive out of order (the older one unread on a connection that
+        broke, the newer one resent on a new connection), and then the older one is
+        dropped. Later is by hand-off (``ShardJob.seq``), not step: a worker that restored
+        an older step saves lower steps next."""
         fault_point("save.queued")  # before the lane holds the ticket: a raise leaves no orphan
         job = ticket.job
         worker = (job.owner_pid, job.generation)
         with self._lock:
-            if self._newest.get(worker, -1) > job.step:
+            if job.seq and self._newest.get(worker, 0) > job.seq:
                 old, stale = None, ticket
             else:
                 old, self._waiting, stale = self._waiting, ticket, None
-                self._newest[worker] = job.step
+                self._newest[worker] = max(job.seq, self._newest.get(worker, 0))
         if old is not None:
             old.supersede()
         if stale is not None:

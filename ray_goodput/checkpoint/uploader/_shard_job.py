@@ -80,6 +80,9 @@ class ShardJob:
     #: past the retry policy, while no newer save of its rank waits: the Checkpointer's
     #: bound on the recovery point's age (0: the policy alone).
     retry_for_s: float = 0.0
+    #: The worker process's hand-off order (one counter for all its Checkpointers): a job
+    #: that reaches the rank's lane after a later one of its worker is stale (0: unknown).
+    seq: int = 0
     #: The job's name in its uploader (set from the fields above).
     key: str = field(init=False)
     #: Jobs of one rank of one run share a lane (one running, at most one waiting).
