@@ -185,3 +185,55 @@ def test_a_loader_worker_that_exits_abruptly_still_reports_what_it_fetched(tmp_p
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
     _, _, fetched = JournalReader(layout.journal_dir).poll()
     assert [(k, size) for k, size, _ in fetched] == [(ds.files.cache_key(0), 321)]
+
+
+def test_a_fetch_waits_past_the_bound_while_the_lock_holder_makes_progress(tmp_path):
+    # The bound was on the whole wait: readers of a large file whose healthy download took
+    # longer than the bound raised, telling the user to end a process that was working.
+    # It is now a bound on the holder making no progress (its download's size unchanged).
+    import multiprocessing
+    import time
+
+    from ray_goodput.data import _cache_files
+    from ray_goodput.storage import RetryPolicy
+
+    src = _source(tmp_path, {"a.bin": 100})
+    cfg = CacheConfig(directory=str(tmp_path / "cache"), capacity_bytes=1 << 20)
+    ds = FileDataset(src, cache=cfg)
+    layout = CacheLayout.of(cfg)
+    layout.create()
+    key = ds.files.cache_key(0)
+    part = layout.data_path(key).with_name(f".{key}.part-424242-0")
+    part.parent.mkdir(parents=True, exist_ok=True)
+    ctx = multiprocessing.get_context("spawn")
+    locked = ctx.Event()
+    holder = ctx.Process(target=_hold_lock_downloading, args=(str(layout.lock_path(key)), str(part), locked, 3.0))
+    holder.start()
+    try:
+        assert locked.wait(60), "the holder process never took the lock"
+        began = time.monotonic()
+        got = _cache_files.fetch(
+            layout, key, ds.files.fs, ds.files.paths[0], max_bytes=1 << 20, policy=RetryPolicy(), lock_wait_s=1.0
+        )
+        assert time.monotonic() - began >= 2.0  # it waited out the download, three times the bound
+        assert got is not None and got[0] == 100
+    finally:
+        holder.join(30)
+        if holder.is_alive():
+            holder.kill()
+
+
+def _hold_lock_downloading(path: str, part: str, locked, seconds: float) -> None:
+    import fcntl
+    import time
+
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    locked.set()
+    end = time.monotonic() + seconds
+    with open(part, "wb") as f:
+        while time.monotonic() < end:  # a slow download, still moving
+            f.write(b"x" * 1024)
+            f.flush()
+            time.sleep(0.2)
+    os.unlink(part)

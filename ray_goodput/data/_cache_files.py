@@ -3,10 +3,10 @@
 Any process of the node (the NodeCache actor, training processes, DataLoader workers)
 computes a file's cache path from its identity alone, so a hit is ``open()`` with no actor
 call. A miss fetches under its key's ``flock`` (one of 4096 lock stripes: single flight
-across processes and threads; a wait for it is bounded) into a temp name, then
-``os.replace`` (the final name only ever holds a complete file). Readers report hits,
-misses and fetches in an append-only journal the actor tails, because DataLoader workers
-cannot make Ray calls.
+across processes and threads; a wait for it is bounded while the download does not move)
+into a temp name, then ``os.replace`` (the final name only ever holds a complete file).
+Readers report hits, misses and fetches in an append-only journal the actor tails,
+because DataLoader workers cannot make Ray calls.
 
 Layout under ``root``::
 
@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import functools
 import hashlib
 import itertools
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,8 +41,11 @@ from ray_goodput.storage import RetryPolicy, copy_stream
 
 LOCK_STRIPES = 4096
 #: How long a fetch waits for its key's lock, held by another process's download of the
-#: same file (or of another file of the same stripe), before it raises.
+#: same file, while that download makes no progress (its size does not change), before it
+#: raises; a download that moves resets the wait.
 LOCK_WAIT_S = 600.0
+#: How often a waiter looks at the holder's download for progress.
+_PROGRESS_LOOK_S = 1.0
 _tmp_counter = itertools.count()
 
 
@@ -133,10 +137,13 @@ def _holder(fd: int) -> str:
     return "an unknown process"
 
 
-def _acquire(fd: int, path: Path, wait_s: float, what: str) -> None:
-    """``flock(fd, LOCK_EX)``, polled, for at most ``wait_s`` seconds; then
-    CacheLockTimeoutError naming ``path``, its holder and ``what`` waited."""
-    deadline = time.monotonic() + wait_s
+def _acquire(fd: int, path: Path, wait_s: float, what: str, progress: Callable[[], object] | None) -> None:
+    """``flock(fd, LOCK_EX)``, polled; raises CacheLockTimeoutError naming ``path``, its
+    holder and ``what`` waited once ``wait_s`` seconds passed with no change in
+    ``progress()`` (the holder's download; None: any wait of ``wait_s``)."""
+    now = time.monotonic()
+    deadline, next_look = now + wait_s, now + _PROGRESS_LOOK_S
+    seen = progress() if progress is not None else None
     pause = 0.001
     while True:
         try:
@@ -144,28 +151,46 @@ def _acquire(fd: int, path: Path, wait_s: float, what: str) -> None:
             return
         except BlockingIOError:
             pass
-        left = deadline - time.monotonic()
-        if left <= 0:
+        now = time.monotonic()
+        if progress is not None and now >= next_look:
+            next_look, current = now + _PROGRESS_LOOK_S, progress()
+            if current != seen:  # the holder's download moved
+                seen, deadline = current, now + wait_s
+        if now >= deadline:
             raise CacheLockTimeoutError(
                 f"{what or 'the node cache'} waited {wait_s:.0f} s for the cache lock {path}, held by "
-                f"{_holder(fd)}: that process is stuck in a download of this file (or of another file of "
-                "its lock stripe); end it and read again"
+                f"{_holder(fd)}, with no progress of its download of this file meanwhile: that process "
+                "is stuck (or downloading another file of its lock stripe); end it and read again"
             )
-        time.sleep(min(pause, left))
+        time.sleep(min(pause, deadline - now, next_look - now if progress is not None else pause))
         pause = min(pause * 2, 0.05)
 
 
+def _download_sizes(dest: Path) -> tuple[int, ...]:
+    """The sizes of the downloads of ``dest`` in progress (``.<name>.part-*``)."""
+    sizes = []
+    for part in dest.parent.glob(f".{dest.name}.part-*"):
+        try:
+            sizes.append(part.stat().st_size)
+        except FileNotFoundError:  # renamed into place or removed meanwhile
+            continue
+    return tuple(sorted(sizes))
+
+
 @contextmanager
-def flock(path: Path, *, wait_s: float = LOCK_WAIT_S, what: str = "") -> Iterator[None]:
+def flock(
+    path: Path, *, wait_s: float = LOCK_WAIT_S, what: str = "", progress: Callable[[], object] | None = None
+) -> Iterator[None]:
     """Hold an exclusive lock on the lock file ``path`` for the block (released by the
     kernel if this process dies): one key's fetch, or the removal of its cut copy. Waits
-    at most ``wait_s`` for it (CacheLockTimeoutError, naming ``what`` waited)."""
+    for it until ``wait_s`` pass with no change in ``progress()`` (None: at most
+    ``wait_s``), then raises CacheLockTimeoutError naming ``what`` waited."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with _fds_lock:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         _held_fds.add(fd)
     try:
-        _acquire(fd, path, wait_s, what)
+        _acquire(fd, path, wait_s, what, progress)
         yield
     finally:
         with _fds_lock:
@@ -221,7 +246,8 @@ def fetch(
     Returns (bytes, seconds) when this call downloaded it, None when it was already
     there. ``expected`` (bytes, -1 unknown) is checked. Raises FileLargerThanCacheError
     or CacheFullError (a full disk; neither is retried), CacheLockTimeoutError (another
-    process held the key's lock for ``lock_wait_s``) or StorageError naming ``src``.
+    process held the key's lock, its download of the file not moving, for ``lock_wait_s``)
+    or StorageError naming ``src``.
     """
     dest = layout.data_path(key)
     if dest.exists():
@@ -232,7 +258,8 @@ def fetch(
             f"({max_bytes} bytes); raise CacheConfig.capacity_bytes or pass "
             "cache=None to read it uncached"
         )
-    with flock(layout.lock_path(key), wait_s=lock_wait_s, what=f"the fetch of {src}"):
+    progress = functools.partial(_download_sizes, dest)
+    with flock(layout.lock_path(key), wait_s=lock_wait_s, what=f"the fetch of {src}", progress=progress):
         if dest.exists():  # another process fetched it while we waited for the lock
             return None
         dest.parent.mkdir(parents=True, exist_ok=True)
