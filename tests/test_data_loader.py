@@ -565,3 +565,18 @@ def test_parquet_that_does_not_decode_is_bad_data_at_once_not_a_storage_error_re
     with pytest.raises(DataError, match="not a readable Parquet file"):
         ParquetDataset(str(footer.parent), cache=None, retry=RetryPolicy(attempts=6, initial_delay=1.0, max_delay=1.0))
     assert time.monotonic() - began < 1.0
+
+
+def test_a_state_saved_when_wide_seeds_were_cut_to_32_bits_is_refused_not_resumed_in_another_order(files_dir):
+    """Seeds outside [0, 2**32) were cut to their low 32 bits; they now keep their own order.
+    A state saved mid-epoch before that loaded silently, and the rest of its epoch was read
+    in the new order: samples repeated, others skipped."""
+    for seed in (-1, 2**40 + 3):
+        loader = DataLoader(FileDataset(str(files_dir), seed=seed, cache=None), 4, num_workers=0)
+        state = loader.state_dict()
+        loader.load_state_dict(state)  # a state of this version resumes
+        old = {**state, "fingerprint": state["fingerprint"] & ~(1 << 65)}  # as the earlier version saved it
+        with pytest.raises(DataError, match="32 bits"):
+            loader.load_state_dict(old)
+    in_range = DataLoader(FileDataset(str(files_dir), seed=7, cache=None), 4, num_workers=0)
+    in_range.load_state_dict(in_range.state_dict())  # its order never changed: no flag needed

@@ -28,6 +28,9 @@ STATE_KEYS = ("epoch", "consumed", "seed", "fingerprint")
 _FILES = (1 << 63) - 1
 _ORDERED = 1 << 63
 _UNSHUFFLED = 1 << 64
+#: Set in a state whose seed is outside [0, 2**32): its order used the whole seed. Earlier
+#: versions used its low 32 bits (another order), and saved states without this bit.
+_WIDE_SEED = 1 << 65
 #: How often a loader worker checks that its rank is still alive.
 _RANK_POLL_S = 0.1
 
@@ -236,6 +239,13 @@ class DataLoader(torch.utils.data.DataLoader):
                 f"loader state was saved with seed={int(state['seed'])} but the "
                 f"dataset has seed={s.dataset.seed}; use the same seed"
             )
+        if _wide(s.dataset.seed) and not saved & _WIDE_SEED:
+            raise DataError(
+                f"loader state was saved by an earlier ray_goodput, which shuffled with the low 32 bits "
+                f"of seed={s.dataset.seed} only; this version's order for that seed differs, so resuming "
+                "would repeat samples and skip others: finish the epoch with that version, or drop the "
+                "loader state (the epoch starts over)"
+            )
         part.check_resume(len(s.dataset), int(state["consumed"]))
         s.epoch, s.consumed = int(state["epoch"]), int(state["consumed"])
 
@@ -248,7 +258,17 @@ class DataLoader(torch.utils.data.DataLoader):
 def _order(dataset: CachedDataset) -> int:
     """The fingerprint a loader state carries: the dataset's, and whether its epochs are
     shuffled (the order a position counts in)."""
-    return dataset.fingerprint | _ORDERED | (0 if dataset.shuffle else _UNSHUFFLED)
+    return (
+        dataset.fingerprint
+        | _ORDERED
+        | (0 if dataset.shuffle else _UNSHUFFLED)
+        | (_WIDE_SEED if _wide(dataset.seed) else 0)
+    )
+
+
+def _wide(seed: int) -> bool:
+    """Whether ``seed`` is outside [0, 2**32), where earlier versions' orders differ."""
+    return not 0 <= seed < 1 << 32
 
 
 class _Hints:
