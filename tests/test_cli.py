@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import torch
 
@@ -117,33 +118,47 @@ def test_ls_loads_neither_torch_nor_ray(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
 
 
-def test_export_to_a_directory_or_a_full_disk_is_a_clear_error_and_leaves_no_temp_file(tmp_path, capsys, monkeypatch):
+def test_export_to_a_directory_or_a_full_disk_is_a_clear_error_and_leaves_no_temp_file(tmp_path, capsys):
     """``export ROOT existing_dir/`` failed in the final rename with a traceback and left a
-    temp file the size of the whole model beside it; a full disk left a partial one."""
+    temp file the size of the whole model beside it; a full disk left a partial one (and
+    torch's own file writer raised its ENOSPC as a RuntimeError, past the CLI's errors)."""
+    import os
+    import shutil
+
+    import pytest
+
     root = str(tmp_path / "root")
     with Checkpointer(root, staging_dir=str(tmp_path / "s")) as ckpt:
-        ckpt.save(1, {"model": torch.nn.Linear(8, 8)})
+        ckpt.save(1, {"model": torch.nn.Linear(256, 256)})  # 257 KiB: more than the small disk below
         ckpt.wait()
     out_dir = tmp_path / "out"
     out_dir.mkdir()
     code, _, err = _run(capsys, "export", root, str(out_dir))
     assert code == 2 and "is a directory" in err and "model.pt" in err, err
     assert list(out_dir.iterdir()) == [] and not list(tmp_path.glob(".out.tmp-*"))
-    import errno
-
-    from ray_goodput.checkpoint.restore import _export
-
-    def disk_fills(state, path):  # torch.save's first bytes land, then the disk is full
-        with open(path, "wb") as f:
-            f.write(b"x" * 4096)
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    monkeypatch.setattr(_export.torch, "save", disk_fills)
-    code, _, err = _run(capsys, "export", root, str(out_dir / "model.pt"))
-    assert code == 2 and "could not write" in err and "No space left" in err, err
-    assert list(out_dir.iterdir()) == []
-    monkeypatch.undo()
     assert _run(capsys, "export", root, str(out_dir / "model.pt"))[0] == 0
+    # A real full disk: a 64 KiB tmpfs, mounted in a user namespace of its own.
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        pytest.skip("the full-disk half needs unshare (util-linux) to mount a small tmpfs")
+    probe = subprocess.run([unshare, "--user", "--map-root-user", "--mount", "true"], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip(f"the full-disk half needs user namespaces (unshare: {probe.stderr.decode()[:200]})")
+    small = tmp_path / "small"
+    small.mkdir()
+    command = (
+        f"mount -t tmpfs -o size=64k none {small} && {sys.executable} -m ray_goodput.cli export {root} "
+        f"{small}/model.pt; echo exit=$?; ls -A {small}"
+    )
+    done = subprocess.run(
+        [unshare, "--user", "--map-root-user", "--mount", "sh", "-c", command],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+    )
+    assert done.stdout.split() == ["exit=2"], (done.stdout, done.stderr[-2000:])  # and nothing left in it
+    assert "could not write" in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]
 
 
 def test_status_without_a_cluster_says_so_instead_of_a_traceback(capsys, monkeypatch):

@@ -11,6 +11,7 @@ state are left out (they are pickled objects of the user's classes).
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -107,8 +108,12 @@ def export_torch_save(uri: str, step: int | None, out: str | os.PathLike, *, opt
         out.parent.mkdir(parents=True, exist_ok=True)
         torch.save(state, tmp)
         os.replace(tmp, out)  # never leave a half-written file under the final name
-    except OSError as exc:
-        raise StorageError(f"could not write {out}: {exc}; free space there or choose another path") from exc
+    except (OSError, RuntimeError) as exc:  # torch's zip writer reports a full disk as a RuntimeError
+        free = shutil.disk_usage(out.parent).free if out.parent.is_dir() else None
+        raise StorageError(
+            f"could not write {out} ({free} bytes free there): {type(exc).__name__}: {exc}; "
+            "free space there or choose another path"
+        ) from exc
     finally:
         tmp.unlink(missing_ok=True)  # the whole model's size, if the write failed
     return out
