@@ -105,6 +105,34 @@ def test_verify_of_a_step_whose_commit_vanishes_meanwhile_neither_calls_it_damag
     assert not (tmp_path / "root/checkpoints/step-000000010/QUARANTINED").exists()
 
 
+def test_verify_of_a_step_removed_while_its_files_were_checked_does_not_quarantine_it(tmp_path, capsys, monkeypatch):
+    """The likelier race: checksumming takes long, and retention (or a new generation's
+    commit of the step) removes or rewrites its files after the manifest was read; verify
+    found them missing, exited 1 and wrote QUARANTINED into a directory being deleted or
+    recommitted. The commit is read again before anything is called damaged."""
+    import shutil
+
+    from ray_goodput.cli import _checkpoints
+
+    root = str(tmp_path / "root")
+    with Checkpointer(root, staging_dir=str(tmp_path / "s"), keep_last=5) as ckpt:
+        for step in (5, 10):
+            ckpt.save(step, {"model": torch.nn.Linear(8, 8)})
+            ckpt.wait()
+    check = _checkpoints.verify
+    step_dir = tmp_path / "root/checkpoints/step-000000010"
+
+    def retention_meanwhile(loc, manifest, **kwargs):
+        if loc.uri.endswith("010"):
+            shutil.rmtree(step_dir)  # retention deletes the step while its files are checked
+        return check(loc, manifest, **kwargs)
+
+    monkeypatch.setattr(_checkpoints, "verify", retention_meanwhile)
+    code, out, _ = _run(capsys, "verify", root)
+    assert code == 0 and "step 5: ok" in out and "step 10: removed while verify ran" in out, out
+    assert not step_dir.exists()  # no QUARANTINED record recreated it
+
+
 def test_ls_loads_neither_torch_nor_ray(tmp_path):
     """The docs promise it (a listing should not wait seconds for imports); the module that
     holds ``ls`` imported torch and DCP for ``export``."""

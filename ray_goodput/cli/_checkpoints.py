@@ -7,9 +7,9 @@ import argparse
 import sys
 import time
 
-from ray_goodput.checkpoint import list_checkpoints, quarantine, read_manifest, step_location, verify
+from ray_goodput.checkpoint import Manifest, list_checkpoints, quarantine, read_manifest, step_location, verify
 from ray_goodput.errors import CheckpointCorruptError, StorageError
-from ray_goodput.storage import resolve
+from ray_goodput.storage import StorageLocation, resolve
 
 
 def _out(line: str = "") -> None:
@@ -76,6 +76,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
             _out(f"step {info.step}: could not be checked: {exc}")
             unchecked += 1
             continue
+        if problems and info.committed and _replaced(loc, manifest):
+            # Checking takes long: retention removed the step, or a newer generation
+            # committed it again, meanwhile. Nothing to judge; a record would condemn that commit.
+            _out(f"step {info.step}: removed while verify ran (retention, or a new commit of it); not checked")
+            continue
         quarantined = bool(problems) and info.committed
         if quarantined:
             quarantine(loc, manifest, "; ".join(problems[:5]))
@@ -87,3 +92,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if not infos:
         _out(f"no committed checkpoints under {args.uri}")
     return 1 if damaged else 2 if unchecked else 0
+
+
+def _replaced(loc: StorageLocation, manifest: Manifest | None) -> bool:
+    """Whether the step's commit is gone, or is another one, since ``manifest`` was read."""
+    try:
+        now = read_manifest(loc)
+    except (CheckpointCorruptError, StorageError):
+        return False  # cannot tell: judge what was read
+    return now is None or manifest is None or now.digest != manifest.digest
