@@ -361,3 +361,9 @@ def test_rounding_the_interval_to_whole_steps_never_takes_it_below_the_upload():
         auto.observe_durable(8.01)
     assert auto.optimal_interval_s() == pytest.approx(8.0)
     assert auto.proposal() * auto.step_s >= auto.durable_s - auto.save_s
+    instant = AutoInterval(world_size=8, mtbf_hours=200 / 3600, warmup_steps=10)
+    for _ in range(5):  # a save that blocks for no measurable time
+        instant.observe_step(6.0)
+        instant.observe_save(0.0)
+        instant.observe_durable(8.0)
+    assert instant.proposal() * instant.step_s >= instant.durable_s

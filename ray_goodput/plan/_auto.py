@@ -87,21 +87,26 @@ class AutoInterval:
     def save_s(self) -> float | None:
         return statistics.median(self._saves) if self._saves else None
 
-    def optimal_interval_s(self) -> float | None:
-        """Daly's optimum in compute seconds from this rank's measurements, never below the
-        measured upload (time to durable less the blocking); None before any save."""
+    def _costs(self) -> tuple[float, float | None] | None:
+        """(save blocking, time to durable) as the formulas take them; None before any save."""
         if self.save_s is None:
             return None
         save = max(self.save_s, 1e-6)
-        durable = None if self.durable_s is None else max(self.durable_s, save)
-        return f.optimal_interval_s(save, self.mtbf_s, durable_s=durable)
+        return save, None if self.durable_s is None else max(self.durable_s, save)
+
+    def optimal_interval_s(self) -> float | None:
+        """Daly's optimum in compute seconds from this rank's measurements, never below the
+        measured upload (time to durable less the blocking); None before any save."""
+        costs = self._costs()
+        return None if costs is None else f.optimal_interval_s(costs[0], self.mtbf_s, durable_s=costs[1])
 
     def proposal(self) -> int:
         """This rank's interval in steps; the interval in force until both costs are measured."""
         seconds, step = self.optimal_interval_s(), self.step_s
         if seconds is None or not step:
             return self._steps_in_force
-        upload = 0.0 if self.durable_s is None else max(0.0, self.durable_s - (self.save_s or 0.0))
+        save, durable = self._costs()  # as optimal_interval_s took them: its floor is this upload
+        upload = 0.0 if durable is None else durable - save
         steps = f.interval_steps(seconds, step, at_least_s=upload)
         near = abs(steps - self._steps_in_force) <= self.min_change * self._steps_in_force
         if near and self._steps_in_force * step >= upload:  # never kept below the upload either
