@@ -237,3 +237,36 @@ def _hold_lock_downloading(path: str, part: str, locked, seconds: float) -> None
             f.flush()
             time.sleep(0.2)
     os.unlink(part)
+
+
+def test_threads_reading_at_once_share_one_journal_file(tmp_path):
+    # Readers of a process share one journal writer, set up at its first use: threads that
+    # read for the first time at once each opened a journal file (one descriptor leaked,
+    # one finalizer each), and one could write through the descriptor before it was set.
+    import sys
+    import threading
+
+    from ray_goodput.data import _journal
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads switch inside the first use, as on a loaded machine
+    try:
+        for round_ in range(20):
+            directory = tmp_path / f"j{round_}"
+            writer = _journal.journal_writer(directory)
+            start = threading.Barrier(8)
+
+            def first_read(w=writer, b=start):
+                b.wait()
+                w.miss(("k", 1, 0.1))
+
+            threads = [threading.Thread(target=first_read) for _ in range(8)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(30)
+            files = list(directory.glob(f"{os.getpid()}-*.log"))
+            assert len(files) == 1, (round_, files)
+            assert files[0].read_text().count("f k 1") == 8, files[0].read_text()
+    finally:
+        sys.setswitchinterval(old)

@@ -25,7 +25,15 @@ FLUSH_INTERVAL_S = 1.0
 
 
 _writers: dict[Path, JournalWriter] = {}
-_writers_lock = threading.Lock()
+_writers_lock = threading.Lock()  # the registry, and each writer's first use in a process
+
+
+def _after_fork_in_child() -> None:
+    global _writers_lock  # noqa: PLW0603 - a forked child needs a lock no thread of the parent holds
+    _writers_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def journal_writer(directory: Path) -> JournalWriter:
@@ -55,15 +63,18 @@ class JournalWriter:
     def _ensure_open(self) -> None:
         if self._pid == os.getpid():
             return
-        # First use in this process (forked DataLoader workers inherit a copy): own file.
-        self._lock = threading.Lock()  # a fork may have copied it held
-        self._reset()
-        self._pid = os.getpid()
-        self._dir.mkdir(parents=True, exist_ok=True)
-        path = self._dir / f"{self._pid}-{uuid.uuid4().hex[:8]}.log"
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        # multiprocessing children skip atexit but run these finalizers on exit.
-        mp_util.Finalize(self, JournalWriter.flush, args=(self,), exitpriority=10)
+        with _writers_lock:  # threads of a process reading for the first time at once: one file
+            if self._pid == os.getpid():
+                return
+            # First use in this process (forked DataLoader workers inherit a copy): own file.
+            self._lock = threading.Lock()  # a fork may have copied it held
+            self._reset()
+            self._dir.mkdir(parents=True, exist_ok=True)
+            path = self._dir / f"{os.getpid()}-{uuid.uuid4().hex[:8]}.log"
+            self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            # multiprocessing children skip atexit but run these finalizers on exit.
+            mp_util.Finalize(self, JournalWriter.flush, args=(self,), exitpriority=10)
+            self._pid = os.getpid()  # last: a thread that sees it sees the file open
 
     def hit(self) -> None:
         self._ensure_open()
