@@ -179,6 +179,32 @@ def test_trainer_merges_callbacks_into_run_config_and_recovery_none_turns_it_off
         assert len(hooks) == 1 and hooks[0].goodput is goodput
 
 
+def test_a_restore_later_in_the_attempt_chooses_for_itself_not_by_the_drivers_old_decision(tmp_path):
+    """The driver's decision is for the attempt's resume. It stayed installed in the worker
+    process, so a later restore (a rollback after a loss spike, a new Checkpointer on the
+    same root) reloaded the attempt's starting point, or, with "start fresh", loaded
+    nothing at all and left the diverged weights in place."""
+    from ray_goodput import Checkpointer
+
+    root = str(tmp_path / "root")
+    model = torch.nn.Linear(4, 4)
+    _resume.set_decision(_resume.ResumeDecision(attempt=2, step=None, root_key=_resume.root_key(root)))
+    try:
+        with Checkpointer(root, uploader="thread") as ckpt:
+            assert ckpt.restore({"model": model}) is None  # the decision: start fresh
+            ckpt.save(1, {"model": model})
+            ckpt.wait()
+            saved = model.weight.detach().clone()
+            with torch.no_grad():
+                model.weight.add_(1.0)  # diverged
+            assert ckpt.restore({"model": model}) == 1  # the rollback finds the step saved since
+            assert torch.equal(model.weight, saved)
+        with Checkpointer(root, uploader="thread") as again:  # a new one in the same process
+            assert again.restore({"model": model}) == 1
+    finally:
+        _resume.set_decision(None)
+
+
 def test_decision_for_another_root_is_ignored(tmp_path):
     _resume.set_decision(_resume.ResumeDecision(attempt=2, step=7, root_key=_resume.root_key(str(tmp_path / "a"))))
     try:

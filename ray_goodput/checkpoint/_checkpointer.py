@@ -46,7 +46,7 @@ from ray_goodput.checkpoint.uploader._thread_backend import ThreadBackend
 from ray_goodput.errors import CheckpointError, ConfigError
 from ray_goodput.goodput import get_recorder
 from ray_goodput.runtime import WorkerContext, ray_initialized
-from ray_goodput.runtime._resume import is_restart, restore_upload_wait_s, resume_decision
+from ray_goodput.runtime._resume import is_restart, restore_upload_wait_s, take_decision
 from ray_goodput.storage import RetryPolicy
 
 logger = logging.getLogger(__name__)
@@ -406,7 +406,9 @@ class Checkpointer:
         if self.stats.saves:  # none yet (every rank alike: saves are collective): nothing to settle
             self.wait()  # collective: called on every rank, whatever each one has pending
         t0 = time.time()
-        decision = resume_decision(self.root)
+        # The driver's decision is for the attempt's resume: the first restore of the process,
+        # before any save of it (a later one is a rollback, and may find newer checkpoints).
+        decision = take_decision(self.root) if not self.stats.saves else None
         if decision is not None and decision.step is None:
             self._restored(None, t0)
             return None

@@ -23,6 +23,7 @@ logger = logging.getLogger(__name__)
 
 _lock = threading.Lock()
 _decision: ResumeDecision | None = None
+_decision_taken = False  # a restore of this process loaded it: later ones choose for themselves
 _restart = False
 _upload_wait: tuple[str, float] | None = None  # (root key, seconds), from the driver's Recovery
 _upload_wait_cap: float | None = None  # this process's own bound (replica mode)
@@ -58,9 +59,9 @@ def set_decision(
     attempt's uploads (see :func:`restore_upload_wait_s`). ``restart``: this process runs
     a later attempt of the run (or a replaced replica), not its first start (see
     :func:`is_restart`)."""
-    global _decision, _upload_wait, _restart  # noqa: PLW0603 - one decision per worker process, set by the driver
+    global _decision, _decision_taken, _upload_wait, _restart  # noqa: PLW0603 - one per worker process, set by the driver
     with _lock:
-        _decision = decision
+        _decision, _decision_taken = decision, False
         _upload_wait = upload_wait
         _restart = restart
     if decision is not None:
@@ -94,6 +95,20 @@ def cap_restore_upload_wait(at_most: float | None) -> None:
     global _upload_wait_cap  # noqa: PLW0603 - the process's bound, beside the driver's
     with _lock:
         _upload_wait_cap = at_most
+
+
+def take_decision(root: str | StorageLocation) -> ResumeDecision | None:
+    """The driver's decision for the resume of this attempt under ``root``, once: the first
+    restore of the process that asks takes it; later ones (a rollback, another
+    Checkpointer) get None and choose for themselves, as checkpoints may have been
+    committed since."""
+    global _decision_taken  # noqa: PLW0603 - one decision per worker process
+    decision = resume_decision(root)
+    with _lock:
+        if decision is None or _decision_taken or decision is not _decision:
+            return None
+        _decision_taken = True
+    return decision
 
 
 def resume_decision(root: str | StorageLocation | None = None) -> ResumeDecision | None:
