@@ -205,6 +205,28 @@ def test_a_restore_later_in_the_attempt_chooses_for_itself_not_by_the_drivers_ol
         _resume.set_decision(None)
 
 
+def test_a_decided_step_pruned_before_the_restore_fails_the_attempt_instead_of_starting_fresh(tmp_path):
+    """The driver chose step 20; before the restore read it, a dead attempt's late
+    retention (after it committed 30) pruned 20 and everything older. Only a pick lost
+    during the load refused to start fresh: this one found nothing at or below 20 and the
+    run trained again from step 0. The attempt now fails, and the restart's new decision
+    takes what storage holds (30)."""
+    from ray_goodput import Checkpointer, CheckpointError
+
+    root = str(tmp_path / "root")
+    model = torch.nn.Linear(4, 4)
+    with Checkpointer(root, uploader="thread") as ckpt:
+        ckpt.save(30, {"model": model})
+    _resume.set_decision(_resume.ResumeDecision(attempt=2, step=20, root_key=_resume.root_key(root)))
+    try:
+        with Checkpointer(root, uploader="thread") as ckpt, pytest.raises(CheckpointError, match="step 20"):
+            ckpt.restore({"model": model})
+    finally:
+        _resume.set_decision(None)
+    with Checkpointer(root, uploader="thread") as ckpt:
+        assert ckpt.restore({"model": model}) == 30
+
+
 def test_decision_for_another_root_is_ignored(tmp_path):
     _resume.set_decision(_resume.ResumeDecision(attempt=2, step=7, root_key=_resume.root_key(str(tmp_path / "a"))))
     try:
