@@ -225,6 +225,21 @@ def test_a_decided_step_pruned_before_the_restore_fails_the_attempt_instead_of_s
         _resume.set_decision(None)
     with Checkpointer(root, uploader="thread") as ckpt:
         assert ckpt.restore({"model": model}) == 30
+    # A decided step found damaged, with nothing older, still starts fresh: it is there, and
+    # a restart would choose it again (no failure charged for it).
+    other = str(tmp_path / "other")
+    with Checkpointer(other, uploader="thread") as ckpt:
+        ckpt.save(20, {"model": model})
+    (shard,) = (tmp_path / "other/checkpoints/step-000000020").glob("__0_*.distcp")
+    data = bytearray(shard.read_bytes())
+    data[100] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    _resume.set_decision(_resume.ResumeDecision(attempt=2, step=20, root_key=_resume.root_key(other)))
+    try:
+        with Checkpointer(other, uploader="thread", verify_checksums=True) as ckpt:
+            assert ckpt.restore({"model": model}) is None
+    finally:
+        _resume.set_decision(None)
 
 
 def test_decision_for_another_root_is_ignored(tmp_path):

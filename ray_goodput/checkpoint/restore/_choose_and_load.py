@@ -48,7 +48,7 @@ def choose_and_load(
     0's hints the choice). Raises StateMismatchError when ``state`` does not fit (no other
     checkpoint would), the load's own error when it failed for another reason, and
     CheckpointError when picks kept leaving storage, or the driver's ``step`` and every
-    intact one below it are gone (never a fresh start for want of them).
+    intact one below it are gone (``choose``: never a fresh start for want of them).
     """
     before: tuple[int, int] | None = None
     gone = 0
@@ -62,12 +62,6 @@ def choose_and_load(
                 "the checkpoint chosen to restore left storage while it was loaded, and none is "
                 "left to fall back to within this attempt's bounds; restart the attempt (a new "
                 "restore chooses among the commits made since)"
-            )
-        if manifest is None and step is not None:  # it was committed when the driver chose it
-            raise CheckpointError(
-                f"the checkpoint the driver chose to resume from (step {step}) is no longer in storage, nor "
-                "an intact one below it (pruned by a dead attempt's late retention, or damaged); this "
-                "attempt fails so that the restart's new decision takes what storage holds now"
             )
         if manifest is None:
             return None

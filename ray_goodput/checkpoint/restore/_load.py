@@ -379,13 +379,16 @@ def choose(
     root: StorageLocation, *, step: int | None, before: tuple[int, int] | None, checksums: bool, hint: int | None = None
 ) -> Manifest | None:
     """Rank 0's pick: exactly ``step`` when the driver decided one (or, when that one is
-    damaged, the newest intact checkpoint below it, never a newer one); else the newest
-    intact committed checkpoint below ``before``. ``hint``: the step the pick likely is
+    damaged, the newest intact checkpoint below it, never a newer one; CheckpointError when
+    it is gone from storage and nothing intact is below it); else the newest intact
+    committed checkpoint below ``before``. ``hint``: the step the pick likely is
     (its commit is read beside the listing, see ``_catalog.newest_valid``)."""
+    gone = False  # the driver's step has no commit any more (not: found damaged)
     if step is not None and before is None:
         loc = _catalog.step_location(root, step)
         try:  # the commit and the size check's listing side by side (a restart's usual path)
             manifest, present = _catalog.read_beside_listing(loc)
+            gone = manifest is None
         except CheckpointCorruptError as exc:
             manifest, present = None, {}
             _catalog.quarantine_damaged(loc, None, str(exc))
@@ -407,4 +410,10 @@ def choose(
         hint=hint,
         max_step=(step if before is not None else step - 1) if step is not None else None,
     )
+    if found is None and gone:  # committed when the driver chose it: never a fresh start for want of it
+        raise CheckpointError(
+            f"the checkpoint the driver chose to resume from (step {step}) is no longer in storage, nor an "
+            "intact one below it (a dead attempt's late retention pruned them); this attempt fails so that "
+            "the restart's new decision takes what storage holds now"
+        )
     return found[1] if found else None
