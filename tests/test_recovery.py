@@ -242,6 +242,31 @@ def test_a_decided_step_pruned_before_the_restore_fails_the_attempt_instead_of_s
         _resume.set_decision(None)
 
 
+def test_a_step_saved_again_after_a_rollback_gets_a_save_id_of_its_own(tmp_path):
+    """Save ids were made of the generation, a token and the step, unique because "steps
+    only grow"; a restore to an older step sets them back, and the step saved again took
+    the id of its earlier save: a rank's marker left by that save (its shard durable, the
+    save failed on another rank) counted for the new one, committing a mix of both."""
+    import json
+    import shutil
+
+    from ray_goodput import Checkpointer
+
+    root = str(tmp_path / "root")
+    model = torch.nn.Linear(4, 4)
+    commit = tmp_path / "root/checkpoints/step-000000006/COMMITTED"
+    with Checkpointer(root, uploader="thread", keep_last=5) as ckpt:
+        ckpt.save(5, {"model": model})
+        ckpt.save(6, {"model": model})
+        ckpt.wait()
+        first = json.loads(commit.read_text())["nonce"]
+        shutil.rmtree(commit.parent)  # step 6 did not commit after all
+        assert ckpt.restore({"model": model}) == 5  # the rollback
+        ckpt.save(6, {"model": model})
+        ckpt.wait()
+    assert json.loads(commit.read_text())["nonce"] != first
+
+
 def test_decision_for_another_root_is_ignored(tmp_path):
     _resume.set_decision(_resume.ResumeDecision(attempt=2, step=7, root_key=_resume.root_key(str(tmp_path / "a"))))
     try:

@@ -310,8 +310,8 @@ class Checkpointer:
             self._resolve(block=False)  # a count: every rank syncs at the same save
         generation = self._ensure_generation()
         rank, world_size = self.rank, self.world_size
-        # Unique without a collective: a generation is claimed once per Checkpointer and
-        # its steps only grow.
+        # Unique without a collective: a generation is claimed once per Checkpointer, its
+        # steps only grow, and a restore that sets them back draws a new token.
         save_id = _layout.save_id(generation, f"{self._token}{step:x}")
         job = functools.partial(
             ShardJob,
@@ -405,6 +405,10 @@ class Checkpointer:
         self._arenas.stop_watching_steps()  # its made-up steps are not the optimizers' first
         if self.stats.saves:  # none yet (every rank alike: saves are collective): nothing to settle
             self.wait()  # collective: called on every rank, whatever each one has pending
+            # A rollback sets the steps back: the steps saved again must not take their
+            # earlier saves' ids (a rank's marker of such a save would count for the new
+            # one). The same new token on every rank, with no collective.
+            self._token = hashlib.blake2b(f"{self._token}/rolled-back".encode(), digest_size=4).hexdigest()
         t0 = time.time()
         # The driver's decision is for the attempt's resume: the first restore of the process,
         # before any save of it (a later one is a rollback, and may find newer checkpoints).
