@@ -203,6 +203,16 @@ def test_a_restore_later_in_the_attempt_chooses_for_itself_not_by_the_drivers_ol
             assert again.restore({"model": model}) == 1
     finally:
         _resume.set_decision(None)
+    # A process that saved through one Checkpointer and restores through another: a
+    # rollback too, not the attempt's resume.
+    _resume.set_decision(_resume.ResumeDecision(attempt=3, step=None, root_key=_resume.root_key(root)))
+    try:
+        with Checkpointer(root, uploader="thread") as saver:
+            saver.save(2, {"model": model})
+        with Checkpointer(root, uploader="thread") as other:
+            assert other.restore({"model": model}) == 2
+    finally:
+        _resume.set_decision(None)
 
 
 def test_a_decided_step_pruned_before_the_restore_fails_the_attempt_instead_of_starting_fresh(tmp_path):

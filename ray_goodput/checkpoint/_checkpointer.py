@@ -46,7 +46,7 @@ from ray_goodput.checkpoint.uploader._thread_backend import ThreadBackend
 from ray_goodput.errors import CheckpointError, ConfigError
 from ray_goodput.goodput import get_recorder
 from ray_goodput.runtime import WorkerContext, ray_initialized
-from ray_goodput.runtime._resume import is_restart, restore_upload_wait_s, take_decision
+from ray_goodput.runtime._resume import is_restart, restore_upload_wait_s, spend_decision, take_decision
 from ray_goodput.storage import RetryPolicy
 
 logger = logging.getLogger(__name__)
@@ -309,6 +309,7 @@ class Checkpointer:
         if self._sync_next:
             self._resolve(block=False)  # a count: every rank syncs at the same save
         generation = self._ensure_generation()
+        spend_decision()  # a restore after this is a rollback: it chooses for itself
         rank, world_size = self.rank, self.world_size
         # Unique without a collective: a generation is claimed once per Checkpointer, its
         # steps only grow, and a restore that sets them back draws a new token.
@@ -411,8 +412,8 @@ class Checkpointer:
             self._token = hashlib.blake2b(f"{self._token}/rolled-back".encode(), digest_size=4).hexdigest()
         t0 = time.time()
         # The driver's decision is for the attempt's resume: the first restore of the process,
-        # before any save of it (a later one is a rollback, and may find newer checkpoints).
-        decision = take_decision(self.root) if not self.stats.saves else None
+        # before any save of it, by any Checkpointer (later, a rollback may find newer ones).
+        decision = take_decision(self.root)
         if decision is not None and decision.step is None:
             self._restored(None, t0)
             return None

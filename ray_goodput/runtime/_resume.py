@@ -99,9 +99,9 @@ def cap_restore_upload_wait(at_most: float | None) -> None:
 
 def take_decision(root: str | StorageLocation) -> ResumeDecision | None:
     """The driver's decision for the resume of this attempt under ``root``, once: the first
-    restore of the process that asks takes it; later ones (a rollback, another
-    Checkpointer) get None and choose for themselves, as checkpoints may have been
-    committed since."""
+    restore of the process, before it saved (``spend_decision``), takes it; later ones (a
+    rollback, another Checkpointer) get None and choose for themselves, as checkpoints may
+    have been committed since."""
     global _decision_taken  # noqa: PLW0603 - one decision per worker process
     decision = resume_decision(root)
     with _lock:
@@ -109,6 +109,14 @@ def take_decision(root: str | StorageLocation) -> ResumeDecision | None:
             return None
         _decision_taken = True
     return decision
+
+
+def spend_decision() -> None:
+    """This process saved: a restore from now on is a rollback, which chooses for itself
+    (the decision was for the attempt's resume, and checkpoints may be newer now)."""
+    global _decision_taken  # noqa: PLW0603 - one decision per worker process
+    with _lock:
+        _decision_taken = True
 
 
 def resume_decision(root: str | StorageLocation | None = None) -> ResumeDecision | None:
