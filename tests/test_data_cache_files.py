@@ -190,7 +190,8 @@ def test_a_loader_worker_that_exits_abruptly_still_reports_what_it_fetched(tmp_p
 def test_a_fetch_waits_past_the_bound_while_the_lock_holder_makes_progress(tmp_path):
     # The bound was on the whole wait: readers of a large file whose healthy download took
     # longer than the bound raised, telling the user to end a process that was working.
-    # It is now a bound on the holder making no progress (its download's size unchanged).
+    # It is now a bound on the holder making no progress: a downloader touches its lock file
+    # as chunks arrive (of this file, or of another of the stripe), as the holder here does.
     import multiprocessing
     import time
 
@@ -203,11 +204,9 @@ def test_a_fetch_waits_past_the_bound_while_the_lock_holder_makes_progress(tmp_p
     layout = CacheLayout.of(cfg)
     layout.create()
     key = ds.files.cache_key(0)
-    part = layout.data_path(key).with_name(f".{key}.part-424242-0")
-    part.parent.mkdir(parents=True, exist_ok=True)
     ctx = multiprocessing.get_context("spawn")
     locked = ctx.Event()
-    holder = ctx.Process(target=_hold_lock_downloading, args=(str(layout.lock_path(key)), str(part), locked, 3.0))
+    holder = ctx.Process(target=_hold_lock_downloading, args=(str(layout.lock_path(key)), locked, 3.0))
     holder.start()
     try:
         assert locked.wait(60), "the holder process never took the lock"
@@ -223,7 +222,7 @@ def test_a_fetch_waits_past_the_bound_while_the_lock_holder_makes_progress(tmp_p
             holder.kill()
 
 
-def _hold_lock_downloading(path: str, part: str, locked, seconds: float) -> None:
+def _hold_lock_downloading(path: str, locked, seconds: float) -> None:
     import fcntl
     import time
 
@@ -231,12 +230,30 @@ def _hold_lock_downloading(path: str, part: str, locked, seconds: float) -> None
     fcntl.flock(fd, fcntl.LOCK_EX)
     locked.set()
     end = time.monotonic() + seconds
-    with open(part, "wb") as f:
-        while time.monotonic() < end:  # a slow download, still moving
-            f.write(b"x" * 1024)
-            f.flush()
-            time.sleep(0.2)
-    os.unlink(part)
+    while time.monotonic() < end:  # a slow download, still moving: the library's _Beat
+        os.utime(path)
+        time.sleep(0.2)
+
+
+def test_a_download_touches_its_lock_file_for_the_processes_waiting_for_it(tmp_path):
+    import time
+
+    from ray_goodput.data import _cache_files
+    from ray_goodput.storage import RetryPolicy
+
+    src = _source(tmp_path, {"a.bin": 100})
+    cfg = CacheConfig(directory=str(tmp_path / "cache"), capacity_bytes=1 << 20)
+    ds = FileDataset(src, cache=cfg)
+    layout = CacheLayout.of(cfg)
+    layout.create()
+    key = ds.files.cache_key(0)
+    lock = layout.lock_path(key)
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    lock.touch()
+    long_ago = time.time() - 3600
+    os.utime(lock, (long_ago, long_ago))
+    _cache_files.fetch(layout, key, ds.files.fs, ds.files.paths[0], max_bytes=1 << 20, policy=RetryPolicy())
+    assert lock.stat().st_mtime > long_ago + 3000
 
 
 def test_threads_reading_at_once_share_one_journal_file(tmp_path):

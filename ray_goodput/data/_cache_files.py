@@ -3,7 +3,7 @@
 Any process of the node (the NodeCache actor, training processes, DataLoader workers)
 computes a file's cache path from its identity alone, so a hit is ``open()`` with no actor
 call. A miss fetches under its key's ``flock`` (one of 4096 lock stripes: single flight
-across processes and threads; a wait for it is bounded while the download does not move)
+across processes and threads; a wait for it is bounded while no download under it moves)
 into a temp name, then ``os.replace`` (the final name only ever holds a complete file).
 Readers report hits, misses and fetches in an append-only journal the actor tails,
 because DataLoader workers cannot make Ray calls.
@@ -19,15 +19,15 @@ Layout under ``root``::
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
-import functools
 import hashlib
 import itertools
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,12 +40,13 @@ from ray_goodput.errors import CacheFullError, CacheLockTimeoutError, FileLarger
 from ray_goodput.storage import RetryPolicy, copy_stream
 
 LOCK_STRIPES = 4096
-#: How long a fetch waits for its key's lock, held by another process's download of the
-#: same file, while that download makes no progress (its size does not change), before it
-#: raises; a download that moves resets the wait.
+#: How long a fetch waits for its key's lock while the download under it makes no
+#: progress, before it raises. The downloader touches the lock file as its chunks arrive
+#: (at most once a second, ``_Beat``), so a download that moves, of this file or of
+#: another of its lock stripe, resets the wait.
 LOCK_WAIT_S = 600.0
-#: How often a waiter looks at the holder's download for progress.
-_PROGRESS_LOOK_S = 1.0
+#: How often a downloader touches its lock file, and a waiter looks at it.
+_BEAT_S = 1.0
 _tmp_counter = itertools.count()
 
 
@@ -137,13 +138,11 @@ def _holder(fd: int) -> str:
     return "an unknown process"
 
 
-def _acquire(fd: int, path: Path, wait_s: float, what: str, progress: Callable[[], object] | None) -> None:
+def _acquire(fd: int, path: Path, wait_s: float, what: str) -> None:
     """``flock(fd, LOCK_EX)``, polled; raises CacheLockTimeoutError naming ``path``, its
-    holder and ``what`` waited once ``wait_s`` seconds passed with no change in
-    ``progress()`` (the holder's download; None: any wait of ``wait_s``)."""
-    now = time.monotonic()
-    deadline, next_look = now + wait_s, now + _PROGRESS_LOOK_S
-    seen = progress() if progress is not None else None
+    holder and ``what`` waited once ``wait_s`` seconds passed with the lock file untouched
+    (the holder's download made no progress: ``_Beat``)."""
+    deadline = seen = None
     pause = 0.001
     while True:
         try:
@@ -151,46 +150,46 @@ def _acquire(fd: int, path: Path, wait_s: float, what: str, progress: Callable[[
             return
         except BlockingIOError:
             pass
-        now = time.monotonic()
-        if progress is not None and now >= next_look:
-            next_look, current = now + _PROGRESS_LOOK_S, progress()
-            if current != seen:  # the holder's download moved
-                seen, deadline = current, now + wait_s
-        if now >= deadline:
+        now, touched = time.monotonic(), os.fstat(fd).st_mtime_ns
+        if touched != seen:  # first look, or the holder's download moved
+            seen, deadline = touched, now + wait_s
+        elif now >= deadline:
             raise CacheLockTimeoutError(
                 f"{what or 'the node cache'} waited {wait_s:.0f} s for the cache lock {path}, held by "
-                f"{_holder(fd)}, with no progress of its download of this file meanwhile: that process "
-                "is stuck (or downloading another file of its lock stripe); end it and read again"
+                f"{_holder(fd)}, whose download made no progress meanwhile: that process is stuck; end it "
+                "and read again"
             )
-        time.sleep(min(pause, deadline - now, next_look - now if progress is not None else pause))
+        time.sleep(min(pause, max(0.0, deadline - now)))
         pause = min(pause * 2, 0.05)
 
 
-def _download_sizes(dest: Path) -> tuple[int, ...]:
-    """The sizes of the downloads of ``dest`` in progress (``.<name>.part-*``)."""
-    sizes = []
-    for part in dest.parent.glob(f".{dest.name}.part-*"):
-        try:
-            sizes.append(part.stat().st_size)
-        except FileNotFoundError:  # renamed into place or removed meanwhile
-            continue
-    return tuple(sorted(sizes))
+class _Beat:
+    """A download's sign of progress to the processes waiting for its lock: it touches the
+    lock file at its first chunk and then at most every ``_BEAT_S``."""
+
+    def __init__(self, lock: Path) -> None:
+        self._lock, self._last = lock, -_BEAT_S
+
+    def __call__(self) -> None:
+        now = time.monotonic()
+        if now - self._last >= _BEAT_S:
+            self._last = now
+            with contextlib.suppress(OSError):  # a sign for waiters only
+                os.utime(self._lock)
 
 
 @contextmanager
-def flock(
-    path: Path, *, wait_s: float = LOCK_WAIT_S, what: str = "", progress: Callable[[], object] | None = None
-) -> Iterator[None]:
+def flock(path: Path, *, wait_s: float = LOCK_WAIT_S, what: str = "") -> Iterator[None]:
     """Hold an exclusive lock on the lock file ``path`` for the block (released by the
     kernel if this process dies): one key's fetch, or the removal of its cut copy. Waits
-    for it until ``wait_s`` pass with no change in ``progress()`` (None: at most
-    ``wait_s``), then raises CacheLockTimeoutError naming ``what`` waited."""
+    for it until ``wait_s`` pass with the lock file untouched (no download under it moved),
+    then raises CacheLockTimeoutError naming ``what`` waited."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with _fds_lock:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         _held_fds.add(fd)
     try:
-        _acquire(fd, path, wait_s, what, progress)
+        _acquire(fd, path, wait_s, what)
         yield
     finally:
         with _fds_lock:
@@ -198,10 +197,11 @@ def flock(
             os.close(fd)
 
 
-def _copy_in(fs: pafs.FileSystem, src: str, dest: Path, max_bytes: int, expected: int) -> int:
+def _copy_in(fs: pafs.FileSystem, src: str, dest: Path, max_bytes: int, expected: int, beat: _Beat) -> int:
     tmp = dest.with_name(f".{dest.name}.part-{os.getpid()}-{next(_tmp_counter)}")
 
     def check(size: int) -> None:
+        beat()
         if size > max_bytes:
             raise FileLargerThanCacheError(
                 f"{src} is larger than the cache capacity ({max_bytes} bytes); raise "
@@ -246,8 +246,8 @@ def fetch(
     Returns (bytes, seconds) when this call downloaded it, None when it was already
     there. ``expected`` (bytes, -1 unknown) is checked. Raises FileLargerThanCacheError
     or CacheFullError (a full disk; neither is retried), CacheLockTimeoutError (another
-    process held the key's lock, its download of the file not moving, for ``lock_wait_s``)
-    or StorageError naming ``src``.
+    process held the key's lock, its download not moving, for ``lock_wait_s``) or
+    StorageError naming ``src``.
     """
     dest = layout.data_path(key)
     if dest.exists():
@@ -258,11 +258,12 @@ def fetch(
             f"({max_bytes} bytes); raise CacheConfig.capacity_bytes or pass "
             "cache=None to read it uncached"
         )
-    progress = functools.partial(_download_sizes, dest)
-    with flock(layout.lock_path(key), wait_s=lock_wait_s, what=f"the fetch of {src}", progress=progress):
+    lock = layout.lock_path(key)
+    with flock(lock, wait_s=lock_wait_s, what=f"the fetch of {src}"):
         if dest.exists():  # another process fetched it while we waited for the lock
             return None
         dest.parent.mkdir(parents=True, exist_ok=True)
         start = time.monotonic()
-        size = policy.call(f"download of {src}", lambda: _copy_in(fs, src, dest, max_bytes, expected))
+        beat = _Beat(lock)
+        size = policy.call(f"download of {src}", lambda: _copy_in(fs, src, dest, max_bytes, expected, beat))
         return size, time.monotonic() - start
