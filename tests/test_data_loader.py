@@ -573,10 +573,14 @@ def test_a_state_saved_when_wide_seeds_were_cut_to_32_bits_is_refused_not_resume
     in the new order: samples repeated, others skipped."""
     for seed in (-1, 2**40 + 3):
         loader = DataLoader(FileDataset(str(files_dir), seed=seed, cache=None), 4, num_workers=0)
-        state = loader.state_dict()
+        state = {**loader.state_dict(), "consumed": 8}  # mid-epoch
         loader.load_state_dict(state)  # a state of this version resumes
         old = {**state, "fingerprint": state["fingerprint"] & ~(1 << 65)}  # as the earlier version saved it
         with pytest.raises(DataError, match="32 bits"):
             loader.load_state_dict(old)
+        loader.load_state_dict({**old, "consumed": 0})  # at an epoch's start: nothing read in the old order
+        plain = DataLoader(FileDataset(str(files_dir), seed=seed, shuffle=False, cache=None), 4, num_workers=0)
+        unshuffled = {**plain.state_dict(), "consumed": 8}
+        plain.load_state_dict({**unshuffled, "fingerprint": unshuffled["fingerprint"] & ~(1 << 65)})  # no seed used
     in_range = DataLoader(FileDataset(str(files_dir), seed=7, cache=None), 4, num_workers=0)
     in_range.load_state_dict(in_range.state_dict())  # its order never changed: no flag needed

@@ -239,7 +239,7 @@ class DataLoader(torch.utils.data.DataLoader):
                 f"loader state was saved with seed={int(state['seed'])} but the "
                 f"dataset has seed={s.dataset.seed}; use the same seed"
             )
-        if _wide(s.dataset.seed) and not saved & _WIDE_SEED:
+        if _wide(s.dataset.seed) and not saved & _WIDE_SEED and s.dataset.shuffle and int(state["consumed"]):
             raise DataError(
                 f"loader state was saved by an earlier ray_goodput, which shuffled with the low 32 bits "
                 f"of seed={s.dataset.seed} only; this version's order for that seed differs, so resuming "
