@@ -112,7 +112,7 @@ def export_torch_save(uri: str, step: int | None, out: str | os.PathLike, *, opt
         free = shutil.disk_usage(out.parent).free if out.parent.is_dir() else None
         raise StorageError(
             f"could not write {out} ({free} bytes free there): {type(exc).__name__}: {exc}; "
-            "free space there or choose another path"
+            "if that disk is full, free space there or choose another path"
         ) from exc
     finally:
         tmp.unlink(missing_ok=True)  # the whole model's size, if the write failed
