@@ -45,3 +45,20 @@ def stepped(model: torch.nn.Module) -> dict:
         param.grad = torch.zeros_like(param)
     optim.step()
     return {"model": model, "optim": optim}
+
+
+def unshare_or_skip(what: str) -> str:
+    """The ``unshare`` command, able to mount a small tmpfs in a user namespace of its own;
+    else the test skips, saying ``what`` needs it (util-linux missing, or user namespaces off)."""
+    import shutil
+    import subprocess
+
+    import pytest
+
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        pytest.skip(f"{what} needs unshare (util-linux) to mount a small tmpfs in a user namespace")
+    probe = subprocess.run([unshare, "--user", "--map-root-user", "--mount", "true"], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip(f"{what} needs user namespaces to mount a small tmpfs (unshare: {probe.stderr.decode()[:200]})")
+    return unshare

@@ -426,9 +426,10 @@ def test_a_snapshot_arena_with_no_room_on_its_filesystem_moves_or_refuses_instea
     a CheckpointError naming the fix. A move whose fallback is full too leaves no mapping
     of the old file behind: a later snapshot was copied there while its job read a new,
     empty file, and zeros were committed."""
-    import shutil
     import subprocess
     import sys
+
+    from tests._helpers import unshare_or_skip
 
     small, full, disk, ram = tmp_path / "small", tmp_path / "full", tmp_path / "disk", tmp_path / "ram"
     for d in (small, full, ram):
@@ -439,12 +440,7 @@ def test_a_snapshot_arena_with_no_room_on_its_filesystem_moves_or_refuses_instea
         f"mount -t tmpfs -o size=4m none {small} && mount -t tmpfs -o size=4m none {full} && "
         f"mount -t ramfs none {ram} && exec {sys.executable} {script} {small} {full} {disk} {ram}"
     )
-    unshare = shutil.which("unshare")
-    if unshare is None:
-        pytest.skip("needs unshare (util-linux) to mount a small tmpfs in a user namespace")
-    probe = subprocess.run([unshare, "--user", "--map-root-user", "--mount", "true"], capture_output=True)
-    if probe.returncode != 0:
-        pytest.skip(f"needs user namespaces to mount a small tmpfs (unshare: {probe.stderr.decode()[:200]})")
+    unshare = unshare_or_skip("this test")
     root = str(Path(__file__).resolve().parents[1])
     done = subprocess.run(
         [unshare, "--user", "--map-root-user", "--mount", "sh", "-c", mount],

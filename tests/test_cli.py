@@ -151,9 +151,8 @@ def test_export_to_a_directory_or_a_full_disk_is_a_clear_error_and_leaves_no_tem
     temp file the size of the whole model beside it; a full disk left a partial one (and
     torch's own file writer raised its ENOSPC as a RuntimeError, past the CLI's errors)."""
     import os
-    import shutil
 
-    import pytest
+    from tests._helpers import unshare_or_skip
 
     root = str(tmp_path / "root")
     with Checkpointer(root, staging_dir=str(tmp_path / "s")) as ckpt:
@@ -166,12 +165,7 @@ def test_export_to_a_directory_or_a_full_disk_is_a_clear_error_and_leaves_no_tem
     assert list(out_dir.iterdir()) == [] and not list(tmp_path.glob(".out.tmp-*"))
     assert _run(capsys, "export", root, str(out_dir / "model.pt"))[0] == 0
     # A real full disk: a 64 KiB tmpfs, mounted in a user namespace of its own.
-    unshare = shutil.which("unshare")
-    if unshare is None:
-        pytest.skip("the full-disk half needs unshare (util-linux) to mount a small tmpfs")
-    probe = subprocess.run([unshare, "--user", "--map-root-user", "--mount", "true"], capture_output=True)
-    if probe.returncode != 0:
-        pytest.skip(f"the full-disk half needs user namespaces (unshare: {probe.stderr.decode()[:200]})")
+    unshare = unshare_or_skip("the full-disk half")
     small = tmp_path / "small"
     small.mkdir()
     command = (

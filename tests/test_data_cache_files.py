@@ -21,19 +21,25 @@ def _source(tmp_path, sizes: dict[str, int]) -> str:
     return str(src)
 
 
+def _one_file(tmp_path, size: int) -> tuple[FileDataset, CacheLayout]:
+    """A source of one file, ``a.bin`` of ``size`` bytes, read through a node cache of 1 MiB
+    under ``tmp_path/cache`` (its directories made)."""
+    cfg = CacheConfig(directory=str(tmp_path / "cache"), capacity_bytes=1 << 20)
+    ds = FileDataset(_source(tmp_path, {"a.bin": size}), cache=cfg)
+    layout = CacheLayout.of(cfg)
+    layout.create()
+    return ds, layout
+
+
 def test_a_cache_file_cut_short_is_fetched_again_not_served(tmp_path):
     # A cache file renamed into place without an fsync can come back empty or cut short
     # after the host crashed; a hit was open() + read(), so every later run read the cut
     # file (a Parquet file failing to decode for good, a sample silently truncated).
-    src = _source(tmp_path, {"a.bin": 1000})
-    cfg = CacheConfig(directory=str(tmp_path / "cache"), capacity_bytes=1 << 20)
-    ds = FileDataset(src, cache=cfg)
-    layout = CacheLayout.of(cfg)
-    layout.create()
+    ds, layout = _one_file(tmp_path, 1000)
     cut = layout.data_path(ds.files.cache_key(0))
     cut.parent.mkdir(parents=True, exist_ok=True)
     cut.write_bytes(b"0123456789")
-    reader = CacheReader(layout, cfg.capacity_bytes)
+    reader = CacheReader(layout, 1 << 20)
     assert reader.read(ds.files, 0) == (tmp_path / "src" / "a.bin").read_bytes()
     assert cut.stat().st_size == 1000  # the cache holds the whole file again
 
@@ -101,11 +107,7 @@ def test_a_fetch_stuck_behind_a_hung_lock_holder_raises_naming_it(tmp_path):
     from ray_goodput.errors import CacheLockTimeoutError
     from ray_goodput.storage import RetryPolicy
 
-    src = _source(tmp_path, {"a.bin": 100})
-    cfg = CacheConfig(directory=str(tmp_path / "cache"), capacity_bytes=1 << 20)
-    ds = FileDataset(src, cache=cfg)
-    layout = CacheLayout.of(cfg)
-    layout.create()
+    ds, layout = _one_file(tmp_path, 100)
     key = ds.files.cache_key(0)
     ctx = multiprocessing.get_context("spawn")
     locked, release = ctx.Event(), ctx.Event()
@@ -147,18 +149,15 @@ def test_each_cache_reader_of_a_process_does_not_leak_a_journal_file_handle(tmp_
     # Every CacheReader (one per DataLoader with num_workers=0, e.g. one per epoch) opened
     # its own journal file and kept it open, with an exit finalizer holding it, for the
     # life of the process: a job that built a loader per epoch ran out of descriptors.
-    src = _source(tmp_path, {"a.bin": 10})
-    cfg = CacheConfig(directory=str(tmp_path / "cache"), capacity_bytes=1 << 20)
-    ds = FileDataset(src, cache=cfg)
-    layout = CacheLayout.of(cfg)
+    ds, layout = _one_file(tmp_path, 10)
 
     def fds() -> int:
         return len(os.listdir("/proc/self/fd"))
 
-    CacheReader(layout, cfg.capacity_bytes).read(ds.files, 0)  # the miss, and the process's journal
+    CacheReader(layout, 1 << 20).read(ds.files, 0)  # the miss, and the process's journal
     before = fds()
     for _ in range(50):
-        CacheReader(layout, cfg.capacity_bytes).read(ds.files, 0)
+        CacheReader(layout, 1 << 20).read(ds.files, 0)
     assert fds() - before <= 2, f"{fds() - before} descriptors more after 50 readers"
     assert len(list(layout.journal_dir.glob(f"{os.getpid()}-*.log"))) == 1
 
@@ -169,12 +168,8 @@ def test_a_loader_worker_that_exits_abruptly_still_reports_what_it_fetched(tmp_p
     # cache never counted those files, so it never evicted them either.
     from ray_goodput.data._journal import JournalReader
 
-    src = _source(tmp_path, {"a.bin": 321})
-    cfg = CacheConfig(directory=str(tmp_path / "cache"), capacity_bytes=1 << 20)
-    ds = FileDataset(src, cache=cfg)
-    layout = CacheLayout.of(cfg)
-    layout.create()
-    reader = CacheReader(layout, cfg.capacity_bytes)
+    ds, layout = _one_file(tmp_path, 321)
+    reader = CacheReader(layout, 1 << 20)
     pid = os.fork()
     if pid == 0:
         try:
@@ -198,11 +193,7 @@ def test_a_fetch_waits_past_the_bound_while_the_lock_holder_makes_progress(tmp_p
     from ray_goodput.data import _cache_files
     from ray_goodput.storage import RetryPolicy
 
-    src = _source(tmp_path, {"a.bin": 100})
-    cfg = CacheConfig(directory=str(tmp_path / "cache"), capacity_bytes=1 << 20)
-    ds = FileDataset(src, cache=cfg)
-    layout = CacheLayout.of(cfg)
-    layout.create()
+    ds, layout = _one_file(tmp_path, 100)
     key = ds.files.cache_key(0)
     ctx = multiprocessing.get_context("spawn")
     locked = ctx.Event()
@@ -241,11 +232,7 @@ def test_a_download_touches_its_lock_file_for_the_processes_waiting_for_it(tmp_p
     from ray_goodput.data import _cache_files
     from ray_goodput.storage import RetryPolicy
 
-    src = _source(tmp_path, {"a.bin": 100})
-    cfg = CacheConfig(directory=str(tmp_path / "cache"), capacity_bytes=1 << 20)
-    ds = FileDataset(src, cache=cfg)
-    layout = CacheLayout.of(cfg)
-    layout.create()
+    ds, layout = _one_file(tmp_path, 100)
     key = ds.files.cache_key(0)
     lock = layout.lock_path(key)
     lock.parent.mkdir(parents=True, exist_ok=True)

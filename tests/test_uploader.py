@@ -9,6 +9,7 @@ Every test but the first uses the module's ``ray_local``."""
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
@@ -584,6 +585,26 @@ def test_a_save_a_stopping_lane_starts_gets_one_try_per_request_not_a_retry_roun
     assert runs == [("running", 5, False), ("waiting", 1, True)]
 
 
+class _LaneTicket:
+    """A stand-in ticket of a worker's save for the rank lane's order: it records in
+    ``events`` that it ran or was superseded; the one of step ``held`` runs until ``gate``
+    is set. ``seq``: its hand-off number (default: its step, as saves without a rollback)."""
+
+    def __init__(self, events: list, gate: threading.Event, held: int, step: int, owner: int = 7, seq: int = 0):
+        self.events, self.gate, self.held = events, gate, held
+        self.job = types.SimpleNamespace(
+            retry=None, concurrency=1, step=step, owner_pid=owner, generation=1, seq=seq or step
+        )
+
+    def run(self, *, concurrency: int, policy, newer) -> None:
+        self.events.append(("ran", self.job.step))
+        if self.job.step == self.held:
+            assert self.gate.wait(30), "the test never let the running job end"
+
+    def supersede(self, by: str = "the uploader") -> None:
+        self.events.append(("superseded", self.job.step))
+
+
 def test_an_older_save_of_a_worker_arriving_after_its_newer_one_does_not_supersede_it():
     # Jobs of one worker can reach its lane out of order: the older one unread on a
     # connection that broke, the newer one resent on a new connection and read first. The
@@ -593,20 +614,7 @@ def test_an_older_save_of_a_worker_arriving_after_its_newer_one_does_not_superse
 
     events: list[tuple[str, int]] = []
     gate = threading.Event()
-
-    class _Ticket:
-        def __init__(self, step: int, owner: int = 7, seq: int = 0) -> None:
-            self.job = types.SimpleNamespace(
-                retry=None, concurrency=1, step=step, owner_pid=owner, generation=1, seq=seq if seq else step
-            )
-
-        def run(self, *, concurrency: int, policy, newer) -> None:
-            events.append(("ran", self.job.step))
-            if self.job.step == 10:
-                assert gate.wait(30), "the test never let the running job end"
-
-        def supersede(self, by: str = "the uploader") -> None:
-            events.append(("superseded", self.job.step))
+    _Ticket = functools.partial(_LaneTicket, events, gate, 10)
 
     lane = RankLane()
     lane.submit(_Ticket(10))
@@ -628,20 +636,7 @@ def test_an_older_save_of_a_worker_arriving_while_its_newer_one_runs_is_dropped_
 
     events: list[tuple[str, int]] = []
     gate = threading.Event()
-
-    class _Ticket:
-        def __init__(self, step: int, owner: int = 7, seq: int = 0) -> None:
-            self.job = types.SimpleNamespace(
-                retry=None, concurrency=1, step=step, owner_pid=owner, generation=1, seq=seq if seq else step
-            )
-
-        def run(self, *, concurrency: int, policy, newer) -> None:
-            events.append(("ran", self.job.step))
-            if self.job.step == 20:
-                assert gate.wait(30), "the test never let the running job end"
-
-        def supersede(self, by: str = "the uploader") -> None:
-            events.append(("superseded", self.job.step))
+    _Ticket = functools.partial(_LaneTicket, events, gate, 20)
 
     lane = RankLane()
     lane.submit(_Ticket(20))
