@@ -16,7 +16,7 @@ from ray.train.v2._internal.execution.callback import ControllerCallback, Replic
 
 from ray_goodput.driver._publish import MlflowSink, RayGauges
 from ray_goodput.driver._record import load_state
-from ray_goodput.driver._recovery import futile, preemption_info
+from ray_goodput.driver._recovery import futile, preemption_info, stop_record
 from ray_goodput.goodput import EventReader, Ledger, compute, fetch_stats, summary, table
 from ray_goodput.runtime import run_root
 from ray_goodput.storage import StorageLocation, write_bytes
@@ -284,7 +284,7 @@ class GoodputCallback(UserCallback):
                 "NOT RETRYABLE (a restart will fail the same way; fix the cause and start a new run): %s", texts[rank]
             )
             self._worker().put(("tag", ("ray_goodput.stopped_by", texts[rank]), None))
-            self._state["stop"] = {"rank": str(rank), "error": f"{type(hit).__name__}: {hit}"}
+            self._state["stop"] = (rank, hit)
             self._publish_final(run_context)
 
 
@@ -374,14 +374,15 @@ def attempt_notes(recovery_attempts: list[dict[str, Any]], rows: list[list[dict[
     return notes
 
 
-def _stopped(recovery: dict[str, Any], stop: dict[str, str] | None) -> dict[str, str] | None:
+def _stopped(recovery: dict[str, Any], stop: tuple[int, BaseException] | None) -> dict[str, str] | None:
     """Why the run was stopped: what the Recovery recorded, or the stop it is about to make
-    for an error a retry cannot fix (``stop``, seen first: see ``after_exception``). None
-    without a Recovery (no record): Ray then retries up to ``max_failures``."""
+    for an error a retry cannot fix (``stop``: rank and error, seen first: see
+    ``after_exception``). None without a Recovery (no record): Ray then retries up to
+    ``max_failures``."""
     if recovery.get("stopped") or not recovery or stop is None:
         return recovery.get("stopped")
     attempts = recovery.get("attempts") or [{}]
-    return {"attempt": str(attempts[-1].get("attempt", "")), **stop}
+    return stop_record(attempts[-1].get("attempt", ""), *stop)
 
 
 def _recovery_state(root: StorageLocation) -> dict[str, Any]:

@@ -78,6 +78,16 @@ def futile(exc: BaseException) -> BaseException | None:
     return next((hit for e in unwrap(exc) if (hit := not_retryable(e)) is not None), None)
 
 
+def stop_record(attempt: int | str, rank: int | None, error: BaseException) -> dict[str, str]:
+    """What the run's record says stopped it: the attempt, the rank ("" for the driver's
+    own stop) and the error."""
+    return {
+        "attempt": str(attempt),
+        "rank": "" if rank is None else str(rank),
+        "error": f"{type(error).__name__}: {error}",
+    }
+
+
 def _preempted(exc: BaseException) -> bool:
     return any(getattr(e, "preempted", False) for e in unwrap(exc))
 
@@ -295,11 +305,7 @@ class Recovery(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):
             hit = futile(exc)
             if hit is not None and self._stop is None:
                 self._stop = hit
-                self.stopped = {
-                    "attempt": str(self.attempt),
-                    "rank": str(rank),
-                    "error": f"{type(hit).__name__}: {hit}",
-                }
+                self.stopped = stop_record(self.attempt, rank, hit)
 
     # -- helpers --
     def _upload_wait(self) -> tuple[str, float] | None:
@@ -429,7 +435,7 @@ class Recovery(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):
                 "the health check, or add nodes"
             )
             self._unhealthy_short = 0
-            self.stopped = {"attempt": str(self.attempt), "rank": "", "error": f"{type(error).__name__}: {error}"}
+            self.stopped = stop_record(self.attempt, None, error)
             self._save(wait=True)
             raise error
 
