@@ -24,12 +24,19 @@ def _run(capsys, *args: str) -> tuple[int, str, str]:
     return code, out, err
 
 
-def test_ls_and_verify(tmp_path, capsys):
+def _saved(tmp_path, steps: tuple[int, ...], size: int = 8) -> str:
+    """A storage root under ``tmp_path`` with a committed checkpoint of a Linear(size, size)
+    at each of ``steps``; returns the root."""
     root = str(tmp_path / "root")
     with Checkpointer(root, staging_dir=str(tmp_path / "s"), keep_last=5) as ckpt:
-        for step in (5, 10):
-            ckpt.save(step, {"model": torch.nn.Linear(64, 64)})
+        for step in steps:
+            ckpt.save(step, {"model": torch.nn.Linear(size, size)})
             ckpt.wait()
+    return root
+
+
+def test_ls_and_verify(tmp_path, capsys):
+    root = _saved(tmp_path, (5, 10), size=64)
     leftover = tmp_path / "root/checkpoints/step-000000015"  # a rank killed mid-save
     leftover.mkdir()
     (leftover / "__0_g000009-deadbeef.distcp").write_bytes(b"half a shard")
@@ -59,11 +66,7 @@ def test_verify_goes_on_past_a_step_it_cannot_check_and_quarantines_nothing_for_
     others are checked, and the exit status says it (2, or 1 when one is damaged)."""
     import json
 
-    root = str(tmp_path / "root")
-    with Checkpointer(root, staging_dir=str(tmp_path / "s"), keep_last=5) as ckpt:
-        for step in (5, 10, 15):
-            ckpt.save(step, {"model": torch.nn.Linear(8, 8)})
-            ckpt.wait()
+    root = _saved(tmp_path, (5, 10, 15))
     commit = tmp_path / "root/checkpoints/step-000000010/COMMITTED"
     record = json.loads(commit.read_text())
     commit.write_text(json.dumps({**record, "files": [{**f, "checksum": "md5"} for f in record["files"]]}))
@@ -93,11 +96,7 @@ def test_verify_of_a_step_whose_commit_vanishes_meanwhile_neither_calls_it_damag
     a fresh commit made meanwhile was skipped by restores and deleted by retention."""
     from ray_goodput.cli import _checkpoints
 
-    root = str(tmp_path / "root")
-    with Checkpointer(root, staging_dir=str(tmp_path / "s"), keep_last=5) as ckpt:
-        for step in (5, 10):
-            ckpt.save(step, {"model": torch.nn.Linear(8, 8)})
-            ckpt.wait()
+    root = _saved(tmp_path, (5, 10))
     read = _checkpoints.read_manifest
     monkeypatch.setattr(_checkpoints, "read_manifest", lambda loc: None if loc.uri.endswith("010") else read(loc))
     code, out, _ = _run(capsys, "verify", root)
@@ -114,11 +113,7 @@ def test_verify_of_a_step_removed_while_its_files_were_checked_does_not_quaranti
 
     from ray_goodput.cli import _checkpoints
 
-    root = str(tmp_path / "root")
-    with Checkpointer(root, staging_dir=str(tmp_path / "s"), keep_last=5) as ckpt:
-        for step in (5, 10):
-            ckpt.save(step, {"model": torch.nn.Linear(8, 8)})
-            ckpt.wait()
+    root = _saved(tmp_path, (5, 10))
     check = _checkpoints.verify
     step_dir = tmp_path / "root/checkpoints/step-000000010"
 
