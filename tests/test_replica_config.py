@@ -97,6 +97,12 @@ class _Group:
         self.execute(fn, *args)
         return []  # delivered: no reference left to wait for
 
+    def get_replica_groups(self):
+        """One replica group per worker (Ray 2.60: one worker each), made once."""
+        if not hasattr(self, "_replica_groups"):
+            self._replica_groups = [_Group(w.distributed_context.world_rank) for w in self._workers]
+        return self._replica_groups
+
 
 def _poll(**running: bool):
     return SimpleNamespace(
@@ -151,7 +157,7 @@ def test_a_replacement_that_finished_is_not_told_to_end():
         support.after_replica_group_start(replacement)
         support.after_worker_group_poll_status(_poll(r0=True, r1=False))  # it healed and finished first
         support.after_worker_group_poll_status(_poll(r0=False, r1=False))
-        assert worker_join().kind == "replacement" and len(replacement.ran) == 1
+        assert [args[0].kind for _, args in replacement.ran] == ["replacement"]
     finally:
         set_join(None)
 
@@ -348,6 +354,43 @@ def test_a_replacement_alone_and_never_told_fails_naming_the_timeout():
         with pytest.raises(ReplicaJoinError, match=r"timeout_s"):
             rep._join_quorum()
         assert not rep.peers_finished
+    finally:
+        set_join(None)
+
+
+def test_a_replica_left_out_of_the_last_quorums_is_told_to_end_when_its_peers_finish():
+    """With min_replicas >= 2, a replica of the whole-group start that the last quorums
+    left out (slower than the lighthouse's join timeout) waited in a quorum that could
+    never form once its peers finished, and its timeout failed a finished run: only
+    replacements were told."""
+    support = ReplicaSupport(ReplicaGroups(min_replicas=2))
+    try:
+        group = _Group(0, 1, 2)
+        support.after_worker_group_start(group)
+        laggard = group.get_replica_groups()[1]
+        support.after_worker_group_poll_status(_poll(r0=True, r1=True, r2=True))
+        assert laggard.ran == []
+        support.after_worker_group_poll_status(_poll(r0=False, r1=True, r2=True))  # 2 still runs
+        assert laggard.ran == []
+        support.after_worker_group_poll_status(_poll(r0=False, r1=True, r2=False))
+        assert [args[0].kind for _, args in laggard.ran] == ["done"]
+        support.after_worker_group_poll_status(_poll(r0=False, r1=True, r2=False))
+        assert len(laggard.ran) == 1  # told once
+        assert [g.ran for i, g in enumerate(group.get_replica_groups()) if i != 1] == [[], []]
+    finally:
+        set_join(None)
+
+
+def test_a_replica_of_the_start_whose_quorum_fails_after_its_peers_finished_ends_cleanly():
+    rep = _waiting_replacement(timeout_s=5.0, configured=3, manager=_QuorumNeverFormed())
+    rep.replacement, rep.slot = False, 1  # started with the group; the last quorums left it out
+    rep.settings = ReplicaGroups(min_replicas=2, heartbeat_timeout_s=0.2, timeout_s=5.0)
+    rep._in_step, rep._optim = False, torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=0.1)
+    rep._first_quorum = False  # it has stepped with its peers
+    set_join(WorkerJoin("start"))
+    try:
+        assert list(rep.batches(total_steps=10)) == []
+        assert rep.peers_finished
     finally:
         set_join(None)
 

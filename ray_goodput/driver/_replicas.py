@@ -75,8 +75,9 @@ class _EarlyLighthouseBackend(_TorchftBackend):
 
 class ReplicaSupport(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):
     """Tells each worker how it joined (whole-group start, replacement, or a replacement
-    whose peers finished) and the mode's settings, before its training function starts;
-    counts and logs replacements; starts the lighthouse with the controller
+    whose peers finished) and the mode's settings, before its training function starts,
+    and a replica still running when every peer has finished that it is to end; counts and
+    logs replacements; starts the lighthouse with the controller
     (``lighthouse_kwargs``: its settings, None to leave it to Ray's backend). The goodput
     ledger, which no report refreshes in this mode, is the GoodputCallback's controller
     hooks' to refresh and publish.
@@ -92,9 +93,12 @@ class ReplicaSupport(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallba
         self.replacements: list[dict[str, Any]] = []
         self._ranks: set[int] = set()
         self._finished: set[int] = set()  # ranks whose training function returned
-        # Replacements told to heal that may still be waiting for a peer: when every peer
-        # finishes first, they are told to end (else each waits out ReplicaGroups.timeout_s).
-        self._healing: list[tuple[set[int], Any]] = []
+        # Replica groups still running (the whole-group start's and replacements): when
+        # every peer of one finishes first, it is told to end. A replacement may still be
+        # waiting for a peer to heal from, a replica the job's last quorums left out for a
+        # quorum that cannot form (min_replicas >= 2): else each waits out
+        # ReplicaGroups.timeout_s, fails, and a finished run ends failed.
+        self._running: list[tuple[set[int], Any]] = []
         self._told: list[Any] = []  # refs of those messages, dropped once delivered
 
     def _join(self, kind: str) -> WorkerJoin:
@@ -105,46 +109,50 @@ class ReplicaSupport(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallba
             start_lighthouse(self.lighthouse_kwargs)
 
     def after_worker_group_start(self, worker_group: Any) -> None:
-        self._ranks = {w.distributed_context.world_rank for w in worker_group.get_workers()}
+        self._ranks = _ranks(worker_group)
         self._finished = set()
-        self._healing = []
+        self._running = [(_ranks(group), group) for group in worker_group.get_replica_groups() or []]
         worker_group.execute(set_join, self._join("start"))
 
     def after_worker_group_poll_status(self, worker_group_status: Any) -> None:
         statuses = worker_group_status.worker_statuses
         self._finished |= {rank for rank, st in statuses.items() if not st.running and st.error is None}
-        self._healing = [(ranks, group) for ranks, group in self._healing if not ranks <= self._finished]
-        for ranks, group in [h for h in self._healing if self._peers_finished(h[0])]:
-            self._healing.remove((ranks, group))
+        self._running = [(ranks, group) for ranks, group in self._running if not ranks <= self._finished]
+        for ranks, group in [h for h in self._running if self._peers_finished(h[0])]:
+            self._running.remove((ranks, group))
             if not group.is_active():  # shut down meanwhile: nobody left to tell
                 continue
             # Fire and forget: the worker's actor thread is free while its training runs, and
             # the controller's poll must not wait on a worker.
             self._told.extend(group.execute_async(set_join, self._join("done")))
-            logger.info("every peer of replacement rank(s) %s finished: it is told to end", sorted(ranks))
+            logger.info("every peer of rank(s) %s finished: it is told to end", sorted(ranks))
         if self._told:
             _, self._told = ray.wait(self._told, num_returns=len(self._told), timeout=0)
 
     def before_replica_group_shutdown(self, replica_group: Any) -> None:
-        self._healing = [(r, g) for r, g in self._healing if g is not replica_group]
+        self._running = [(r, g) for r, g in self._running if g is not replica_group]
 
     def _peers_finished(self, ranks: set[int]) -> bool:
         return bool(self._ranks - ranks) and self._ranks - ranks <= self._finished
 
     def after_replica_group_start(self, replica_group: Any) -> None:
-        ranks = {w.distributed_context.world_rank for w in replica_group.get_workers()}
+        ranks = _ranks(replica_group)
         self._finished -= ranks
-        self._healing = [(r, g) for r, g in self._healing if not r & ranks]
+        self._running = [(r, g) for r, g in self._running if not r & ranks]
         done = self._peers_finished(ranks)
         replica_group.execute(set_join, self._join("done" if done else "replacement"))
         if not done:
-            self._healing.append((ranks, replica_group))
+            self._running.append((ranks, replica_group))
         self.replacements.append({"time": time.time(), "ranks": sorted(ranks), "peers_finished": done})
         logger.info(
             "replica group of rank(s) %s replaced; %s",
             sorted(ranks),
             "its peers had finished: it ends at once" if done else "the others kept running",
         )
+
+
+def _ranks(group: Any) -> set[int]:
+    return {w.distributed_context.world_rank for w in group.get_workers()}
 
 
 def replica_kwargs(settings: ReplicaGroups, run_config: Any, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:

@@ -211,9 +211,10 @@ class Replica:
         try:
             self.manager.start_quorum()
         except Exception:
-            # A replacement whose peers all finished meanwhile: with min_replicas >= 2 no
-            # quorum can form, and torchft's wait ran out. Nothing is left to train.
-            if self.replacement and self._told_peers_finished():
+            # Every peer finished meanwhile (this replica is a replacement, or the last
+            # quorums left it out): with min_replicas >= 2 no quorum can form, and torchft's
+            # wait ran out. Nothing is left to train.
+            if self._told_peers_finished():
                 return
             raise
         if self._healed:
@@ -266,8 +267,8 @@ class Replica:
         )
 
     def _told_peers_finished(self) -> bool:
-        """Whether the driver said, since this replacement started, that every peer has
-        finished (it ends instead of waiting out ``timeout_s`` for one to heal from)."""
+        """Whether the driver said, since this replica started, that every peer has
+        finished (it ends instead of waiting out ``timeout_s`` for a quorum or a peer)."""
         join = worker_join()
         if join is not None and join.kind == "done" and not self.peers_finished:
             logger.info("replica %d: every peer finished while it waited for one; it ends", self.slot)
@@ -326,8 +327,9 @@ class Replica:
 
         Each iteration first joins the step's quorum (blocking; a lagging or new replica is
         healed there). Call :meth:`step` after the backward pass of every batch. Yields
-        nothing in a replacement whose peers had finished (also when they finish while it
-        waits for one to heal from: :attr:`peers_finished` then says so)."""
+        nothing in a replacement whose peers had finished, and no more once every peer
+        finished while this replica waited for a quorum or a peer to heal from (a replica
+        the job's last quorums left out): :attr:`peers_finished` then says so."""
         while self.manager is not None and self.current_step < total_steps:
             if self._in_step:
                 raise ConfigError("call Replica.step() after the backward pass of each batch")

@@ -4,7 +4,9 @@ The driver (``driver._replicas.ReplicaSupport``) pushes a :class:`WorkerJoin` in
 worker before its training function starts: ``"start"`` for every worker of a whole-group
 start, ``"replacement"`` for a worker Ray started in place of a failed replica while the
 others kept running (it restores nothing from storage: it heals from a peer), ``"done"`` for
-a replacement whose peers have all finished (it has nothing left to do).
+a replacement whose peers have all finished (it has nothing left to do). ``"done"`` also
+replaces the join of a worker still running once every peer has finished (a replacement
+still waiting to heal, a replica the last quorums left out): it ends.
 A process-global, like the resume decision: a worker process lives for one join.
 """
 
