@@ -326,6 +326,43 @@ def test_a_job_in_a_file_keeps_its_arena_for_any_uploader_while_the_held_thread_
     _held.held_dir(backend._node_id).rmdir()
 
 
+def test_a_job_that_cannot_be_held_on_a_full_disk_leaves_no_partial_file_and_no_arena_mark(tmp_path):
+    """On a full disk the held job's write failed half-way and left its ``.partial`` file,
+    which nothing ever removed (no look reads it: it names no job), and its arena's mark
+    for the sweep. A real full disk: a 64 KiB tmpfs as ``TMPDIR``, in a user namespace."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests._helpers import unshare_or_skip
+
+    unshare = unshare_or_skip("this test")
+    small = tmp_path / "small"
+    small.mkdir()
+    script = (
+        "import os, types\n"
+        "from ray_goodput.checkpoint.uploader import _held\n"
+        "from ray_goodput.checkpoint.save._arena import held_path\n"
+        f"arena = '{tmp_path}/rank-00000-1-0-0.arena'\n"
+        "job = types.SimpleNamespace(owner_pid=os.getpid(), key='k', step=1, slots=('a slot',), "
+        "arena_path=arena, pad=b'x' * 200_000)\n"
+        "try:\n"
+        "    _held.hold('node', job, b'root')\n"
+        "except OSError as exc:\n"
+        "    print('refused', exc.errno == 28)\n"
+        "print('left', sorted(os.listdir(_held.held_dir('node'))), held_path(arena, 'k').exists())\n"
+    )
+    command = f'mount -t tmpfs -o size=64k none {small} && TMPDIR={small} {sys.executable} -c "$SCRIPT"'
+    done = subprocess.run(
+        [unshare, "--user", "--map-root-user", "--mount", "sh", "-c", command],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "SCRIPT": script, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+    )
+    assert done.stdout.splitlines() == ["refused True", "left [] False"], (done.stdout, done.stderr[-2000:])
+
+
 def test_restore_gets_the_first_save_ready_connected_and_its_arena_touched(ray_local, tmp_path):
     # The first save of each attempt paid the connection to the uploader and the first
     # touch of its arena's pages (0.04 s per 72 MiB here, against 0.005 s into touched

@@ -86,22 +86,28 @@ def _name(pid: int, key: str) -> str:
 
 def hold(node_id: str, job: ShardJob, root: bytes | None) -> Path:
     """Write ``job`` (its storage root pickled apart, as the uploader takes it) to the node's
-    held jobs, whole or not at all; returns its file."""
+    held jobs, whole or not at all; returns its file. When it cannot (a full disk), the
+    error is raised and nothing is left: no partial file, no mark on the arena."""
     directory = held_dir(node_id)
     path = directory / (_name(job.owner_pid, job.key) + _JOB)
     if job.slots:  # before the file: a sweep of dead workers' arenas must keep its snapshot
         _arena.mark_held(job.arena_path, job.key)
     partial = path.with_suffix(".partial")
-    for last in (False, True):
-        make_private(held_root())
-        directory.mkdir(mode=0o700, exist_ok=True)
-        try:
-            partial.write_bytes(pickle.dumps((job, root)))
-            break
-        except FileNotFoundError:  # the directory was swept as empty meanwhile
-            if last:
-                raise
-    os.replace(partial, path)
+    try:
+        for last in (False, True):
+            make_private(held_root())
+            directory.mkdir(mode=0o700, exist_ok=True)
+            try:
+                partial.write_bytes(pickle.dumps((job, root)))
+                break
+            except FileNotFoundError:  # the directory was swept as empty meanwhile
+                if last:
+                    raise
+        os.replace(partial, path)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        arena_mapped(job)  # no file will ask the sweep to keep it
+        raise
     return path
 
 
