@@ -363,6 +363,28 @@ def test_a_job_that_cannot_be_held_on_a_full_disk_leaves_no_partial_file_and_no_
     assert done.stdout.splitlines() == ["refused True", "left [] False"], (done.stdout, done.stderr[-2000:])
 
 
+def test_a_failed_hand_off_whose_arena_cannot_be_claimed_back_fails_the_save_and_keeps_the_arena(tmp_path):
+    """A failed hand-off claims its snapshot back before the arena is reused. When that
+    claim itself failed (here a real one: the arena's directory is gone), its OSError went
+    up out of the hand-off: the save's outcome was never settled and save() raised an
+    OSError instead of the save failing through wait(). Stand-in actor; the claim is real."""
+    from ray_goodput.checkpoint.uploader import _client
+
+    backend = _client.ActorBackend(durable_timeout_s=10)
+    backend._actor = object()
+
+    def _send(actor, light, **kwargs):
+        raise TimeoutError("the actor call timed out")  # as ray.get's GetTimeoutError is one
+
+    backend._send, backend._get = _send, lambda fresh=False: backend._actor
+    light = _job(tmp_path, tmp_path / "gone" / f"rank-00000-{os.getpid()}-0-0.arena", slots=("a slot",))
+    handoff = _client.Handoff(released=_client.Future(), durable=_client.Future(), key=light.key)
+    assert backend._hand_over(light, handoff) is True  # settled: not to be held and sent again
+    with pytest.raises(CheckpointError, match="could not hand step 3"):
+        handoff.durable.result(timeout=0)
+    assert not handoff.released.done()  # the call may still run: the arena is never reused
+
+
 def test_restore_gets_the_first_save_ready_connected_and_its_arena_touched(ray_local, tmp_path):
     # The first save of each attempt paid the connection to the uploader and the first
     # touch of its arena's pages (0.04 s per 72 MiB here, against 0.005 s into touched

@@ -319,8 +319,19 @@ class ActorBackend:
         the uploader, which then finds the claim and ends the job unread; without it, it
         would read whatever the worker copied there since and commit it under this step.
         When the uploader claimed it first (it began the job after all), the arena is
-        released when that job lets go of it."""
-        if not light.slots or claim(light.arena_path, light.key):
+        released when that job lets go of it. When the claim cannot be made (an error of the
+        arena's file system), the arena is never released: a late call could still read it.
+        """
+        try:
+            claimed = not light.slots or claim(light.arena_path, light.key)
+        except OSError as exc:
+            logger.warning(
+                "could not claim step %d's snapshot back after its hand-off failed (%s): its arena is not reused",
+                light.step,
+                exc,
+            )
+            return
+        if claimed:
             settle(handoff.released, None, None)
             return
         logger.warning(
