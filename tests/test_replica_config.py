@@ -220,6 +220,42 @@ def test_two_fresh_replacements_of_three_do_not_step_from_scratch_without_replic
         set_join(None)
 
 
+class _QuorumAtTheEnd(_FreshQuorum):
+    """A whole-group start's first quorum of ``n`` replicas whose newest checkpoint is the
+    job's last step: replica 0 restored it before the quorum, the others heal to it there."""
+
+    def __init__(self, n: int, step: int, *, restored: bool) -> None:
+        super().__init__(n)
+        self.step, self.quorums = (step if restored else 0), 0
+        self.end = step
+
+    def start_quorum(self) -> None:
+        self.quorums += 1
+        self.step = self.end  # replica 0 sends its state; a healing replica loads it
+
+    def current_step(self) -> int:
+        return self.step
+
+
+@pytest.mark.parametrize("slot", [0, 1])
+def test_a_finished_job_started_again_ends_every_replica_at_the_first_quorum(slot):
+    """Started again on the storage of a finished job, replica 0 restored its last step
+    and ended without a quorum; the others waited for it at their first quorum until
+    timeout_s and failed (and with 3 replicas were replaced again and again, until the
+    failure budget ended the finished run as failed). Replica 0 now meets the others once,
+    they heal to the last step there, and every replica ends without a step or a save."""
+    rep = _waiting_replacement(timeout_s=5.0, configured=3, manager=_QuorumAtTheEnd(3, 50, restored=slot == 0))
+    rep.replacement, rep.slot = False, slot
+    rep._in_step, rep._optim = False, torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=0.1)
+    rep._rank_in_step = -1
+    set_join(WorkerJoin("start"))
+    try:
+        assert list(rep.batches(total_steps=50)) == []
+        assert rep.manager.quorums == 1 and rep.current_step == 50
+    finally:
+        set_join(None)
+
+
 class _QuorumNeverFormed(_AloneInQuorum):
     """torchft's quorum with ``min_replicas`` 2 when every peer has finished: it waits out
     its timeout and raises; meanwhile the driver tells the replacement its peers are done."""

@@ -330,7 +330,9 @@ class Replica:
         nothing in a replacement whose peers had finished, and no more once every peer
         finished while this replica waited for a quorum or a peer to heal from (a replica
         the job's last quorums left out): :attr:`peers_finished` then says so."""
-        while self.manager is not None and self.current_step < total_steps:
+        # The first quorum is joined even at the job's end: a finished job started again
+        # restored its last step in replica 0, and the others heal to it there.
+        while self.manager is not None and (self.current_step < total_steps or self._first_quorum):
             if self._in_step:
                 raise ConfigError("call Replica.step() after the backward pass of each batch")
             self._optim.zero_grad()
@@ -339,6 +341,9 @@ class Replica:
             waited = time.perf_counter() - began
             if self._told_peers_finished():
                 return
+            if self.current_step >= total_steps:  # restored or healed to the job's end: no step left
+                self._rank_in_step = -1  # nor the last step's save: its quorum's first participant made it
+                break
             n, rank = self.manager.num_participants(), self.manager.participating_rank()
             # A quorum of other replicas than the step before (a dead peer timed out, a
             # replacement joined and healed), or a retry: its wait is the failure's cost, not
