@@ -188,6 +188,41 @@ def test_an_older_failed_save_left_behind_by_a_newer_commit_is_counted_not_raise
     assert ckpt.stats.committed == [2] and ckpt.stats.recovery_step == 2
 
 
+def _superseded_on_one_rank_while_the_other_commits(rank: int, world_size: int, root: str, staging: str) -> dict:
+    backend = FakeBackend()
+    ckpt = Checkpointer(root, staging_dir=f"{staging}/{rank}", uploader=backend, sync_every=1)
+    try:
+        ckpt.save(1, _state())
+        if rank == 0:  # marker written, then an outage in its commit: it gave way to a newer save
+            backend.end(1, S.SUPERSEDED)
+        else:
+            backend.start(1)  # still uploading
+        ckpt.save(2, _state())  # a sync: step 1 is superseded on rank 0, running on rank 1
+        if rank == 1:  # it finds every rank's marker and commits step 1
+            backend.end(1)
+        backend.end(2)
+        ckpt.wait()
+        return {"committed": ckpt.stats.committed, "superseded": ckpt.stats.superseded}
+    finally:
+        ckpt._release()
+        backend.close()
+
+
+def test_a_step_one_rank_gave_up_on_is_not_settled_while_another_rank_may_still_commit_it(tmp_path):
+    """A rank's job gives way to a newer save when storage goes out after its marker was
+    written, and the step can still commit: another rank's job sees every marker and writes
+    COMMITTED. A sync while that job ran settled the step as superseded on every rank: a
+    commit never reported to Ray Train, nor counted in the recovery point (or, had the
+    giving-up rank failed, "the newest checkpoint save failed" raised for a committed
+    save). Real gloo between two ranks; the uploads are the fake backend's."""
+    from ray_goodput.testing import run_world
+
+    out = run_world(
+        _superseded_on_one_rank_while_the_other_commits, 2, str(tmp_path / "root"), str(tmp_path / "s"), timeout_s=240
+    )
+    assert out == [{"committed": [1, 2], "superseded": []}] * 2, out
+
+
 def test_the_newest_save_failing_is_raised_by_close(fake):
     ckpt, backend = fake
     ckpt.save(1, _state())

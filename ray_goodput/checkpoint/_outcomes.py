@@ -205,7 +205,10 @@ class Outcomes:
             seen = [v.get(step, (SaveState.FAILED.value, "this rank has no such save", None)) for v in views]
             outcome = agree([SaveState(s) for s, _, _ in seen if s is not None])
             running = any(s is None for s, _, _ in seen)
-            if outcome is None and running:
+            # Only a commit is final while a rank's job still runs: a rank that gave way to a
+            # newer save (or failed) after its marker was written leaves a step that another
+            # rank's job can still commit.
+            if running and outcome is not SaveState.COMMITTED:
                 continue
             error = next((f"rank {r}: {e}" for r, (s, e, _) in enumerate(seen) if e), None)
             fenced = fenced or next((f for _, _, f in seen if f is not None), None)

@@ -92,8 +92,10 @@ def agree(states: list[SaveState]) -> SaveState | None:
     """The outcome of a save from every rank's state, or None while it is undecided.
 
     Committed when any rank committed it (the commit needs every rank); else failed when
-    any failed; else superseded when any was superseded (it can never commit); else
-    undecided. Every rank computes the same answer from the same gathered list.
+    any failed; else superseded when any was superseded; else undecided. Every rank
+    computes the same answer from the same gathered list. Only a commit is final while a
+    rank has not answered: a rank that gave up after writing its marker leaves a step
+    another rank can still commit (``Outcomes.resolve`` waits for it).
     """
     if SaveState.COMMITTED in states:
         return SaveState.COMMITTED
