@@ -223,6 +223,18 @@ def test_a_step_one_rank_gave_up_on_is_not_settled_while_another_rank_may_still_
     assert out == [{"committed": [1, 2], "superseded": []}] * 2, out
 
 
+def test_a_save_that_failed_with_its_own_timeout_error_is_not_reported_as_the_wait_running_out(fake):
+    """On Python 3.11 ``concurrent.futures.TimeoutError`` is ``TimeoutError``: a job that
+    failed with one (the uploader's own wait for its result ran out) was reported as this
+    wait's bound, naming ``wait_timeout_s``, and its real cause was lost."""
+    ckpt, backend = fake
+    ckpt.save(1, _state())
+    backend.end(1, error=TimeoutError("the uploader's wait for step 1 ran out"))
+    with pytest.raises(CheckpointError, match="the uploader's wait for step 1 ran out") as raised:
+        ckpt.wait()
+    assert "wait_timeout_s" not in str(raised.value)
+
+
 def test_the_newest_save_failing_is_raised_by_close(fake):
     ckpt, backend = fake
     ckpt.save(1, _state())

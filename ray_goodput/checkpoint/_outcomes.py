@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
@@ -91,6 +92,8 @@ def _state_of(pending: Pending, block: bool, timeout_s: float) -> tuple[str | No
     try:
         return durable.result(timeout=timeout_s).state.value, None, None
     except FutureTimeout:
+        if durable.done():  # the job's own TimeoutError (on 3.11 it is FutureTimeout), or it ended just now
+            return _ended_state(durable)
         return (
             SaveState.FAILED.value,
             f"step {pending.step} was not durable after {timeout_s:.0f}s "
@@ -99,6 +102,14 @@ def _state_of(pending: Pending, block: bool, timeout_s: float) -> tuple[str | No
         )
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - agreed across ranks
         return SaveState.FAILED.value, f"{type(exc).__name__}: {exc}", exc if isinstance(exc, FencedError) else None
+
+
+def _ended_state(durable: Future) -> tuple[str, str | None, FencedError | None]:
+    """:func:`_state_of` of a job that has ended."""
+    exc = durable.exception(timeout=0)
+    if exc is None:
+        return durable.result(timeout=0).state.value, None, None
+    return SaveState.FAILED.value, f"{type(exc).__name__}: {exc}", exc if isinstance(exc, FencedError) else None
 
 
 def _committed_at(pending: Pending) -> float:
