@@ -236,7 +236,8 @@ class Checkpointer:
 
     @property
     def stats(self) -> SaveStats:
-        """Counters of this rank's saves (equal on every rank)."""
+        """Counters of this rank's saves (:class:`SaveStats`: equal on every rank but the
+        block times)."""
         return self._outcomes.stats
 
     @property

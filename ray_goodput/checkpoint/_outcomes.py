@@ -59,7 +59,9 @@ class Pending:
 
 @dataclass
 class SaveStats:
-    """Counters of this rank's saves (equal on every rank). Seconds are wall time."""
+    """Counters of this rank's saves. Seconds are wall time. Equal on every rank (as of the
+    last outcome agreement), except ``last_block_seconds`` and ``total_block_seconds``:
+    this rank's own time blocked, so never a condition of a collective call."""
 
     saves: int = 0
     failed_saves: int = 0
