@@ -179,6 +179,21 @@ def test_trainer_merges_callbacks_into_run_config_and_recovery_none_turns_it_off
         assert len(hooks) == 1 and hooks[0].goodput is goodput
 
 
+@pytest.mark.parametrize("record", ["{not json", '{"attempts": []}'])
+def test_an_unreadable_recovery_record_after_fit_is_logged_not_raised_over_the_runs_result(tmp_path, record, caplog):
+    """fit() reads the run's recovery record back in its ``finally``. A record that was not
+    JSON, or missed a field, raised there (ValueError, KeyError), replacing fit()'s result
+    or the run's own error with one about the record."""
+    from ray_goodput.driver._record import STATE_FILE
+
+    t = TorchTrainer(lambda: None, recovery=Recovery(storage_path=str(tmp_path)))
+    path = tmp_path / STATE_FILE
+    path.parent.mkdir(parents=True)
+    path.write_text(record)
+    t._refresh_recovery()
+    assert "could not read the recovery record" in caplog.text
+
+
 def test_a_restore_later_in_the_attempt_chooses_for_itself_not_by_the_drivers_old_decision(tmp_path):
     """The driver's decision is for the attempt's resume. It stayed installed in the worker
     process, so a later restore (a rollback after a loss spike, a new Checkpointer on the

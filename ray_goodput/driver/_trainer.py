@@ -148,16 +148,19 @@ class TorchTrainer(ray.train.torch.TorchTrainer):
         )
         try:
             state = load_state(root)
-        except OSError as exc:
+            if state is None:
+                return
+            attempts = list(state["attempts"])
+            failures, isolated = dict(state["node_failures"]), list(state["isolated_nodes"])
+            stopped = state["stopped"]
+            charged = dict(state.get("failures_charged", self.recovery.failures_charged))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            # Called from fit()'s finally: never raised over the run's own result or error.
             logger.warning("could not read the recovery record under %s: %s", root.uri, exc)
             return
-        if state is not None:
-            self.recovery.attempts = state["attempts"]
-            self.recovery.attempt = len(state["attempts"])
-            self.recovery.ledger.failures = dict(state["node_failures"])
-            self.recovery.ledger.isolated = list(state["isolated_nodes"])
-            self.recovery.stopped = state["stopped"]
-            self.recovery.failures_charged = dict(state.get("failures_charged", self.recovery.failures_charged))
+        self.recovery.attempts, self.recovery.attempt = attempts, len(attempts)
+        self.recovery.ledger.failures, self.recovery.ledger.isolated = failures, isolated
+        self.recovery.stopped, self.recovery.failures_charged = stopped, charged
 
 
 def rerun_failure_config(config: ray.train.FailureConfig, charged: dict[str, int]) -> ray.train.FailureConfig | None:
