@@ -19,6 +19,7 @@ from ray_goodput.errors import ConfigError
 from ray_goodput.replica import ReplicaGroups
 from ray_goodput.runtime import WorkerContext, world_of_one
 from ray_goodput.runtime._join import WorkerJoin, set_join, worker_join
+from ray_goodput.testing import wait_for
 
 
 def test_replica_settings_are_validated_with_the_setting_named():
@@ -448,6 +449,16 @@ def test_a_replacement_shut_down_before_its_peers_finish_is_not_told_anything():
         set_join(None)
 
 
+def _dead(actor) -> bool:
+    import ray
+
+    try:
+        ray.get(actor.address.remote(), timeout=10)
+    except ray.exceptions.RayActorError:
+        return True
+    return False
+
+
 def test_the_lighthouse_starts_with_the_controller_and_the_backend_takes_it_instead_of_making_one(ray_local):
     """Ray's backend would create the lighthouse after the workers are up and wait for it;
     ReplicaSupport starts it at the controller's start and the backend uses that actor."""
@@ -468,8 +479,18 @@ def test_the_lighthouse_starts_with_the_controller_and_the_backend_takes_it_inst
         assert address.startswith("http://")
         # A later call (a replacement's start) reads the same actor's address.
         assert backend._maybe_create_lighthouse_actor(config) == address
+        # A dead lighthouse: Ray's backend asked the dead actor at every later start, so
+        # every whole-group restart failed to start, for as long as Ray retried it.
+        ray.kill(started)
+        wait_for(lambda: _dead(started), timeout_s=60, what="the killed lighthouse gone")
+        backend.drop_dead_lighthouse()  # what a whole-group start does first
+        again = backend._maybe_create_lighthouse_actor(config)
+        assert backend.lighthouse_actor is not started and again.startswith("http://")
+        assert again == ray.get(backend.lighthouse_actor.address.remote(), timeout=60)
     finally:
         ray.kill(started)
+        if backend.lighthouse_actor is not started:
+            ray.kill(backend.lighthouse_actor)
 
 
 def test_only_a_controller_that_ended_on_a_dead_worker_is_run_again():

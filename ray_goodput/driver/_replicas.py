@@ -33,6 +33,10 @@ from ray_goodput.runtime._join import WorkerJoin, set_join
 
 logger = logging.getLogger(__name__)
 
+#: How long a whole-group start waits for the lighthouse's address before calling it dead
+#: only when Ray says so (a slow answer is left to Ray's own wait).
+_LIGHTHOUSE_ANSWER_S = 60.0
+
 #: The lighthouse ReplicaSupport started in this (the controller's) process, until the
 #: backend takes it. One run per controller process.
 _started_lighthouse: Any = None
@@ -67,10 +71,30 @@ class EarlyLighthouseConfig(TorchftConfig):
 class _EarlyLighthouseBackend(_TorchftBackend):
     def _maybe_create_lighthouse_actor(self, backend_config: Any) -> str:
         # Ray 2.60's backend reads the address of self.lighthouse_actor when it is set
-        # (tests/test_replica_config.py holds it to that).
+        # (tests/test_replica_config.py holds it to that), and creates one when it is None.
         if self.lighthouse_actor is None:
             self.lighthouse_actor = _take_started_lighthouse()
         return super()._maybe_create_lighthouse_actor(backend_config)
+
+    def on_start(self, worker_group: Any, backend_config: Any) -> None:
+        if hasattr(worker_group, "get_replica_groups"):  # a whole group (a replacement's is a ReplicaGroup)
+            self.drop_dead_lighthouse()
+        super().on_start(worker_group, backend_config)
+
+    def drop_dead_lighthouse(self) -> None:
+        """Forget the lighthouse when it died (its node lost, killed), so that a whole-group
+        start makes a new one: Ray's backend asks the one it made at every start, and every
+        restart would fail on the dead one. A replacement's start keeps Ray's way: its live
+        peers know only the old address, so it fails, and the run starts again whole."""
+        if self.lighthouse_actor is None:
+            return
+        try:
+            ray.get(self.lighthouse_actor.address.remote(), timeout=_LIGHTHOUSE_ANSWER_S)
+        except ray.exceptions.GetTimeoutError:
+            return  # alive but slow: Ray's backend asks it again
+        except ray.exceptions.RayActorError:
+            logger.warning("torchft's lighthouse died; the worker group starts with a new one")
+            self.lighthouse_actor = None
 
 
 class ReplicaSupport(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):
