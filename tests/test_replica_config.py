@@ -29,11 +29,16 @@ def test_replica_settings_are_validated_with_the_setting_named():
         ReplicaGroups(max_failures=-1)
     with pytest.raises(ConfigError, match="timeout_s=2.0.* must exceed heartbeat_timeout_s=5"):
         ReplicaGroups(heartbeat_timeout_s=5.0, timeout_s=2.0)
+    with pytest.raises(ConfigError, match="join_timeout_s"):
+        ReplicaGroups(join_timeout_s=0)
+    with pytest.raises(ConfigError, match="join_timeout_s"):
+        ReplicaGroups(join_timeout_s=60.0)  # past timeout_s: a quorum would time out first
     assert ReplicaGroups(min_replicas=2, heartbeat_timeout_s=0.5).lighthouse_kwargs() == {
         "min_replicas": 2,
         "heartbeat_timeout_ms": 500,
         "join_timeout_ms": 500,
     }
+    assert ReplicaGroups(join_timeout_s=5.0).lighthouse_kwargs()["join_timeout_ms"] == 5000
 
 
 def test_replica_mode_sets_torchfts_backend_and_a_failure_budget_for_replacements():

@@ -25,12 +25,18 @@ class ReplicaGroups:
     ``max_failures``: replacements plus whole-group restarts the run may take (each costs one
     of Ray's ``FailureConfig.max_failures``; used when that is left at its default 0).
     ``heartbeat_timeout_s``: how long a dead replica counts as alive for the quorum — the
-    survivors' stall per failure. ``timeout_s``: bound on a quorum, a collective, or a heal.
+    survivors' stall per failure. ``join_timeout_s``: how long a quorum that enough replicas
+    joined (torchft: ``min_replicas`` and at least half of the live ones) waits for the
+    other live ones before it forms without them (None:
+    ``heartbeat_timeout_s``); a live replica later than that (one blocked in a large save,
+    say) misses the step and heals from a peer at the next. ``timeout_s``: bound on a
+    quorum, a collective, or a heal.
     """
 
     min_replicas: int = 1
     max_failures: int = 16
     heartbeat_timeout_s: float = 1.0
+    join_timeout_s: float | None = None
     timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
@@ -40,6 +46,11 @@ class ReplicaGroups:
             raise ConfigError(f"ReplicaGroups(max_failures=...) must be an int >= 0, got {self.max_failures!r}")
         if not self.heartbeat_timeout_s > 0:
             raise ConfigError(f"ReplicaGroups(heartbeat_timeout_s=...) must be > 0, got {self.heartbeat_timeout_s!r}")
+        if self.join_timeout_s is not None and not 0 < self.join_timeout_s < self.timeout_s:
+            raise ConfigError(
+                f"ReplicaGroups(join_timeout_s=...) must be None or > 0 and below timeout_s={self.timeout_s!r}, "
+                f"got {self.join_timeout_s!r}"
+            )
         if not self.timeout_s > self.heartbeat_timeout_s:
             raise ConfigError(
                 f"ReplicaGroups(timeout_s={self.timeout_s!r}) must exceed heartbeat_timeout_s="
@@ -51,7 +62,7 @@ class ReplicaGroups:
         return {
             "min_replicas": self.min_replicas,
             "heartbeat_timeout_ms": int(self.heartbeat_timeout_s * 1000),
-            "join_timeout_ms": int(self.heartbeat_timeout_s * 1000),
+            "join_timeout_ms": int((self.join_timeout_s or self.heartbeat_timeout_s) * 1000),
         }
 
 
