@@ -788,6 +788,41 @@ def test_replica_0_late_to_the_last_step_does_not_save_it_over_a_survivors_newer
     assert step == 9 and torch.equal(weight, survivor.weight)
 
 
+def test_replica_0_late_to_a_last_step_due_for_its_periodic_save_does_not_save_it_over_a_newer_generation(
+    tmp_path,
+):
+    """As above, with the last step a multiple of save_every: replica 0's periodic save,
+    made inside step(), skipped the check that the final save makes, saved the step in its
+    older generation, and close() raised FencedError for a run that had finished."""
+    from ray_goodput.replica import Position
+    from ray_goodput.replica._replica import Replica
+
+    root = str(tmp_path / "ckpt")
+    rep = Replica.__new__(Replica)
+    rep.slot, rep.configured, rep.replacement, rep.peers_finished, rep._extra = 0, 3, False, False, {}
+    rep.settings = ReplicaGroups(timeout_s=30.0)
+    rep.manager, rep._position, rep._batches_restored = _LastSteps(step=5), Position(), 0
+    rep._model = rep.model = model = torch.nn.Linear(1, 1)
+    rep._optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    rep._dataset, rep._batch_size, rep._seed, rep._shuffle = torch.arange(64.0), 4, 0, False
+    rep._collate, rep._order, rep._rank_in_step, rep._participants = torch.stack, None, -1, 0
+    rep._in_step, rep._first_quorum, rep._drop_step, rep._retrying, rep._uncommitted = False, False, False, False, 0
+    rep._recorder = SimpleNamespace(step=lambda *a, **k: None, uncommitted=lambda: None, end=lambda: None)
+    rep._durable = _durable(rep, slot=0, save_every=5, root=root)
+    rep._durable.open()  # replica 0's, from the job's start
+    rep._durable.save_if_due(5)
+    rep._durable.ckpt.wait()
+    survivor = torch.nn.Linear(1, 1)
+    _end_job_as_survivor(root, survivor, last=10)  # steps 8 to 10 without replica 0; saves 10
+    rep.manager.step = 9
+    with rep:  # step 10, computed alone after the others ended (a FencedError at close before)
+        for batch in rep.batches(total_steps=10):
+            model(batch[:, None]).sum().backward()
+            assert rep.step()
+    step, weight = _restored(root)
+    assert step == 10 and torch.equal(weight, survivor.weight)
+
+
 def test_a_step_that_rolled_into_the_next_epoch_and_did_not_commit_leaves_the_epoch_where_it_was():
     """10 samples, batch 2: with 3 replicas the second step needs 6 of the 4 left, so it
     rolled over into epoch 1. The step did not commit (a peer died in it) and was retried

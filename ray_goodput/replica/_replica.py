@@ -128,6 +128,7 @@ class Replica:
             self.slot, save_every, storage_path, checkpoint or {}, self._durable_state, self.settings.timeout_s
         )
         self._rank_in_step = -1  # this replica's place among the step's participants
+        self._total_steps: int | None = None  # the job's, from batches()
         self.manager: Any = None
         if self.peers_finished:  # replaced after its peers finished: nothing left to train
             logger.info("replica %d replaced after every peer finished: nothing to do", self.slot)
@@ -330,6 +331,7 @@ class Replica:
         nothing in a replacement whose peers had finished, and no more once every peer
         finished while this replica waited for a quorum or a peer to heal from (a replica
         the job's last quorums left out): :attr:`peers_finished` then says so."""
+        self._total_steps = total_steps
         # The first quorum is joined even at the job's end: a finished job started again
         # restored its last step in replica 0, and the others heal to it there.
         while self.manager is not None and (self.current_step < total_steps or self._first_quorum):
@@ -416,7 +418,7 @@ class Replica:
         self._retrying, self._uncommitted = False, 0
         self._optim.step()
         self._position = pos.after_commit(self._step_at, self._participants, self._batch_size)
-        if self.slot == 0:
+        if self.slot == 0 and not self._last_step_missed_by_peers():
             self._durable.save_if_due(self.current_step)
         self._recorder.step(
             self.current_step,
@@ -432,6 +434,13 @@ class Replica:
             time.perf_counter() - began,
         )
         return True
+
+    def _last_step_missed_by_peers(self) -> bool:
+        """The job's last step, committed without every replica: the final save
+        (:meth:`_save_final`) saves it, after checking that no peer saved it already in a
+        newer generation (replica 0's periodic save would be fenced by it)."""
+        total = self._total_steps
+        return total is not None and self.current_step >= total and self._participants < self.configured
 
     def _average_gradients(self) -> None:
         """One all-reduce (mean over the step's participants) of the gradients of every
