@@ -29,6 +29,8 @@ def test_replica_settings_are_validated_with_the_setting_named():
         ReplicaGroups(max_failures=-1)
     with pytest.raises(ConfigError, match="timeout_s=2.0.* must exceed heartbeat_timeout_s=5"):
         ReplicaGroups(heartbeat_timeout_s=5.0, timeout_s=2.0)
+    with pytest.raises(ConfigError, match="start_timeout_s=10.0.* at least timeout_s=30"):
+        ReplicaGroups(start_timeout_s=10.0)
     with pytest.raises(ConfigError, match="join_timeout_s"):
         ReplicaGroups(join_timeout_s=0)
     with pytest.raises(ConfigError, match="join_timeout_s"):
@@ -258,6 +260,55 @@ def test_a_finished_job_started_again_ends_every_replica_at_the_first_quorum(slo
     try:
         assert list(rep.batches(total_steps=50)) == []
         assert rep.manager.quorums == 1 and rep.current_step == 50
+    finally:
+        set_join(None)
+
+
+class _WhileReplica0Restores(_FreshQuorum):
+    """A whole-group start's first quorums while replica 0 restores a large checkpoint: with
+    min_replicas = configured, torchft's quorum times out (``timeout_s``) ``tries`` times,
+    then every replica is there."""
+
+    def __init__(self, n: int, tries: int) -> None:
+        super().__init__(n)
+        self.tries, self.calls = tries, 0
+
+    def start_quorum(self) -> None:
+        self.calls += 1
+        if self.calls <= self.tries:
+            raise TimeoutError("quorum timed out")  # as torchft's client raises it
+
+
+def _starting_replica(manager, **settings):
+    rep = _waiting_replacement(timeout_s=settings.get("timeout_s", 0.5), configured=2, manager=manager)
+    rep.replacement = False  # a whole-group start: replica 0 restores before its first quorum
+    rep.settings = ReplicaGroups(min_replicas=2, heartbeat_timeout_s=0.1, **settings)
+    return rep
+
+
+def test_a_whole_group_start_waits_past_timeout_s_for_replica_0_restoring_a_large_checkpoint():
+    """Replica 0 restores the checkpoint before it joins a quorum. The other replicas' first
+    quorum failed after timeout_s (30 s by default), less than a multi-GB restore from
+    object storage takes: each raised and was replaced, a failure charged to it and to its
+    healthy node (two such restarts isolate it). They now wait up to start_timeout_s."""
+    manager = _WhileReplica0Restores(2, tries=3)
+    rep = _starting_replica(manager, timeout_s=0.5, start_timeout_s=30.0)
+    set_join(WorkerJoin("start"))
+    try:
+        rep._join_quorum()  # three timed-out quorums, then both replicas are there
+        assert manager.calls == 4
+    finally:
+        set_join(None)
+
+
+def test_a_whole_group_start_whose_replica_0_never_comes_fails_naming_start_timeout_s():
+    from ray_goodput.replica._replica import ReplicaJoinError
+
+    rep = _starting_replica(_WhileReplica0Restores(2, tries=10**6), timeout_s=0.3, start_timeout_s=0.6)
+    set_join(WorkerJoin("start"))
+    try:
+        with pytest.raises(ReplicaJoinError, match=r"start_timeout_s"):
+            rep._join_quorum()
     finally:
         set_join(None)
 

@@ -30,7 +30,9 @@ class ReplicaGroups:
     other live ones before it forms without them (None:
     ``heartbeat_timeout_s``); a live replica later than that (one blocked in a large save,
     say) misses the step and heals from a peer at the next. ``timeout_s``: bound on a
-    quorum, a collective, or a heal.
+    quorum, a collective, or a heal. ``start_timeout_s``: at a whole-group start, how long
+    the replicas wait for every replica at their first quorum: replica 0 restores the
+    newest checkpoint before it joins (a large one from object storage takes minutes).
     """
 
     min_replicas: int = 1
@@ -38,6 +40,7 @@ class ReplicaGroups:
     heartbeat_timeout_s: float = 1.0
     join_timeout_s: float | None = None
     timeout_s: float = 30.0
+    start_timeout_s: float = 1800.0
 
     def __post_init__(self) -> None:
         if isinstance(self.min_replicas, bool) or not isinstance(self.min_replicas, int) or self.min_replicas < 1:
@@ -50,6 +53,11 @@ class ReplicaGroups:
             raise ConfigError(
                 f"ReplicaGroups(join_timeout_s=...) must be None or > 0 and below timeout_s={self.timeout_s!r}, "
                 f"got {self.join_timeout_s!r}"
+            )
+        if not self.start_timeout_s >= self.timeout_s:
+            raise ConfigError(
+                f"ReplicaGroups(start_timeout_s={self.start_timeout_s!r}) must be at least timeout_s="
+                f"{self.timeout_s!r}: it bounds the first quorum of a whole-group start, replica 0's restore included"
             )
         if not self.timeout_s > self.heartbeat_timeout_s:
             raise ConfigError(

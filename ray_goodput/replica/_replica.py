@@ -202,8 +202,9 @@ class Replica:
             self._extra[k].load_state_dict(v)
         logger.info("replica %d healed from a peer, position %s", self.slot, self._position)
 
-    def _quorum(self) -> None:
-        """One try of torchft's synchronous quorum. A heal from a peer in it is this
+    def _quorum(self, *, retry: bool = False) -> bool:
+        """One try of torchft's synchronous quorum; with ``retry``, False when it failed
+        (the caller tries again), else its error is raised. A heal from a peer in it is this
         replica's restore for the goodput timeline, from the start of the step's join: it
         resumed at the peer's step (a replacement of replica 0, the timeline's rank, would
         otherwise claim every step before it as its own, and the replaced process's steps
@@ -216,34 +217,45 @@ class Replica:
             # quorums left it out): with min_replicas >= 2 no quorum can form, and torchft's
             # wait ran out. Nothing is left to train.
             if self._told_peers_finished():
-                return
+                return True
+            if retry:
+                logger.info("replica %d: no quorum yet (replica 0 may still be restoring); trying again", self.slot)
+                return False
             raise
         if self._healed:
             now = time.time()
             self._recorder.restored(self.current_step, self._heal_from, now)
             self._heal_from, self._healed_in_join = now, True
+        return True
 
     def _join_quorum(self) -> None:
-        """The step's quorum (blocking; heals this replica when a participant is ahead)."""
+        """The step's quorum (blocking; heals this replica when a participant is ahead). The
+        first quorum of a whole-group start waits for every replica up to
+        ``start_timeout_s`` (replica 0 restores the checkpoint before it joins), a failed
+        quorum included; any other wait for peers is bounded by ``timeout_s``."""
         self._heal_from, self._healed_in_join = time.time(), False
-        self._quorum()
+        first, self._first_quorum = self._first_quorum, False
+        starting = first and not self.replacement
+        formed = self._quorum(retry=starting)
         if self.peers_finished:
             return
-        first, self._first_quorum = self._first_quorum, False
-        if not (first or self._unhealed()):
+        if formed and not (first or self._unhealed()):
             return
-        deadline = time.monotonic() + self.settings.timeout_s
-        while self._waiting_for_peers():
+        bound, setting = (
+            (self.settings.start_timeout_s, "start_timeout_s") if starting else (self.settings.timeout_s, "timeout_s")
+        )
+        deadline = time.monotonic() + bound
+        while not formed or self._waiting_for_peers():
             if self._told_peers_finished():
                 return
             if time.monotonic() > deadline:
+                found = f"{self.manager.num_participants()} of {self.configured}" if formed else "no quorum of the"
                 raise ReplicaJoinError(
-                    f"replica {self.slot} found {self.manager.num_participants()} of {self.configured} "
-                    f"replicas in its quorum after {self.settings.timeout_s:.0f} s, and none to heal from "
-                    "(ReplicaGroups(timeout_s=...))"
+                    f"replica {self.slot} found {found} replicas in its quorum after {bound:.0f} s, "
+                    f"and none to heal from (ReplicaGroups({setting}=...))"
                 )
             time.sleep(self.settings.heartbeat_timeout_s / 4)
-            self._quorum()
+            formed = self._quorum(retry=starting)
             if self.peers_finished:
                 return
         if self._unhealed():
