@@ -70,6 +70,23 @@ def test_an_arena_the_kernel_will_not_pin_leaves_no_cuda_error_behind(tmp_path):
         arena.close()
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_a_snapshot_of_tensors_on_two_gpus_holds_both_copies_when_it_returns(shm_dir):
+    """The copies run on each source's device; the snapshot waited for the current device
+    only, so a state split across two GPUs could return before the second one's copies
+    ended (the next optimizer step then changed what the checkpoint holds)."""
+    arena = Arena(shm_dir / "rank-00000-1-0.arena")
+    try:
+        with torch.cuda.device(0):
+            tensors = {f"w{d}": torch.randn(4096, 4096, device=f"cuda:{d}") for d in (0, 1)}
+            expected = {k: t.cpu() for k, t in tensors.items()}
+            slots = arena.snapshot(tensors)
+            got = open_slots(arena.path, slots)  # read before anything else syncs cuda:1
+            assert all(torch.equal(got[k], expected[k]) for k in tensors)
+    finally:
+        arena.close()
+
+
 def test_cuda_rng_is_restored_on_every_local_device():
     count = torch.cuda.device_count()
     saved = torch.cuda.get_rng_state_all()

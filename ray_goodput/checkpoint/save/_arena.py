@@ -420,15 +420,16 @@ class Arena:
         device = next((t.device for t in tensors.values() if t.device.type == "cuda"), None)
         if device is not None:
             self._pin(device)
-        on_gpu = False
+        gpus: set[torch.device] = set()
         half = len(slots) // 2
         for n, (slot, t) in enumerate(zip(slots, tensors.values())):
             if n == half:
                 fault_point("save.copying")
-            on_gpu |= t.device.type == "cuda"
+            if t.device.type == "cuda":
+                gpus.add(t.device)
             _view(buf, slot).copy_(t.detach(), non_blocking=t.device.type == "cuda")
-        if on_gpu:
-            torch.cuda.synchronize()
+        for gpu in gpus:  # each copy runs on its source's device: wait for every one of them
+            torch.cuda.synchronize(gpu)
         return slots
 
     def close(self) -> None:
