@@ -132,8 +132,10 @@ class OwnerPlan:
 
     ``gather(leaves)`` returns every rank's leaves (a collective): it runs at the first
     save and again only when the structure changes, on every rank at the same save (DCP's
-    own rule that ranks save alike; a rank re-planning alone meets the others' next sync,
-    and every rank raises instead of hanging)."""
+    own rule that ranks save alike). A rank re-planning alone enters this collective on the
+    default process group while the others go on training: it meets their next collective,
+    a checkpoint one (every rank then raises) or a training one, such as DDP's gradient
+    all-reduce (an error with gloo, a hang or wrong data with NCCL)."""
 
     def __init__(self, rank: int, gather: Callable[[Any], list[Any]]) -> None:
         self._rank = rank
