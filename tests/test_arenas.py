@@ -487,6 +487,34 @@ def test_a_save_supersedes_the_newer_held_snapshot_even_when_its_save_was_alread
     pair.close()
 
 
+def test_releasing_the_arenas_keeps_one_a_job_no_uploader_has_mapped_yet_still_needs(tmp_path):
+    """Leaving ``with Checkpointer`` on an error unlinks both arenas once the goodbye to the
+    uploader went unanswered (bounded): a save that had returned, its job unread in the
+    uploader's socket or held in a file, lost its snapshot, though a SIGKILLed worker's
+    would have been kept by the sweeps, which honour the job's mark. The marked arena is
+    now left for them; the other is unlinked as before."""
+    from concurrent.futures import Future
+
+    from ray_goodput.checkpoint.save._arena import mark_held, open_slots
+    from ray_goodput.checkpoint.save._arena_pair import ArenaPair
+    from ray_goodput.checkpoint.save._handoff import Handoff
+
+    pair = ArenaPair(tmp_path / "staging", "run", 0, 1)
+    slots = []
+    for value in (1.0, 2.0):
+        index, arena = pair.take(1024, step_of=lambda h: -1)
+        slots.append(arena.snapshot({"w": torch.full((256,), value)}))
+        pair.hold(index, Handoff(released=Future(), durable=Future(), key=f"job-{index}"))
+    waiting, other = (a.path for a in pair.arenas)
+    mark_held(waiting, "job-0")  # no uploader mapped its job yet
+    try:
+        pair.close()
+        assert waiting.exists() and not other.exists()
+        assert torch.equal(open_slots(waiting, slots[0])["w"], torch.full((256,), 1.0))  # the job can still map it
+    finally:
+        waiting.unlink(missing_ok=True)
+
+
 def test_the_uploader_keeps_a_dead_workers_arena_that_a_newer_unmapped_job_still_needs(tmp_path):
     # The worker superseded its waiting job A by claiming A's snapshot, copied save C into
     # the same arena, handed C over (held in a file, or unread in the socket) and was

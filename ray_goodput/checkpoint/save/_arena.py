@@ -432,10 +432,13 @@ class Arena:
             torch.cuda.synchronize(gpu)
         return slots
 
-    def close(self) -> None:
-        """Unlink the file; jobs that accepted a snapshot from it keep their mapping."""
+    def close(self, *, keep_file: bool = False) -> None:
+        """Unlink the file; jobs that accepted a snapshot from it keep their mapping.
+        ``keep_file``: a job not mapped yet still needs it (the sweeps remove it later)."""
         self._unpin()
         self._buf = None
+        if keep_file:
+            return
         self.path.unlink(missing_ok=True)
         try:
             self.path.parent.rmdir()  # the run's arena dir, once its last rank closed

@@ -24,7 +24,7 @@ from concurrent.futures import wait as wait_futures
 from pathlib import Path
 from typing import Any
 
-from ray_goodput.checkpoint.save._arena import Arena, arena_names, claim, pick_dir, sweep_dead
+from ray_goodput.checkpoint.save._arena import Arena, arena_names, claim, held_for_a_job, pick_dir, sweep_dead
 from ray_goodput.checkpoint.save._first_save import after_first_steps, snapshot_device, snapshot_size
 from ray_goodput.checkpoint.save._handoff import Handoff
 from ray_goodput.errors import CheckpointError
@@ -165,7 +165,8 @@ class ArenaPair:
     def close(self) -> None:
         """Unlink both arenas (jobs that accepted a snapshot keep their own mapping). One
         still being prepared after the bound is left to its thread (swept once this process
-        is gone): it may be pinning it."""
+        is gone): it may be pinning it. One a job not mapped yet still needs (its mark) is
+        left for that job, and swept once the job let go and this process is gone."""
         self._closed = True
         self.stop_watching_steps()
         busy = set()
@@ -179,5 +180,13 @@ class ArenaPair:
                     _PREPARE_WAIT_S,
                 )
         for index, arena in enumerate(self.arenas):
-            if index not in busy:
+            if index in busy:
+                continue
+            if held_for_a_job(arena.path):
+                # A save that returned, its job unread in the uploader's socket or held in
+                # a file: the uploader maps it later, and the sweeps (the uploader's, the
+                # next worker's) remove it once that job let go and this process is gone.
+                logger.warning("the snapshot arena %s is left for a job no uploader has mapped yet", arena.path)
+                arena.close(keep_file=True)
+            else:
                 arena.close()
