@@ -173,7 +173,7 @@ def test_a_replacement_that_finished_is_not_told_to_end():
 class _AloneInQuorum:
     """Stand-in for torchft's Manager in a quorum of one at step 0 (its peers are gone)."""
 
-    def start_quorum(self) -> None:
+    def start_quorum(self, timeout=None) -> None:
         pass
 
     def num_participants(self) -> int:
@@ -237,7 +237,7 @@ class _QuorumAtTheEnd(_FreshQuorum):
         self.step, self.quorums = (step if restored else 0), 0
         self.end = step
 
-    def start_quorum(self) -> None:
+    def start_quorum(self, timeout=None) -> None:
         self.quorums += 1
         self.step = self.end  # replica 0 sends its state; a healing replica loads it
 
@@ -265,17 +265,18 @@ def test_a_finished_job_started_again_ends_every_replica_at_the_first_quorum(slo
 
 
 class _WhileReplica0Restores(_FreshQuorum):
-    """A whole-group start's first quorums while replica 0 restores a large checkpoint: with
-    min_replicas = configured, torchft's quorum times out (``timeout_s``) ``tries`` times,
-    then every replica is there."""
+    """A whole-group start's first quorum while replica 0 restores a large checkpoint for
+    ``restore_s``: with min_replicas = configured, torchft's quorum forms only when its
+    timeout outlasts the restore, else it raises (and torchft 0.2.0 raises that error again
+    at every later start_quorum: a failed quorum cannot be tried again)."""
 
-    def __init__(self, n: int, tries: int) -> None:
+    def __init__(self, n: int, restore_s: float) -> None:
         super().__init__(n)
-        self.tries, self.calls = tries, 0
+        self.restore_s, self.timeouts = restore_s, []
 
-    def start_quorum(self) -> None:
-        self.calls += 1
-        if self.calls <= self.tries:
+    def start_quorum(self, timeout=None) -> None:
+        self.timeouts.append(timeout)
+        if timeout is None or timeout.total_seconds() < self.restore_s:
             raise TimeoutError("quorum timed out")  # as torchft's client raises it
 
 
@@ -290,13 +291,14 @@ def test_a_whole_group_start_waits_past_timeout_s_for_replica_0_restoring_a_larg
     """Replica 0 restores the checkpoint before it joins a quorum. The other replicas' first
     quorum failed after timeout_s (30 s by default), less than a multi-GB restore from
     object storage takes: each raised and was replaced, a failure charged to it and to its
-    healthy node (two such restarts isolate it). They now wait up to start_timeout_s."""
-    manager = _WhileReplica0Restores(2, tries=3)
-    rep = _starting_replica(manager, timeout_s=0.5, start_timeout_s=30.0)
+    healthy node (two such restarts isolate it). Their first quorum is now bounded by
+    start_timeout_s: one quorum call, as torchft cannot try a failed one again."""
+    manager = _WhileReplica0Restores(2, restore_s=100.0)
+    rep = _starting_replica(manager, timeout_s=30.0, start_timeout_s=600.0)
     set_join(WorkerJoin("start"))
     try:
-        rep._join_quorum()  # three timed-out quorums, then both replicas are there
-        assert manager.calls == 4
+        rep._join_quorum()
+        assert len(manager.timeouts) == 1 and manager.timeouts[0].total_seconds() > 599.0
     finally:
         set_join(None)
 
@@ -304,7 +306,7 @@ def test_a_whole_group_start_waits_past_timeout_s_for_replica_0_restoring_a_larg
 def test_a_whole_group_start_whose_replica_0_never_comes_fails_naming_start_timeout_s():
     from ray_goodput.replica._replica import ReplicaJoinError
 
-    rep = _starting_replica(_WhileReplica0Restores(2, tries=10**6), timeout_s=0.3, start_timeout_s=0.6)
+    rep = _starting_replica(_WhileReplica0Restores(2, restore_s=10**6), timeout_s=30.0, start_timeout_s=60.0)
     set_join(WorkerJoin("start"))
     try:
         with pytest.raises(ReplicaJoinError, match=r"start_timeout_s"):
@@ -317,7 +319,7 @@ class _QuorumNeverFormed(_AloneInQuorum):
     """torchft's quorum with ``min_replicas`` 2 when every peer has finished: it waits out
     its timeout and raises; meanwhile the driver tells the replacement its peers are done."""
 
-    def start_quorum(self) -> None:
+    def start_quorum(self, timeout=None) -> None:
         set_join(WorkerJoin("done"))
         raise TimeoutError("quorum timed out")  # as torchft's client raises it
 
@@ -343,7 +345,7 @@ def test_a_replacement_whose_peers_finished_while_its_quorum_could_not_form_ends
 
 def test_a_replacement_whose_quorum_fails_while_its_peers_still_train_raises():
     rep = _waiting_replacement(timeout_s=5.0, configured=2, manager=_QuorumNeverFormed())
-    rep.manager.start_quorum = lambda: (_ for _ in ()).throw(TimeoutError("quorum timed out"))
+    rep.manager.start_quorum = lambda timeout=None: (_ for _ in ()).throw(TimeoutError("quorum timed out"))
     rep._in_step, rep._optim = False, torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=0.1)
     set_join(WorkerJoin("replacement"))
     try:
@@ -378,7 +380,7 @@ class _HealingQuorum(_AloneInQuorum):
     def __init__(self, rep, peer_state: dict, step: int) -> None:
         self.rep, self.peer_state, self.step, self.healed_to = rep, peer_state, 0, step
 
-    def start_quorum(self) -> None:
+    def start_quorum(self, timeout=None) -> None:
         self.rep._load_heal_state(self.peer_state)
         self.step = self.healed_to
 
@@ -470,6 +472,12 @@ def test_a_replica_left_out_of_the_last_quorums_is_told_to_end_when_its_peers_fi
         support.after_worker_group_poll_status(_poll(r0=False, r1=True, r2=False))
         assert len(laggard.ran) == 1  # told once
         assert [g.ran for i, g in enumerate(group.get_replica_groups()) if i != 1] == [[], []]
+        # With min_replicas 1 it forms a quorum alone and ends the job itself (saving the
+        # last step when its peers did not): not told.
+        support, group = ReplicaSupport(ReplicaGroups(min_replicas=1)), _Group(0, 1, 2)
+        support.after_worker_group_start(group)
+        support.after_worker_group_poll_status(_poll(r0=False, r1=True, r2=False))
+        assert group.get_replica_groups()[1].ran == []
     finally:
         set_join(None)
 
@@ -539,7 +547,7 @@ def test_the_lighthouse_starts_with_the_controller_and_the_backend_takes_it_inst
         # every whole-group restart failed to start, for as long as Ray retried it.
         ray.kill(started)
         wait_for(lambda: _dead(started), timeout_s=60, what="the killed lighthouse gone")
-        backend.drop_dead_lighthouse()  # what a whole-group start does first
+        backend.replace_dead_lighthouse(config.lighthouse_kwargs)  # what a whole-group start does first
         again = backend._maybe_create_lighthouse_actor(config)
         assert backend.lighthouse_actor is not started and again.startswith("http://")
         assert again == ray.get(backend.lighthouse_actor.address.remote(), timeout=60)
@@ -890,7 +898,7 @@ def test_a_step_that_rolled_into_the_next_epoch_and_did_not_commit_leaves_the_ep
             super().__init__()
             self.tries, self.step, self.now = list(tries), 0, (0, False)
 
-        def start_quorum(self) -> None:
+        def start_quorum(self, timeout=None) -> None:
             self.now = self.tries.pop(0)
 
         def num_participants(self) -> int:

@@ -46,11 +46,16 @@ def start_lighthouse(lighthouse_kwargs: dict[str, Any]) -> Any:
     """Start torchft's lighthouse on this node without waiting for it; the backend of
     :class:`EarlyLighthouseConfig` in this process takes it. Returns its actor handle."""
     global _started_lighthouse  # noqa: PLW0603 - handed from the controller callback to the backend
-    _started_lighthouse = LighthouseServerActor.options(
+    _started_lighthouse = _new_lighthouse(lighthouse_kwargs)
+    return _started_lighthouse
+
+
+def _new_lighthouse(lighthouse_kwargs: dict[str, Any]) -> Any:
+    """A new lighthouse actor on this node (not waited for)."""
+    return LighthouseServerActor.options(
         num_cpus=0,  # a coordinator: it must not wait for, or hold, a CPU the workers are placed on
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False),
     ).remote(lighthouse_kwargs={"bind": "[::]:0", **lighthouse_kwargs})
-    return _started_lighthouse
 
 
 def _take_started_lighthouse() -> Any:
@@ -78,14 +83,16 @@ class _EarlyLighthouseBackend(_TorchftBackend):
 
     def on_start(self, worker_group: Any, backend_config: Any) -> None:
         if hasattr(worker_group, "get_replica_groups"):  # a whole group (a replacement's is a ReplicaGroup)
-            self.drop_dead_lighthouse()
+            self.replace_dead_lighthouse(backend_config.lighthouse_kwargs)
         super().on_start(worker_group, backend_config)
 
-    def drop_dead_lighthouse(self) -> None:
-        """Forget the lighthouse when it died (its node lost, killed), so that a whole-group
-        start makes a new one: Ray's backend asks the one it made at every start, and every
-        restart would fail on the dead one. A replacement's start keeps Ray's way: its live
-        peers know only the old address, so it fails, and the run starts again whole."""
+    def replace_dead_lighthouse(self, lighthouse_kwargs: dict[str, Any]) -> None:
+        """Start a new lighthouse when the one this backend has died (its node lost,
+        killed), so that a whole-group start uses it: Ray's backend asks the one it has at
+        every start, and every restart would fail on the dead one. Started as
+        :func:`start_lighthouse` starts one (no CPU: the workers' placement group may hold
+        every CPU of the node). A replacement's start keeps Ray's way: its live peers know only
+        the old address, so it fails, and the run starts again whole."""
         if self.lighthouse_actor is None:
             return
         try:
@@ -94,7 +101,7 @@ class _EarlyLighthouseBackend(_TorchftBackend):
             return  # alive but slow: Ray's backend asks it again
         except ray.exceptions.RayActorError:
             logger.warning("torchft's lighthouse died; the worker group starts with a new one")
-            self.lighthouse_actor = None
+            self.lighthouse_actor = _new_lighthouse(lighthouse_kwargs)
 
 
 class ReplicaSupport(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):
@@ -117,11 +124,12 @@ class ReplicaSupport(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallba
         self.replacements: list[dict[str, Any]] = []
         self._ranks: set[int] = set()
         self._finished: set[int] = set()  # ranks whose training function returned
-        # Replica groups still running (the whole-group start's and replacements): when
-        # every peer of one finishes first, it is told to end. A replacement may still be
-        # waiting for a peer to heal from, a replica the job's last quorums left out for a
-        # quorum that cannot form (min_replicas >= 2): else each waits out
-        # ReplicaGroups.timeout_s, fails, and a finished run ends failed.
+        # Replica groups still running: when every peer of one finishes first, it is told to
+        # end. Replacements: one may still be waiting for a peer to heal from. With
+        # min_replicas >= 2 the whole-group start's too: one the job's last quorums left out
+        # waits for a quorum that cannot form. Else each waits out ReplicaGroups.timeout_s,
+        # fails, and a finished run ends failed. (With min_replicas 1 such a replica forms a
+        # quorum alone and ends the job itself, saving its last step when its peers did not.)
         self._running: list[tuple[set[int], Any]] = []
         self._told: list[Any] = []  # refs of those messages, dropped once delivered
 
@@ -135,7 +143,8 @@ class ReplicaSupport(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallba
     def after_worker_group_start(self, worker_group: Any) -> None:
         self._ranks = _ranks(worker_group)
         self._finished = set()
-        self._running = [(_ranks(group), group) for group in worker_group.get_replica_groups() or []]
+        groups = (worker_group.get_replica_groups() or []) if self.settings.min_replicas >= 2 else []
+        self._running = [(_ranks(group), group) for group in groups]
         worker_group.execute(set_join, self._join("start"))
 
     def after_worker_group_poll_status(self, worker_group_status: Any) -> None:

@@ -202,60 +202,68 @@ class Replica:
             self._extra[k].load_state_dict(v)
         logger.info("replica %d healed from a peer, position %s", self.slot, self._position)
 
-    def _quorum(self, *, retry: bool = False) -> bool:
-        """One try of torchft's synchronous quorum; with ``retry``, False when it failed
-        (the caller tries again), else its error is raised. A heal from a peer in it is this
-        replica's restore for the goodput timeline, from the start of the step's join: it
+    def _quorum(self, *, until: float | None = None) -> None:
+        """One try of torchft's synchronous quorum. ``until`` (a ``time.monotonic()``): the
+        first quorum of a whole-group start, bounded by then instead of ``timeout_s``; its
+        timeout is raised as ReplicaJoinError naming ``start_timeout_s`` (torchft raises a
+        failed quorum's error again at every later one: it cannot be tried again). A heal
+        from a peer in it is this replica's restore for the goodput timeline, from the start
+        of the step's join: it
         resumed at the peer's step (a replacement of replica 0, the timeline's rank, would
         otherwise claim every step before it as its own, and the replaced process's steps
         as lost)."""
         self._healed = False
         try:
-            self.manager.start_quorum()
-        except Exception:
+            if until is None:
+                self.manager.start_quorum()
+            else:
+                self.manager.start_quorum(timeout=timedelta(seconds=max(0.0, until - time.monotonic())))
+        except Exception as exc:
             # Every peer finished meanwhile (this replica is a replacement, or the last
             # quorums left it out): with min_replicas >= 2 no quorum can form, and torchft's
             # wait ran out. Nothing is left to train.
             if self._told_peers_finished():
-                return True
-            if retry:
-                logger.info("replica %d: no quorum yet (replica 0 may still be restoring); trying again", self.slot)
-                return False
+                return
+            if until is not None and isinstance(exc, TimeoutError):
+                raise ReplicaJoinError(
+                    f"replica {self.slot} found no quorum of every replica at the whole-group start within "
+                    f"{self.settings.start_timeout_s:.0f} s (replica 0 restores the checkpoint first; "
+                    "ReplicaGroups(start_timeout_s=...))"
+                ) from exc
             raise
         if self._healed:
             now = time.time()
             self._recorder.restored(self.current_step, self._heal_from, now)
             self._heal_from, self._healed_in_join = now, True
-        return True
 
     def _join_quorum(self) -> None:
         """The step's quorum (blocking; heals this replica when a participant is ahead). The
-        first quorum of a whole-group start waits for every replica up to
-        ``start_timeout_s`` (replica 0 restores the checkpoint before it joins), a failed
-        quorum included; any other wait for peers is bounded by ``timeout_s``."""
+        first quorum of a whole-group start, and its wait for every replica, are bounded by
+        ``start_timeout_s`` (replica 0 restores the checkpoint before it joins); any other
+        wait for peers by ``timeout_s``."""
         self._heal_from, self._healed_in_join = time.time(), False
         first, self._first_quorum = self._first_quorum, False
         starting = first and not self.replacement
-        formed = self._quorum(retry=starting)
+        until = time.monotonic() + self.settings.start_timeout_s if starting else None
+        self._quorum(until=until)
         if self.peers_finished:
             return
-        if formed and not (first or self._unhealed()):
+        if not (first or self._unhealed()):
             return
         bound, setting = (
             (self.settings.start_timeout_s, "start_timeout_s") if starting else (self.settings.timeout_s, "timeout_s")
         )
-        deadline = time.monotonic() + bound
-        while not formed or self._waiting_for_peers():
+        deadline = until if until is not None else time.monotonic() + bound
+        while self._waiting_for_peers():
             if self._told_peers_finished():
                 return
             if time.monotonic() > deadline:
-                found = f"{self.manager.num_participants()} of {self.configured}" if formed else "no quorum of the"
                 raise ReplicaJoinError(
-                    f"replica {self.slot} found {found} replicas in its quorum after {bound:.0f} s, "
-                    f"and none to heal from (ReplicaGroups({setting}=...))"
+                    f"replica {self.slot} found {self.manager.num_participants()} of {self.configured} "
+                    f"replicas in its quorum after {bound:.0f} s, and none to heal from (ReplicaGroups({setting}=...))"
                 )
             time.sleep(self.settings.heartbeat_timeout_s / 4)
-            formed = self._quorum(retry=starting)
+            self._quorum(until=until)
             if self.peers_finished:
                 return
         if self._unhealed():
@@ -355,8 +363,10 @@ class Replica:
             waited = time.perf_counter() - began
             if self._told_peers_finished():
                 return
-            if self.current_step >= total_steps:  # restored or healed to the job's end: no step left
-                self._rank_in_step = -1  # nor the last step's save: its quorum's first participant made it
+            if self.current_step >= total_steps and not self._drop_step:  # restored or healed to the end
+                # No step left, nor the last step's save: that step's first participant made it.
+                # (A dropped step is taken: its peers wait for this replica in its all-reduce.)
+                self._rank_in_step = -1
                 break
             n, rank = self.manager.num_participants(), self.manager.participating_rank()
             # A quorum of other replicas than the step before (a dead peer timed out, a
