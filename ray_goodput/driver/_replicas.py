@@ -33,8 +33,8 @@ from ray_goodput.runtime._join import WorkerJoin, set_join
 
 logger = logging.getLogger(__name__)
 
-#: How long a whole-group start waits for the lighthouse's address before calling it dead
-#: only when Ray says so (a slow answer is left to Ray's own wait).
+#: How long a whole-group start waits for the lighthouse's address to learn whether it
+#: died (only Ray's actor error says so; a slow answer is left to Ray's own wait).
 _LIGHTHOUSE_ANSWER_S = 60.0
 
 #: The lighthouse ReplicaSupport started in this (the controller's) process, until the
@@ -91,8 +91,8 @@ class _EarlyLighthouseBackend(_TorchftBackend):
         killed), so that a whole-group start uses it: Ray's backend asks the one it has at
         every start, and every restart would fail on the dead one. Started as
         :func:`start_lighthouse` starts one (no CPU: the workers' placement group may hold
-        every CPU of the node). A replacement's start keeps Ray's way: its live peers know only
-        the old address, so it fails, and the run starts again whole."""
+        every CPU of the node). A replacement's start keeps Ray's way: its live peers know
+        only the old address, so it fails, and the run starts again whole."""
         if self.lighthouse_actor is None:
             return
         try:

@@ -27,9 +27,9 @@ class ReplicaGroups:
     ``heartbeat_timeout_s``: how long a dead replica counts as alive for the quorum — the
     survivors' stall per failure. ``join_timeout_s``: how long a quorum that enough replicas
     joined (torchft: ``min_replicas`` and at least half of the live ones) waits for the
-    other live ones before it forms without them (None:
-    ``heartbeat_timeout_s``); a live replica later than that (one blocked in a large save,
-    say) misses the step and heals from a peer at the next. ``timeout_s``: bound on a
+    other live ones before it forms without them (None: ``heartbeat_timeout_s``); a live
+    replica later than that (one blocked in a large save, say) misses the step and heals
+    from a peer at the next. ``timeout_s``: bound on a
     quorum, a collective, or a heal. ``start_timeout_s``: at a whole-group start, how long
     the replicas wait for every replica at their first quorum: replica 0 restores the
     newest checkpoint before it joins (a large one from object storage takes minutes).

@@ -208,10 +208,9 @@ class Replica:
         timeout is raised as ReplicaJoinError naming ``start_timeout_s`` (torchft raises a
         failed quorum's error again at every later one: it cannot be tried again). A heal
         from a peer in it is this replica's restore for the goodput timeline, from the start
-        of the step's join: it
-        resumed at the peer's step (a replacement of replica 0, the timeline's rank, would
-        otherwise claim every step before it as its own, and the replaced process's steps
-        as lost)."""
+        of the step's join: it resumed at the peer's step (a replacement of replica 0, the
+        timeline's rank, would otherwise claim every step before it as its own, and the
+        replaced process's steps as lost)."""
         self._healed = False
         try:
             if until is None:

@@ -6,7 +6,8 @@ start, ``"replacement"`` for a worker Ray started in place of a failed replica w
 others kept running (it restores nothing from storage: it heals from a peer), ``"done"`` for
 a replacement whose peers have all finished (it has nothing left to do). ``"done"`` also
 replaces the join of a worker still running once every peer has finished (a replacement
-still waiting to heal, a replica the last quorums left out): it ends.
+still waiting to heal; with ``min_replicas`` >= 2, a replica the last quorums left out):
+it ends.
 A process-global, like the resume decision: a worker process lives for one join.
 """
 
