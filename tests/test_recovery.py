@@ -804,6 +804,41 @@ def test_a_node_that_failed_its_check_while_the_failed_group_still_ran_there_is_
     assert rec.attempts[1]["unhealthy"] == {}
     assert rec.ledger.failures == {cluster["x"]: 1}  # its worker's failure, not its check's
     assert len(list(checks.iterdir())) == 7  # X once more; Y and Z kept their verdicts
+    rec.after_controller_finish(None)  # as the controller ends: its resume choice is stopped
+
+
+def test_the_runs_end_stops_a_resume_choice_waiting_for_uploads_instead_of_leaving_it_in_ray_get(ray_local, tmp_path):
+    """A resume choice begun at a failure waits (up to upload_wait_s) for the node
+    uploaders' answers about saves still in flight. A run that ended meanwhile left that
+    thread inside ray.get while Ray shut down under it: it died with SystemExit in the
+    suite's warnings, and once the whole pytest process died with a segfault in CI. The
+    run's end now stops the wait and joins the thread. The uploader is a stand-in actor
+    under the uploader's name, whose answer takes the whole bound."""
+    from ray_goodput.checkpoint.uploader._actor import KIND
+    from ray_goodput.driver._resume_choice import ResumeChoice
+    from ray_goodput.runtime import _services
+    from ray_goodput.storage import resolve
+
+    @ray.remote(num_cpus=0)
+    class _SaveInFlight:
+        def wait_uploads(self, key: str, above: int | None, timeout_s: float) -> list[int]:
+            time.sleep(timeout_s)
+            return [7]
+
+    name = _services.actor_name(KIND, f"stand-in-{os.getpid()}")
+    stand_in = _SaveInFlight.options(name=name, namespace=_services.NAMESPACE).remote()
+    try:
+        ray.get(stand_in.__ray_ready__.remote(), timeout=60)
+        choice = ResumeChoice(resolve(str(tmp_path)), upload_wait_s=60.0)
+        choice.begin(2)
+        thread = choice._early[1]
+        time.sleep(1.0)  # listed the (empty) storage; now waiting for the stand-in's answer
+        assert thread.is_alive()
+        began = time.monotonic()
+        choice.close()
+        assert not thread.is_alive() and time.monotonic() - began < 5.0
+    finally:
+        ray.kill(stand_in)
 
 
 def test_replica_mode_does_not_start_node_checks_at_a_replicas_failure(tmp_path):

@@ -237,6 +237,8 @@ class Recovery(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):
         raise error
 
     def after_controller_finish(self, result: Any) -> None:
+        if self._choice is not None:
+            self._choice.close()
         if self.ledger.isolated:
             logger.warning(
                 "run ended after %d attempt(s); isolated nodes: %s", self.attempt, ", ".join(self.ledger.isolated)
@@ -246,6 +248,8 @@ class Recovery(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):
     def before_controller_abort(self) -> None:
         """The run is aborted (Ctrl-C in the driver): the newest record is written before
         the controller goes."""
+        if self._choice is not None:
+            self._choice.close()
         if self._writer is not None:
             self._writer.flush(ABORT_WRITE_WAIT_S)
 

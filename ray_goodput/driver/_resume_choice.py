@@ -29,6 +29,9 @@ logger = logging.getLogger(__name__)
 RESUME_CHOICE_WAIT_S = 300.0
 #: How long a resume choice waits for the dead attempt's uploads in flight, by default.
 UPLOAD_WAIT_S = 120.0
+#: How long the run's end waits for a resume choice under way to stop (a listing of the
+#: storage in it is not interrupted).
+CLOSE_WAIT_S = 10.0
 
 
 class ResumeChoice:
@@ -40,6 +43,7 @@ class ResumeChoice:
         self.root = root
         self.upload_wait_s = upload_wait_s
         self._early: tuple[int, threading.Thread, dict[str, Any]] | None = None
+        self._stop = threading.Event()  # set by close(): a choice under way stops waiting
 
     def begin(self, attempt: int) -> None:
         """Choose ``attempt``'s resume step in a thread, unless a choice for it is under way.
@@ -59,6 +63,17 @@ class ResumeChoice:
     def drop(self) -> None:
         """Forget a choice under way: no group start follows to take it (replica mode)."""
         self._early = None
+
+    def close(self, timeout_s: float = CLOSE_WAIT_S) -> None:
+        """The run ends: a choice under way stops waiting for uploads and is waited for (up
+        to ``timeout_s``), so that no thread of it is inside a Ray call while Ray shuts the
+        controller down. Nothing is chosen after this."""
+        self._stop.set()
+        early, self._early = self._early, None
+        if early is not None:
+            early[1].join(timeout_s)
+            if early[1].is_alive():
+                logger.warning("the resume choice of attempt %d was still running at the run's end", early[0])
 
     def take(self, attempt: int) -> ResumeDecision | None:
         """``attempt``'s resume step, just before its training function starts: the choice
@@ -110,7 +125,7 @@ class ResumeChoice:
         uploading in the node uploaders; the work since ``step`` is redone otherwise."""
         start = time.monotonic()
         try:
-            left = wait_for_uploads(self.root, above=step, timeout_s=self.upload_wait_s)
+            left = wait_for_uploads(self.root, above=step, timeout_s=self.upload_wait_s, stop=self._stop)
         except Exception as exc:  # noqa: BLE001 - the wait only improves the choice; never its end
             logger.warning("attempt %d: could not ask the node uploaders what they still upload: %s", attempt, exc)
             return

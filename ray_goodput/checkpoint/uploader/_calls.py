@@ -5,6 +5,7 @@ attempt handed over). The actor itself is ``_actor``."""
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Any
 
@@ -46,14 +47,21 @@ def uploader_status(timeout_s: float = 10.0) -> list[dict[str, Any]]:
 ANSWER_SLACK_S = 10.0
 
 
+#: How often a wait for the uploaders' answers looks at its ``stop`` event.
+_STOP_POLL_S = 0.25
+
+
 def wait_for_uploads(
-    root: str | StorageLocation, *, above: int | None, timeout_s: float
+    root: str | StorageLocation, *, above: int | None, timeout_s: float, stop: threading.Event | None = None
 ) -> dict[str, list[int] | None]:
     """Wait until no live node uploader has a job of storage root ``root`` of a step above
     ``above`` (None: any) in flight: the saves of a dead attempt whose workers handed them
     over, which commit without their workers. Each uploader waits at most ``timeout_s``;
     its answer is waited for ``ANSWER_SLACK_S`` more. Returns, per node, the steps still in
-    flight when its bound ran out (None: it did not answer); empty: nothing left.
+    flight when its bound ran out (None: it did not answer); empty: nothing left. ``stop``
+    set ends the wait early (within a fraction of a second), the nodes not heard from as
+    None: a caller that is ending must not leave a thread inside ``ray.get`` while Ray
+    shuts down.
 
     An uploader that died holds nothing to wait for. Needs ``ray.init``; without it there
     is no uploader."""
@@ -70,7 +78,7 @@ def wait_for_uploads(
     left: dict[str, list[int] | None] = {}
     for node, ref in sorted(refs.items()):
         try:
-            steps = ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
+            steps = _get(ref, deadline, stop)
         except ray.exceptions.RayActorError:  # it died, and its jobs with it
             continue
         except ray.exceptions.GetTimeoutError:
@@ -82,3 +90,17 @@ def wait_for_uploads(
         if steps:
             left[node] = steps
     return left
+
+
+def _get(ref: Any, deadline: float, stop: threading.Event | None) -> Any:
+    """``ray.get(ref)`` until ``deadline`` (a ``time.monotonic()``), in slices that look at
+    ``stop``; GetTimeoutError when either ends it first."""
+    while True:
+        left = max(0.0, deadline - time.monotonic())
+        if stop is None:
+            return ray.get(ref, timeout=left)
+        try:
+            return ray.get(ref, timeout=min(left, _STOP_POLL_S))
+        except ray.exceptions.GetTimeoutError:
+            if stop.is_set() or time.monotonic() >= deadline:
+                raise
