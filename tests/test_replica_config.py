@@ -4,6 +4,7 @@ actors on the shared local Ray)."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 from types import SimpleNamespace
 
@@ -80,6 +81,16 @@ def test_the_durable_saver_sees_a_world_of_one_outside_ray_trains_barrier():
         inside = WorkerContext.detect()
     assert (inside.rank, inside.world_size, inside.in_ray_train) == (0, 1, False)
     assert WorkerContext.detect() == outside
+
+
+@contextlib.contextmanager
+def _joined(kind: str):
+    """This process's join for the block, as the driver sets it in a worker."""
+    set_join(WorkerJoin(kind))
+    try:
+        yield
+    finally:
+        set_join(None)
 
 
 class _Group:
@@ -220,12 +231,9 @@ def test_two_fresh_replacements_of_three_do_not_step_from_scratch_without_replic
     from ray_goodput.replica._replica import ReplicaJoinError
 
     rep = _waiting_replacement(timeout_s=0.5, configured=3, manager=_FreshQuorum(2))
-    set_join(WorkerJoin("replacement"))
-    try:
+    with _joined("replacement"):
         with pytest.raises(ReplicaJoinError, match=r"2 of 3 replicas"):
             rep._join_quorum()
-    finally:
-        set_join(None)
 
 
 class _QuorumAtTheEnd(_FreshQuorum):
@@ -256,12 +264,9 @@ def test_a_finished_job_started_again_ends_every_replica_at_the_first_quorum(slo
     rep.replacement, rep.slot = False, slot
     rep._in_step, rep._optim = False, torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=0.1)
     rep._rank_in_step = -1
-    set_join(WorkerJoin("start"))
-    try:
+    with _joined("start"):
         assert list(rep.batches(total_steps=50)) == []
         assert rep.manager.quorums == 1 and rep.current_step == 50
-    finally:
-        set_join(None)
 
 
 class _WhileReplica0Restores(_FreshQuorum):
@@ -295,24 +300,18 @@ def test_a_whole_group_start_waits_past_timeout_s_for_replica_0_restoring_a_larg
     start_timeout_s: one quorum call, as torchft cannot try a failed one again."""
     manager = _WhileReplica0Restores(2, restore_s=100.0)
     rep = _starting_replica(manager, timeout_s=30.0, start_timeout_s=600.0)
-    set_join(WorkerJoin("start"))
-    try:
+    with _joined("start"):
         rep._join_quorum()
         assert len(manager.timeouts) == 1 and manager.timeouts[0].total_seconds() > 599.0
-    finally:
-        set_join(None)
 
 
 def test_a_whole_group_start_whose_replica_0_never_comes_fails_naming_start_timeout_s():
     from ray_goodput.replica._replica import ReplicaJoinError
 
     rep = _starting_replica(_WhileReplica0Restores(2, restore_s=10**6), timeout_s=30.0, start_timeout_s=60.0)
-    set_join(WorkerJoin("start"))
-    try:
+    with _joined("start"):
         with pytest.raises(ReplicaJoinError, match=r"start_timeout_s"):
             rep._join_quorum()
-    finally:
-        set_join(None)
 
 
 class _QuorumNeverFormed(_AloneInQuorum):
@@ -335,24 +334,18 @@ def test_a_replacement_whose_peers_finished_while_its_quorum_could_not_form_ends
     rep = _waiting_replacement(timeout_s=5.0, configured=2, manager=_QuorumNeverFormed())
     rep.settings = ReplicaGroups(min_replicas=2, heartbeat_timeout_s=0.2, timeout_s=5.0)
     rep._in_step, rep._optim = False, torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=0.1)
-    set_join(WorkerJoin("replacement"))
-    try:
+    with _joined("replacement"):
         assert list(rep.batches(total_steps=10)) == []
         assert rep.peers_finished
-    finally:
-        set_join(None)
 
 
 def test_a_replacement_whose_quorum_fails_while_its_peers_still_train_raises():
     rep = _waiting_replacement(timeout_s=5.0, configured=2, manager=_QuorumNeverFormed())
     rep.manager.start_quorum = lambda timeout=None: (_ for _ in ()).throw(TimeoutError("quorum timed out"))
     rep._in_step, rep._optim = False, torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=0.1)
-    set_join(WorkerJoin("replacement"))
-    try:
+    with _joined("replacement"):
         with pytest.raises(TimeoutError, match="quorum timed out"):
             list(rep.batches(total_steps=10))
-    finally:
-        set_join(None)
 
 
 def test_a_fresh_replacement_that_meets_every_replica_at_step_0_does_not_commit_that_step():
@@ -362,15 +355,12 @@ def test_a_fresh_replacement_that_meets_every_replica_at_step_0_does_not_commit_
     weights and never healed). It drops the step and heals from replica 0 at the next
     quorum; so it does at every quorum until it has progress."""
     rep = _waiting_replacement(timeout_s=5.0, configured=2, manager=_FreshQuorum(2))
-    set_join(WorkerJoin("replacement"))
-    try:
+    with _joined("replacement"):
         rep._join_quorum()
         assert rep._drop_step
         rep._drop_step = False  # the step did not commit (no peer was ahead): still no progress
         rep._join_quorum()
         assert rep._drop_step
-    finally:
-        set_join(None)
 
 
 class _HealingQuorum(_AloneInQuorum):
@@ -414,11 +404,8 @@ def test_a_replacement_of_replica_0_records_its_heal_as_a_restore_of_the_peers_s
     rep.slot, rep._model, rep._optim, rep._extra, rep._healed = 0, model, optim, {}, False
     rep._recorder = StepRecorder(_Log())
     rep.manager = _HealingQuorum(rep, peer, 12)
-    set_join(WorkerJoin("replacement"))
-    try:
+    with _joined("replacement"):
         rep._join_quorum()
-    finally:
-        set_join(None)
     restores = [f for name, f in rep._recorder.log.events if name == "restore"]
     assert [r["step"] for r in restores] == [12]
     rep._recorder.step(13)
@@ -444,13 +431,10 @@ def test_a_replacement_alone_and_never_told_fails_naming_the_timeout():
     from ray_goodput.replica._replica import ReplicaJoinError
 
     rep = _waiting_replacement(timeout_s=0.5)
-    set_join(WorkerJoin("replacement"))
-    try:
+    with _joined("replacement"):
         with pytest.raises(ReplicaJoinError, match=r"timeout_s"):
             rep._join_quorum()
         assert not rep.peers_finished
-    finally:
-        set_join(None)
 
 
 def test_a_replica_left_out_of_the_last_quorums_is_told_to_end_when_its_peers_finish():
@@ -488,12 +472,9 @@ def test_a_replica_of_the_start_whose_quorum_fails_after_its_peers_finished_ends
     rep.settings = ReplicaGroups(min_replicas=2, heartbeat_timeout_s=0.2, timeout_s=5.0)
     rep._in_step, rep._optim = False, torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=0.1)
     rep._first_quorum = False  # it has stepped with its peers
-    set_join(WorkerJoin("start"))
-    try:
+    with _joined("start"):
         assert list(rep.batches(total_steps=10)) == []
         assert rep.peers_finished
-    finally:
-        set_join(None)
 
 
 def test_a_replacement_shut_down_before_its_peers_finish_is_not_told_anything():

@@ -664,20 +664,26 @@ class _LaneTicket:
         self.events.append(("superseded", self.job.step))
 
 
+def _lane_running(held: int):
+    """A lane running step ``held``'s stand-in job until ``gate`` is set: (lane, the
+    stand-in ticket maker, the events it records, gate)."""
+    from ray_goodput.checkpoint.uploader._rank_queue import RankLane
+
+    events: list[tuple[str, int]] = []
+    gate = threading.Event()
+    ticket = functools.partial(_LaneTicket, events, gate, held)
+    lane = RankLane()
+    lane.submit(ticket(held))
+    wait_for(lambda: events, timeout_s=10, what=f"step {held}'s job running")
+    return lane, ticket, events, gate
+
+
 def test_an_older_save_of_a_worker_arriving_after_its_newer_one_does_not_supersede_it():
     # Jobs of one worker can reach its lane out of order: the older one unread on a
     # connection that broke, the newer one resent on a new connection and read first. The
     # lane superseded the waiting job by arrival, so the older save dropped the newer one.
     # Pure lane logic: stand-in tickets record what ran and what was superseded.
-    from ray_goodput.checkpoint.uploader._rank_queue import RankLane
-
-    events: list[tuple[str, int]] = []
-    gate = threading.Event()
-    _Ticket = functools.partial(_LaneTicket, events, gate, 10)
-
-    lane = RankLane()
-    lane.submit(_Ticket(10))
-    wait_for(lambda: events, timeout_s=10, what="the first job running")
+    lane, _Ticket, events, gate = _lane_running(10)
     lane.submit(_Ticket(30))  # the newer save, read first
     lane.submit(_Ticket(20))  # the older one, read late: dropped, not the newer
     lane.submit(_Ticket(25, owner=8))  # another worker's (a new attempt's): arrival order decides
@@ -691,15 +697,7 @@ def test_an_older_save_of_a_worker_arriving_while_its_newer_one_runs_is_dropped_
     # connection, started at once; step 10, unread on the broken one, arrived next, found
     # nothing waiting and ran after step 20: a wasted upload, and a commit out of the
     # rank's order. Pure lane logic, as the test above.
-    from ray_goodput.checkpoint.uploader._rank_queue import RankLane
-
-    events: list[tuple[str, int]] = []
-    gate = threading.Event()
-    _Ticket = functools.partial(_LaneTicket, events, gate, 20)
-
-    lane = RankLane()
-    lane.submit(_Ticket(20))
-    wait_for(lambda: events, timeout_s=10, what="the newer job running")
+    lane, _Ticket, events, gate = _lane_running(20)
     lane.submit(_Ticket(10))  # the older one, read late, while the newer one runs
     gate.set()
     wait_for(lambda: len(events) >= 2, timeout_s=10, what="the older job's fate")
