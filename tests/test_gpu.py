@@ -78,10 +78,13 @@ def test_a_snapshot_of_tensors_on_two_gpus_holds_both_copies_when_it_returns(shm
     arena = Arena(shm_dir / "rank-00000-1-0.arena")
     try:
         with torch.cuda.device(0):
-            tensors = {f"w{d}": torch.randn(4096, 4096, device=f"cuda:{d}") for d in (0, 1)}
+            tensors = {f"w{d}": torch.randn(8192, 8192, device=f"cuda:{d}") for d in (0, 1)}  # 256 MiB each
             expected = {k: t.cpu() for k, t in tensors.items()}
             slots = arena.snapshot(tensors)
-            got = open_slots(arena.path, slots)  # read before anything else syncs cuda:1
+            # Asked before anything else syncs cuda:1: its copy, queued on its own stream,
+            # is done (the old snapshot waited for cuda:0 only).
+            assert torch.cuda.current_stream(torch.device("cuda:1")).query()
+            got = open_slots(arena.path, slots)
             assert all(torch.equal(got[k], expected[k]) for k in tensors)
     finally:
         arena.close()
