@@ -1,4 +1,4 @@
-"""Snapshot arenas (``checkpoint/save/_arena.py``, ``_arena_pair.py``) and the first save's
+"""Snapshot arenas (``checkpoint/save/_arena.py``, ``_arena_files.py``, ``_arena_pair.py``) and the first save's
 arena (``_first_save.py``): tensors handed to DCP own their bytes, the first arena is each
 rank's share under the owner plan, sized and touched right after the optimizer's first
 step (never by a made-up step), and a Checkpointer that only restores leaves another's
@@ -240,12 +240,12 @@ def test_a_dead_workers_claim_files_are_swept_only_once_no_uploader_can_still_lo
     # claim, or it would read an arena that holds a newer snapshot: young claims stay.
     import time
 
-    from ray_goodput.checkpoint.save import _arena
-    from ray_goodput.checkpoint.save._arena import claim, claim_path, sweep_dead
+    from ray_goodput.checkpoint.save import _arena_files
+    from ray_goodput.checkpoint.save._arena_files import claim, claim_path, sweep_dead
     from tests._helpers import dead_pid
 
     # A day: claims of this test's age (a live process's claim cannot predate it).
-    monkeypatch.setattr(_arena, "_CLAIM_SWEEP_AGE_S", 5.0)
+    monkeypatch.setattr(_arena_files, "_CLAIM_SWEEP_AGE_S", 5.0)
 
     dead = tmp_path / f"rank-00000-{dead_pid()}-0-0.arena"
     alive = tmp_path / f"rank-00000-{os.getpid()}-0-0.arena"
@@ -267,10 +267,10 @@ def test_a_dead_workers_arenas_of_an_earlier_run_are_swept_from_shared_memory_on
     # the node's uploader) and the run directories left empty; a live process's stay.
     import time
 
-    from ray_goodput.checkpoint.save import _arena
+    from ray_goodput.checkpoint.save import _arena_files
     from tests._helpers import dead_pid
 
-    monkeypatch.setattr(_arena, "OTHER_RUN_SWEEP_AGE_S", 5.0)  # an hour: files of this test's age
+    monkeypatch.setattr(_arena_files, "OTHER_RUN_SWEEP_AGE_S", 5.0)  # an hour: files of this test's age
 
     root = tmp_path / "ray_goodput"
     mine, ended, recent, running, empty_old, empty_young = (
@@ -290,7 +290,7 @@ def test_a_dead_workers_arenas_of_an_earlier_run_are_swept_from_shared_memory_on
     for path in (*gone, in_use, empty_old):
         os.utime(path, (past, past))
 
-    _arena.sweep_dead(mine, other_runs=True)
+    _arena_files.sweep_dead(mine, other_runs=True)
 
     assert not any(p.exists() for p in gone)
     assert not ended.exists() and not empty_old.exists()  # emptied by the sweep, or empty and old
@@ -303,7 +303,7 @@ def test_a_dead_workers_arena_is_swept_from_its_run_even_when_its_pid_runs_a_lat
     # given the dead worker's pid kept it: memory held until that process ended.
     import time
 
-    from ray_goodput.checkpoint.save._arena import sweep_dead
+    from ray_goodput.checkpoint.save._arena_files import sweep_dead
 
     reused = tmp_path / f"rank-00000-{os.getpid()}-0-0.arena"  # written long before this process started
     mine = tmp_path / f"rank-00000-{os.getpid()}-1-0.arena"
@@ -324,7 +324,7 @@ def test_a_dead_workers_arena_is_kept_while_a_job_of_it_waits_in_a_held_file_the
     # (tests/test_uploader_faults.py has the same with real processes). A mark kept it.
     import time
 
-    from ray_goodput.checkpoint.save._arena import (
+    from ray_goodput.checkpoint.save._arena_files import (
         OTHER_RUN_SWEEP_AGE_S,
         held_path,
         mark_held,
@@ -360,7 +360,7 @@ def test_a_dead_workers_arena_awaited_by_a_dead_uploaders_socket_is_swept(tmp_pa
     # killed worker's arena (in /dev/shm: memory) for an hour. A mark names its socket's
     # uploader and keeps the arena only while that process lives; a job in a file, which
     # any uploader takes, names none.
-    from ray_goodput.checkpoint.save._arena import forget_reader, held_path, mark_held, sweep_dead
+    from ray_goodput.checkpoint.save._arena_files import forget_reader, held_path, mark_held, sweep_dead
     from tests._helpers import dead_pid
 
     pid = dead_pid()
@@ -463,7 +463,7 @@ def test_a_save_supersedes_the_newer_held_snapshot_even_when_its_save_was_alread
     from concurrent.futures import Future
 
     from ray_goodput.checkpoint.save import _arena_pair
-    from ray_goodput.checkpoint.save._arena import claim
+    from ray_goodput.checkpoint.save._arena_files import claim
     from ray_goodput.checkpoint.save._arena_pair import ArenaPair
     from ray_goodput.checkpoint.save._handoff import Handoff
     from ray_goodput.errors import CheckpointError
@@ -495,7 +495,8 @@ def test_releasing_the_arenas_keeps_one_a_job_no_uploader_has_mapped_yet_still_n
     now left for them; the other is unlinked as before."""
     from concurrent.futures import Future
 
-    from ray_goodput.checkpoint.save._arena import mark_held, open_slots
+    from ray_goodput.checkpoint.save._arena import open_slots
+    from ray_goodput.checkpoint.save._arena_files import mark_held
     from ray_goodput.checkpoint.save._arena_pair import ArenaPair
     from ray_goodput.checkpoint.save._handoff import Handoff
 
@@ -523,7 +524,7 @@ def test_the_uploader_keeps_a_dead_workers_arena_that_a_newer_unmapped_job_still
     # failed to open its snapshot and was lost.
     from types import SimpleNamespace
 
-    from ray_goodput.checkpoint.save._arena import mark_held, unmark_held
+    from ray_goodput.checkpoint.save._arena_files import mark_held, unmark_held
     from ray_goodput.checkpoint.uploader._actor import CheckpointUploader
     from ray_goodput.checkpoint.uploader._arena_sweep import WorkersArenas
     from tests._helpers import dead_pid
@@ -550,7 +551,8 @@ def test_a_dead_workers_held_job_keeps_its_arena_marked_until_the_job_ends(tmp_p
     import threading
     from types import SimpleNamespace
 
-    from ray_goodput.checkpoint.save._arena import TensorSlot, held_path, mark_held, sweep_dead
+    from ray_goodput.checkpoint.save._arena import TensorSlot
+    from ray_goodput.checkpoint.save._arena_files import held_path, mark_held, sweep_dead
     from ray_goodput.checkpoint.uploader import _actor
     from ray_goodput.checkpoint.uploader._arena_sweep import WorkersArenas
     from tests._helpers import dead_pid

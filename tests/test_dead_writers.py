@@ -22,7 +22,7 @@ from types import SimpleNamespace
 import psutil
 import pytest
 
-from ray_goodput.checkpoint.save._arena import claim
+from ray_goodput.checkpoint.save._arena_files import claim
 from ray_goodput.checkpoint.uploader import _held
 from ray_goodput.data import CacheConfig
 from ray_goodput.data._cache_keeper import CacheKeeper
@@ -37,11 +37,11 @@ LONG_AGO_S = 600  # before this process started: well past pid_alive's slack
 # in the middle of them.
 TAKE_AND_DIE = """
 import sys
-from ray_goodput.checkpoint.save import _arena
+from ray_goodput.checkpoint.save import _arena_files
 from ray_goodput.checkpoint.uploader import _held
 taken = _held.orphans(sys.argv[1])
 for _, job, _ in taken:
-    assert _arena.claim(job.arena_path, job.key)
+    assert _arena_files.claim(job.arena_path, job.key)
 print(*[job.step for _, job, _ in taken])
 """
 

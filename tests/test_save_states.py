@@ -17,7 +17,7 @@ import torch
 
 from ray_goodput import Checkpointer, _faults
 from ray_goodput.checkpoint._outcomes import AGE_FLOOR_S, AGE_INTERVALS
-from ray_goodput.checkpoint.save._arena import claim, drop_claim
+from ray_goodput.checkpoint.save._arena_files import claim, drop_claim
 from ray_goodput.checkpoint.save._handoff import Handoff
 from ray_goodput.checkpoint.save._save_state import IllegalTransitionError, SaveRecord, SaveState, agree
 from ray_goodput.checkpoint.uploader._shard_job import ShardJob, ShardResult
@@ -93,7 +93,7 @@ def test_every_rank_agrees_on_the_outcome(states, outcome):
 class FakeBackend:
     """Accepts jobs; the test decides when each starts, is released and ends. A job
     starts as the uploader's lane starts one: it claims its snapshot first, and ends
-    superseded when its worker claimed it before (``_arena.claim``)."""
+    superseded when its worker claimed it before (``_arena_files.claim``)."""
 
     def __init__(self) -> None:
         self.jobs: dict[int, ShardJob] = {}

@@ -293,7 +293,7 @@ def test_a_job_in_a_file_keeps_its_arena_for_any_uploader_while_the_held_thread_
     # to, while the file still existed: the worker killed mid-send, that uploader dying with
     # the frame unread, and the next worker's sweep took the arena the file's job needed.
     # Stand-in channel; the mark and the held file are real.
-    from ray_goodput.checkpoint.save._arena import held_path
+    from ray_goodput.checkpoint.save._arena_files import held_path
     from ray_goodput.checkpoint.uploader import _client, _held
 
     arena = tmp_path / f"rank-00000-{os.getpid()}-0-0.arena"
@@ -342,7 +342,7 @@ def test_a_job_that_cannot_be_held_on_a_full_disk_leaves_no_partial_file_and_no_
     script = (
         "import os, types\n"
         "from ray_goodput.checkpoint.uploader import _held\n"
-        "from ray_goodput.checkpoint.save._arena import held_path\n"
+        "from ray_goodput.checkpoint.save._arena_files import held_path\n"
         f"arena = '{tmp_path}/rank-00000-1-0-0.arena'\n"
         "job = types.SimpleNamespace(owner_pid=os.getpid(), key='k', step=1, slots=('a slot',), "
         "arena_path=arena, pad=b'x' * 200_000)\n"
@@ -565,7 +565,8 @@ def test_the_first_save_does_not_wait_for_an_uploader_that_has_not_answered_yet(
 def test_a_job_whose_worker_claimed_it_reads_nothing_and_ends_superseded(tmp_path):
     # The worker's claim is the decision: the arena already holds a newer snapshot, so the
     # uploader's lane must end the job unread, not upload the newer bytes under its step.
-    from ray_goodput.checkpoint.save._arena import Arena, claim, claim_path
+    from ray_goodput.checkpoint.save._arena import Arena
+    from ray_goodput.checkpoint.save._arena_files import claim, claim_path
     from ray_goodput.checkpoint.save._save_state import SaveState
     from ray_goodput.checkpoint.uploader._rank_queue import RankLane, Ticket
     from ray_goodput.checkpoint.uploader._shard_job import ShardJob

@@ -418,7 +418,7 @@ def test_a_worker_killed_before_its_uploader_answered_still_commits_its_save_thr
     import pickle
     from pathlib import Path
 
-    from ray_goodput.checkpoint.save._arena import sweep_dead
+    from ray_goodput.checkpoint.save._arena_files import sweep_dead
     from ray_goodput.checkpoint.uploader import _held
 
     uri = s3_server.bucket_uri("held")
@@ -450,7 +450,7 @@ def test_a_dead_workers_job_the_uploader_has_not_read_keeps_its_arena_through_th
     # had to map: a save that returned never committed.
     from pathlib import Path
 
-    from ray_goodput.checkpoint.save._arena import sweep_dead
+    from ray_goodput.checkpoint.save._arena_files import sweep_dead
 
     uri = s3_server.bucket_uri("unread")
     node, worker, _ = _worker_with_a_commit(ray_cluster, uri, 8)  # connected: save() writes to the socket

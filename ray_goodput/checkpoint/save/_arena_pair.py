@@ -3,7 +3,7 @@ ahead of the first save.
 
 A save copies into an arena that no job holds; while one job is written from an arena and
 another waits in the other, a third save supersedes the waiting one (the newest state goes
-next) by claiming its snapshot (``_arena.claim``) and copies into its arena at once: the
+next) by claiming its snapshot (``_arena_files.claim``) and copies into its arena at once: the
 decision is the worker's alone, never a question to the uploader. Arena 0 is sized and touched
 (pinned on a GPU) in a background thread before the first save needs it (``_first_save``):
 from ``restore()``, or for a fresh start from its optimizers' first step. The other arena is
@@ -24,7 +24,8 @@ from concurrent.futures import wait as wait_futures
 from pathlib import Path
 from typing import Any
 
-from ray_goodput.checkpoint.save._arena import Arena, arena_names, claim, held_for_a_job, pick_dir, sweep_dead
+from ray_goodput.checkpoint.save._arena import Arena
+from ray_goodput.checkpoint.save._arena_files import arena_names, claim, held_for_a_job, pick_dir, sweep_dead
 from ray_goodput.checkpoint.save._first_save import after_first_steps, snapshot_device, snapshot_size
 from ray_goodput.checkpoint.save._handoff import Handoff
 from ray_goodput.errors import CheckpointError

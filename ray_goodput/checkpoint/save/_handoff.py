@@ -4,7 +4,7 @@ Two backends implement it in ``checkpoint.uploader``: ``ThreadBackend`` runs the
 a thread of the worker; ``ActorBackend`` hands it to the node's ``CheckpointUploader`` actor.
 Both queue a rank's jobs in a ``RankLane`` (one running, one waiting). Superseding a
 waiting job is not asked of the backend: the worker claims the job's snapshot
-(``_arena.claim``), and the lane finds the job superseded when it comes to start it."""
+(``_arena_files.claim``), and the lane finds the job superseded when it comes to start it."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ remembers the arena directories of every worker whose jobs it ran, however the j
 gone, and all of them when it exits; a dead worker's arena goes as soon as its job
 lets go of it. Arenas its jobs still use stay mapped in the uploader, and the arena of a
 job not mapped yet (held in a file, or unread in a socket), or of a dead worker's held
-job until that job ends, is marked and kept (``_arena.sweep_dead``)."""
+job until that job ends, is marked and kept (``_arena_files.sweep_dead``)."""
 
 from __future__ import annotations
 
@@ -17,14 +17,13 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ray_goodput._lazy import LazyModule
+from ray_goodput.checkpoint.save import _arena_files
 from ray_goodput.runtime import pid_alive
 
 if TYPE_CHECKING:
     from ray_goodput.checkpoint.uploader._shard_job import ShardJob
 
 logger = logging.getLogger(__name__)
-_arena = LazyModule("ray_goodput.checkpoint.save._arena")  # torch: loaded by the uploader's __init__
 
 
 class WorkersArenas:
@@ -50,7 +49,7 @@ class WorkersArenas:
         if not job.slots:  # its snapshot had no tensors: no arena
             return
         arena = Path(job.arena_path)
-        if not pid_alive(job.owner_pid) and not _arena.held_for_a_job(arena):
+        if not pid_alive(job.owner_pid) and not _arena_files.held_for_a_job(arena):
             arena.unlink(missing_ok=True)
 
     def sweep_gone(self, connected: set[int | None]) -> None:
@@ -77,13 +76,13 @@ class WorkersArenas:
 
 
 def _sweep(directories: set[str], reader: int | None = None) -> None:
-    """``_arena.sweep_dead`` on each of ``directories``, after removing the marks that name
+    """``_arena_files.sweep_dead`` on each of ``directories``, after removing the marks that name
     uploader ``reader`` if given (a failure is logged: the next Checkpointer of a run on
     the node sweeps again)."""
     for directory in sorted(directories):
         try:
             if reader is not None:
-                _arena.forget_reader(Path(directory), reader)
-            _arena.sweep_dead(Path(directory))
+                _arena_files.forget_reader(Path(directory), reader)
+            _arena_files.sweep_dead(Path(directory))
         except Exception:  # a failed sweep leaves files, never fails a job
             logger.warning("could not sweep dead workers' snapshot arenas in %s", directory, exc_info=True)

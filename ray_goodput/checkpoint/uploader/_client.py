@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ray_goodput._lazy import LazyModule
-from ray_goodput.checkpoint.save._arena import claim, mark_held, unmark_held
+from ray_goodput.checkpoint.save._arena_files import claim, mark_held, unmark_held
 from ray_goodput.checkpoint.save._handoff import Handoff
 from ray_goodput.checkpoint.uploader import _held
 from ray_goodput.checkpoint.uploader._actor import KIND, _actor_class
@@ -353,7 +353,7 @@ class ActorBackend:
 
         A job written to the socket waits there until the uploader reads it, seconds or
         more when it is starved; this worker may be killed meanwhile. Its arena is marked
-        first (``_arena.mark_held``), naming that uploader, so that the sweeps of dead
+        first (``_arena_files.mark_held``), naming that uploader, so that the sweeps of dead
         workers' arenas keep it while the uploader lives; the uploader removes the mark
         once it mapped the arena (``_accept``), and this worker once the arena was
         released. ``in_file``: the job is also in a file of the node, whose mark (naming

@@ -13,7 +13,7 @@ The directory, ``$TMPDIR/ray_goodput-<uid>/held``, is this user's alone (mode 07
 nothing above it another user could swap: ``runtime._private_dirs``), as the uploader
 unpickles what it finds there; held jobs under one that is not are never read.
 
-Its snapshot arena carries a mark (``_arena.mark_held``) from before the file is written
+Its snapshot arena carries a mark (``_arena_files.mark_held``) from before the file is written
 until an uploader mapped it, so the sweep of dead workers' arenas that the run's next
 worker makes keeps it.
 
@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ray_goodput import _env
-from ray_goodput._lazy import LazyModule
+from ray_goodput.checkpoint.save import _arena_files
 from ray_goodput.runtime import pid_alive
 from ray_goodput.runtime._private_dirs import is_private, make_private
 
@@ -50,9 +50,6 @@ if TYPE_CHECKING:
     from ray_goodput.checkpoint.uploader._shard_job import ShardJob
 
 logger = logging.getLogger(__name__)
-# It imports torch: not when the uploader's module loads (tests/test_layering.py), only once
-# a job is held or ends, in a process that has torch by then.
-_arena = LazyModule("ray_goodput.checkpoint.save._arena")
 
 _JOB, _TAKEN = ".job", ".taken"
 
@@ -91,7 +88,7 @@ def hold(node_id: str, job: ShardJob, root: bytes | None) -> Path:
     directory = held_dir(node_id)
     path = directory / (_name(job.owner_pid, job.key) + _JOB)
     if job.slots:  # before the file: a sweep of dead workers' arenas must keep its snapshot
-        _arena.mark_held(job.arena_path, job.key)
+        _arena_files.mark_held(job.arena_path, job.key)
     partial = path.with_suffix(".partial")
     try:
         for last in (False, True):
@@ -189,9 +186,9 @@ def _settle_claim(job: ShardJob, *, retaken: bool) -> bool:
     taken again is that taker's, made as it began the job: it is removed, and the job runs
     again from the same snapshot."""
     if retaken:
-        _arena.drop_claim(job.arena_path, job.key)
+        _arena_files.drop_claim(job.arena_path, job.key)
         return True
-    return not _arena.claim_path(job.arena_path, job.key).exists()
+    return not _arena_files.claim_path(job.arena_path, job.key).exists()
 
 
 def _holder(name: str) -> int | None:
@@ -255,4 +252,4 @@ def arena_mapped(job: ShardJob) -> None:
     """An uploader mapped ``job``'s arena (or nobody will): the sweep of dead workers'
     arenas may take it once its worker is gone (a mark of a job held here, if any, goes)."""
     if job.slots:
-        _arena.unmark_held(job.arena_path, job.key)
+        _arena_files.unmark_held(job.arena_path, job.key)

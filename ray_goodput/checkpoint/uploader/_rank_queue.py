@@ -7,7 +7,7 @@ go. Jobs run one at a time, in order, so per rank a save never overtakes an olde
 A job's snapshot arena is mapped when the job is *accepted* (:class:`Ticket`): the
 mapping keeps the data alive even if the arena file is unlinked meanwhile (a worker
 leaving ``with Checkpointer`` on an error, or sweeping a dead process's arenas). Before it
-reads the snapshot, a job claims it (``_arena.claim``); a job whose worker claimed it first
+reads the snapshot, a job claims it (``_arena_files.claim``); a job whose worker claimed it first
 was superseded there (its arena already holds a newer snapshot) and ends unread.
 """
 
@@ -21,7 +21,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ray_goodput._faults import fault_point
-from ray_goodput.checkpoint.save._arena import claim, drop_claim, open_slots
+from ray_goodput.checkpoint.save._arena import open_slots
+from ray_goodput.checkpoint.save._arena_files import claim, drop_claim
 from ray_goodput.checkpoint.save._handoff import Handoff
 from ray_goodput.checkpoint.save._save_state import SaveRecord, SaveState
 from ray_goodput.checkpoint.uploader._shard_job import ShardJob, ShardResult, run_shard_job
