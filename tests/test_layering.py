@@ -246,3 +246,11 @@ def test_the_node_uploader_imports_torch_only_after_it_lowered_its_priority():
         "import torch\n"
         "assert torch.get_num_threads() == 1\n"
     )
+
+
+def test_every_test_file_stays_under_800_lines():
+    """Tests are grouped by component, a file per topic (issue 30): two files had grown past
+    900 lines of several topics each before this check."""
+    tests = Path(__file__).resolve().parent
+    long = {p.name: n for p in tests.glob("*.py") if (n := len(p.read_text().splitlines())) > 800}
+    assert long == {}, f"split these test files by topic: {long}"
