@@ -269,3 +269,37 @@ def test_a_replica_of_the_start_whose_quorum_fails_after_its_peers_finished_ends
     with _joined("start"):
         assert list(rep.batches(total_steps=10)) == []
         assert rep.peers_finished
+
+
+class _ReplacementsArriving(_FreshQuorum):
+    """Replacements of every replica meeting at step 0: each quorum has one more of them,
+    up to ``configured``."""
+
+    def __init__(self, n: int, configured: int) -> None:
+        super().__init__(n)
+        self.configured, self.quorums, self.loaded = configured, 0, None
+
+    def start_quorum(self, timeout=None) -> None:
+        self.quorums += 1
+        if self.quorums > 1:
+            self.n = min(self.n + 1, self.configured)
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.loaded = sd
+
+
+def test_replica_0s_replacement_with_no_peer_ahead_waits_for_every_replica_before_it_restores():
+    """Every replica of 3 failed and Ray replaced them one by one. Replica 0's replacement
+    met one unhealed replacement at step 0, restored the checkpoint inside that quorum and
+    went on to the step's all-reduce, while the other, still waiting for every replica,
+    went back to the quorum: both stalled until timeout_s and failed. Replica 0's
+    replacement now waits for every replica as the others do, and restores when they are
+    all there (each drops that step and heals from it at the next quorum)."""
+    rep = _waiting_replacement(timeout_s=5.0, configured=3, manager=_ReplacementsArriving(2, configured=3))
+    rep.slot, rep._batches_restored = 0, 0
+    restored_with = []
+    rep._durable.restore_in_quorum = lambda: restored_with.append(rep.manager.num_participants()) or 40
+    with _joined("replacement"):
+        rep._join_quorum()
+    assert restored_with == [3] and rep._drop_step
+    assert rep.manager.loaded == {"step": 40, "batches_committed": 0}

@@ -18,13 +18,12 @@ At a whole-group start replica 0 restores the newest committed checkpoint (model
 optimizer, data position, step) and the others heal from it at the first quorum; a
 replacement restores nothing and heals from a live peer. When a replacement's first quorum
 shows that no peer has any progress (every replica failed, but Ray saw the failures one at
-a time and replaced them one by one), replica 0 restores the checkpoint then, drops that
-step (it votes not to commit it) and the others heal from it at the next quorum. Another
-replacement with no progress never steps from scratch: it waits (up to ``timeout_s``, at
-each quorum until it has healed) for a peer to heal from, or for every replica when none
-has any, and then drops that step too, so that it heals from replica 0 at the next
-quorum. At a whole-group start the first step waits for every replica, so none steps
-ahead of the restored checkpoint.
+a time and replaced them one by one), no replacement steps from scratch: each waits (up to
+``timeout_s``, at each quorum until it has healed) for a peer to heal from, or for every
+replica when none has any. Then replica 0 restores the checkpoint, every replica drops that
+step (votes not to commit it), and the others heal from replica 0 at the next quorum. At
+a whole-group start the first step waits for every replica, so none steps ahead of the
+restored checkpoint.
 """
 
 from __future__ import annotations
@@ -274,17 +273,20 @@ class Replica:
         elif first:
             self._drop_step = self._restore_if_no_peer_had_state()
 
-    def _unhealed(self) -> bool:
-        """A replacement other than replica 0 that has had no progress yet (no peer it met
-        had any) in a job that saves: it must not step from scratch, which would throw the
-        durable checkpoint that replica 0 restores away."""
+    def _no_progress_yet(self) -> bool:
+        """A replacement that has had no progress yet (no peer it met had any) in a job
+        that saves and has peers: it waits for a peer to heal from, or for every replica."""
         return (
             bool(self._durable.save_every)  # no checkpoint to lose otherwise
             and self.replacement
-            and self.slot != 0
             and self.configured > 1
             and self.current_step == 0
         )
+
+    def _unhealed(self) -> bool:
+        """Such a replacement other than replica 0: it must not step from scratch, which
+        would throw the durable checkpoint that replica 0 restores away."""
+        return self.slot != 0 and self._no_progress_yet()
 
     def _told_peers_finished(self) -> bool:
         """Whether the driver said, since this replica started, that every peer has
@@ -299,14 +301,15 @@ class Replica:
         """Whether this quorum must wait for more replicas. At a whole-group start: for all
         of them (a replica stepping alone from scratch while replica 0 still restores would
         get ahead of the restored step, and replica 0 would heal from it). A replacement
-        other than replica 0 that has had no progress: for a peer to heal from, or for every
-        replica, replica 0 included, when none has any (its peers died too and are being
-        replaced; two fresh replacements stepping together would be such a from-scratch
-        lineage). Replica 0 never waits: with no peer ahead it restores the checkpoint."""
+        that has had no progress: for a peer to heal from, or for every replica when none has
+        any (its peers died too and are being replaced; two fresh replacements stepping
+        together would be such a from-scratch lineage). Replica 0's replacement waits too,
+        and restores the checkpoint once every replica is there: a peer still waiting for
+        the others would be back in the next quorum, not in this step's all-reduce."""
         n = self.manager.num_participants()
         if not self.replacement:
             return n < self.configured
-        return self._unhealed() and n < self.configured
+        return self._no_progress_yet() and n < self.configured
 
     def _restore_if_no_peer_had_state(self) -> bool:
         """After a replacement's first quorum: whether replica 0 restored the durable
