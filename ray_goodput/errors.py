@@ -91,6 +91,12 @@ class CacheLockTimeoutError(StorageError, TimeoutError):
     the next read fetches the file."""
 
 
+class PeerFailedError(GoodputError, RuntimeError):
+    """A worker gave up because of its peers, not its node: none came to its quorum in
+    time, or its steps stopped committing (replica mode's ``ReplicaJoinError`` and
+    ``ReplicaStepError``). Retryable; ``Recovery`` charges no node for it."""
+
+
 #: Errors that a restart of the run cannot fix: the message says what to change.
 NOT_RETRYABLE: tuple[type[GoodputError], ...] = (
     ConfigError,
@@ -119,6 +125,11 @@ def causes(exc: BaseException) -> list[BaseException]:
 def not_retryable(exc: BaseException) -> BaseException | None:
     """The error in ``exc``'s chain that a retry cannot fix, classified by type; or None."""
     return next((e for e in causes(exc) if isinstance(e, NOT_RETRYABLE)), None)
+
+
+def peers_failed(exc: BaseException) -> bool:
+    """Whether ``exc``'s chain holds a :class:`PeerFailedError` (its node is not to blame)."""
+    return any(isinstance(e, PeerFailedError) for e in causes(exc))
 
 
 class NoHealthyNodesError(GoodputError, RuntimeError):

@@ -233,3 +233,35 @@ def test_the_record_counts_each_failure_against_the_ray_budget_it_uses(tmp_path)
     rec.before_controller_execute_failure_decision(FailureDecision.RETRY)
     rec.after_controller_finish(None)
     assert load_state(str(tmp_path))["failures_charged"] == {"max_failures": 1, "max_preemption_failures": 1}
+
+
+def test_a_replica_that_found_no_peer_charges_no_node(tmp_path):
+    """A replica raises ReplicaJoinError when no peer came to its quorum in time, and
+    ReplicaStepError when its steps stopped committing: both say its peers failed, not its
+    node. Each was charged to the node the replica ran on, and two such failures isolated
+    a healthy node. The failure that killed the peer is still charged to the peer's node."""
+    from types import SimpleNamespace
+
+    from ray.exceptions import RayTaskError
+
+    from ray_goodput.replica._replica import ReplicaJoinError, ReplicaStepError
+
+    rec = Recovery(health_check=None, storage_path=str(tmp_path), max_failures_per_node=2)
+    rec.checks_at_failure = False
+    rec.after_controller_start(SimpleNamespace(run_config=None))
+    rec._rank_nodes = {0: "node-A", 1: "node-B"}
+    replaced = SimpleNamespace(
+        get_workers=lambda: [
+            SimpleNamespace(
+                distributed_context=SimpleNamespace(world_rank=1), metadata=SimpleNamespace(node_id="node-B")
+            )
+        ],
+        execute=lambda fn, *args, restart: None,
+    )
+    wrapped = RayTaskError("train_fn", "Traceback ...", ReplicaStepError("steps stopped committing"))
+    for error in (ReplicaJoinError("found 1 of 2 replicas"), wrapped, ReplicaJoinError("again")):
+        rec.after_worker_group_poll_status(SimpleNamespace(errors={1: error}))
+        rec.after_replica_group_start(replaced)
+    rec.after_worker_group_poll_status(SimpleNamespace(errors={0: RuntimeError("worker died")}))
+    rec.after_controller_finish(None)
+    assert rec.ledger.failures == {"node-A": 1} and rec.isolated_nodes == []

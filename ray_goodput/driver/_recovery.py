@@ -43,7 +43,7 @@ from ray.train.v2.api.exceptions import ControllerError, WorkerGroupError
 from ray_goodput.driver import _gpu_check, _health, _placement
 from ray_goodput.driver._record import ABORT_WRITE_WAIT_S, STATE_WRITE_WAIT_S, StateWriter
 from ray_goodput.driver._resume_choice import UPLOAD_WAIT_S, ResumeChoice
-from ray_goodput.errors import ConfigError, NoHealthyNodesError, not_retryable
+from ray_goodput.errors import ConfigError, NoHealthyNodesError, not_retryable, peers_failed
 from ray_goodput.runtime import run_root
 from ray_goodput.runtime._resume import root_key, set_decision
 from ray_goodput.storage import StorageLocation, resolve
@@ -319,8 +319,8 @@ class Recovery(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):
 
     def _count_failure(self, rank: int, exc: BaseException) -> None:
         node = self._rank_nodes.get(rank)
-        if node is None or node in self._counted or _preempted(exc):
-            return
+        if node is None or node in self._counted or _preempted(exc) or peers_failed(exc):
+            return  # no node's fault: preempted, or a replica whose peers failed (PeerFailedError)
         self._counted.add(node)  # one failure per node per attempt, however many ranks
         if self.ledger.record(node, may_isolate=self._can_do_without):
             logger.warning(

@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils.data import default_collate
 
 from ray_goodput.data import _order
-from ray_goodput.errors import ConfigError, GoodputError
+from ray_goodput.errors import ConfigError, PeerFailedError
 from ray_goodput.goodput import get_recorder
 from ray_goodput.replica import _position as pos
 from ray_goodput.replica._config import ReplicaGroups, require_torchft
@@ -56,11 +56,11 @@ logger = logging.getLogger(__name__)
 MAX_UNCOMMITTED_STEPS = 20
 
 
-class ReplicaJoinError(GoodputError, RuntimeError):
+class ReplicaJoinError(PeerFailedError):
     """A replacement found no live peer to heal from in time (retryable: Ray replaces it)."""
 
 
-class ReplicaStepError(GoodputError, RuntimeError):
+class ReplicaStepError(PeerFailedError):
     """Steps stopped committing: ``MAX_UNCOMMITTED_STEPS`` in a row did not (retryable)."""
 
 
