@@ -215,6 +215,23 @@ def test_the_first_step_hook_leaves_the_users_own_post_step_hooks_running(tmp_pa
         assert ckpt.stats.committed == [1]
 
 
+def test_a_fresh_start_whose_optimizer_keeps_no_state_sizes_its_first_arena_after_the_first_step(tmp_path):
+    # The first-step hook waited for every optimizer to hold state; SGD without momentum
+    # never does, so its first save made the arena itself, on the training thread.
+    model = torch.nn.Linear(64, 64)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = {"model": model, "optim": optim}
+    with Checkpointer(str(tmp_path / "r"), staging_dir=str(tmp_path / "s"), uploader="thread") as ckpt:
+        assert ckpt.restore(state) is None and not ckpt._arenas.arenas
+        model(torch.randn(4, 64)).sum().backward()
+        optim.step()
+        assert ckpt._arenas.arenas  # sized after the first step
+        arena = ckpt._arenas.arenas[0]
+        ckpt.save(1, state)
+        ckpt.wait()
+        assert ckpt.stats.committed == [1] and ckpt._arenas.arenas[0] is arena
+
+
 def test_a_checkpointer_that_only_restores_leaves_another_ones_arenas_alone(tmp_path):
     # Arenas were named by run, rank and process: a second Checkpointer of the process on
     # the same run (restoring into an eval copy) prepared, resized and unlinked the

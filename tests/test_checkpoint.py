@@ -217,6 +217,30 @@ def test_a_failed_save_of_a_never_stepped_optimizer_leaves_its_lr_and_grads_alon
             ckpt.wait()
 
 
+def test_an_optimizer_that_keeps_no_state_gets_no_made_up_step_at_every_save(tmp_path):
+    """SGD without momentum keeps no state, so every save found it fresh and DCP made its
+    state up: zero grads for every parameter and a step at lr 0, which ran the user's step
+    hooks (an EMA update, a counter) once more at each save. Only the first save does now;
+    the weights restored are the ones saved."""
+    model = make_model(0)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    steps = []
+    optim.register_step_post_hook(lambda *_: steps.append(optim.param_groups[0]["lr"]))
+    with Checkpointer(str(tmp_path / "root"), staging_dir=str(tmp_path / "a"), uploader="thread") as ckpt:
+        for step in range(1, 5):
+            train_steps(model, optim, 1, rank=0, start=step)
+            optim.zero_grad()  # the usual loop: step, zero_grad, save
+            ckpt.save(step, {"model": model, "optim": optim})
+            assert all(p.grad is None for p in model.parameters()) and not optim.state
+        ckpt.wait()
+    assert steps == [0.1, 0.0, 0.1, 0.1, 0.1]  # four real steps, one made-up step (at lr 0)
+    saved = [p.detach().clone() for p in model.parameters()]
+    fresh = make_model(1)
+    with Checkpointer(str(tmp_path / "root"), staging_dir=str(tmp_path / "b"), uploader="thread") as ckpt:
+        assert ckpt.restore({"model": fresh, "optim": torch.optim.SGD(fresh.parameters(), lr=0.1)}) == 4
+    assert all(torch.equal(a, b) for a, b in zip(saved, fresh.parameters()))
+
+
 def test_restore_prefers_verified_local_copy(tmp_path):
     root, stage = str(tmp_path / "root"), str(tmp_path / "stage")
     state = _state(0)

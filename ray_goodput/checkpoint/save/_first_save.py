@@ -15,7 +15,8 @@ or one restored into): describing an optimizer that never stepped means running 
 step (``_state_dict.made_up_state``), whose hooks, memory and wrappers (a GradScaler)
 ``restore()`` must not set off. A fresh start's optimizers get their state at their first
 real step: :func:`after_first_steps` sizes the arena then (a post-step hook, once), while
-the steps before the first save run.
+the steps before the first save run. An optimizer whose real step leaves no state (SGD
+without momentum) is known from then on to keep none, and needs no made-up step.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def snapshot_size(state: dict[str, Any], world_size: int, rank: int) -> int | No
     has not stepped or the state cannot be described: the save sizes the arena itself."""
     try:
         roles = _state_dict.classify(state)
-        if any(not optim.state for optim, _ in roles.optimizers.values()):
+        if any(not optim.state and not _state_dict.keeps_no_state(optim) for optim, _ in roles.optimizers.values()):
             return None
         with _state_dict.saving(roles) as (sd, _):
             flat, _ = flatten_state_dict(sd)
@@ -81,14 +82,17 @@ def after_first_steps(state: dict[str, Any], ready: Callable[[], None]) -> list[
     then and a later one would meet a dict changed under it. ``ready`` must not raise
     (it runs inside ``optimizer.step()``)."""
     try:
-        waiting = [optim for optim, _ in _state_dict.classify(state).optimizers.values() if not optim.state]
+        optimizers = _state_dict.classify(state).optimizers.values()
+        waiting = [optim for optim, _ in optimizers if not optim.state and not _state_dict.keeps_no_state(optim)]
     except Exception:  # noqa: BLE001 - the save itself raises what is wrong with the state
         return []
     fired = False
 
-    def stepped(*_: Any) -> None:
+    def stepped(optim: torch.optim.Optimizer, *_: Any) -> None:
         nonlocal fired
-        if fired or any(not optim.state for optim in waiting):
+        if not optim.state:  # a real step left it none: it keeps none (SGD without momentum)
+            _state_dict.stepped_without_state(optim)
+        if fired or any(not o.state and not _state_dict.keeps_no_state(o) for o in waiting):
             return
         fired = True
         ready()

@@ -18,6 +18,7 @@ import copy
 import logging
 import pickle
 import random
+import weakref
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -44,6 +45,9 @@ _INTERNAL_PREFIX = "_rg_"  # state keys of the library's own (a user's may not s
 _PLAIN_KEY = "_rg_plain"
 _TENSORS_KEY = "_rg_tensors"
 _OPTIONS = StateDictOptions(full_state_dict=False, cpu_offload=False)
+#: Optimizers whose made-up step left no state (SGD without momentum): they keep none, so a
+#: save needs no made-up step for them (see :func:`made_up_state`).
+_STATELESS: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
 
 
 @dataclass
@@ -246,20 +250,40 @@ def made_up_state(roles: Roles, *, keep: bool) -> Iterator[tuple[str, ...]]:
     steps them at lr 0 with zero grads: step 1, zero moments; with any grad set it gives
     none). On exit their grads come back; their state and lr too, unless the block
     succeeded and ``keep`` (a restore keeps what it loaded). A failed step (LBFGS needs a
-    closure) leaves lr 0 and zero grads behind: they are put back as well."""
+    closure) leaves lr 0 and zero grads behind: they are put back as well.
+
+    An optimizer whose made-up step left no state keeps none (SGD without momentum): later
+    blocks give it no made-up step, which would otherwise come at every save (zero grads
+    for every parameter, a step, the user's step hooks). DCP runs that step whenever no
+    parameter has a grad, so for the block its smallest parameter gets a zero grad, and it
+    is still among the keys yielded (its saved state is as empty as a made-up one)."""
     fresh = tuple(sorted(key for key, (optim, _) in roles.optimizers.items() if not optim.state))
     before = {key: _lrs_and_grads(roles.optimizers[key][0]) for key in fresh}
+    placeholders = []
     for key in fresh:
-        for param in _params(roles.optimizers[key][0]):
+        optim = roles.optimizers[key][0]
+        params = _params(optim)
+        if optim in _STATELESS:
+            if params and all(param.grad is None for param in params):
+                smallest = min((p for p in params if p.requires_grad), key=torch.numel, default=None)
+                if smallest is not None:
+                    smallest.grad = torch.zeros_like(smallest)
+                    placeholders.append(smallest)
+            continue
+        for param in params:
             param.grad = None
     done = False
     try:
         yield fresh
         done = True
     finally:
+        for param in placeholders:
+            param.grad = None
         for key in fresh:
             optim = roles.optimizers[key][0]
             lrs, grads = before[key]
+            if done and not optim.state:
+                stepped_without_state(optim)
             if not (done and keep):
                 optim.state.clear()
                 for group, lr in zip(optim.param_groups, lrs):
@@ -267,6 +291,16 @@ def made_up_state(roles: Roles, *, keep: bool) -> Iterator[tuple[str, ...]]:
                         group["lr"] = lr
             for param, grad in zip(_params(optim), grads):
                 param.grad = grad
+
+
+def keeps_no_state(optim: torch.optim.Optimizer) -> bool:
+    """Whether a step of ``optim`` was seen to leave it no state (SGD without momentum)."""
+    return optim in _STATELESS
+
+
+def stepped_without_state(optim: torch.optim.Optimizer) -> None:
+    """Note that a real step of ``optim`` left it no state: it keeps none."""
+    _STATELESS.add(optim)
 
 
 def _params(optim: torch.optim.Optimizer) -> list[Any]:
