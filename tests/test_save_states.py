@@ -188,6 +188,23 @@ def test_an_older_failed_save_left_behind_by_a_newer_commit_is_counted_not_raise
     assert ckpt.stats.committed == [2] and ckpt.stats.recovery_step == 2
 
 
+def test_an_older_save_settled_after_a_newer_commit_does_not_set_the_recovery_step_back(fake):
+    """A sync settles a committed step while an older one still runs (a rank's outcome
+    that comes late, by the actor-call path); the older one settled later set
+    stats.recovery_step back to itself until the next commit."""
+    ckpt, backend = fake
+    ckpt.save(1, _state())
+    assert backend.start(1)  # still uploading
+    ckpt.save(2, _state())
+    assert backend.start(2)
+    backend.end(2)
+    ckpt._resolve(block=False)
+    assert ckpt.stats.committed == [2] and ckpt.stats.recovery_step == 2
+    backend.end(1)  # committed late
+    ckpt.wait()
+    assert ckpt.stats.committed == [2, 1] and ckpt.stats.recovery_step == 2
+
+
 def _superseded_on_one_rank_while_the_other_commits(rank: int, world_size: int, root: str, staging: str) -> dict:
     backend = FakeBackend()
     ckpt = Checkpointer(root, staging_dir=f"{staging}/{rank}", uploader=backend, sync_every=1)

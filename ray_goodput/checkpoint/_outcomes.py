@@ -233,7 +233,8 @@ class Outcomes:
                 committed.append((step, pending.metrics))
                 self._schedule.observe_durable(max(0.0, _committed_at(pending) - pending.saved_at))
                 self._recovery_at = max(self._recovery_at, clock.saved_at.get(step, clock.now))
-                self.stats.recovery_step = step
+                if self.stats.recovery_step is None or step > self.stats.recovery_step:
+                    self.stats.recovery_step = step  # an older step committed late is not the recovery point
         self._report(committed)
         age = max(0.0, clock.now - self._recovery_at)
         self.stats.recovery_point_age_s = age
@@ -297,7 +298,8 @@ class Outcomes:
             if self._ctx.in_ray_train:
                 self.reports += 1
                 report_checkpoint(self._ctx, _catalog.step_location(self._root, newest), {**metrics, "step": newest})
-        self._recorder.recovery_point(newest, self._recovery_at)
+        if newest == self.stats.recovery_step:  # not an older step that committed late
+            self._recorder.recovery_point(newest, self._recovery_at)
         self._dropper.drop_older(newest, keep=self.pending)
 
     def raise_if_newest_failed(self) -> None:
