@@ -43,7 +43,7 @@ def _closing_replica(parts: _Calls):
     from ray_goodput.replica._replica import Replica
 
     rep = Replica.__new__(Replica)
-    rep.slot, rep.manager, rep._recorder = 0, parts, parts
+    rep.slot, rep.manager, rep._recorder, rep._total_steps = 0, parts, parts, None
     rep._durable = durable_copy(rep, slot=0, save_every=5)
     rep._durable.ckpt = parts
     return rep
@@ -432,3 +432,39 @@ def test_replica_0s_restore_inside_a_quorum_bounds_its_upload_wait_for_that_rest
         rep._durable.close()
     assert waits == [10.0]
     assert restore_upload_wait_s(str(tmp_path / "ckpt"), 120.0) == 120.0
+
+
+def test_replica_0_left_out_of_the_last_steps_ends_cleanly_when_its_save_is_fenced_by_the_final_one(tmp_path):
+    """Replica 0 fell behind, left out of the job's last quorums; a survivor saved the last
+    step in a newer generation, which fences the saves replica 0 still had in flight. Its
+    close raised that FencedError (not retryable), and a finished job whose last step is
+    committed ended as failed. A fence of an older save is no error once the job's last
+    step is committed; a fence with the last step not committed still is."""
+    from ray_goodput import Checkpointer, FencedError
+    from ray_goodput.replica import Position
+
+    model = torch.nn.Linear(1, 1)
+
+    def replica_0(root: str, total_steps: int):
+        rep = _closing_replica(_Calls())
+        rep._model, rep._optim, rep._extra = model, torch.optim.SGD(model.parameters(), lr=0.1), {}
+        rep._position, rep._batches_restored, rep._total_steps = Position(), 0, total_steps
+        rep.manager = None
+        rep._durable = durable_copy(rep, slot=0, save_every=5, root=root)
+        rep._durable.open()
+        rep._durable.save_if_due(5)
+        rep._durable.ckpt.wait()  # committed in replica 0's generation
+        return rep
+
+    for total_steps, fenced in ((9, False), (12, True)):
+        root = str(tmp_path / f"ckpt-{total_steps}")
+        rep = replica_0(root, total_steps)
+        _end_job_as_survivor(root, model, last=9)  # a newer generation: step 9, the job's last
+        rep._durable.save_if_due(10)  # still in flight at the survivor's claim: fenced
+        if fenced:  # a job of 12 steps: its last step is not committed
+            with pytest.raises(FencedError):
+                rep.close()
+        else:
+            rep.close()
+        with Checkpointer(root, uploader="thread") as ckpt:
+            assert ckpt.restore({"model": torch.nn.Linear(1, 1)}) == 9

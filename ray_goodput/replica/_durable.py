@@ -18,6 +18,7 @@ from typing import Any
 from torch.distributed.checkpoint.stateful import Stateful
 
 from ray_goodput.checkpoint import Checkpointer, newest_valid, wait_for_uploads
+from ray_goodput.errors import FencedError
 from ray_goodput.runtime import world_of_one
 from ray_goodput.runtime._resume import cap_restore_upload_wait
 
@@ -132,10 +133,32 @@ class DurableCopy:
             return False
         return newest is not None and newest[1].step >= step
 
-    def close(self) -> None:
-        """Wait for the last save to commit."""
-        if self.ckpt is not None:
+    def close(self, *, job_end: int | None = None) -> None:
+        """Wait for the last save to commit. A save fenced by a newer generation is no error
+        when the checkpoint of the job's last step (``job_end``) is committed: a survivor
+        saved it in that generation while this replica, left out of the last quorums, still
+        had a save in flight; the job is finished and durable."""
+        if self.ckpt is None:
+            return
+        try:
             self.ckpt.close()
+        except FencedError:
+            if job_end is None or not self._committed_at_least(job_end):
+                raise
+            logger.info(
+                "replica %d: a save of an earlier step gave way to the checkpoint of the job's last step %d, "
+                "which a peer committed",
+                self.slot,
+                job_end,
+            )
+
+    def _committed_at_least(self, step: int) -> bool:
+        try:
+            newest = newest_valid(self.ckpt.root)
+        except Exception:  # storage cannot say: the fence stands as raised
+            logger.warning("replica %d: could not list the checkpoints after a fenced save", self.slot, exc_info=True)
+            return False
+        return newest is not None and newest[1].step >= step
 
     def release(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
         """Unwinding an error: release the Checkpointer without waiting for its uploads

@@ -492,13 +492,15 @@ class Replica:
 
     def close(self) -> None:
         """Leave the quorums, then wait for replica 0's last save to commit (a Manager that
-        heartbeats but no longer joins would stall its peers' quorums meanwhile)."""
+        heartbeats but no longer joins would stall its peers' quorums meanwhile). A save of
+        replica 0 fenced by the checkpoint of the job's last step is no error (see
+        ``DurableCopy.close``)."""
         stepped = self.manager is not None
         try:
             if self.manager is not None:
                 self.manager.shutdown(wait=False)
         finally:
-            self._durable.close()
+            self._durable.close(job_end=self._total_steps)
         if stepped:
             self._recorder.end()  # the ledger's "finished" (only rank 0's recorder writes)
 
