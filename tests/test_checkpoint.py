@@ -241,6 +241,33 @@ def test_an_optimizer_that_keeps_no_state_gets_no_made_up_step_at_every_save(tmp
     assert all(torch.equal(a, b) for a, b in zip(saved, fresh.parameters()))
 
 
+def test_an_adam_whose_first_step_had_no_grads_still_saves_its_state_and_restores(tmp_path):
+    """A step that leaves an optimizer no state marks it as keeping none only when some
+    parameter had a grad in it: an Adam over a head that no batch used yet steps with
+    every grad None, was marked, and its later saves wrote empty state that a fresh
+    process (whose restore makes its state up) refused with StateMismatchError."""
+    model, head = make_model(0), torch.nn.Linear(16, 16)
+    optim, head_optim = torch.optim.AdamW(model.parameters()), torch.optim.AdamW(head.parameters())
+    state = {"model": model, "head": head, "optim": optim, "head_optim": head_optim}
+    with Checkpointer(str(tmp_path / "root"), staging_dir=str(tmp_path / "a"), uploader="thread") as ckpt:
+        assert ckpt.restore(state) is None  # a fresh start: its first-step hooks watch both optimizers
+        for step in (1, 2):
+            train_steps(model, optim, 1, rank=0, start=step)
+            head_optim.step()  # the head is not used yet: no grads, no state
+            ckpt.save(step, state)
+        ckpt.wait()
+    fresh_model, fresh_head = make_model(1), torch.nn.Linear(16, 16)
+    fresh = {
+        "model": fresh_model,
+        "head": fresh_head,
+        "optim": torch.optim.AdamW(fresh_model.parameters()),
+        "head_optim": torch.optim.AdamW(fresh_head.parameters()),
+    }
+    with Checkpointer(str(tmp_path / "root"), staging_dir=str(tmp_path / "b"), uploader="thread") as ckpt:
+        assert ckpt.restore(fresh) == 2
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh_model.parameters()))
+
+
 def test_restore_prefers_verified_local_copy(tmp_path):
     root, stage = str(tmp_path / "root"), str(tmp_path / "stage")
     state = _state(0)

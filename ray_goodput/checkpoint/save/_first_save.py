@@ -90,8 +90,8 @@ def after_first_steps(state: dict[str, Any], ready: Callable[[], None]) -> list[
 
     def stepped(optim: torch.optim.Optimizer, *_: Any) -> None:
         nonlocal fired
-        if not optim.state:  # a real step left it none: it keeps none (SGD without momentum)
-            _state_dict.stepped_without_state(optim)
+        if not optim.state and any(p.grad is not None for group in optim.param_groups for p in group["params"]):
+            _state_dict.stepped_without_state(optim)  # a step with grads left it none: it keeps none
         if fired or any(not o.state and not _state_dict.keeps_no_state(o) for o in waiting):
             return
         fired = True

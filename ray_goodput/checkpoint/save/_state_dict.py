@@ -259,21 +259,22 @@ def made_up_state(roles: Roles, *, keep: bool) -> Iterator[tuple[str, ...]]:
     is still among the keys yielded (its saved state is as empty as a made-up one)."""
     fresh = tuple(sorted(key for key, (optim, _) in roles.optimizers.items() if not optim.state))
     before = {key: _lrs_and_grads(roles.optimizers[key][0]) for key in fresh}
+    # DCP's made-up step gives a zero grad to every parameter that requires one: a step of
+    # an optimizer with such a parameter that leaves it no state shows it keeps none.
+    trainable = {key: any(p.requires_grad for p in _params(roles.optimizers[key][0])) for key in fresh}
     placeholders = []
-    for key in fresh:
-        optim = roles.optimizers[key][0]
-        params = _params(optim)
-        if optim in _STATELESS:
-            if params and all(param.grad is None for param in params):
-                smallest = min((p for p in params if p.requires_grad), key=torch.numel, default=None)
-                if smallest is not None:
-                    smallest.grad = torch.zeros_like(smallest)
-                    placeholders.append(smallest)
-            continue
-        for param in params:
-            param.grad = None
     done = False
     try:
+        for key in fresh:
+            optim = roles.optimizers[key][0]
+            params = _params(optim)
+            if not keeps_no_state(optim):
+                for param in params:
+                    param.grad = None
+            elif all(param.grad is None for param in params) and trainable[key]:
+                smallest = min((p for p in params if p.requires_grad), key=torch.numel)
+                smallest.grad = torch.zeros_like(smallest)
+                placeholders.append(smallest)
         yield fresh
         done = True
     finally:
@@ -282,7 +283,7 @@ def made_up_state(roles: Roles, *, keep: bool) -> Iterator[tuple[str, ...]]:
         for key in fresh:
             optim = roles.optimizers[key][0]
             lrs, grads = before[key]
-            if done and not optim.state:
+            if done and not optim.state and trainable[key]:
                 stepped_without_state(optim)
             if not (done and keep):
                 optim.state.clear()
@@ -299,7 +300,8 @@ def keeps_no_state(optim: torch.optim.Optimizer) -> bool:
 
 
 def stepped_without_state(optim: torch.optim.Optimizer) -> None:
-    """Note that a real step of ``optim`` left it no state: it keeps none."""
+    """Note that a step of ``optim`` in which some parameter had a grad left it no state:
+    it keeps none. (A step with every grad None leaves any optimizer without state.)"""
     _STATELESS.add(optim)
 
 
