@@ -303,3 +303,17 @@ def test_replica_0s_replacement_with_no_peer_ahead_waits_for_every_replica_befor
         rep._join_quorum()
     assert restored_with == [3] and rep._drop_step
     assert rep.manager.loaded == {"step": 40, "batches_committed": 0}
+
+
+def test_replica_0s_replacement_alone_in_its_quorum_restores_at_once_instead_of_waiting():
+    """Alone in its first quorum (min_replicas 1: its peers are still being replaced),
+    replica 0's replacement has no peer that could be waiting for the others: it restores
+    there and the replacements after it heal from it. Waiting for every replica instead
+    failed it after timeout_s when a peer's replacement came later than that."""
+    rep = _waiting_replacement(timeout_s=0.5, configured=2, manager=_ReplacementsArriving(1, configured=1))
+    rep.slot, rep._batches_restored = 0, 0
+    restored_with = []
+    rep._durable.restore_in_quorum = lambda: restored_with.append(rep.manager.num_participants()) or 40
+    with _joined("replacement"):
+        rep._join_quorum()
+    assert restored_with == [1] and rep._drop_step and rep.manager.quorums == 1

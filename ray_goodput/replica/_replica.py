@@ -21,7 +21,9 @@ shows that no peer has any progress (every replica failed, but Ray saw the failu
 a time and replaced them one by one), no replacement steps from scratch: each waits (up to
 ``timeout_s``, at each quorum until it has healed) for a peer to heal from, or for every
 replica when none has any. Then replica 0 restores the checkpoint, every replica drops that
-step (votes not to commit it), and the others heal from replica 0 at the next quorum. At
+step (votes not to commit it), and the others heal from replica 0 at the next quorum.
+Replica 0's replacement waits so only at its first quorum, and only with peers in it: alone
+there, it restores at once, and the replacements after it heal from it. At
 a whole-group start the first step waits for every replica, so none steps ahead of the
 restored checkpoint.
 """
@@ -303,13 +305,15 @@ class Replica:
         get ahead of the restored step, and replica 0 would heal from it). A replacement
         that has had no progress: for a peer to heal from, or for every replica when none has
         any (its peers died too and are being replaced; two fresh replacements stepping
-        together would be such a from-scratch lineage). Replica 0's replacement waits too,
-        and restores the checkpoint once every replica is there: a peer still waiting for
-        the others would be back in the next quorum, not in this step's all-reduce."""
+        together would be such a from-scratch lineage). Replica 0's replacement waits too
+        when it has such peers in its quorum, and restores the checkpoint once every
+        replica is there: a peer still waiting for the others would be back in the next
+        quorum, not in this step's all-reduce. Alone, it restores at once (the replacements
+        after it heal from it)."""
         n = self.manager.num_participants()
         if not self.replacement:
             return n < self.configured
-        return self._no_progress_yet() and n < self.configured
+        return self._no_progress_yet() and n < self.configured and (self.slot != 0 or n > 1)
 
     def _restore_if_no_peer_had_state(self) -> bool:
         """After a replacement's first quorum: whether replica 0 restored the durable
