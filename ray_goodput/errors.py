@@ -128,8 +128,17 @@ def not_retryable(exc: BaseException) -> BaseException | None:
 
 
 def peers_failed(exc: BaseException) -> bool:
-    """Whether ``exc``'s chain holds a :class:`PeerFailedError` (its node is not to blame)."""
-    return any(isinstance(e, PeerFailedError) for e in causes(exc))
+    """Whether ``exc`` is a :class:`PeerFailedError` (its node is not to blame), itself or
+    as the error a Ray wrapper carries (``cause``). Not when one is only in its context:
+    an error raised while a worker unwound one is its own."""
+    for _ in range(16):  # Ray nests its wrappers a few deep at most
+        if isinstance(exc, PeerFailedError):
+            return True
+        nested = getattr(exc, "cause", None)
+        if not isinstance(nested, BaseException):
+            return False
+        exc = nested
+    return False
 
 
 class NoHealthyNodesError(GoodputError, RuntimeError):

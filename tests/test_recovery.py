@@ -263,5 +263,15 @@ def test_a_replica_that_found_no_peer_charges_no_node(tmp_path):
         rec.after_worker_group_poll_status(SimpleNamespace(errors={1: error}))
         rec.after_replica_group_start(replaced)
     rec.after_worker_group_poll_status(SimpleNamespace(errors={0: RuntimeError("worker died")}))
-    rec.after_controller_finish(None)
     assert rec.ledger.failures == {"node-A": 1} and rec.isolated_nodes == []
+    try:  # the node's own error while it unwound one: charged
+        try:
+            raise ReplicaJoinError("found 1 of 2 replicas")
+        except ReplicaJoinError:
+            raise OSError("the staging disk failed") from None
+    except OSError as exc:
+        own = exc
+    assert isinstance(own.__context__, ReplicaJoinError)
+    rec.after_worker_group_poll_status(SimpleNamespace(errors={1: own}))
+    rec.after_controller_finish(None)
+    assert rec.ledger.failures == {"node-A": 1, "node-B": 1}
