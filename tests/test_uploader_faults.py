@@ -385,10 +385,19 @@ def test_status_then_uploader_exits_when_its_clients_close(ray_cluster, tmp_path
     assert node in _services.find(KIND)
     # The node's uploader may already have served an earlier test of this module: compare
     # its own stats before and after, and the status line with them.
-    uploaded = ray.get(_services.find(KIND)[node].stats.remote())["bytes_uploaded"]
     # At least this test's one checkpoint: every tensor byte of the model (metadata on top).
+    # The uploader tells the worker a job is done before it counts the job in its stats (the
+    # worker must not wait for bookkeeping), so the count can trail wait() by a moment: read
+    # it right after wait(), it was 0 once in a suite run.
     tensor_bytes = sum(t.numel() * t.element_size() for t in _big_state(4)["model"].state_dict().values())
-    assert uploaded >= tensor_bytes
+    uploader = _services.find(KIND)[node]
+    wait_for(
+        lambda: ray.get(uploader.stats.remote())["bytes_uploaded"] >= tensor_bytes,
+        timeout_s=30,
+        what="the uploader's stats to count the upload that committed",
+        interval_s=0.1,
+    )
+    uploaded = ray.get(uploader.stats.remote())["bytes_uploaded"]
     # In-process through the CLI's main (a subprocess costs seconds of imports and a Ray
     # connection; test_cli runs the entry point as a real process).
     assert cli_main(["status", "--address", ray_cluster.address]) == 0
