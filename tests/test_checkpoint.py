@@ -337,6 +337,32 @@ def test_damaged_newest_falls_back_to_previous(root, tmp_path, how, caplog):
     assert "damaged" in caplog.text and "step 2" in caplog.text
 
 
+def test_a_step_saved_again_in_the_same_run_after_its_commit_was_quarantined_commits(tmp_path):
+    """A restore in the run (a rollback) found step 2 damaged, quarantined it and fell back
+    to step 1; training reached step 2 again and saved it in the same generation. The
+    quarantined commit of that generation outranked the new save, which never committed
+    ("every rank's part is durable, yet it did not commit"): a crash then lost every step
+    since step 1."""
+    root = str(tmp_path / "root")
+    state = _state(0)
+    with Checkpointer(root, staging_dir=str(tmp_path / "s"), uploader="thread") as ckpt:
+        for step in (1, 2):
+            train_steps(state["model"], state["optim"], 1, rank=0, start=step)
+            ckpt.save(step, state)
+            ckpt.wait()
+        _damage(root, 2, "truncate")
+        assert ckpt.restore(state) == 1  # step 2 quarantined
+        train_steps(state["model"], state["optim"], 1, rank=0, start=2)
+        ckpt.save(2, state)
+        ckpt.wait()
+        assert ckpt.stats.committed == [1, 2, 2]
+        saved = [p.detach().clone() for p in state["model"].parameters()]
+    fresh = _state(5)
+    with Checkpointer(root, staging_dir=str(tmp_path / "other"), uploader="thread") as ckpt:
+        assert ckpt.restore(fresh) == 2
+    assert all(torch.equal(a, b) for a, b in zip(saved, fresh["model"].parameters()))
+
+
 @pytest.mark.slow
 def test_unreachable_storage_fails_at_creation_naming_the_uri():
     """Also the storage probe's test of a down endpoint: the Checkpointer's creation is

@@ -11,7 +11,8 @@ under its own id (every file name carries it) and becomes visible only when
   ``.metadata``, then writes ``COMMITTED``. Idempotent: racing finalizers write identical
   bytes. A commit of an *older* generation of the same step is replaced (a step saved
   again after a restart wins); a newer one is never touched (a dead attempt's late
-  uploader must not overwrite it).
+  uploader must not overwrite it). One of the same generation is replaced only when it
+  is quarantined: the run found it damaged, rolled back, and saved the step again.
 * :meth:`CommitProtocol.check`: is this save the committed one?
 * :func:`finish_orphan`: anyone with storage access finishes a save whose every rank is
   durable but whose finalizer was lost, the newest generation first.
@@ -34,9 +35,11 @@ from ray_goodput.checkpoint.protocol import _layout
 from ray_goodput.checkpoint.protocol._manifest import (
     Manifest,
     RankMarker,
+    is_quarantined,
     list_rank_markers,
     list_ranks,
     read_manifest,
+    read_quarantine,
     read_rank_marker,
     write_rank_marker,
 )
@@ -242,7 +245,7 @@ class CommitProtocol:
             existing = reading.result()
             if existing is not None and existing.save_id == self.save_id:
                 return Finalized(COMMITTED, existing)
-            if existing is not None and existing is not _TORN and existing.generation >= self.generation:
+            if existing is not None and existing is not _TORN and self._outranked_by(existing):
                 return Finalized(OUTRANKED, existing)
             others = max((_layout.generation_of(n) or 0 for n in listed.markers if n != self.save_id), default=-1)
             if existing is _TORN and others >= self.generation:
@@ -263,6 +266,14 @@ class CommitProtocol:
                 if done.state in (COMMITTED, OUTRANKED):
                     turn.found = done
                 return done
+
+    def _outranked_by(self, existing: Manifest) -> bool:
+        """Whether the step's commit of another save stands against this one: a newer
+        generation's always; this generation's unless it is quarantined (a rollback in
+        this run found it damaged and saved the step again)."""
+        if existing.generation != self.generation:
+            return existing.generation > self.generation
+        return not is_quarantined(existing, read_quarantine(self.step_loc))
 
     def _elect(self, rank: int, intents: set[int]) -> bool:
         """Whether ``rank``'s job, which listed every marker, is the one to commit.
