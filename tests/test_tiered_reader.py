@@ -11,6 +11,7 @@ import json
 import os
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -398,3 +399,25 @@ def test_closing_a_mapping_while_a_view_of_it_is_held_defers_the_unmap(tmp_path)
     assert str(path) not in _mapped_paths()
     (tmp_path / "empty").write_bytes(b"")
     assert map_file(tmp_path / "empty") is None and map_file(tmp_path / "missing") is None
+
+
+def test_a_mapping_marker_under_a_pid_a_later_process_reuses_still_counts_as_a_death(tmp_path):
+    """A restore that died with files mapped leaves its marker; a container restarted on
+    the same host path can give the next process (this one, here) the dead one's pid, or
+    give it to another live process. The guard asked only whether the pid ran, so it mapped
+    the files again and could die the same way again. A marker older than the process
+    that now has its pid is a dead process's; this process's own current marker is not."""
+    from ray_goodput.checkpoint.restore._mmap import MapGuard
+
+    stale = tmp_path / f".mapping-{os.getpid()}"
+    stale.touch()
+    old = psutil.Process().create_time() - 3600  # before this process started
+    os.utime(stale, (old, old))
+    assert MapGuard(tmp_path).allowed is False
+    stale.unlink()
+    alive = MapGuard(tmp_path)  # a guard of this process marks when it maps
+    mapped = tmp_path / "f"
+    mapped.write_bytes(b"x" * 16)
+    assert alive.map(mapped) is not None and (tmp_path / f".mapping-{os.getpid()}").exists()
+    assert MapGuard(tmp_path).allowed is True  # a marker of this process, now: a live restore
+    alive.done()

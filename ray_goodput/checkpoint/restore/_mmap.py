@@ -29,6 +29,7 @@ import os
 import threading
 from pathlib import Path
 
+import psutil
 import pyarrow as pa
 
 from ray_goodput.runtime._process import pid_alive
@@ -78,7 +79,7 @@ class MapGuard:
         self._marker = directory / f"{_MARKER}{os.getpid()}"
         self._marked = False
         self._lock = threading.Lock()  # map() from fetch threads, done() from the load's
-        dead = [p.name for p in _markers(directory) if not pid_alive(int(p.name[len(_MARKER) :]))]
+        dead = [p.name for p in _markers(directory) if _left_by_the_dead(p)]
         self.allowed = not dead
         if dead:
             logger.warning(
@@ -111,6 +112,21 @@ class MapGuard:
             if self._marked:
                 self._marker.unlink(missing_ok=True)
                 self._marked = False
+
+
+def _left_by_the_dead(marker: Path) -> bool:
+    """Whether the process that wrote ``marker`` is gone. Its pid alone does not say: a
+    container restarted on the same host path reuses pids, this process's included. A
+    marker older than the process now under its pid is a dead process's (``pid_alive``'s
+    ``since``; for this process, its own start time)."""
+    try:
+        written = marker.stat().st_mtime
+    except OSError:  # removed meanwhile: its restore ended
+        return False
+    pid = int(marker.name[len(_MARKER) :])
+    if pid == os.getpid():
+        return written < psutil.Process().create_time()
+    return not pid_alive(pid, since=written)
 
 
 def _markers(directory: Path) -> list[Path]:
