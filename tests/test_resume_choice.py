@@ -242,6 +242,31 @@ def test_a_checkpoint_the_dead_attempt_commits_while_the_new_group_starts_is_the
     assert [c.step for c in list_checkpoints(root)] == [20]
 
 
+def test_a_newer_generation_committed_while_the_group_starts_is_taken_though_its_step_is_lower(tmp_path):
+    """Newest is the highest (generation, step). The choice found step 130 of an old
+    generation (a late commit of a dead attempt); while the new workers started, the
+    attempt before committed step 110 of a newer generation. The check for a newer
+    checkpoint compared steps alone and kept 130, resuming from an abandoned lineage."""
+    from ray_goodput import Checkpointer
+    from ray_goodput.driver._resume_choice import ResumeChoice
+    from ray_goodput.storage import resolve
+
+    root = str(tmp_path / "ckpt")
+    model = torch.nn.Linear(8, 8)
+    with Checkpointer(root, staging_dir=str(tmp_path / "a"), uploader="thread") as old:
+        old.save(130, {"model": model})
+    choice = ResumeChoice(resolve(root), upload_wait_s=0)
+    choice.begin(3)
+    choice._early[1].join(60)  # chosen: step 130
+    with Checkpointer(root, staging_dir=str(tmp_path / "b"), uploader="thread") as newer:
+        newer.save(110, {"model": model})  # a newer generation than step 130's
+        newer.wait()
+        assert newer.generation > 1
+    decision = choice.take(3)
+    assert decision is not None and decision.step == 110
+    choice.close()
+
+
 def test_the_resume_step_is_chosen_when_the_failure_is_seen_not_when_the_next_group_is_placed(tmp_path):
     """The choice (a listing, a manifest read, the pin) runs in a thread from the poll that
     sees the failure, beside Ray's shutdown and placement; the next start only takes it,

@@ -111,14 +111,14 @@ class ResumeChoice:
                 exc,
             )
             return None
-        step = found[1].step if found else None
+        step, generation = (found[1].step, found[1].generation) if found else (None, None)
         if step is None:
             logger.info("attempt %d resumes from scratch: no committed checkpoint under %s", attempt, self.root.uri)
         else:
             logger.info("attempt %d resumes from step %d", attempt, step)
             self._pin(attempt, step)  # before any worker starts: a dead attempt's late retention must keep it
         self._wait_for_uploads(attempt, step)  # what commits meanwhile, take() finds
-        return ResumeDecision(attempt=attempt, step=step, root_key=root_key(self.root))
+        return ResumeDecision(attempt=attempt, step=step, root_key=root_key(self.root), generation=generation)
 
     def _wait_for_uploads(self, attempt: int, step: int | None) -> None:
         """Wait, within ``upload_wait_s``, for the dead attempt's saves above ``step`` still
@@ -155,18 +155,22 @@ class ResumeChoice:
         return True
 
     def _newer(self, attempt: int, decision: ResumeDecision) -> ResumeDecision:
-        """A checkpoint newer than the chosen one, committed by the dead attempt's uploaders
-        while the new workers started (their processes, imports and process group:
-        seconds), is the better resume point: it is pinned and handed over instead. The
-        chosen step stands when storage cannot say."""
+        """A checkpoint newer than the chosen one, by lineage (``(generation, step)``),
+        committed by the dead attempt's uploaders while the new workers started (their
+        processes, imports and process group: seconds), is the better resume point: it is
+        pinned and handed over instead. The chosen step stands when storage cannot say."""
         try:
             found = newest_valid(self.root)
         except OSError as exc:
             logger.warning("attempt %d: could not look for a newer checkpoint (%s); it resumes as chosen", attempt, exc)
             return decision
-        step = found[1].step if found else None
-        if step is None or (decision.step is not None and step <= decision.step):
+        if found is None:
             return decision
+        step, generation = found[1].step, found[1].generation
+        if decision.step is not None:
+            chosen = (decision.generation if decision.generation is not None else generation, decision.step)
+            if (generation, step) <= chosen:
+                return decision
         if not self._pin(attempt, step):
             return decision  # it resumes as chosen
         logger.info(
@@ -175,4 +179,4 @@ class ResumeChoice:
             step,
             decision.step,
         )
-        return ResumeDecision(attempt=decision.attempt, step=step, root_key=decision.root_key)
+        return ResumeDecision(attempt=decision.attempt, step=step, root_key=decision.root_key, generation=generation)

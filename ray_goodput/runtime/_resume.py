@@ -34,13 +34,15 @@ class ResumeDecision:
     """What the driver decided for one attempt.
 
     ``step`` is the checkpoint step to load, or None for "no committed checkpoint: start
-    from scratch". ``root_key`` names the storage root the decision is about (see
-    :func:`root_key`); a Checkpointer on another root must ignore it.
+    from scratch"; ``generation``, its commit's generation (None when not known). ``root_key``
+    names the storage root the decision is about (see :func:`root_key`); a Checkpointer on
+    another root must ignore it.
     """
 
     attempt: int
     step: int | None
     root_key: str
+    generation: int | None = None
 
 
 def root_key(root: str | StorageLocation) -> str:
