@@ -363,6 +363,32 @@ def test_a_step_saved_again_in_the_same_run_after_its_commit_was_quarantined_com
     assert all(torch.equal(a, b) for a, b in zip(saved, fresh["model"].parameters()))
 
 
+def test_a_pick_that_keeps_leaving_storage_during_its_load_raises_an_error_that_names_the_cause(tmp_path, monkeypatch):
+    """A restore chooses again when its pick left storage during the load (pruned by a dead
+    attempt's late retention), three times at most. Past that it raised the load's own
+    error (a bare FileNotFoundError of some shard), not the CheckpointError its docs
+    promise, which says what prunes the path and what to do. Here every load finds its
+    files gone, as if another process pruned each pick."""
+    from ray_goodput.checkpoint.restore import _choose_and_load
+
+    root = str(tmp_path / "root")
+    state = _state(0)
+    with Checkpointer(root, staging_dir=str(tmp_path / "s"), uploader="thread") as ckpt:
+        ckpt.save(1, state)
+    loads = []
+
+    def pruned_meanwhile(*args, **kwargs):
+        loads.append(1)
+        raise FileNotFoundError("__0_0.distcp")
+
+    monkeypatch.setattr(_choose_and_load, "load_checkpoint", pruned_meanwhile)
+    monkeypatch.setattr(_choose_and_load, "failed_load_verdict", lambda root, manifest, exc: "gone")
+    with Checkpointer(root, staging_dir=str(tmp_path / "b"), uploader="thread") as ckpt:
+        with pytest.raises(CheckpointError, match="left storage while it was loaded 4 times"):
+            ckpt.restore(_state(1))
+    assert len(loads) == 4
+
+
 @pytest.mark.slow
 def test_unreachable_storage_fails_at_creation_naming_the_uri():
     """Also the storage probe's test of a down endpoint: the Checkpointer's creation is

@@ -88,9 +88,16 @@ def choose_and_load(
                 logger.warning("checkpoint step %d is damaged (%s); falling back", manifest.step, exc)
                 before = manifest.order
                 continue
+            if verdict == "failed":
+                raise  # the load's own error
             gone += 1
-            if verdict == "failed" or gone > _CHOICES_AFTER_GONE:
-                raise  # the load's own error; "gone" again and again: say so, do not loop
+            if gone > _CHOICES_AFTER_GONE:  # gone again and again: say so, do not loop
+                raise CheckpointError(
+                    f"the checkpoint chosen to restore left storage while it was loaded {gone} times in a row "
+                    f"(the last: step {manifest.step}, {type(exc).__name__}: {exc}); another process is pruning "
+                    "this storage path (a dead attempt's uploader, or another run on it): restart the attempt, "
+                    "and give each run its own storage_path"
+                ) from exc
             logger.warning(
                 "checkpoint step %d left storage while it was loaded (%s); choosing again", manifest.step, exc
             )
