@@ -11,6 +11,7 @@ import torch
 
 from ray_goodput import Checkpointer, list_checkpoints
 from ray_goodput.checkpoint.protocol import _catalog, _layout
+from ray_goodput.checkpoint.protocol._manifest import read_manifest, read_quarantine
 from ray_goodput.checkpoint.save._state_dict import restore_cuda_rng
 from ray_goodput.checkpoint.uploader._shard_job import write_local
 from ray_goodput.checkpoint.uploader._thread_backend import ThreadBackend
@@ -357,6 +358,12 @@ def test_a_step_saved_again_in_the_same_run_after_its_commit_was_quarantined_com
         ckpt.wait()
         assert ckpt.stats.committed == [1, 2, 2]
         saved = [p.detach().clone() for p in state["model"].parameters()]
+    # The damaged commit's record stays: until the new COMMITTED was written (or after a
+    # crash between), a restore finishing the damaged save as an orphan re-committed it
+    # uncondemned, ordered before the new save of its generation half of the time.
+    step_2 = _catalog.step_location(resolve(root), 2)
+    record = read_quarantine(step_2)
+    assert record is not None and record["digest"] != read_manifest(step_2).digest
     fresh = _state(5)
     with Checkpointer(root, staging_dir=str(tmp_path / "other"), uploader="thread") as ckpt:
         assert ckpt.restore(fresh) == 2

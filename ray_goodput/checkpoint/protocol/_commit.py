@@ -313,10 +313,18 @@ class CommitProtocol:
         # first, so that no reader pairs its manifest with the new .metadata. Its
         # quarantine record goes with it, before the new COMMITTED (beside the .metadata
         # write). With none seen, a COMMITTED there now is a racing finalizer's of this
-        # very save: deleting it would un-commit the step.
+        # very save: deleting it would un-commit the step. Replacing a quarantined commit
+        # of this generation, the record that names it stays: a restore that finished that
+        # damaged save as an orphan before the new COMMITTED lands (or after a crash in
+        # between) would commit it again, and the record keeps it condemned.
         if existing is not None:
             self._delete(_layout.COMMITTED)
-        unquarantined = pool.submit(self._delete, _layout.QUARANTINED)
+        same_generation = existing is not None and existing is not _TORN and existing.generation == self.generation
+        record = read_quarantine(self.step_loc) if same_generation else None
+        if same_generation and record is not None and record.get("digest") == existing.digest:
+            unquarantined = pool.submit(lambda: None)
+        else:
+            unquarantined = pool.submit(self._delete, _layout.QUARANTINED)
         with self._pruned_meanwhile():
             metadata = self._write_dcp_metadata(merged, local_dir)
         unquarantined.result()

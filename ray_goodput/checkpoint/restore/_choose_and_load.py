@@ -93,7 +93,7 @@ def choose_and_load(
             gone += 1
             if gone > _CHOICES_AFTER_GONE:  # gone again and again: say so, do not loop
                 raise CheckpointError(
-                    f"the checkpoint chosen to restore left storage while it was loaded {gone} times in a row "
+                    f"the checkpoint chosen to restore left storage while it was loaded {gone} times "
                     f"(the last: step {manifest.step}, {type(exc).__name__}: {exc}); another process is pruning "
                     "this storage path (a dead attempt's uploader, or another run on it): restart the attempt, "
                     "and give each run its own storage_path"

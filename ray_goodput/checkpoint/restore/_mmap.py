@@ -116,9 +116,11 @@ class MapGuard:
 
 def _left_by_the_dead(marker: Path) -> bool:
     """Whether the process that wrote ``marker`` is gone. Its pid alone does not say: a
-    container restarted on the same host path reuses pids, this process's included. A
-    marker older than the process now under its pid is a dead process's (``pid_alive``'s
-    ``since``; for this process, its own start time)."""
+    container restarted on the same host path reuses pids, this process's included. For
+    this process's pid: a marker older than this process is a dead one's. For another pid:
+    ``pid_alive`` with the marker's time as ``since``, which takes a process that started
+    more than a minute after the marker for a later one (a death and a restart within that
+    minute still look alive)."""
     try:
         written = marker.stat().st_mtime
     except OSError:  # removed meanwhile: its restore ended
