@@ -263,3 +263,24 @@ def test_a_run_that_ends_cleanly_leaves_no_spool_behind(s3_server, tmp_path, mon
     recorder.recovery_point(1, at=2.0)  # after the end (the last commit, settled by close()): shipped at once
     events = read_events(storage.resolve(uri))[log.attempt]
     assert [e["e"] for e in events][-2:] == ["end", "recovery_point"]
+
+
+def test_a_chunk_listed_before_its_writer_closed_it_is_read_again_at_the_next_poll(tmp_path):
+    """A chunk object is immutable once written, so the reader read each one once. HDFS
+    lists a file while it is written, empty until closed: a poll that met a chunk then read
+    no event from it, marked it read, and its steps were missing from every later ledger,
+    the final one included. A chunk is read only once it ends a line; until then it is
+    read again."""
+    from ray_goodput.goodput import EventReader
+    from ray_goodput.goodput._events import EVENTS_DIR
+
+    root = storage.resolve(str(tmp_path / "run"))
+    chunk = tmp_path / "run" / EVENTS_DIR / "attempt-1" / "000001.jsonl"
+    chunk.parent.mkdir(parents=True)
+    event = {"t": 1.0, "seq": 1, "kind": "step", "step": 1}
+    reader = EventReader(root)
+    for partial in (b"", json.dumps(event).encode()[:10]):  # being written: empty, then cut mid-line
+        chunk.write_bytes(partial)
+        assert reader.poll().get("attempt-1", []) == []
+    chunk.write_bytes((json.dumps(event) + "\n").encode())  # closed
+    assert [e["step"] for e in reader.poll()["attempt-1"]] == [1]

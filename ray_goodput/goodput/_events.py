@@ -391,14 +391,17 @@ class EventReader:
         return self._events
 
     def _is_new(self, rel: str, size: int | None) -> bool:
-        if "/" in rel:  # a chunk object: immutable once written
+        if "/" in rel:  # a chunk object: immutable once written (whole: it ends a line)
             return rel not in self._chunks
         return size is None or size > self._offsets.get(rel, 0)
 
     def _read_new(self, rel: str) -> list[dict[str, Any]]:
         self.reads += 1
         if "/" in rel:
-            events = _parse(read_bytes(self._root, f"{EVENTS_DIR}/{rel}").decode())
+            data = read_bytes(self._root, f"{EVENTS_DIR}/{rel}")
+            if not data.endswith(b"\n"):  # listed while written (HDFS lists it empty until closed)
+                return []  # read again at the next poll
+            events = _parse(data.decode())
             self._chunks.add(rel)  # once read: a failed read is tried again at the next poll
             return events
         start = self._offsets.get(rel, 0)
