@@ -66,6 +66,32 @@ def test_coarse_events_are_split_at_the_resume_point():
     assert ledger.steps_lost == 6
 
 
+def _rolled_back_attempt() -> list[dict]:
+    """One attempt: steps 1 to 8, a restore of step 4 (a rollback), steps 5 to 10, the end."""
+    a = _attempt(100.0, 0, 8)
+    t = a[-1]["t"]
+    a.append({"e": "restore", "step": 4, "t0": t, "t": t + 1.0})
+    t += 1.0
+    for step in range(5, 11):
+        a.append({"e": "step", "step": step, "n": 1, "t0": t, "t": t + 1.0, "fetch": 0.1, "ckpt": 0.0})
+        t += 1.0
+    a.append({"e": "end", "t": t})
+    return a
+
+
+def test_steps_a_rollback_in_the_attempt_redid_are_lost_not_productive():
+    """A run that rolls back inside its attempt (a loss spike: ``ckpt.restore`` of step 4
+    after step 8) and steps again from there: the ledger took only the attempt's first
+    restore as its resume, so steps 5 to 8 were productive twice and none was lost."""
+    ledger = compute([_rolled_back_attempt()], job_start=100.0)
+    assert ledger.steps_lost == 4 and ledger.steps_kept == 10
+    assert ledger.work_steps == pytest.approx(10)
+    assert ledger.seconds["lost"] == pytest.approx(4 * 0.9)
+    assert ledger.seconds["productive"] == pytest.approx(10 * 0.9)
+    assert ledger.seconds["restore"] == pytest.approx(2.0)
+    assert sum(ledger.seconds.values()) == pytest.approx(ledger.total)
+
+
 @pytest.mark.parametrize("n_attempts", [1, 2, 3, 5])
 def test_buckets_always_sum_to_total(n_attempts):
     attempts, t, restored = [], 0.0, 0

@@ -7,7 +7,7 @@ import pytest
 from ray_goodput import storage
 from ray_goodput.goodput import EventLog, EventReader, compute, fetch_stats
 from ray_goodput.goodput._timeline import marks, spans, timeline_png
-from tests.test_goodput_ledger import _attempt
+from tests.test_goodput_ledger import _attempt, _rolled_back_attempt
 
 
 def _two_attempts():
@@ -25,6 +25,17 @@ def test_timeline_spans_agree_with_the_ledger_bucket_by_bucket():
     for bucket in ("productive", "lost", "checkpoint_stall", "data_stall", "restore", "startup", "restart_downtime"):
         assert per_bucket.get(bucket, 0.0) == pytest.approx(ledger.seconds[bucket]), bucket
     assert {s.row for s in spans(attempts)} == {0, 1}
+
+
+def test_timeline_spans_agree_with_the_ledger_after_a_rollback_in_the_attempt():
+    attempts = [_rolled_back_attempt()]
+    ledger = compute(attempts, job_start=100.0)
+    per_bucket: dict[str, float] = {}
+    for s in spans(attempts, job_start=100.0):
+        per_bucket[s.bucket] = per_bucket.get(s.bucket, 0.0) + s.end - s.start
+    assert ledger.seconds["lost"] > 0
+    for bucket in ("productive", "lost", "data_stall", "restore", "startup"):
+        assert per_bucket.get(bucket, 0.0) == pytest.approx(ledger.seconds[bucket]), bucket
 
 
 def test_timeline_marks_failures_saves_resumes_and_notes():

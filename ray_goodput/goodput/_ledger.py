@@ -111,11 +111,28 @@ def _got_anywhere(events: list[dict[str, Any]]) -> bool:
     return any(e["e"] in ("restore", "step") for e in events)
 
 
+def rolled_back_to(events: list[dict[str, Any]]) -> list[int | None]:
+    """For each event of an attempt, the lowest step a restore later in the attempt loaded
+    (None: none later): a rollback (``restore`` of an older step after a loss spike; in
+    replica mode, replica 0's replacement restoring the checkpoint when no peer had
+    progress) redoes the steps above it. A heal to a peer's step, at or above every step
+    before it, keeps them all."""
+    out: list[int | None] = []
+    lowest: int | None = None
+    for e in reversed(events):
+        out.append(lowest)
+        if e["e"] == "restore":
+            step = e.get("step") or 0
+            lowest = step if lowest is None else min(lowest, step)
+    return out[::-1]
+
+
 def _account_steps(ledger: Ledger, events: list[dict[str, Any]], keep_upto: int | None, *, first_attempt: bool) -> int:
-    """Add an attempt's steps (``first_attempt``: the job's first); returns the last step it
-    reached."""
+    """Add an attempt's steps (``first_attempt``: the job's first), keeping each one up to
+    ``keep_upto`` (a later attempt's resume) and any rollback later in the attempt; returns
+    the last step it reached."""
     last = 0
-    for e in events:
+    for e, rolled_back in zip(events, rolled_back_to(events)):
         if e["e"] == "uncommitted":  # replica mode: a try of a step that was then retried
             ledger.seconds["lost"] += max(0.0, e["t"] - e["t0"])
             continue
@@ -126,13 +143,15 @@ def _account_steps(ledger: Ledger, events: list[dict[str, Any]], keep_upto: int 
         work = max(0.0, e["t"] - e["t0"] - fetch - ckpt - wait)
         n = max(1, int(e.get("n", 1)))
         first = e["step"] - n + 1
-        kept_steps = n if keep_upto is None else max(0, min(n, keep_upto - first + 1))
+        limit = min((s for s in (keep_upto, rolled_back) if s is not None), default=None)
+        kept_steps = n if limit is None else max(0, min(n, limit - first + 1))
         kept = work * kept_steps / n
         capacity = min(1.0, max(0.0, float(e.get("capacity", 1.0))))  # replica mode: P of R replicas
         ledger.seconds["productive"] += kept * capacity
         ledger.seconds["degraded"] += kept * (1.0 - capacity)
         ledger.work_steps += kept_steps * capacity
         ledger.seconds["lost"] += work * (n - kept_steps) / n
+        ledger.steps_lost += n - kept_steps
         ledger.seconds["data_stall"] += fetch
         ledger.seconds["checkpoint_stall"] += ckpt
         last = e["step"]
@@ -168,9 +187,7 @@ def compute(
         gap = max(0.0, first - prev_end - restore_first)
         ledger.seconds["startup" if i == 0 else "restart_downtime"] += gap
         last = _account_steps(ledger, events, keep_upto, first_attempt=i == 0)
-        if keep_upto is not None:
-            ledger.steps_lost += max(0, last - max(keep_upto, resumed_from(events)))
-        elif _got_anywhere(events):
+        if keep_upto is None and _got_anywhere(events):
             ledger.steps_kept = max(last, resumed_from(events))
         prev_end = events[-1]["t"]
     ledger.seconds["other"] = max(0.0, ledger.total - sum(v for k, v in ledger.seconds.items() if k != "other"))
