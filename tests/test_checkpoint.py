@@ -11,6 +11,7 @@ import torch
 
 from ray_goodput import Checkpointer, list_checkpoints
 from ray_goodput.checkpoint.protocol import _catalog, _layout
+from ray_goodput.checkpoint.protocol._commit import CommitProtocol, finish_orphan
 from ray_goodput.checkpoint.protocol._manifest import read_manifest, read_quarantine
 from ray_goodput.checkpoint.save._state_dict import restore_cuda_rng
 from ray_goodput.checkpoint.uploader._shard_job import write_local
@@ -351,7 +352,7 @@ def test_a_step_saved_again_in_the_same_run_after_its_commit_was_quarantined_com
             train_steps(state["model"], state["optim"], 1, rank=0, start=step)
             ckpt.save(step, state)
             ckpt.wait()
-        _damage(root, 2, "truncate")
+        _damage(root, 2, "flip")  # its size kept: only checksums see it
         assert ckpt.restore(state) == 1  # step 2 quarantined
         train_steps(state["model"], state["optim"], 1, rank=0, start=2)
         ckpt.save(2, state)
@@ -363,7 +364,14 @@ def test_a_step_saved_again_in_the_same_run_after_its_commit_was_quarantined_com
     # uncondemned, ordered before the new save of its generation half of the time.
     step_2 = _catalog.step_location(resolve(root), 2)
     record = read_quarantine(step_2)
-    assert record is not None and record["digest"] != read_manifest(step_2).digest
+    new_commit = read_manifest(step_2)
+    assert record is not None and record["digest"] != new_commit.digest
+    # A crash between the old COMMITTED's delete and the new one's write: a restore finishes
+    # an orphan of step 2, and the damaged save is never the one it commits.
+    step_2.fs.delete_file(step_2.join(_layout.COMMITTED))
+    damaged = CommitProtocol(step_2, 2, 1, record["nonce"], new_commit.generation)
+    assert damaged.finalize().state != "committed"
+    assert finish_orphan(step_2, 2).save_id == new_commit.save_id
     fresh = _state(5)
     with Checkpointer(root, staging_dir=str(tmp_path / "other"), uploader="thread") as ckpt:
         assert ckpt.restore(fresh) == 2
