@@ -92,6 +92,33 @@ def test_steps_a_rollback_in_the_attempt_redid_are_lost_not_productive():
     assert sum(ledger.seconds.values()) == pytest.approx(ledger.total)
 
 
+def test_a_rollback_in_a_later_attempt_below_its_resume_makes_the_earlier_attempts_steps_lost():
+    """Attempt 1 reaches step 10 and dies; attempt 2 resumes from 10, then rolls back to 5
+    and steps to 12. Steps 6 to 10 of attempt 1 were redone: lost, not kept (only each
+    attempt's first restore was looked at). The job's kept steps are where it ended, 12."""
+    first = _attempt(100.0, 0, 10)
+    second = _attempt(first[-1]["t"] + 5.0, 10, 0)
+    t = second[-1]["t"]
+    second.append({"e": "restore", "step": 5, "t0": t, "t": t + 1.0})
+    t += 1.0
+    for step in range(6, 13):
+        second.append({"e": "step", "step": step, "n": 1, "t0": t, "t": t + 1.0, "fetch": 0.1, "ckpt": 0.0})
+        t += 1.0
+    second.append({"e": "end", "t": t})
+    ledger = compute([first, second], job_start=100.0)
+    assert ledger.steps_lost == 5 and ledger.steps_kept == 12
+    assert ledger.work_steps == pytest.approx(12)
+    assert ledger.seconds["lost"] == pytest.approx(5 * 0.9)
+
+
+def test_a_rollback_with_no_step_after_it_keeps_the_steps_up_to_where_it_rolled_back():
+    a = _attempt(100.0, 0, 8)
+    t = a[-1]["t"]
+    a += [{"e": "restore", "step": 4, "t0": t, "t": t + 1.0}, {"e": "end", "t": t + 2.0}]
+    ledger = compute([a], job_start=100.0)
+    assert ledger.steps_kept == 4 and ledger.steps_lost == 4
+
+
 @pytest.mark.parametrize("n_attempts", [1, 2, 3, 5])
 def test_buckets_always_sum_to_total(n_attempts):
     attempts, t, restored = [], 0.0, 0

@@ -7,8 +7,9 @@ Buckets (named after the ml-goodput-measurement taxonomy where they match):
 - ``degraded``: in replica mode, the share of kept steps' time that missing replicas would
   have computed (a step of P of R configured replicas is P/R productive): capacity lost
   while a replica was replaced, not time,
-- ``lost``: steps computed after the checkpoint a later attempt resumed from (redone),
-  and in replica mode a step's try that did not commit (a peer died in it; retried),
+- ``lost``: steps computed after the checkpoint a later attempt resumed from, or a
+  ``restore()`` later in the same attempt loaded (redone), and in replica mode a step's
+  try that did not commit (a peer died in it; retried),
 - ``checkpoint_stall``: the loop blocked by ``Checkpointer.save``,
 - ``data_stall``: the loop waiting for a batch,
 - ``restore``: loading a checkpoint,
@@ -105,6 +106,22 @@ def _first_progress(events: list[dict[str, Any]]) -> float | None:
     return next((e["t0"] for e in events if e["e"] in ("step", "uncommitted")), None)
 
 
+def _lowest_restore(events: list[dict[str, Any]]) -> int:
+    """The lowest step an attempt loaded, at its start or in a rollback later (0: none, or
+    from scratch): the attempts before it keep their steps up to there."""
+    return min(((e.get("step") or 0) for e in events if e["e"] == "restore"), default=0)
+
+
+def _reached(events: list[dict[str, Any]]) -> int:
+    """Where an attempt's training stood at its last event: its last step, or the step its
+    last restore loaded when no step came after it (a rollback, or a resume)."""
+    at = 0
+    for e in events:
+        if e["e"] in ("restore", "step"):
+            at = e.get("step") or 0
+    return at
+
+
 def _got_anywhere(events: list[dict[str, Any]]) -> bool:
     """Whether an attempt restored or stepped: one that died before either (in its restore,
     say) says nothing about which steps of the attempts before it were kept."""
@@ -186,9 +203,9 @@ def compute(
         restore_first = sum(e["t"] - e["t0"] for e in events if e["e"] == "restore" and e["t"] <= first)
         gap = max(0.0, first - prev_end - restore_first)
         ledger.seconds["startup" if i == 0 else "restart_downtime"] += gap
-        last = _account_steps(ledger, events, keep_upto, first_attempt=i == 0)
+        _account_steps(ledger, events, keep_upto, first_attempt=i == 0)
         if keep_upto is None and _got_anywhere(events):
-            ledger.steps_kept = max(last, resumed_from(events))
+            ledger.steps_kept = _reached(events)
         prev_end = events[-1]["t"]
     ledger.seconds["other"] = max(0.0, ledger.total - sum(v for k, v in ledger.seconds.items() if k != "other"))
     return ledger
@@ -196,10 +213,10 @@ def compute(
 
 def kept_upto(attempts: list[list[dict[str, Any]]], i: int) -> int | None:
     """The last step of attempt ``i`` (of ``attempts``, sorted by time) whose result was kept:
-    the lowest step a later attempt that got anywhere resumed from (one may resume below
-    another: its pick was damaged and it fell back to an older one); None (all of them)
-    when no later attempt got anywhere."""
-    later = [resumed_from(a) for a in attempts[i + 1 :] if _got_anywhere(a)]
+    the lowest step a later attempt that got anywhere loaded, at its resume or in a rollback
+    (one may resume below another: its pick was damaged and it fell back to an older one);
+    None (all of them) when no later attempt got anywhere."""
+    later = [_lowest_restore(a) for a in attempts[i + 1 :] if _got_anywhere(a)]
     return min(later) if later else None
 
 
