@@ -282,5 +282,7 @@ def test_a_chunk_listed_before_its_writer_closed_it_is_read_again_at_the_next_po
     for partial in (b"", json.dumps(event).encode()[:10]):  # being written: empty, then cut mid-line
         chunk.write_bytes(partial)
         assert reader.poll().get("attempt-1", []) == []
+    reads = reader.reads
+    assert reader.poll().get("attempt-1", []) == [] and reader.reads == reads  # unchanged: not read again
     chunk.write_bytes((json.dumps(event) + "\n").encode())  # closed
     assert [e["step"] for e in reader.poll()["attempt-1"]] == [1]

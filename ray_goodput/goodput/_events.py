@@ -368,6 +368,7 @@ class EventReader:
         self._base = root.join(EVENTS_DIR)
         self._offsets: dict[str, int] = {}  # local log -> bytes consumed (whole lines)
         self._chunks: set[str] = set()  # object-store chunks already read
+        self._partial: dict[str, int] = {}  # chunks read before their writer closed them: their size then
         self._events: dict[str, list[dict[str, Any]]] = {}
         self._seen: dict[str, _Seqs] = {}  # per attempt: the sequence numbers read
         self.reads = 0
@@ -392,7 +393,7 @@ class EventReader:
 
     def _is_new(self, rel: str, size: int | None) -> bool:
         if "/" in rel:  # a chunk object: immutable once written (whole: it ends a line)
-            return rel not in self._chunks
+            return rel not in self._chunks and (size is None or self._partial.get(rel) != size)
         return size is None or size > self._offsets.get(rel, 0)
 
     def _read_new(self, rel: str) -> list[dict[str, Any]]:
@@ -400,7 +401,9 @@ class EventReader:
         if "/" in rel:
             data = read_bytes(self._root, f"{EVENTS_DIR}/{rel}")
             if not data.endswith(b"\n"):  # listed while written (HDFS lists it empty until closed)
-                return []  # read again at the next poll
+                self._partial[rel] = len(data)  # read again once its size changes
+                return []
+            self._partial.pop(rel, None)
             events = _parse(data.decode())
             self._chunks.add(rel)  # once read: a failed read is tried again at the next poll
             return events
