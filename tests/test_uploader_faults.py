@@ -490,6 +490,15 @@ def test_the_uploaders_wait_for_a_result_ends_at_its_bound(ray_cluster, s3_serve
         ray.get(worker.save.remote(1))
         key = ray.get(worker.key.remote(1))
         uploader = _services.find(KIND)[node]
+        # save() returns once its job is written to the uploader's socket, maybe before the
+        # uploader read it; asked then, the uploader has no such job (seen once in a suite
+        # run, under load): ask once it holds the job, which the stalled upload keeps open.
+        wait_for(
+            lambda: ray.get(uploader.stats.remote(), timeout=30)["queue"] >= 1,
+            timeout_s=60,
+            what="the uploader to read step 1's job from its socket",
+            interval_s=0.1,
+        )
         with pytest.raises(TimeoutError, match=r"step 1 \(rank 0\) was not durable after 1s in the uploader"):
             ray.get(uploader.wait_durable.remote(key, 1.0), timeout=60)
     finally:
