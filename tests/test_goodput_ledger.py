@@ -66,17 +66,22 @@ def test_coarse_events_are_split_at_the_resume_point():
     assert ledger.steps_lost == 6
 
 
+def _rolled_back(events: list[dict], to: int, upto: int) -> list[dict]:
+    """``events`` then a restore of step ``to`` (a rollback, 1 s), steps to ``upto`` (1 s
+    each) and the end."""
+    t = events[-1]["t"]
+    events.append({"e": "restore", "step": to, "t0": t, "t": t + 1.0})
+    t += 1.0
+    for step in range(to + 1, upto + 1):
+        events.append({"e": "step", "step": step, "n": 1, "t0": t, "t": t + 1.0, "fetch": 0.1, "ckpt": 0.0})
+        t += 1.0
+    events.append({"e": "end", "t": t})
+    return events
+
+
 def _rolled_back_attempt() -> list[dict]:
     """One attempt: steps 1 to 8, a restore of step 4 (a rollback), steps 5 to 10, the end."""
-    a = _attempt(100.0, 0, 8)
-    t = a[-1]["t"]
-    a.append({"e": "restore", "step": 4, "t0": t, "t": t + 1.0})
-    t += 1.0
-    for step in range(5, 11):
-        a.append({"e": "step", "step": step, "n": 1, "t0": t, "t": t + 1.0, "fetch": 0.1, "ckpt": 0.0})
-        t += 1.0
-    a.append({"e": "end", "t": t})
-    return a
+    return _rolled_back(_attempt(100.0, 0, 8), to=4, upto=10)
 
 
 def test_steps_a_rollback_in_the_attempt_redid_are_lost_not_productive():
@@ -97,14 +102,7 @@ def test_a_rollback_in_a_later_attempt_below_its_resume_makes_the_earlier_attemp
     and steps to 12. Steps 6 to 10 of attempt 1 were redone: lost, not kept (only each
     attempt's first restore was looked at). The job's kept steps are where it ended, 12."""
     first = _attempt(100.0, 0, 10)
-    second = _attempt(first[-1]["t"] + 5.0, 10, 0)
-    t = second[-1]["t"]
-    second.append({"e": "restore", "step": 5, "t0": t, "t": t + 1.0})
-    t += 1.0
-    for step in range(6, 13):
-        second.append({"e": "step", "step": step, "n": 1, "t0": t, "t": t + 1.0, "fetch": 0.1, "ckpt": 0.0})
-        t += 1.0
-    second.append({"e": "end", "t": t})
+    second = _rolled_back(_attempt(first[-1]["t"] + 5.0, 10, 0), to=5, upto=12)
     ledger = compute([first, second], job_start=100.0)
     assert ledger.steps_lost == 5 and ledger.steps_kept == 12
     assert ledger.work_steps == pytest.approx(12)

@@ -288,6 +288,20 @@ class _ReplacementsArriving(_FreshQuorum):
         self.loaded = sd
 
 
+def _replica_0s_replacement_joins(*, timeout_s: float, configured: int, arriving: int, up_to: int):
+    """Replica 0's replacement joins a quorum of replacements that grows from ``arriving``
+    to ``up_to``; returns it and the participants at its restore (step 40)."""
+    rep = _waiting_replacement(
+        timeout_s=timeout_s, configured=configured, manager=_ReplacementsArriving(arriving, configured=up_to)
+    )
+    rep.slot, rep._batches_restored = 0, 0
+    restored_with: list[int] = []
+    rep._durable.restore_in_quorum = lambda: restored_with.append(rep.manager.num_participants()) or 40
+    with _joined("replacement"):
+        rep._join_quorum()
+    return rep, restored_with
+
+
 def test_replica_0s_replacement_with_no_peer_ahead_waits_for_every_replica_before_it_restores():
     """Every replica of 3 failed and Ray replaced them one by one. Replica 0's replacement
     met one unhealed replacement at step 0, restored the checkpoint inside that quorum and
@@ -295,12 +309,7 @@ def test_replica_0s_replacement_with_no_peer_ahead_waits_for_every_replica_befor
     went back to the quorum: both stalled until timeout_s and failed. Replica 0's
     replacement now waits for every replica as the others do, and restores when they are
     all there (each drops that step and heals from it at the next quorum)."""
-    rep = _waiting_replacement(timeout_s=5.0, configured=3, manager=_ReplacementsArriving(2, configured=3))
-    rep.slot, rep._batches_restored = 0, 0
-    restored_with = []
-    rep._durable.restore_in_quorum = lambda: restored_with.append(rep.manager.num_participants()) or 40
-    with _joined("replacement"):
-        rep._join_quorum()
+    rep, restored_with = _replica_0s_replacement_joins(timeout_s=5.0, configured=3, arriving=2, up_to=3)
     assert restored_with == [3] and rep._drop_step
     assert rep.manager.loaded == {"step": 40, "batches_committed": 0}
 
@@ -310,10 +319,5 @@ def test_replica_0s_replacement_alone_in_its_quorum_restores_at_once_instead_of_
     replica 0's replacement has no peer that could be waiting for the others: it restores
     there and the replacements after it heal from it. Waiting for every replica instead
     failed it after timeout_s when a peer's replacement came later than that."""
-    rep = _waiting_replacement(timeout_s=0.5, configured=2, manager=_ReplacementsArriving(1, configured=1))
-    rep.slot, rep._batches_restored = 0, 0
-    restored_with = []
-    rep._durable.restore_in_quorum = lambda: restored_with.append(rep.manager.num_participants()) or 40
-    with _joined("replacement"):
-        rep._join_quorum()
+    rep, restored_with = _replica_0s_replacement_joins(timeout_s=0.5, configured=2, arriving=1, up_to=1)
     assert restored_with == [1] and rep._drop_step and rep.manager.quorums == 1
