@@ -122,6 +122,21 @@ def test_fetch_seconds_and_len(files_dir, tmp_path):
     assert 0 < dl.last_fetch_seconds <= dl.total_fetch_seconds
 
 
+def test_the_loops_wait_for_the_node_cache_to_answer_its_hints_is_a_data_stall(files_dir, tmp_path, monkeypatch):
+    """Before each batch the loader tells the node cache which files come next; when the
+    cache actor died that call re-creates it and blocks (seconds, up to 120 s per file
+    list). It ran before the batch's fetch timer started, so the goodput ledger booked
+    that wait as productive step time, not as a data stall. Here the hint blocks 0.3 s."""
+    import time
+
+    from ray_goodput.data import _loader
+
+    monkeypatch.setattr(_loader._Hints, "advance", lambda self, position: time.sleep(0.3))
+    dl = DataLoader(_files(files_dir, tmp_path), 4, num_workers=0)
+    next(iter(dl))
+    assert dl.last_fetch_seconds >= 0.3
+
+
 def test_parquet_rows_resume_and_columns(parquet_dir, tmp_path):
     total = 17 + 5 + 31
     ds = ParquetDataset(str(parquet_dir), seed=1, cache=CacheConfig(directory=str(tmp_path / "c")))

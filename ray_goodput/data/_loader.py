@@ -191,9 +191,9 @@ class DataLoader(torch.utils.data.DataLoader):
         recorder = get_recorder()
         delivered = 0
         while True:
+            began = time.perf_counter()  # the hint below re-creates a dead cache actor: a data stall too
             if hints is not None:
                 hints.advance(delivered * s.batch_size)
-            began = time.perf_counter()
             try:
                 batch = next(inner)
             except StopIteration:
