@@ -245,7 +245,11 @@ class CommitProtocol:
             existing = reading.result()
             if existing is not None and existing.save_id == self.save_id:
                 return Finalized(COMMITTED, existing)
-            if existing is not None and existing is not _TORN and self._outranked_by(existing):
+            # A commit of this generation (a rollback's re-save of the step): its quarantine
+            # record, read once, says whether it stands and whether the record stays.
+            same = existing is not None and existing is not _TORN and existing.generation == self.generation
+            record = read_quarantine(self.step_loc) if same else None
+            if existing is not None and existing is not _TORN and self._outranked_by(existing, record):
                 return Finalized(OUTRANKED, existing)
             others = max((_layout.generation_of(n) or 0 for n in listed.markers if n != self.save_id), default=-1)
             if existing is _TORN and others >= self.generation:
@@ -264,7 +268,8 @@ class CommitProtocol:
                 if own is not None and not self._elect(own.rank, listed.intents.get(self.save_id, set())):
                     turn.found = Finalized(DEFERRED)
                     return turn.found
-                done = self._commit(pool, existing, local_dir, own)
+                keep_record = record is not None and record.get("digest") is not None  # it names `existing`
+                done = self._commit(pool, existing, local_dir, own, keep_record=keep_record)
                 if done.state in (COMMITTED, OUTRANKED):
                     turn.found = done
                 return done
@@ -280,13 +285,13 @@ class CommitProtocol:
             return True
         return False
 
-    def _outranked_by(self, existing: Manifest) -> bool:
+    def _outranked_by(self, existing: Manifest, record: dict | None) -> bool:
         """Whether the step's commit of another save stands against this one: a newer
-        generation's always; this generation's unless it is quarantined (a rollback in
-        this run found it damaged and saved the step again)."""
+        generation's always; this generation's unless its quarantine ``record`` condemns
+        it (a rollback in this run found it damaged and saved the step again)."""
         if existing.generation != self.generation:
             return existing.generation > self.generation
-        return not is_quarantined(existing, read_quarantine(self.step_loc))
+        return not is_quarantined(existing, record)
 
     def _elect(self, rank: int, intents: set[int]) -> bool:
         """Whether ``rank``'s job, which listed every marker, is the one to commit.
@@ -310,10 +315,17 @@ class CommitProtocol:
         return min(standing | {rank}) == rank
 
     def _commit(
-        self, pool: ThreadPoolExecutor, existing: Manifest | None, local_dir: Path | None, own: RankMarker | None
+        self,
+        pool: ThreadPoolExecutor,
+        existing: Manifest | None,
+        local_dir: Path | None,
+        own: RankMarker | None,
+        *,
+        keep_record: bool = False,
     ) -> Finalized:
         """Every marker is listed: read them and the parts, check, write ``.metadata`` and
-        ``COMMITTED`` (see ``finalize``; ``existing``: the step's commit as it read it)."""
+        ``COMMITTED`` (see ``finalize``; ``existing``: the step's commit as it read it;
+        ``keep_record``: its quarantine record names it and stays)."""
         markers, parts, present = self._gather(pool, local_dir, own)
         if set(markers) != set(range(self.world_size)):
             return Finalized(PENDING)  # the pool's exit waits for the reads still running
@@ -332,15 +344,11 @@ class CommitProtocol:
         # between) would commit it again, and the record keeps it condemned.
         if existing is not None:
             self._delete(_layout.COMMITTED)
-        same_generation = existing is not None and existing is not _TORN and existing.generation == self.generation
-        record = read_quarantine(self.step_loc) if same_generation else None
-        if same_generation and record is not None and record.get("digest") == existing.digest:
-            unquarantined = pool.submit(lambda: None)
-        else:
-            unquarantined = pool.submit(self._delete, _layout.QUARANTINED)
+        unquarantined = None if keep_record else pool.submit(self._delete, _layout.QUARANTINED)
         with self._pruned_meanwhile():
             metadata = self._write_dcp_metadata(merged, local_dir)
-        unquarantined.result()
+        if unquarantined is not None:
+            unquarantined.result()
         files.append(metadata)
         files.sort(key=lambda f: f.name)
         # Unstepped: fresh on some rank and stepped on none (a frozen stage's optimizer never
