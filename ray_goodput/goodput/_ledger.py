@@ -96,11 +96,6 @@ class Ledger:
         return out
 
 
-def resumed_from(events: list[dict[str, Any]]) -> int:
-    """The step an attempt resumed from (0: from scratch)."""
-    return next(((e.get("step") or 0) for e in events if e["e"] == "restore"), 0)
-
-
 def _first_progress(events: list[dict[str, Any]]) -> float | None:
     """When the attempt's first step, or first try of one that did not commit, began."""
     return next((e["t0"] for e in events if e["e"] in ("step", "uncommitted")), None)
@@ -128,14 +123,15 @@ def _got_anywhere(events: list[dict[str, Any]]) -> bool:
     return any(e["e"] in ("restore", "step") for e in events)
 
 
-def rolled_back_to(events: list[dict[str, Any]]) -> list[int | None]:
-    """For each event of an attempt, the lowest step a restore later in the attempt loaded
-    (None: none later): a rollback (``restore`` of an older step after a loss spike; in
-    replica mode, replica 0's replacement restoring the checkpoint when no peer had
-    progress) redoes the steps above it. A heal to a peer's step, at or above every step
-    before it, keeps them all."""
+def keep_limits(events: list[dict[str, Any]], keep_upto: int | None) -> list[int | None]:
+    """For each event of an attempt, the last step of it that is kept (None: all): at most
+    ``keep_upto`` (a later attempt's resume or rollback, :func:`kept_upto`), and at most the
+    lowest step a restore later in the attempt loaded. Such a rollback (``restore`` of an
+    older step after a loss spike; in replica mode, replica 0's replacement restoring the
+    checkpoint when no peer had progress) redoes the steps above it; a heal to a peer's
+    step, at or above every step before it, keeps them all."""
     out: list[int | None] = []
-    lowest: int | None = None
+    lowest = keep_upto
     for e in reversed(events):
         out.append(lowest)
         if e["e"] == "restore":
@@ -144,12 +140,11 @@ def rolled_back_to(events: list[dict[str, Any]]) -> list[int | None]:
     return out[::-1]
 
 
-def _account_steps(ledger: Ledger, events: list[dict[str, Any]], keep_upto: int | None, *, first_attempt: bool) -> int:
-    """Add an attempt's steps (``first_attempt``: the job's first), keeping each one up to
-    ``keep_upto`` (a later attempt's resume) and any rollback later in the attempt; returns
-    the last step it reached."""
+def _account_steps(ledger: Ledger, events: list[dict[str, Any]], keep_upto: int | None, *, first_attempt: bool) -> None:
+    """Add an attempt's steps (``first_attempt``: the job's first), each kept up to its
+    :func:`keep_limits`."""
     last = 0
-    for e, rolled_back in zip(events, rolled_back_to(events)):
+    for e, limit in zip(events, keep_limits(events, keep_upto)):
         if e["e"] == "uncommitted":  # replica mode: a try of a step that was then retried
             ledger.seconds["lost"] += max(0.0, e["t"] - e["t0"])
             continue
@@ -160,7 +155,6 @@ def _account_steps(ledger: Ledger, events: list[dict[str, Any]], keep_upto: int 
         work = max(0.0, e["t"] - e["t0"] - fetch - ckpt - wait)
         n = max(1, int(e.get("n", 1)))
         first = e["step"] - n + 1
-        limit = min((s for s in (keep_upto, rolled_back) if s is not None), default=None)
         kept_steps = n if limit is None else max(0, min(n, limit - first + 1))
         kept = work * kept_steps / n
         capacity = min(1.0, max(0.0, float(e.get("capacity", 1.0))))  # replica mode: P of R replicas
@@ -172,7 +166,6 @@ def _account_steps(ledger: Ledger, events: list[dict[str, Any]], keep_upto: int 
         ledger.seconds["data_stall"] += fetch
         ledger.seconds["checkpoint_stall"] += ckpt
         last = e["step"]
-    return last
 
 
 def compute(

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ray_goodput.goodput._ledger import BUCKETS, kept_upto, rolled_back_to
+from ray_goodput.goodput._ledger import BUCKETS, keep_limits, kept_upto
 
 COLORS = dict(
     zip(BUCKETS, ["#2ca02c", "#98df8a", "#d62728", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22"])
@@ -68,13 +68,12 @@ def spans(attempts: list[list[dict[str, Any]]], job_start: float | None = None) 
         first = next((e["t0"] for e in events if e["e"] in ("step", "uncommitted", "restore")), events[-1]["t"])
         out.append(Span(row, prev_end, first, "startup" if row == 0 else "restart_downtime"))
         stepped = False
-        for e, rolled_back in zip(events, rolled_back_to(events)):
+        for e, limit in zip(events, keep_limits(events, keep_upto)):
             if e["e"] == "restore":
                 out.append(Span(row, e["t0"], e["t"], "restore"))
             elif e["e"] == "uncommitted":  # replica mode: a try of a step that was retried
                 out.append(Span(row, e["t0"], e["t"], "lost"))
             elif e["e"] == "step":
-                limit = min((s for s in (keep_upto, rolled_back) if s is not None), default=None)
                 out += _step_spans(row, e, limit is None or e["step"] <= limit, row == 0 and not stepped)
                 stepped = True
         prev_end = events[-1]["t"]
