@@ -44,7 +44,7 @@ def snapshot_size(state: dict[str, Any], world_size: int, rank: int) -> int | No
     has not stepped or the state cannot be described: the save sizes the arena itself."""
     try:
         roles = _state_dict.classify(state)
-        if any(not optim.state and not _state_dict.keeps_no_state(optim) for optim, _ in roles.optimizers.values()):
+        if any(_unstepped(optim) for optim, _ in roles.optimizers.values()):
             return None
         with _state_dict.saving(roles) as (sd, _):
             flat, _ = flatten_state_dict(sd)
@@ -69,6 +69,12 @@ def snapshot_device(state: dict[str, Any]) -> torch.device | None:
         return None
 
 
+def _unstepped(optim: torch.optim.Optimizer) -> bool:
+    """An optimizer with no state yet that will have some after its first step (describing
+    it means a made-up step)."""
+    return not optim.state and not _state_dict.keeps_no_state(optim)
+
+
 def _nbytes(value: Any) -> int:
     local = value.to_local() if isinstance(value, DTensor) else value
     return local.numel() * local.element_size()
@@ -83,7 +89,7 @@ def after_first_steps(state: dict[str, Any], ready: Callable[[], None]) -> list[
     (it runs inside ``optimizer.step()``)."""
     try:
         optimizers = _state_dict.classify(state).optimizers.values()
-        waiting = [optim for optim, _ in optimizers if not optim.state and not _state_dict.keeps_no_state(optim)]
+        waiting = [optim for optim, _ in optimizers if _unstepped(optim)]
     except Exception:  # noqa: BLE001 - the save itself raises what is wrong with the state
         return []
     fired = False
@@ -92,7 +98,7 @@ def after_first_steps(state: dict[str, Any], ready: Callable[[], None]) -> list[
         nonlocal fired
         if not optim.state and any(p.grad is not None for group in optim.param_groups for p in group["params"]):
             _state_dict.stepped_without_state(optim)  # a step with grads left it none: it keeps none
-        if fired or any(not o.state and not _state_dict.keeps_no_state(o) for o in waiting):
+        if fired or any(_unstepped(o) for o in waiting):
             return
         fired = True
         ready()
