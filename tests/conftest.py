@@ -113,12 +113,10 @@ def _shared_ray():
         from ray_goodput.testing._ray import SharedRay
 
         _shared = SharedRay(
-            runtime_env={
-                "env_vars": {
-                    "PYTHONPATH": ROOT,
-                    "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.1",
-                    "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
-                }
+            env={
+                "PYTHONPATH": ROOT,
+                "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.1",
+                "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
             }
         )
     return _shared

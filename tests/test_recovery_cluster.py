@@ -37,9 +37,7 @@ def cluster():
     x = c.add_node(num_cpus=2)
     y = c.add_node(num_cpus=1)
     z = c.add_node(num_cpus=1)
-    ray.init(
-        address=c.address, log_to_driver=False, runtime_env={"env_vars": {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.1"}}
-    )
+    ray.init(address=c.address, log_to_driver=False)  # the nodes' processes inherit this one's environment
     c.wait_for_nodes()
     yield {"x": x.node_id, "y": y.node_id, "z": z.node_id}
     ray.shutdown()
