@@ -318,3 +318,47 @@ def test_the_controllers_end_waits_for_mlflow_once_within_its_bound(tmp_path, mo
         release.set()
     assert 2.0 <= waited < 3.5, waited  # one bound: the stuck finish, not a wait per caller
     assert json.loads((tmp_path / "run" / "goodput" / "summary.json").read_text())["finished"]
+
+
+def test_a_fit_run_again_goes_on_in_the_jobs_mlflow_run_numbering_its_failures_on(tmp_path):
+    """In replica mode ``ray_goodput.TorchTrainer`` runs ``fit()`` again when Ray's
+    controller ended the run (a worker died while it replaced a replica). The new
+    controller's copy of the GoodputCallback opened a second MLflow run for the same job,
+    numbered its failures from ``failure_1`` again, and the first run stayed RUNNING."""
+    import pickle
+
+    import mlflow
+
+    root = str(tmp_path / "run")
+    ctx = _run_context(root, "rerun")
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    cb = GoodputCallback(tracking_uri=uri)
+    sent = (cb, cb.controller_callback())  # what the driver hands each fit()'s controller
+    client = mlflow.MlflowClient(tracking_uri=uri)
+
+    def runs() -> list:
+        exp = client.get_experiment_by_name("ray_goodput")
+        return client.search_runs([exp.experiment_id], filter_string="tags.mlflow.runName = 'rerun'")
+
+    first, first_hooks = pickle.loads(pickle.dumps(sent))
+    first_hooks.after_controller_start(ctx)
+    first.after_exception(ctx, {1: RuntimeError("replica 1 died")})
+    first_hooks.after_replica_group_start(SimpleNamespace())
+    first.after_exception(ctx, {0: RuntimeError("replica 0 died while replica 1 was replaced")})
+    first_hooks.after_controller_finish(SimpleNamespace(error=RuntimeError("the controller ended the run")))
+    (run,) = runs()
+    assert run.info.status == "FAILED"  # ended with an error: not left RUNNING
+
+    second, second_hooks = pickle.loads(pickle.dumps(sent))
+    second_hooks.after_controller_start(ctx)
+    _finished_job(root)
+    second.after_exception(ctx, {1: RuntimeError("replica 1 died again")})
+    second_hooks.after_controller_finish(SimpleNamespace(error=None))
+    (again,) = runs()
+    assert again.info.run_id == run.info.run_id and again.info.status == "FINISHED"
+    failures = {k: v for k, v in again.data.tags.items() if k.startswith("failure_")}
+    assert failures == {
+        "failure_1": "rank 1: RuntimeError: replica 1 died",
+        "failure_2": "rank 0: RuntimeError: replica 0 died while replica 1 was replaced",
+        "failure_3": "rank 1: RuntimeError: replica 1 died again",
+    }

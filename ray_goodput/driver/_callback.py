@@ -17,14 +17,16 @@ from ray.train.v2._internal.execution.callback import ControllerCallback, Replic
 from ray_goodput.driver._publish import MlflowSink, RayGauges
 from ray_goodput.driver._record import load_state
 from ray_goodput.driver._recovery import futile, preemption_info, stop_record
+from ray_goodput.errors import StorageError
 from ray_goodput.goodput import EventReader, Ledger, compute, fetch_stats, summary, table
 from ray_goodput.runtime import run_root
-from ray_goodput.storage import StorageLocation, write_bytes
+from ray_goodput.storage import StorageLocation, read_bytes, write_bytes
 
 logger = logging.getLogger(__name__)
 
 #: How long the controller's end waits for the MLflow thread to finish the run.
 _MLFLOW_DRAIN_S = 120.0
+_MLFLOW_RUN_FILE = "goodput/mlflow_run.json"  # the job's MLflow run, for a fit() run again
 #: How long the run's end (or a stop) waits for a refresh already reading the events.
 _REFRESH_WAIT_S = 60.0
 #: The share of the controller's time the refreshes between reports may take: the ledger is
@@ -116,14 +118,36 @@ class GoodputCallback(UserCallback):
             kind, payload, done = q.get()
             try:
                 if sink is None:
-                    sink = MlflowSink(self.tracking_uri, self.experiment_name, self._state.get("name", "run"))
-                    self._state["mlflow_run_id"] = sink.run_id
+                    sink = self._open_sink()
                 getattr(sink, kind)(*payload)
             except Exception as exc:  # noqa: BLE001 - accounting must never break training
                 logger.warning("goodput MLflow %s failed: %s", kind, exc)
             finally:
                 if done is not None:
                     done.set()
+
+    def _open_sink(self) -> MlflowSink:
+        """The job's MLflow run: the one an earlier ``fit()`` of the job opened in this
+        store and experiment (its id is kept under the run's storage root), else a new one."""
+        root = self._state.get("root")
+        key = {"tracking_uri": self.tracking_uri, "experiment": self.experiment_name}
+        earlier = None
+        if root is not None:
+            try:
+                kept = json.loads(read_bytes(root, _MLFLOW_RUN_FILE))
+                earlier = kept["run_id"] if {k: kept.get(k) for k in key} == key else None
+            except FileNotFoundError:
+                pass
+            except (StorageError, ValueError, KeyError, TypeError) as exc:
+                logger.warning("could not read the job's MLflow run id (%s); a new run is opened", exc)
+        sink = MlflowSink(self.tracking_uri, self.experiment_name, self._state.get("name", "run"), resume=earlier)
+        self._state["mlflow_run_id"] = sink.run_id
+        if root is not None and sink.run_id != earlier:
+            try:
+                write_bytes(root, _MLFLOW_RUN_FILE, json.dumps({**key, "run_id": sink.run_id}).encode())
+            except StorageError as exc:
+                logger.warning("could not keep the job's MLflow run id: a fit() run again opens another run (%s)", exc)
+        return sink
 
     # -- the ledger --
     def refresh(self, run_context: Any, job_end: float | None = None) -> Ledger:
@@ -190,13 +214,15 @@ class GoodputCallback(UserCallback):
     def controller_finished(self, result: Any = None) -> None:
         """The controller's process ends after this. The final ledger is published now, up
         to this moment, unless the run ended with an error (``result.error``); then the
-        MLflow thread is let finish the run. A run whose training function recorded no end
-        (replica 0 replaced after its peers finished, or no ``Checkpointer``) is published
-        too: its summary says ``finished: false``."""
+        MLflow run ends FAILED (a ``fit()`` run again for the job resumes it). A run whose
+        training function recorded no end (replica 0 replaced after its peers finished, or
+        no ``Checkpointer``) is published too: its summary says ``finished: false``."""
         deadline = time.monotonic() + _MLFLOW_DRAIN_S  # for the publication and MLflow together
         ctx = self.run_context
         if ctx is not None and getattr(result, "error", None) is None:
             self._publish_final(ctx)
+        elif getattr(result, "error", None) is not None and "queue" in self._state and not self._state.get("finished"):
+            self._worker().put(("fail", (), None))  # not left RUNNING (a fit() run again resumes it)
         if not self._wait_for_mlflow(max(0.0, deadline - time.monotonic())):
             logger.warning("goodput MLflow calls still running after %.0f s; the run may stay open", _MLFLOW_DRAIN_S)
 

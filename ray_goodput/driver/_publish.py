@@ -26,9 +26,12 @@ def _artifacts_beside(tracking_uri: str) -> str | None:
 
 
 class MlflowSink:
-    """One MLflow run per job; it stays open across worker-group restarts."""
+    """One MLflow run per job; it stays open across worker-group restarts. ``resume``: the
+    job's run, opened by an earlier ``fit()`` of the job (replica mode runs it again when
+    Ray's controller ended the run): the run goes on, RUNNING again, its ``failure_<n>``
+    tags numbered on. A new run is made when it is not in this store's experiment."""
 
-    def __init__(self, tracking_uri: str, experiment: str, run_name: str) -> None:
+    def __init__(self, tracking_uri: str, experiment: str, run_name: str, resume: str | None = None) -> None:
         # Slow to import: loaded by the controller that publishes, not by every worker
         # process that imports this package to unpickle a training function. matplotlib
         # too: the charts at the run's end need it, and loading it here, in this background
@@ -47,7 +50,27 @@ class MlflowSink:
             if exp
             else self._client.create_experiment(experiment, artifact_location=_artifacts_beside(tracking_uri))
         )
-        self.run_id = self._client.create_run(exp_id, run_name=run_name, tags={"ray_goodput": "goodput"}).info.run_id
+        self._failures_before = 0  # failure tags of the job's earlier fit() runs
+        run_id = self._resumed(exp_id, resume) if resume else None
+        if run_id is None:
+            run_id = self._client.create_run(exp_id, run_name=run_name, tags={"ray_goodput": "goodput"}).info.run_id
+        self.run_id: str = run_id
+
+    def _resumed(self, exp_id: str, run_id: str) -> str | None:
+        """``run_id``, RUNNING again, when it is a live run of experiment ``exp_id``."""
+        from mlflow.exceptions import MlflowException  # noqa: PLC0415 - loaded with MLflow, above
+
+        try:
+            run = self._client.get_run(run_id)
+        except MlflowException:  # deleted for good, or a run of another store
+            return None
+        if run.info.experiment_id != exp_id or run.info.lifecycle_stage != "active":
+            return None
+        if run.info.status != "RUNNING":
+            self._client.update_run(run_id, status="RUNNING")
+        self._failures_before = sum(1 for key in run.data.tags if key.startswith("failure_"))
+        logger.info("goodput MLflow run %s goes on (%d failures before)", run_id, self._failures_before)
+        return run_id
 
     def flush(self) -> None:
         """Nothing: queued behind earlier calls, it says when they have run (the run is open)."""
@@ -57,7 +80,12 @@ class MlflowSink:
             self._client.log_metric(self.run_id, key, float(value), step=step)
 
     def log_failure(self, count: int, message: str) -> None:
-        self._client.set_tag(self.run_id, f"failure_{count}", message[:4000])
+        """``count``: this ``fit()``'s; the tag goes on from the job's earlier ones."""
+        self._client.set_tag(self.run_id, f"failure_{self._failures_before + count}", message[:4000])
+
+    def fail(self) -> None:
+        """The run ended with an error: FAILED (a ``fit()`` run again for the job resumes it)."""
+        self._client.set_terminated(self.run_id, "FAILED")
 
     def tag(self, key: str, value: str) -> None:
         self._client.set_tag(self.run_id, key, value[:4000])
