@@ -21,6 +21,7 @@ import torch
 
 from ray_goodput import Checkpointer, FencedError, RecoveryPointTooOldError, list_checkpoints
 from ray_goodput.checkpoint import _checkpointer
+from ray_goodput.checkpoint.protocol import _lineage
 from ray_goodput.checkpoint.protocol._lineage import CLAIM_TIMEOUT_S
 from ray_goodput.cli._status import checkpoint_lines
 from ray_goodput.errors import StorageUnreachableError, not_retryable
@@ -263,6 +264,37 @@ def test_a_second_run_that_saves_on_the_storage_path_fences_the_first_with_a_typ
     finally:
         first._release()
     assert _committed(root) == [1, 2, 3, 5]  # neither run's commits were touched
+
+
+def test_a_restore_only_claim_above_a_newer_saving_run_does_not_hide_it_from_the_fence(tmp_path):
+    """The fence read the newest claim only: an evaluation copy opened after a second run
+    had taken the storage path claimed a generation above it and never saved, so the first
+    run's saves no longer saw the second run, and both saved on the same path."""
+    root = str(tmp_path / "shared")
+    model = _model()
+    first = Checkpointer(root, staging_dir=str(tmp_path / "a"), uploader="thread", keep_last=10)
+    try:
+        first.save(1, {"model": model})
+        first.wait()
+        second = subprocess.run(
+            [sys.executable, "-c", _SECOND_RUN, root, str(tmp_path / "b")],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        )
+        generation, pid = second.stdout.split()[-2:]
+        with Checkpointer(root, staging_dir=str(tmp_path / "e"), uploader="thread") as evaluator:
+            assert evaluator.restore({"model": torch.nn.Linear(8, 8)}) == 5  # the second run's model
+        assert _lineage.claimed_generation(resolve(root)) > int(generation)  # the evaluator's claim is the newest
+        first.save(3, {"model": model})
+        with pytest.raises(FencedError) as err:
+            first.wait()
+        text = str(err.value)
+        assert f"generation {generation} claimed by pid {pid} on host {socket.gethostname()}" in text, text
+    finally:
+        first._release()
+    assert _committed(root) == [1, 3, 5]
 
 
 OUTAGE_S = 6.0

@@ -6,6 +6,7 @@
 <root>/checkpoints/step-<step:09d>/.ranks/commit-<r:05d>-<save id>     "rank r's job stands to commit"
 <root>/checkpoints/step-<step:09d>/QUARANTINED   the committed save found damaged (JSON)
 <root>/checkpoints/GENERATION                     the highest generation claimed (JSON)
+<root>/checkpoints/CLAIM-g<generation:06d>        who claimed that generation (JSON)
 <root>/checkpoints/RESUME                         the step the live attempt resumes from (JSON)
 <root>/checkpoints/SAVING-g<generation:06d>       "this generation saves here" (empty; fencing)
 ```
@@ -27,6 +28,8 @@ QUARANTINED = "QUARANTINED"
 GENERATION = "GENERATION"
 RESUME = "RESUME"
 SAVING_PREFIX = "SAVING-"
+CLAIM_PREFIX = "CLAIM-"
+_SAVING_RE = re.compile(r"^SAVING-g(\d{6,})$")
 _STEP_RE = re.compile(r"^step-(\d{9,})$")
 _SAVE_ID_RE = re.compile(r"g(\d{6,})-[0-9a-f]{8,}")
 
@@ -35,6 +38,19 @@ def saving_marker(generation: int) -> str:
     """Name (under ``<root>/checkpoints``) of the empty file that says the attempt of
     ``generation`` has saved: a claim alone (a Checkpointer that only restores) fences nobody."""
     return f"{SAVING_PREFIX}g{generation:06d}"
+
+
+def saving_generation(name: str) -> int | None:
+    """The generation of a :func:`saving_marker` name, or None for any other name."""
+    m = _SAVING_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def claim_record(generation: int) -> str:
+    """Name (under ``<root>/checkpoints``) of the owner record of ``generation``'s claim:
+    kept when a later claim replaces ``GENERATION``, so a run fenced by that generation
+    can still name its owner."""
+    return f"{CLAIM_PREFIX}g{generation:06d}"
 
 
 def step_dir(step: int) -> str:

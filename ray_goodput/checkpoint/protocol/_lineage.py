@@ -20,14 +20,12 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
-import pyarrow.fs as pafs
-
 from ray_goodput.checkpoint.protocol import _catalog, _layout
 from ray_goodput.checkpoint.protocol._catalog import StepDir, checkpoints_location, list_checkpoints
 from ray_goodput.errors import StorageError
 from ray_goodput.runtime import WorkerContext
 from ray_goodput.runtime._resume import resume_decision
-from ray_goodput.storage import RetryPolicy, StorageLocation, read_bytes, touch, write_bytes
+from ray_goodput.storage import RetryPolicy, StorageLocation, list_dir, read_bytes, touch, write_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +57,8 @@ class Claim:
     run: str = ""  # the Ray Train run's name, when there is one
 
     def describe(self) -> str:
+        if not self.pid:
+            return "an owner it did not record"
         when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(self.started)) if self.started else "?"
         return f"pid {self.pid} on host {self.host} at {when}" + (f" (Ray Train run {self.run})" if self.run else "")
 
@@ -76,7 +76,10 @@ def claim(
         "started": time.time(),
         "run": _run_dir(),
     }
-    write_bytes(_catalog.checkpoints_location(root), _layout.GENERATION, json.dumps(record).encode(), policy)
+    data = json.dumps(record).encode()
+    loc = _catalog.checkpoints_location(root)
+    write_bytes(loc, _layout.claim_record(generation), data, policy)  # first: GENERATION's owner is on record
+    write_bytes(loc, _layout.GENERATION, data, policy)
     return generation
 
 
@@ -94,16 +97,33 @@ def mark_saving(root: StorageLocation, generation: int, policy: RetryPolicy = _P
     touch(checkpoints_location(root), _layout.saving_marker(generation), policy)
 
 
-def has_saved(root: StorageLocation, generation: int) -> bool:
-    """Whether the attempt of ``generation`` has saved under ``root`` (``mark_saving``)."""
-    loc = checkpoints_location(root)
-    return loc.fs.get_file_info(loc.join(_layout.saving_marker(generation))).type != pafs.FileType.NotFound
+def newest_saving(root: StorageLocation, policy: RetryPolicy = _POLICY) -> int | None:
+    """The highest generation that has saved under ``root`` (``mark_saving``; None: none).
+    The fence compares against it, not against the newest claim: a claim that never saves
+    (a Checkpointer that only restores) may be above a run that does."""
+    found = [_layout.saving_generation(info.base_name) for info in list_dir(checkpoints_location(root), policy=policy)]
+    return max((g for g in found if g is not None), default=None)
 
 
-def read_claim(root: str | StorageLocation, policy: RetryPolicy = _POLICY) -> Claim | None:
-    """The newest claim under ``root`` with its owner (None: none, or unreadable)."""
+def read_claim(
+    root: str | StorageLocation, policy: RetryPolicy = _POLICY, *, generation: int | None = None
+) -> Claim | None:
+    """The newest claim under ``root`` with its owner, or ``generation``'s (None: none, or
+    unreadable). A generation claimed before its owner record was kept (an older
+    ray_goodput) is found only while ``GENERATION`` still names it."""
+    if generation is not None:
+        found = _read_claim_file(root, _layout.claim_record(generation), policy)
+        if found is not None:
+            return found
+    newest = _read_claim_file(root, _layout.GENERATION, policy)
+    if generation is not None and (newest is None or newest.generation != generation):
+        return None
+    return newest
+
+
+def _read_claim_file(root: str | StorageLocation, name: str, policy: RetryPolicy) -> Claim | None:
     try:
-        data = json.loads(read_bytes(checkpoints_location(root), _layout.GENERATION, policy))
+        data = json.loads(read_bytes(checkpoints_location(root), name, policy))
         return Claim(
             generation=int(data["generation"]),
             host=str(data.get("host", "?")),

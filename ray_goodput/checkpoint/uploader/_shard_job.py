@@ -265,13 +265,14 @@ def check_fence(job: ShardJob) -> None:
     """Record that ``job``'s generation saves here, then raise FencedError when a newer run
     that saves too claimed ``job``'s storage root (after the save's own files and commit:
     neither run's commits are touched). A newer claim that never saved (a Checkpointer
-    that only restores, an attempt not yet at its first save) fences nobody."""
+    that only restores, an attempt not yet at its first save) fences nobody, and hides no
+    saving run below it."""
     try:
         _lineage.mark_saving(job.root, job.generation)
-        claim = _lineage.read_claim(job.root)
-        fenced = claim is not None and claim.generation > job.generation
-        if not fenced or claim is None or not _lineage.has_saved(job.root, claim.generation):
+        newer = _lineage.newest_saving(job.root)
+        if newer is None or newer <= job.generation:
             return
+        claim = _lineage.read_claim(job.root, generation=newer) or _lineage.Claim(generation=newer)
     except OSError as exc:  # the next save checks again
         logger.warning("step %d: could not check the generation claim under %s: %s", job.step, job.root.uri, exc)
         return
