@@ -61,6 +61,10 @@ os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
 os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
 
 ROOT = str(Path(__file__).resolve().parents[1])
+# The shared Ray's workers import the tests' modules: its processes inherit this
+# environment (set here, at import, before any thread of the suite reads it; not as a
+# runtime_env, which costs every worker a setup process, see docs/testing.md).
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
 # The goodput event spools of this session's processes (Ray's inherit it): apart from other
 # sessions', whose storage (a moto server) is gone, and removed at the session's end.
 _SPOOL = tempfile.mkdtemp(prefix="ray_goodput-spool-")
@@ -113,8 +117,8 @@ def _shared_ray():
         from ray_goodput.testing._ray import SharedRay
 
         _shared = SharedRay(
-            env={
-                "PYTHONPATH": ROOT,
+            cluster_env={
+                "PYTHONPATH": os.environ["PYTHONPATH"],
                 "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.1",
                 "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
             }

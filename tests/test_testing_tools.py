@@ -160,25 +160,20 @@ def _env_of_a_task(**options) -> tuple[dict, dict]:
 def test_the_shared_local_rays_workers_get_its_environment_without_a_runtime_env(ray_local):
     # The shared Ray gave its variables as the job's runtime_env: every worker of the suite
     # was then started through Ray's runtime-env agent and a setup process that execs the
-    # worker, about 0.35 s of CPU and of start latency more per worker (186 in a suite run).
+    # worker, about 0.35 s of CPU and of start latency more per worker.
     runtime_env, env = _env_of_a_task()
     assert runtime_env == {}
-    assert env == {
-        "PYTHONPATH": str(ROOT),
-        "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.1",
-        "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": None,
-    }
+    assert env["PYTHONPATH"].split(os.pathsep)[0] == str(ROOT)  # the workers import the tests' modules
 
 
 def test_the_shared_clusters_workers_get_its_environment_without_a_runtime_env(ray_cluster):
+    import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    assert "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S" not in os.environ  # set only while its nodes start
-    for node in ray_cluster.worker_ids:  # nodes added by top_up, after the head
+    head = ray.get_runtime_context().get_node_id()  # the driver's node: where Train's controller runs
+    for node in [head, *ray_cluster.worker_ids]:  # the worker nodes: added by top_up, after the head
         runtime_env, env = _env_of_a_task(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False))
         assert runtime_env == {}, node
-        assert env == {
-            "PYTHONPATH": str(ROOT),
-            "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.1",
-            "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "5",
-        }, node
+        assert env["PYTHONPATH"].split(os.pathsep)[0] == str(ROOT), node
+        assert env["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] == "0.1", node
+        assert env["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] == "5", node  # the cluster's own

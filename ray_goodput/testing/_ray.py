@@ -9,9 +9,6 @@ Switching kind shuts the other down.
 from __future__ import annotations
 
 import logging
-import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,11 +60,11 @@ class RayCluster:
 
     def __init__(self, shape: ClusterShape, env: dict[str, str] | None = None) -> None:
         self.shape = shape
-        self.env = dict(env or {})
-        with environ(self.env):
-            self.cluster = Cluster(
-                initialize_head=True, head_node_args={"num_cpus": shape.head_cpus, "_system_config": _FAST_NODE_DEATH}
-            )
+        self.env = dict(env or {})  # every node's raylet environment, which its workers inherit
+        self.cluster = Cluster(
+            initialize_head=True,
+            head_node_args={"num_cpus": shape.head_cpus, "_system_config": _FAST_NODE_DEATH, "env_vars": self.env},
+        )
         self._workers: dict[str, Any] = {}
         self.top_up()
 
@@ -96,37 +93,14 @@ class RayCluster:
         """Add fresh worker nodes until there are ``shape.workers`` (main thread only:
         ``Cluster.add_node`` requires it)."""
         while len(self._workers) < self.shape.workers:
-            with environ(self.env):
-                node = self.cluster.add_node(
-                    num_cpus=self.shape.worker_cpus, resources=dict(self.shape.worker_resources)
-                )
+            node = self.cluster.add_node(
+                num_cpus=self.shape.worker_cpus, resources=dict(self.shape.worker_resources), env_vars=self.env
+            )
             self._workers[node.node_id] = node
         self.cluster.wait_for_nodes()
 
     def shutdown(self) -> None:
         self.cluster.shutdown()
-
-
-@contextmanager
-def environ(env: dict[str, str]) -> Iterator[None]:
-    """``env`` set in this process's environment for the block: what the Ray processes
-    started in it (a node's raylet, and through it every worker it starts) inherit.
-
-    Environment variables given this way, not as a ``runtime_env``, cost the workers
-    nothing: a job or actor with a ``runtime_env`` has each of its workers started
-    through Ray's runtime-env agent and a setup process that then execs the worker
-    (about 0.35 s of CPU and of latency more per worker, measured in docs/testing.md).
-    """
-    before = {key: os.environ.get(key) for key in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for key, value in before.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def _worker_pids(node_id: str) -> set[int]:
@@ -145,12 +119,19 @@ def _running(pid: int) -> bool:
 class SharedRay:
     """The Ray instance of this process: ``use(kind)`` starts it or switches to it.
 
-    ``env``: environment variables of every Ray process it starts, workers included
-    (see :func:`environ`).
+    ``cluster_env``: environment variables of a cluster's nodes (their raylets'; the
+    workers inherit them). The local instance's processes inherit this process's
+    environment: set it before the first ``use``, and before other threads read it.
+
+    Variables given so, not as a job's ``runtime_env``, cost the workers nothing: Ray
+    starts each worker of a job or actor with a ``runtime_env`` through its runtime-env
+    agent and a setup process that then execs the worker (docs/testing.md has its cost).
     """
 
-    def __init__(self, *, env: dict[str, str], local_cpus: int = 4, shape: ClusterShape | None = None) -> None:
-        self.env = dict(env)
+    def __init__(
+        self, *, cluster_env: dict[str, str] | None = None, local_cpus: int = 4, shape: ClusterShape | None = None
+    ) -> None:
+        self.cluster_env = dict(cluster_env or {})
         self.local_cpus = local_cpus
         self.shape = shape or ClusterShape()
         self.kind: str | None = None
@@ -168,10 +149,9 @@ class SharedRay:
     def _start(self, kind: str) -> None:
         logger.info("starting the shared %s Ray instance", kind)
         if kind == "local":
-            with environ(self.env):
-                ray.init(address="local", num_cpus=self.local_cpus, include_dashboard=False, log_to_driver=False)
+            ray.init(address="local", num_cpus=self.local_cpus, include_dashboard=False, log_to_driver=False)
         else:
-            self.cluster = RayCluster(self.shape, {**self.env, **_CLUSTER_ENV})
+            self.cluster = RayCluster(self.shape, {**self.cluster_env, **_CLUSTER_ENV})
             ray.init(address=self.cluster.address, log_to_driver=False)
         self.kind = kind
 
