@@ -362,3 +362,91 @@ def test_a_fit_run_again_goes_on_in_the_jobs_mlflow_run_numbering_its_failures_o
         "failure_2": "rank 0: RuntimeError: replica 0 died while replica 1 was replaced",
         "failure_3": "rank 1: RuntimeError: replica 1 died again",
     }
+
+
+def test_only_the_same_jobs_fit_goes_on_in_its_mlflow_run_and_failures_number_on_past_gaps(tmp_path):
+    """A new driver's GoodputCallback on the storage of a finished job reopened its run:
+    FINISHED turned RUNNING, and the new job's metrics, logged from its own start (steps
+    from 0), sat below the old job's latest. Failures were numbered on by counting the
+    earlier tags: after a tag that failed to write (failure_1, failure_3), the next
+    failure overwrote failure_3."""
+    import pickle
+
+    import mlflow
+
+    root = str(tmp_path / "run")
+    ctx = _run_context(root, "again")
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = mlflow.MlflowClient(tracking_uri=uri)
+
+    def runs() -> list:
+        exp = client.get_experiment_by_name("ray_goodput")
+        return client.search_runs([exp.experiment_id], filter_string="tags.mlflow.runName = 'again'")
+
+    cb = GoodputCallback(tracking_uri=uri)
+    sent = (cb, cb.controller_callback())
+    first, first_hooks = pickle.loads(pickle.dumps(sent))
+    first_hooks.after_controller_start(ctx)
+    first.after_exception(ctx, {0: RuntimeError("one")})
+    assert first._wait_for_mlflow(60)
+    (run,) = runs()
+    client.set_tag(run.info.run_id, "failure_3", "a failure whose failure_2 tag was not written")
+    first_hooks.after_controller_finish(SimpleNamespace(error=RuntimeError("ended")))
+
+    second, second_hooks = pickle.loads(pickle.dumps(sent))  # the same job's fit() run again
+    second_hooks.after_controller_start(ctx)
+    second.after_exception(ctx, {0: RuntimeError("four")})
+    _finished_job(root)
+    second_hooks.after_controller_finish(SimpleNamespace(error=None))
+    (run,) = runs()
+    assert run.info.status == "FINISHED" and run.data.tags["failure_4"] == "rank 0: RuntimeError: four"
+    assert run.data.tags["failure_3"] == "a failure whose failure_2 tag was not written"
+
+    other = GoodputCallback(tracking_uri=uri)  # another driver started on the finished job's storage
+    hooks = other.controller_callback()
+    hooks.after_controller_start(ctx)
+    hooks.after_controller_finish(SimpleNamespace(error=None))
+    assert {r.info.run_id for r in runs()} > {run.info.run_id}  # a run of its own
+    assert client.get_run(run.info.run_id).info.status == "FINISHED"  # the finished job's run is left as it was
+
+
+def test_a_job_whose_mlflow_run_record_is_unreadable_or_whose_store_fails_a_moment_keeps_one_run(tmp_path, monkeypatch):
+    """A record that is not what the callback writes stopped every MLflow call of the job
+    (its sink was never made); an MLflow error that passes (a locked sqlite store) was
+    taken for a run deleted, and the job's run split in two."""
+    import pickle
+
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    root = str(tmp_path / "run")
+    (tmp_path / "run" / "goodput").mkdir(parents=True)
+    (tmp_path / "run" / "goodput" / "mlflow_run.json").write_text("[1, 2]")
+    ctx = _run_context(root, "odd")
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = mlflow.MlflowClient(tracking_uri=uri)
+    cb = GoodputCallback(tracking_uri=uri)
+    sent = (cb, cb.controller_callback())
+    first, first_hooks = pickle.loads(pickle.dumps(sent))
+    first_hooks.after_controller_start(ctx)
+    first_hooks.after_controller_finish(SimpleNamespace(error=RuntimeError("ended")))
+    exp = client.get_experiment_by_name("ray_goodput")
+    (run,) = client.search_runs([exp.experiment_id])
+    assert run.info.status == "FAILED"
+
+    original, calls = mlflow.MlflowClient.get_run, []
+
+    def locked_once(self, run_id):
+        calls.append(run_id)
+        if len(calls) == 1:
+            raise MlflowException("database is locked", error_code="TEMPORARILY_UNAVAILABLE")
+        return original(self, run_id)
+
+    monkeypatch.setattr(mlflow.MlflowClient, "get_run", locked_once)
+    second, second_hooks = pickle.loads(pickle.dumps(sent))
+    second_hooks.after_controller_start(ctx)  # its open fails; the next MLflow call opens it
+    _finished_job(root)
+    second_hooks.after_controller_finish(SimpleNamespace(error=None))
+    assert len(calls) >= 2
+    (again,) = client.search_runs([exp.experiment_id])
+    assert again.info.run_id == run.info.run_id and again.info.status == "FINISHED"

@@ -9,6 +9,7 @@ import queue
 import sys
 import threading
 import time
+import uuid
 from typing import Any
 
 from ray.train import Checkpoint, UserCallback
@@ -72,6 +73,9 @@ class GoodputCallback(UserCallback):
         self._failure_open = False  # a failure is counted and no group has started since
         self._hooked = False  # its controller hooks say when a group starts (else: one per poll)
         self._state: dict[str, Any] = {}
+        # This job's: every fit() of this callback (its controllers get copies) goes on in
+        # one MLflow run; another driver's callback on the same storage opens its own.
+        self._job = uuid.uuid4().hex
 
     @property
     def run_context(self) -> Any:
@@ -117,6 +121,8 @@ class GoodputCallback(UserCallback):
         while True:
             kind, payload, done = q.get()
             try:
+                if sink is None and kind == "fail":
+                    continue  # no run was opened: none is made just to fail it
                 if sink is None:
                     sink = self._open_sink()
                 getattr(sink, kind)(*payload)
@@ -127,19 +133,24 @@ class GoodputCallback(UserCallback):
                     done.set()
 
     def _open_sink(self) -> MlflowSink:
-        """The job's MLflow run: the one an earlier ``fit()`` of the job opened in this
-        store and experiment (its id is kept under the run's storage root), else a new one."""
+        """The job's MLflow run: the one an earlier ``fit()`` of this job (this callback's)
+        opened in this store and experiment (its id is kept under the run's storage root),
+        else a new one."""
         root = self._state.get("root")
-        key = {"tracking_uri": self.tracking_uri, "experiment": self.experiment_name}
+        key = {"tracking_uri": self.tracking_uri, "experiment": self.experiment_name, "job": self._job}
         earlier = None
         if root is not None:
             try:
                 kept = json.loads(read_bytes(root, _MLFLOW_RUN_FILE))
-                earlier = kept["run_id"] if {k: kept.get(k) for k in key} == key else None
             except FileNotFoundError:
-                pass
-            except (StorageError, ValueError, KeyError, TypeError) as exc:
+                kept = None
+            except (StorageError, ValueError) as exc:
                 logger.warning("could not read the job's MLflow run id (%s); a new run is opened", exc)
+                kept = None
+            if isinstance(kept, dict) and isinstance(kept.get("run_id"), str):
+                earlier = kept["run_id"] if {k: kept.get(k) for k in key} == key else None
+            elif kept is not None:
+                logger.warning("%s under %s is not a run record; a new run is opened", _MLFLOW_RUN_FILE, root.uri)
         sink = MlflowSink(self.tracking_uri, self.experiment_name, self._state.get("name", "run"), resume=earlier)
         self._state["mlflow_run_id"] = sink.run_id
         if root is not None and sink.run_id != earlier:

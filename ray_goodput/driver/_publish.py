@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ from ray.util import metrics
 from ray_goodput.goodput import Ledger, chart_png, timeline_png
 
 logger = logging.getLogger(__name__)
+_FAILURE_TAG = re.compile(r"^failure_(\d+)$")
 
 
 def _artifacts_beside(tracking_uri: str) -> str | None:
@@ -29,7 +31,8 @@ class MlflowSink:
     """One MLflow run per job; it stays open across worker-group restarts. ``resume``: the
     job's run, opened by an earlier ``fit()`` of the job (replica mode runs it again when
     Ray's controller ended the run): the run goes on, RUNNING again, its ``failure_<n>``
-    tags numbered on. A new run is made when it is not in this store's experiment."""
+    tags numbered on from the highest. A new run is made when it is not a live run of this
+    store's experiment; an MLflow error other than "no such run" is raised."""
 
     def __init__(self, tracking_uri: str, experiment: str, run_name: str, resume: str | None = None) -> None:
         # Slow to import: loaded by the controller that publishes, not by every worker
@@ -62,13 +65,16 @@ class MlflowSink:
 
         try:
             run = self._client.get_run(run_id)
-        except MlflowException:  # deleted for good, or a run of another store
-            return None
+        except MlflowException as exc:
+            if exc.error_code == "RESOURCE_DOES_NOT_EXIST":  # deleted for good
+                return None
+            raise  # the store failed for a moment: the next MLflow call opens the run again
         if run.info.experiment_id != exp_id or run.info.lifecycle_stage != "active":
             return None
         if run.info.status != "RUNNING":
             self._client.update_run(run_id, status="RUNNING")
-        self._failures_before = sum(1 for key in run.data.tags if key.startswith("failure_"))
+        numbers = [int(m.group(1)) for key in run.data.tags if (m := _FAILURE_TAG.match(key))]
+        self._failures_before = max(numbers, default=0)  # past a tag that was not written too
         logger.info("goodput MLflow run %s goes on (%d failures before)", run_id, self._failures_before)
         return run_id
 
