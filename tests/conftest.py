@@ -13,7 +13,7 @@ Fixtures:
   makes a fresh bucket and returns an ``s3://...?endpoint_override=...&scheme=http`` URI;
   ``s3_server.endpoint`` is its ``host:port`` (e.g. for a ``FlakyProxy``).
 - ``ray_local`` (module): the shared single-node Ray (4 CPUs, no dashboard, driver logs
-  off; workers get ``PYTHONPATH`` = the repository and a 0.1 s Train health check).
+  off; workers get the repository first on ``PYTHONPATH`` and a 0.1 s Train health check).
 - ``ray_cluster`` (module): the shared multi-node cluster, a
   :class:`ray_goodput.testing._ray.RayCluster`: a head with 2 CPUs and two worker nodes
   with 2 CPUs and ``{"slot": 1}`` each (``.address``, ``.worker_ids``, ``.remove(id)``:

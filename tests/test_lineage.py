@@ -88,3 +88,21 @@ def test_an_early_claim_abandoned_because_the_probe_failed_writes_nothing(tmp_pa
     with pytest.raises(StorageError, match="was not made"):
         claim.result()
     assert not (tmp_path / "root" / _layout.CHECKPOINTS_DIR / _layout.GENERATION).exists()
+
+
+def test_a_lost_or_damaged_generation_record_still_counts_the_generations_that_saved(tmp_path):
+    """The fence counts every generation that saved (its SAVING- marker), but a claim
+    without a readable GENERATION counted only the commits' generations: with those pruned
+    or never made, the next run claimed a generation below one that had saved, and every
+    save it made was fenced."""
+    from ray_goodput.checkpoint.protocol import _lineage
+
+    root = resolve(str(tmp_path / "root"))
+    checkpoints = tmp_path / "root" / _layout.CHECKPOINTS_DIR
+    checkpoints.mkdir(parents=True)
+    (checkpoints / _layout.saving_marker(3)).touch()
+    (checkpoints / _layout.claim_record(4)).write_text("{}")  # a claim that never saved
+    assert _lineage.claimed_generation(root) == 4  # GENERATION lost
+    (checkpoints / _layout.GENERATION).write_text("not json")
+    assert _lineage.claimed_generation(root) == 4  # GENERATION damaged
+    assert _lineage.next_generation(root, None) == 5

@@ -21,7 +21,7 @@ import torch
 
 from ray_goodput import Checkpointer, FencedError, RecoveryPointTooOldError, list_checkpoints
 from ray_goodput.checkpoint import _checkpointer
-from ray_goodput.checkpoint.protocol import _lineage
+from ray_goodput.checkpoint.protocol import _layout, _lineage
 from ray_goodput.checkpoint.protocol._lineage import CLAIM_TIMEOUT_S
 from ray_goodput.cli._status import checkpoint_lines
 from ray_goodput.errors import StorageUnreachableError, not_retryable
@@ -234,6 +234,24 @@ print(ckpt.generation, os.getpid())
 """
 
 
+def _second_run(root: str, staging: str) -> tuple[str, str]:
+    """Another run, in its own process, saves step 5 on ``root``: ``(generation, pid)``."""
+    done = subprocess.run(
+        [sys.executable, "-c", _SECOND_RUN, root, staging], capture_output=True, text=True, timeout=120, check=True
+    )
+    generation, pid = done.stdout.split()[-2:]
+    return generation, pid
+
+
+def _fenced_save(first: Checkpointer, step: int, model: torch.nn.Module) -> str:
+    """``first`` saves ``step``: its wait must raise FencedError; returns its text."""
+    first.save(step, {"model": model})
+    with pytest.raises(FencedError) as err:
+        first.wait()
+    assert not_retryable(err.value) is err.value  # a retry would fence the other run in turn
+    return str(err.value)
+
+
 def test_a_second_run_that_saves_on_the_storage_path_fences_the_first_with_a_typed_error(tmp_path):
     root = str(tmp_path / "shared")
     model = _model()
@@ -246,21 +264,10 @@ def test_a_second_run_that_saves_on_the_storage_path_fences_the_first_with_a_typ
             assert evaluator.restore({"model": _model()}) == 1  # claims, never saves: fences nobody
         first.save(2, {"model": model})
         first.wait()
-        second = subprocess.run(
-            [sys.executable, "-c", _SECOND_RUN, root, str(tmp_path / "b")],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=True,
-        )
-        generation, pid = second.stdout.split()[-2:]
-        first.save(3, {"model": model})
-        with pytest.raises(FencedError) as err:
-            first.wait()
-        text = str(err.value)
+        generation, pid = _second_run(root, str(tmp_path / "b"))
+        text = _fenced_save(first, 3, model)
         assert f"generation {generation} claimed by pid {pid} on host {socket.gethostname()}" in text, text
         assert f"this run's generation {first.generation}" in text and "own storage_path" in text
-        assert not_retryable(err.value) is err.value  # a retry would fence the other run in turn
     finally:
         first._release()
     assert _committed(root) == [1, 2, 3, 5]  # neither run's commits were touched
@@ -269,32 +276,28 @@ def test_a_second_run_that_saves_on_the_storage_path_fences_the_first_with_a_typ
 def test_a_restore_only_claim_above_a_newer_saving_run_does_not_hide_it_from_the_fence(tmp_path):
     """The fence read the newest claim only: an evaluation copy opened after a second run
     had taken the storage path claimed a generation above it and never saved, so the first
-    run's saves no longer saw the second run, and both saved on the same path."""
+    run's saves no longer saw the second run, and both saved on the same path. Once the
+    fence is known, an owner record that cannot be read must not undo it either."""
     root = str(tmp_path / "shared")
     model = _model()
     first = Checkpointer(root, staging_dir=str(tmp_path / "a"), uploader="thread", keep_last=10)
     try:
         first.save(1, {"model": model})
         first.wait()
-        second = subprocess.run(
-            [sys.executable, "-c", _SECOND_RUN, root, str(tmp_path / "b")],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=True,
-        )
-        generation, pid = second.stdout.split()[-2:]
+        generation, pid = _second_run(root, str(tmp_path / "b"))
         with Checkpointer(root, staging_dir=str(tmp_path / "e"), uploader="thread") as evaluator:
             assert evaluator.restore({"model": torch.nn.Linear(8, 8)}) == 5  # the second run's model
         assert _lineage.claimed_generation(resolve(root)) > int(generation)  # the evaluator's claim is the newest
-        first.save(3, {"model": model})
-        with pytest.raises(FencedError) as err:
-            first.wait()
-        text = str(err.value)
+        text = _fenced_save(first, 3, model)
         assert f"generation {generation} claimed by pid {pid} on host {socket.gethostname()}" in text, text
+        record = Path(root, "checkpoints", _layout.claim_record(int(generation)))
+        record.unlink()
+        record.mkdir()  # unreadable as a file
+        text = _fenced_save(first, 4, model)
+        assert f"generation {generation} claimed by an owner not on record" in text, text
     finally:
         first._release()
-    assert _committed(root) == [1, 3, 5]
+    assert _committed(root) == [1, 3, 4, 5]
 
 
 OUTAGE_S = 6.0

@@ -30,6 +30,7 @@ RESUME = "RESUME"
 SAVING_PREFIX = "SAVING-"
 CLAIM_PREFIX = "CLAIM-"
 _SAVING_RE = re.compile(r"^SAVING-g(\d{6,})$")
+_MARKED_RE = re.compile(r"^(?:SAVING|CLAIM)-g(\d{6,})$")
 _STEP_RE = re.compile(r"^step-(\d{9,})$")
 _SAVE_ID_RE = re.compile(r"g(\d{6,})-[0-9a-f]{8,}")
 
@@ -43,6 +44,12 @@ def saving_marker(generation: int) -> str:
 def saving_generation(name: str) -> int | None:
     """The generation of a :func:`saving_marker` name, or None for any other name."""
     m = _SAVING_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def marked_generation(name: str) -> int | None:
+    """The generation of a :func:`saving_marker` or :func:`claim_record` name, else None."""
+    m = _MARKED_RE.match(name)
     return int(m.group(1)) if m else None
 
 

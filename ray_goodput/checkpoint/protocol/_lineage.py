@@ -16,6 +16,7 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
@@ -58,7 +59,7 @@ class Claim:
 
     def describe(self) -> str:
         if not self.pid:
-            return "an owner it did not record"
+            return "an owner not on record"
         when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(self.started)) if self.started else "?"
         return f"pid {self.pid} on host {self.host} at {when}" + (f" (Ray Train run {self.run})" if self.run else "")
 
@@ -101,7 +102,12 @@ def newest_saving(root: StorageLocation, policy: RetryPolicy = _POLICY) -> int |
     """The highest generation that has saved under ``root`` (``mark_saving``; None: none).
     The fence compares against it, not against the newest claim: a claim that never saves
     (a Checkpointer that only restores) may be above a run that does."""
-    found = [_layout.saving_generation(info.base_name) for info in list_dir(checkpoints_location(root), policy=policy)]
+    return _newest_marked(root, _layout.saving_generation, policy)
+
+
+def _newest_marked(root: str | StorageLocation, parse: Callable[[str], int | None], policy: RetryPolicy) -> int | None:
+    """The highest generation of the names under ``<root>/checkpoints`` that ``parse`` reads."""
+    found = [parse(info.base_name) for info in list_dir(checkpoints_location(root), policy=policy)]
     return max((g for g in found if g is not None), default=None)
 
 
@@ -209,15 +215,17 @@ class EarlyClaim:
 
 
 def claimed_generation(root: str | StorageLocation, policy: RetryPolicy = _POLICY) -> int:
-    """The highest generation claimed under ``root`` (0 when none)."""
+    """The highest generation claimed under ``root`` (0 when none). Without a readable
+    ``GENERATION`` (lost, or damaged), what the claim records, the saving markers and the
+    commits say: a claim below a generation that saved would be fenced at its first save."""
     try:
         data = read_bytes(checkpoints_location(root), _layout.GENERATION, policy)
         return int(json.loads(data)["generation"])
     except FileNotFoundError:
-        return 0
+        return _newest_marked(root, _layout.marked_generation, policy) or 0
     except (ValueError, KeyError, TypeError):
-        # A damaged claim file: fall back to what the commits themselves say.
-        return max((i.generation or 0 for i in list_checkpoints(root)), default=0)
+        commits = max((i.generation or 0 for i in list_checkpoints(root)), default=0)
+        return max(commits, _newest_marked(root, _layout.marked_generation, policy) or 0)
 
 
 def pin_resume(root: str | StorageLocation, *, attempt: int, step: int) -> None:

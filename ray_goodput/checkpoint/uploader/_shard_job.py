@@ -272,10 +272,14 @@ def check_fence(job: ShardJob) -> None:
         newer = _lineage.newest_saving(job.root)
         if newer is None or newer <= job.generation:
             return
-        claim = _lineage.read_claim(job.root, generation=newer) or _lineage.Claim(generation=newer)
     except OSError as exc:  # the next save checks again
         logger.warning("step %d: could not check the generation claim under %s: %s", job.step, job.root.uri, exc)
         return
+    try:  # fenced: only its owner's name is left to read
+        claim = _lineage.read_claim(job.root, generation=newer) or _lineage.Claim(generation=newer)
+    except OSError as exc:
+        logger.warning("could not read who claimed generation %d under %s: %s", newer, job.root.uri, exc)
+        claim = _lineage.Claim(generation=newer)
     raise FencedError(
         f"the storage path {job.root.uri} was taken by a newer run: generation {claim.generation} "
         f"claimed by {claim.describe()}, after this run's generation {job.generation}. This run stops "
