@@ -418,6 +418,7 @@ def test_a_job_whose_mlflow_run_record_is_unreadable_or_whose_store_fails_a_mome
 
     import mlflow
     from mlflow.exceptions import MlflowException
+    from mlflow.protos.databricks_pb2 import TEMPORARILY_UNAVAILABLE
 
     root = str(tmp_path / "run")
     (tmp_path / "run" / "goodput").mkdir(parents=True)
@@ -439,7 +440,7 @@ def test_a_job_whose_mlflow_run_record_is_unreadable_or_whose_store_fails_a_mome
     def locked_once(self, run_id):
         calls.append(run_id)
         if len(calls) == 1:
-            raise MlflowException("database is locked", error_code="TEMPORARILY_UNAVAILABLE")
+            raise MlflowException("database is locked", error_code=TEMPORARILY_UNAVAILABLE)
         return original(self, run_id)
 
     monkeypatch.setattr(mlflow.MlflowClient, "get_run", locked_once)
@@ -450,3 +451,24 @@ def test_a_job_whose_mlflow_run_record_is_unreadable_or_whose_store_fails_a_mome
     assert len(calls) >= 2
     (again,) = client.search_runs([exp.experiment_id])
     assert again.info.run_id == run.info.run_id and again.info.status == "FINISHED"
+
+
+def test_a_run_whose_mlflow_run_never_opened_makes_none_at_an_error_end(tmp_path, monkeypatch):
+    """The controller's end with an error skipped marking a run FAILED when none was open,
+    but its wait for the MLflow thread then opened one: a new, empty run, left RUNNING."""
+    import mlflow
+    from mlflow.exceptions import MlflowException
+    from mlflow.protos.databricks_pb2 import TEMPORARILY_UNAVAILABLE
+
+    def unavailable(self, *args, **kwargs):
+        raise MlflowException("the store is down", error_code=TEMPORARILY_UNAVAILABLE)
+
+    root = str(tmp_path / "run")
+    ctx = _run_context(root, "down")
+    monkeypatch.setattr(mlflow.MlflowClient, "create_run", unavailable)
+    cb, hooks, uri = _started(tmp_path, ctx)
+    assert cb._wait_for_mlflow(60)  # the open at the start failed
+    monkeypatch.undo()  # the store is back
+    hooks.after_controller_finish(SimpleNamespace(error=RuntimeError("ended")))
+    exp = mlflow.MlflowClient(tracking_uri=uri).get_experiment_by_name("ray_goodput")
+    assert exp is None or not mlflow.MlflowClient(tracking_uri=uri).search_runs([exp.experiment_id])

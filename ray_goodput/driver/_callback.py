@@ -121,8 +121,8 @@ class GoodputCallback(UserCallback):
         while True:
             kind, payload, done = q.get()
             try:
-                if sink is None and kind == "fail":
-                    continue  # no run was opened: none is made just to fail it
+                if sink is None and kind in ("fail", "flush"):
+                    continue  # no run is open (every open failed): none is made to fail it or to wait
                 if sink is None:
                     sink = self._open_sink()
                 getattr(sink, kind)(*payload)
@@ -218,7 +218,7 @@ class GoodputCallback(UserCallback):
         self._state["run_context"] = train_run_context
         try:
             self._root(train_run_context)
-            self._worker().put(("flush", (), None))
+            self._worker().put(("open", (), None))
         except Exception as exc:  # noqa: BLE001 - never fail the run over accounting
             logger.warning("goodput MLflow run not opened at the start: %s", exc)
 

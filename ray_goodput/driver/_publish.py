@@ -78,8 +78,11 @@ class MlflowSink:
         logger.info("goodput MLflow run %s goes on (%d failures before)", run_id, self._failures_before)
         return run_id
 
+    def open(self) -> None:
+        """Nothing: the run is open once this sink is made (queued to open it early)."""
+
     def flush(self) -> None:
-        """Nothing: queued behind earlier calls, it says when they have run (the run is open)."""
+        """Nothing: queued behind earlier calls, it says when they have run."""
 
     def log(self, values: dict[str, float], step: int) -> None:
         for key, value in values.items():
