@@ -234,6 +234,22 @@ print(ckpt.generation, os.getpid())
 """
 
 
+def _first_run(tmp_path: Path) -> tuple[str, torch.nn.Module, Checkpointer]:
+    """The run on ``<tmp_path>/shared`` that another run fences: its storage path, its model,
+    and its Checkpointer (open, step 1 committed; the caller releases it)."""
+    root = str(tmp_path / "shared")
+    model = _model()
+    # keep_last covers every save here: retention (the newer run's, by lineage) is not the point
+    first = Checkpointer(root, staging_dir=str(tmp_path / "a"), uploader="thread", keep_last=10)
+    try:
+        first.save(1, {"model": model})
+        first.wait()
+    except BaseException:
+        first._release()
+        raise
+    return root, model, first
+
+
 def _second_run(root: str, staging: str) -> tuple[str, str]:
     """Another run, in its own process, saves step 5 on ``root``: ``(generation, pid)``."""
     done = subprocess.run(
@@ -253,13 +269,8 @@ def _fenced_save(first: Checkpointer, step: int, model: torch.nn.Module) -> str:
 
 
 def test_a_second_run_that_saves_on_the_storage_path_fences_the_first_with_a_typed_error(tmp_path):
-    root = str(tmp_path / "shared")
-    model = _model()
-    # keep_last covers every save here: retention (the newer run's, by lineage) is not the point
-    first = Checkpointer(root, staging_dir=str(tmp_path / "a"), uploader="thread", keep_last=10)
+    root, model, first = _first_run(tmp_path)
     try:
-        first.save(1, {"model": model})
-        first.wait()
         with Checkpointer(root, staging_dir=str(tmp_path / "e"), uploader="thread") as evaluator:
             assert evaluator.restore({"model": _model()}) == 1  # claims, never saves: fences nobody
         first.save(2, {"model": model})
@@ -278,12 +289,8 @@ def test_a_restore_only_claim_above_a_newer_saving_run_does_not_hide_it_from_the
     had taken the storage path claimed a generation above it and never saved, so the first
     run's saves no longer saw the second run, and both saved on the same path. Once the
     fence is known, an owner record that cannot be read must not undo it either."""
-    root = str(tmp_path / "shared")
-    model = _model()
-    first = Checkpointer(root, staging_dir=str(tmp_path / "a"), uploader="thread", keep_last=10)
+    root, model, first = _first_run(tmp_path)
     try:
-        first.save(1, {"model": model})
-        first.wait()
         generation, pid = _second_run(root, str(tmp_path / "b"))
         with Checkpointer(root, staging_dir=str(tmp_path / "e"), uploader="thread") as evaluator:
             assert evaluator.restore({"model": torch.nn.Linear(8, 8)}) == 5  # the second run's model
