@@ -118,7 +118,11 @@ def read_claim(
     unreadable). A generation claimed before its owner record was kept (an older
     ray_goodput) is found only while ``GENERATION`` still names it."""
     if generation is not None:
-        found = _read_claim_file(root, _layout.claim_record(generation), policy)
+        try:
+            found = _read_claim_file(root, _layout.claim_record(generation), policy)
+        except OSError as exc:  # GENERATION may still name it
+            logger.warning("could not read the claim record of generation %d: %s", generation, exc)
+            found = None
         if found is not None:
             return found
     newest = _read_claim_file(root, _layout.GENERATION, policy)
@@ -221,9 +225,7 @@ def claimed_generation(root: str | StorageLocation, policy: RetryPolicy = _POLIC
     try:
         data = read_bytes(checkpoints_location(root), _layout.GENERATION, policy)
         return int(json.loads(data)["generation"])
-    except FileNotFoundError:
-        return _newest_marked(root, _layout.marked_generation, policy) or 0
-    except (ValueError, KeyError, TypeError):
+    except (FileNotFoundError, ValueError, KeyError, TypeError):
         commits = max((i.generation or 0 for i in list_checkpoints(root)), default=0)
         return max(commits, _newest_marked(root, _layout.marked_generation, policy) or 0)
 

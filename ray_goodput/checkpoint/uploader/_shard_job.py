@@ -41,6 +41,7 @@ from ray_goodput.storage import (
 )
 
 logger = logging.getLogger(__name__)
+_ONE_TRY = RetryPolicy(attempts=1)  # a fenced run's lookup of its fencer's name: only a name is at stake
 
 #: Bound on the follower's end once the write is done: the rest of one file's upload.
 _FOLLOW_END_S = 3600.0
@@ -276,7 +277,7 @@ def check_fence(job: ShardJob) -> None:
         logger.warning("step %d: could not check the generation claim under %s: %s", job.step, job.root.uri, exc)
         return
     try:  # fenced: only its owner's name is left to read
-        claim = _lineage.read_claim(job.root, generation=newer) or _lineage.Claim(generation=newer)
+        claim = _lineage.read_claim(job.root, _ONE_TRY, generation=newer) or _lineage.Claim(generation=newer)
     except OSError as exc:
         logger.warning("could not read who claimed generation %d under %s: %s", newer, job.root.uri, exc)
         claim = _lineage.Claim(generation=newer)
