@@ -327,7 +327,8 @@ def test_the_controllers_end_waits_for_mlflow_once_within_its_bound(tmp_path, mo
         release.set()
     # One bound for the publication and the end together (the waits' bounds, not the wall
     # time, which a loaded machine stretches), and it ran out on the stuck finish.
-    assert waits and sum(bound for bound, _ in waits) <= 2.0 and waits[-1][1] is False, waits
+    # (Below the bound: the publication's own time is inside it, not added to it.)
+    assert waits and sum(bound for bound, _ in waits) < 2.0 and waits[-1][1] is False, waits
     assert waited >= 1.95, waited
     assert json.loads((tmp_path / "run" / "goodput" / "summary.json").read_text())["finished"]
 
