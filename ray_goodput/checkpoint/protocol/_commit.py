@@ -257,7 +257,8 @@ class CommitProtocol:
                 return Finalized(OUTRANKED)
             if listed.markers.get(self.save_id, set()) != set(range(self.world_size)):
                 return Finalized(PENDING)
-            if own is None and self._condemned():  # finishing an orphan: never a damaged save
+            # Finishing an orphan: never a damaged save (the record is read once per finalize).
+            if own is None and self._condemned(record if same else read_quarantine(self.step_loc)):
                 return Finalized(PENDING)
             with _taking_turn(self.step_loc, self.save_id) as turn:
                 found = turn.found  # what another job of this process found meanwhile
@@ -274,12 +275,11 @@ class CommitProtocol:
                     turn.found = done
                 return done
 
-    def _condemned(self) -> bool:
-        """Whether the step's quarantine record names this save: its commit was found
+    def _condemned(self, record: dict | None) -> bool:
+        """Whether the step's quarantine ``record`` names this save: its commit was found
         damaged. Its COMMITTED is gone when a re-save of the step in its generation is
         replacing it (or died doing so); finishing it again as an orphan would commit the
         damaged files with nothing to condemn them."""
-        record = read_quarantine(self.step_loc)
         if record is not None and record.get("nonce") == self.save_id:
             logger.warning("step %d: save %s was quarantined as damaged: not committed again", self.step, self.save_id)
             return True
