@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ import torch
 from ray_goodput import Checkpointer, list_checkpoints
 from ray_goodput.checkpoint.protocol import _catalog, _layout
 from ray_goodput.checkpoint.protocol._manifest import read_manifest
-from ray_goodput.errors import StorageError
+from ray_goodput.errors import FencedError, StorageError
 from ray_goodput.storage import RetryPolicy, resolve
 from ray_goodput.testing import FlakyProxy, wait_for
 
@@ -101,8 +102,112 @@ def test_a_lost_or_damaged_generation_record_still_counts_the_generations_that_s
     checkpoints = tmp_path / "root" / _layout.CHECKPOINTS_DIR
     checkpoints.mkdir(parents=True)
     (checkpoints / _layout.saving_marker(3)).touch()
-    (checkpoints / _layout.claim_record(4)).write_text("{}")  # a claim that never saved
+    (checkpoints / _layout.claim_record(4, "0123abcd")).write_text("{}")  # a claim that never saved
     assert _lineage.claimed_generation(root) == 4  # GENERATION lost
     (checkpoints / _layout.GENERATION).write_text("not json")
     assert _lineage.claimed_generation(root) == 4  # GENERATION damaged
     assert _lineage.next_generation(root, None) == 5
+
+
+def test_two_claims_that_read_the_same_highest_generation_get_different_generations(tmp_path):
+    """A claim read ``GENERATION`` and wrote the next number: two claims that both read
+    before either wrote got the same generation, so neither run could fence the other."""
+    from ray_goodput.checkpoint.protocol import _lineage
+
+    root = resolve(str(tmp_path / "root"))
+    first = _lineage.claim(root, None, claimed=0)
+    second = _lineage.claim(root, None, claimed=0)  # its read came before the first claim's write
+    assert (first, second) == (1, 2)
+    assert _lineage.claimed_generation(root) == 2
+    assert [c.generation for c in (_lineage.read_claim(root, generation=g) for g in (1, 2))] == [1, 2]
+
+
+def test_claims_made_at_once_on_an_object_store_each_get_a_generation_of_their_own(s3_server):
+    """Four claims on the S3 server, each from the same stale read, released together: each
+    wins a different generation (claims that lost to one another may skip numbers), and the
+    records of the rounds they lost are withdrawn."""
+    from ray_goodput.checkpoint.protocol import _lineage
+    from ray_goodput.storage import list_dir
+
+    root = resolve(s3_server.bucket_uri("run"))
+    start = threading.Barrier(4)
+
+    def claim(_: int) -> int:
+        start.wait(30)
+        return _lineage.claim(root, None, claimed=0)
+
+    with ThreadPoolExecutor(4) as pool:
+        won = list(pool.map(claim, range(4)))
+    assert len(set(won)) == 4, won
+    records = sorted(
+        g for g in (_layout.marked_generation(i.base_name) for i in list_dir(_catalog.checkpoints_location(root))) if g
+    )
+    assert records == sorted(won), records  # one record per generation: its winner's
+    # GENERATION is written by each winner, in whatever order they won: a claim after them
+    # still goes above every one of them.
+    assert _lineage.claim(root, None) == max(won) + 1
+
+
+def test_two_runs_started_at_once_on_one_storage_path_get_different_generations_and_the_older_is_fenced(
+    s3_server, tmp_path
+):
+    """Both runs' claims read ``GENERATION`` while their storage probes were held, before
+    either wrote: they shared generation 1, and each went on saving beside the other."""
+    proxy = FlakyProxy(s3_server.endpoint)
+    made: list[Checkpointer] = []
+    try:
+        uri = s3_server.bucket_uri("run").replace(s3_server.endpoint, proxy.endpoint)
+        proxy.stall(".ray_goodput_probe-")  # both probes' reads back, held
+        making = [
+            threading.Thread(
+                target=lambda s=s: made.append(Checkpointer(uri, staging_dir=str(tmp_path / s), uploader="thread"))
+            )
+            for s in ("a", "b")
+        ]
+        for t in making:
+            t.start()
+        wait_for(
+            lambda: proxy.count(_layout.GENERATION, ("HEAD", "GET")) >= 2,
+            timeout_s=30,
+            what="both claims' reads of GENERATION while the probes are held",
+        )
+        proxy.release()
+        for t in making:
+            t.join(60)
+        assert len(made) == 2, "a Checkpointer was not made"
+        a, b = made
+        model = torch.nn.Linear(4, 4)
+        a.save(1, {"model": model})
+        a.wait()
+        b.save(2, {"model": model})
+        try:
+            b.wait()
+        except FencedError:
+            fenced, other = b, a
+        else:
+            a.save(3, {"model": model})
+            with pytest.raises(FencedError):
+                a.wait()
+            fenced, other = a, b
+        assert fenced.generation < other.generation
+    finally:
+        for ckpt in made:
+            ckpt._release()
+        proxy.close()
+
+
+def test_a_lost_claim_whose_record_was_not_withdrawn_is_not_named_as_its_generations_owner(tmp_path):
+    """A claim that lost a round deletes its record; when that delete failed, two records
+    name one generation, and the fence's error must name the winner (``GENERATION``)."""
+    from ray_goodput.checkpoint.protocol import _lineage
+
+    root = resolve(str(tmp_path / "root"))
+    checkpoints = tmp_path / "root" / _layout.CHECKPOINTS_DIR
+    checkpoints.mkdir(parents=True)
+    loser = {"generation": 3, "host": "h", "pid": 11, "started": 1.0, "run": "", "token": "00000000"}
+    (checkpoints / _layout.claim_record(3, "00000000")).write_text(json.dumps(loser))
+    assert _lineage.claim(root, None, claimed=2, token="ffffffff") == 4  # the stale record counts: it goes above
+    winner = {**loser, "pid": 22, "token": "aaaaaaaa"}
+    (checkpoints / _layout.claim_record(3, "aaaaaaaa")).write_text(json.dumps(winner))
+    (checkpoints / _layout.GENERATION).write_text(json.dumps(winner))
+    assert _lineage.read_claim(root, generation=3).pid == 22

@@ -297,7 +297,9 @@ def test_a_restore_only_claim_above_a_newer_saving_run_does_not_hide_it_from_the
         assert _lineage.claimed_generation(resolve(root)) > int(generation)  # the evaluator's claim is the newest
         text = _fenced_save(first, 3, model)
         assert f"generation {generation} claimed by pid {pid} on host {socket.gethostname()}" in text, text
-        record = Path(root, "checkpoints", _layout.claim_record(int(generation)))
+        (record,) = [
+            p for p in Path(root, "checkpoints").iterdir() if (_layout.claim_of(p.name) or (0,))[0] == int(generation)
+        ]
         record.unlink()
         record.mkdir()  # unreadable as a file
         text = _fenced_save(first, 4, model)

@@ -5,8 +5,8 @@
 <root>/checkpoints/step-<step:09d>/.ranks/rank-<r:05d>-<save id>.json   "rank r is durable"
 <root>/checkpoints/step-<step:09d>/.ranks/commit-<r:05d>-<save id>     "rank r's job stands to commit"
 <root>/checkpoints/step-<step:09d>/QUARANTINED   the committed save found damaged (JSON)
-<root>/checkpoints/GENERATION                     the highest generation claimed (JSON)
-<root>/checkpoints/CLAIM-g<generation:06d>        who claimed that generation (JSON)
+<root>/checkpoints/GENERATION                     the newest claim that won (JSON)
+<root>/checkpoints/CLAIM-g<generation:06d>-<token>   a claim of that generation, and its owner (JSON)
 <root>/checkpoints/RESUME                         the step the live attempt resumes from (JSON)
 <root>/checkpoints/SAVING-g<generation:06d>       "this generation saves here" (empty; fencing)
 ```
@@ -30,7 +30,7 @@ RESUME = "RESUME"
 SAVING_PREFIX = "SAVING-"
 CLAIM_PREFIX = "CLAIM-"
 _SAVING_RE = re.compile(r"^SAVING-g(\d{6,})$")
-_MARKED_RE = re.compile(r"^(?:SAVING|CLAIM)-g(\d{6,})$")
+_CLAIM_RE = re.compile(r"^CLAIM-g(\d{6,})(?:-([0-9a-f]{8,}))?$")
 _STEP_RE = re.compile(r"^step-(\d{9,})$")
 _SAVE_ID_RE = re.compile(r"g(\d{6,})-[0-9a-f]{8,}")
 
@@ -49,15 +49,24 @@ def saving_generation(name: str) -> int | None:
 
 def marked_generation(name: str) -> int | None:
     """The generation of a :func:`saving_marker` or :func:`claim_record` name, else None."""
-    m = _MARKED_RE.match(name)
-    return int(m.group(1)) if m else None
+    claimed = claim_of(name)
+    return claimed[0] if claimed else saving_generation(name)
 
 
-def claim_record(generation: int) -> str:
-    """Name (under ``<root>/checkpoints``) of the owner record of ``generation``'s claim:
-    kept when a later claim replaces ``GENERATION``, so a run fenced by that generation
-    can still name its owner."""
-    return f"{CLAIM_PREFIX}g{generation:06d}"
+def claim_record(generation: int, token: str) -> str:
+    """Name (under ``<root>/checkpoints``) of one claim of ``generation``, by the attempt
+    whose saves carry ``token``: an object of its own, so that claims made at once are all
+    seen by a listing, and kept when a later claim replaces ``GENERATION``, so a run fenced
+    by that generation can still name its owner. Token "": the name an older ray_goodput
+    gave the one record of a generation, ``CLAIM-g<generation>``."""
+    return f"{CLAIM_PREFIX}g{generation:06d}" + (f"-{token}" if token else "")
+
+
+def claim_of(name: str) -> tuple[int, str] | None:
+    """``(generation, token)`` of a :func:`claim_record` name (token "" for a record an
+    older ray_goodput wrote, ``CLAIM-g<generation>``), or None for any other name."""
+    m = _CLAIM_RE.match(name)
+    return (int(m.group(1)), m.group(2) or "") if m else None
 
 
 def step_dir(step: int) -> str:

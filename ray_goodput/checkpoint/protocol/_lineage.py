@@ -1,10 +1,12 @@
 """Lineage: the order of saves across the attempts of a run (generations), and the resume pin.
 
 Every attempt claims, before its first save, a generation higher than any claimed
-before (``<root>/checkpoints/GENERATION``) and than the driver's attempt number when a
-Recovery decided one. Ray Train starts an attempt only after the previous one's workers
-are gone, and the claim is written before any save of the attempt, so a dead attempt's
-saves (even ones its uploader commits late) always rank below the live attempt's.
+before and than the driver's attempt number when a Recovery decided one. Ray Train starts
+an attempt only after the previous one's workers are gone, and the claim is written before
+any save of the attempt, so a dead attempt's saves (even ones its uploader commits late)
+always rank below the live attempt's. Each claim is an object of its own
+(``CLAIM-g<generation>-<token>``), checked against a listing once written, so claims made
+at once (two copies of one job) never share a generation: see :func:`claim`.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import random
 import socket
 import threading
 import time
@@ -26,12 +29,14 @@ from ray_goodput.checkpoint.protocol._catalog import StepDir, checkpoints_locati
 from ray_goodput.errors import StorageError
 from ray_goodput.runtime import WorkerContext
 from ray_goodput.runtime._resume import resume_decision
-from ray_goodput.storage import RetryPolicy, StorageLocation, list_dir, read_bytes, touch, write_bytes
+from ray_goodput.storage import RetryPolicy, StorageLocation, delete_file, list_dir, read_bytes, touch, write_bytes
 
 logger = logging.getLogger(__name__)
 
 #: Bound on waiting for an early claim (its storage requests have their own bounds).
 CLAIM_TIMEOUT_S = 600.0
+#: Rounds a claim may lose to claims made at the same moment before it gives up.
+CLAIM_ROUNDS = 20
 _POLICY = RetryPolicy()
 _ONE_TRY = RetryPolicy(attempts=1)
 
@@ -56,6 +61,7 @@ class Claim:
     pid: int = 0
     started: float = 0.0  # time.time() of the claim
     run: str = ""  # the Ray Train run's name, when there is one
+    token: str = ""  # the token of the claiming attempt's saves ("": a record of an older ray_goodput)
 
     def describe(self) -> str:
         if not self.pid:
@@ -65,23 +71,64 @@ class Claim:
 
 
 def claim(
-    root: StorageLocation, attempt: int | None, policy: RetryPolicy = _POLICY, *, claimed: int | None = None
+    root: StorageLocation,
+    attempt: int | None,
+    policy: RetryPolicy = _POLICY,
+    *,
+    claimed: int | None = None,
+    token: str | None = None,
 ) -> int:
     """Claim and return this attempt's generation (rank 0 only), naming this process as its
-    owner (a run fenced by it names it: ``read_claim``)."""
-    generation = next_generation(root, attempt, policy, claimed=claimed)
-    record = {
-        "generation": generation,
-        "host": socket.gethostname(),
-        "pid": os.getpid(),
-        "started": time.time(),
-        "run": _run_dir(),
-    }
-    data = json.dumps(record).encode()
+    owner (a run fenced by it names it: ``read_claim``); ``token``: the attempt's saves'.
+
+    The claim is written as an object of its own, ``CLAIM-g<generation>-<token>``, then
+    ``checkpoints/`` is listed. A claim that finds another one at or above its generation
+    loses: it withdraws its record and claims again above every claim it saw. A claim that
+    wins listed after its own write, so of two claims of one generation, the one that
+    listed later saw the other's record and lost: no two claims win the same generation,
+    however they interleave (a store with read-after-write listings: S3, GCS, a file
+    system). Only then is ``GENERATION`` written, the fast path for the next claim's read.
+    """
+    token = token or uuid.uuid4().hex[:8]
     loc = _catalog.checkpoints_location(root)
-    write_bytes(loc, _layout.claim_record(generation), data, policy)  # first: GENERATION's owner is on record
-    write_bytes(loc, _layout.GENERATION, data, policy)
-    return generation
+    generation = next_generation(root, attempt, policy, claimed=claimed)
+    for lost in range(CLAIM_ROUNDS):
+        record = {
+            "generation": generation,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "started": time.time(),
+            "run": _run_dir(),
+            "token": token,
+        }
+        data = json.dumps(record).encode()
+        name = _layout.claim_record(generation, token)
+        write_bytes(loc, name, data, policy)  # first: GENERATION's owner is on record
+        rivals = [g for g, t in _listed_claims(loc, policy) if g >= generation and t != token]
+        if not rivals:
+            write_bytes(loc, _layout.GENERATION, data, policy)
+            return generation
+        logger.info(
+            "generation %d under %s was claimed at the same time by another run; claiming %d",
+            generation,
+            root.uri,
+            max(rivals) + 1,
+        )
+        try:
+            delete_file(loc, name, policy)
+        except OSError as exc:  # a stale claim only makes later claims count higher
+            logger.warning("could not withdraw the lost claim %s under %s: %s", name, root.uri, exc)
+        generation = max(rivals) + 1
+        time.sleep(random.uniform(0.0, 0.05 * (lost + 1)))  # two claims losing to each other drift apart
+    raise StorageError(
+        f"claiming a checkpoint generation under {root.uri} lost to other claims {CLAIM_ROUNDS} times "
+        "in a row: several runs are starting on this storage path at once; give each its own storage_path"
+    )
+
+
+def _listed_claims(loc: StorageLocation, policy: RetryPolicy) -> list[tuple[int, str]]:
+    """``(generation, token)`` of every claim record under ``<root>/checkpoints``."""
+    return [c for c in (_layout.claim_of(i.base_name) for i in list_dir(loc, policy=policy)) if c is not None]
 
 
 def _run_dir() -> str:
@@ -119,7 +166,7 @@ def read_claim(
     ray_goodput) is found only while ``GENERATION`` still names it."""
     if generation is not None:
         try:
-            found = _read_claim_file(root, _layout.claim_record(generation), policy)
+            found = _read_won_claim(root, generation, policy)
         except OSError as exc:  # GENERATION may still name it
             logger.warning("could not read the claim record of generation %d: %s", generation, exc)
             found = None
@@ -131,6 +178,22 @@ def read_claim(
     return newest
 
 
+def _read_won_claim(root: str | StorageLocation, generation: int, policy: RetryPolicy) -> Claim | None:
+    """The record of the claim that won ``generation``. A claim that lost withdraws its
+    record; when that failed, ``GENERATION`` names the winner while it is still the newest."""
+    loc = checkpoints_location(root)
+    tokens = sorted(t for g, t in _listed_claims(loc, policy) if g == generation)
+    if len(tokens) > 1:
+        newest = _read_claim_file(root, _layout.GENERATION, policy)
+        if newest is not None and newest.generation == generation and newest.token in tokens:
+            tokens = [newest.token]
+    for token in tokens:
+        found = _read_claim_file(root, _layout.claim_record(generation, token), policy)
+        if found is not None:
+            return found
+    return None
+
+
 def _read_claim_file(root: str | StorageLocation, name: str, policy: RetryPolicy) -> Claim | None:
     try:
         data = json.loads(read_bytes(checkpoints_location(root), name, policy))
@@ -140,6 +203,7 @@ def _read_claim_file(root: str | StorageLocation, name: str, policy: RetryPolicy
             pid=int(data.get("pid", 0)),
             started=float(data.get("started", 0.0)),
             run=str(data.get("run", "")),
+            token=str(data.get("token", "")),
         )
     except FileNotFoundError:
         return None
@@ -154,8 +218,9 @@ def claim_attempt(
     there is one, names the attempt) and draw the token that, with the step, names every
     save of it."""
     decision = resume_decision(root)
-    generation = claim(root, decision.attempt if decision is not None else None, policy, claimed=claimed)
-    return generation, uuid.uuid4().hex[:8]
+    token = uuid.uuid4().hex[:8]
+    generation = claim(root, decision.attempt if decision is not None else None, policy, claimed=claimed, token=token)
+    return generation, token
 
 
 class EarlyClaim:
