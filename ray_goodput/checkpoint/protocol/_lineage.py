@@ -35,8 +35,8 @@ logger = logging.getLogger(__name__)
 
 #: Bound on waiting for an early claim (its storage requests have their own bounds).
 CLAIM_TIMEOUT_S = 600.0
-#: Rounds a claim may lose to claims made at the same moment before it gives up.
-CLAIM_ROUNDS = 20
+#: How long a claim may go on losing to claims made at the same moment before it gives up.
+CLAIM_CONTENTION_S = 120.0
 _POLICY = RetryPolicy()
 _ONE_TRY = RetryPolicy(attempts=1)
 
@@ -83,16 +83,19 @@ def claim(
 
     The claim is written as an object of its own, ``CLAIM-g<generation>-<token>``, then
     ``checkpoints/`` is listed. A claim that finds another one at or above its generation
-    loses: it withdraws its record and claims again above every claim it saw. A claim that
-    wins listed after its own write, so of two claims of one generation, the one that
-    listed later saw the other's record and lost: no two claims win the same generation,
-    however they interleave (a store with read-after-write listings: S3, GCS, a file
-    system). Only then is ``GENERATION`` written, the fast path for the next claim's read.
+    loses: it withdraws its record and claims again above every claim it saw, backing off
+    (for up to ``CLAIM_CONTENTION_S``). A claim that wins listed after its own write, so of
+    two claims of one generation, the one that listed later saw the other's record and
+    lost: no two claims win the same generation, however they interleave (a store whose
+    listings show every object written before them: S3, GCS, a local file system; not
+    NFS). Only then is ``GENERATION`` written, the fast path for the next claim's read.
     """
     token = token or uuid.uuid4().hex[:8]
     loc = _catalog.checkpoints_location(root)
     generation = next_generation(root, attempt, policy, claimed=claimed)
-    for lost in range(CLAIM_ROUNDS):
+    deadline = time.monotonic() + CLAIM_CONTENTION_S
+    lost = 0
+    while True:
         record = {
             "generation": generation,
             "host": socket.gethostname(),
@@ -108,22 +111,22 @@ def claim(
         if not rivals:
             write_bytes(loc, _layout.GENERATION, data, policy)
             return generation
-        logger.info(
-            "generation %d under %s was claimed at the same time by another run; claiming %d",
-            generation,
-            root.uri,
-            max(rivals) + 1,
-        )
         try:
             delete_file(loc, name, policy)
         except OSError as exc:  # a stale claim only makes later claims count higher
             logger.warning("could not withdraw the lost claim %s under %s: %s", name, root.uri, exc)
-        generation = max(rivals) + 1
-        time.sleep(random.uniform(0.0, 0.05 * (lost + 1)))  # two claims losing to each other drift apart
-    raise StorageError(
-        f"claiming a checkpoint generation under {root.uri} lost to other claims {CLAIM_ROUNDS} times "
-        "in a row: several runs are starting on this storage path at once; give each its own storage_path"
-    )
+        lost += 1
+        if time.monotonic() > deadline:
+            raise StorageError(
+                f"claiming a checkpoint generation under {root.uri} lost to other claims {lost} times in "
+                f"{CLAIM_CONTENTION_S:.0f} s: many runs or Checkpointers are starting on this storage path at "
+                "once; give each run its own storage_path"
+            )
+        # Claims that lost together spread over the next numbers, and back off: each round
+        # one of those on a number wins it.
+        generation = max(rivals) + 1 + random.randrange(len(rivals))
+        logger.info("the generation claim under %s lost to a concurrent claim; claiming %d", root.uri, generation)
+        time.sleep(random.uniform(0.0, 0.05 * 2 ** min(lost, 5)))  # up to 1.6 s
 
 
 def _listed_claims(loc: StorageLocation, policy: RetryPolicy) -> list[tuple[int, str]]:
