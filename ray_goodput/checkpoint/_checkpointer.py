@@ -19,6 +19,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Literal
@@ -166,10 +167,7 @@ class Checkpointer:
         self.root = self._ctx.storage_root(storage_path)
         self._retry = retry or RetryPolicy()
         self._early_claim = self._probe_and_claim()
-        self._run_key = hashlib.sha1(self.root.uri.encode()).hexdigest()[:16]
-        self.staging = (Path(staging_dir) if staging_dir else _env.staging_root()) / self._run_key
-        self._dropper = LocalCopyDropper(self.staging)
-        self._dropper.sweep()  # what a dead worker of this run on this node was deleting
+        self._open_staging(staging_dir)
         self.keep_last = keep_last
         self.verify_checksums = verify_checksums
         self.upload_concurrency = upload_concurrency
@@ -179,8 +177,6 @@ class Checkpointer:
         self._tick: float | None = None
         self._token = ""
         self._uploader: UploadBackend | None = None if isinstance(uploader, str) else uploader
-        self._arenas = ArenaPair(self.staging, self._run_key, self.rank, self.world_size)
-        self._snapshots = Snapshotter(self._arenas, self.rank)
         self._sync_next = False  # whether the next save first agrees the outcomes so far
         self._last_step: int | None = None
         self._generation: int | None = None
@@ -201,6 +197,16 @@ class Checkpointer:
             self._uploader = self._make_uploader()
             if hasattr(self._uploader, "start"):
                 self._uploader.start()
+
+    def _open_staging(self, staging_dir: str | None) -> None:
+        """This run's side on this node: its staging dir, the dropper of its node-local
+        copies, and the rank's snapshot arenas."""
+        self._run_key = hashlib.sha1(self.root.uri.encode()).hexdigest()[:16]
+        self.staging = (Path(staging_dir) if staging_dir else _env.staging_root()) / self._run_key
+        self._dropper = LocalCopyDropper(self.staging)
+        self._dropper.sweep()  # what a dead worker of this run on this node was deleting
+        self._arenas = ArenaPair(self.staging, self._run_key, self.rank, self.world_size)
+        self._snapshots = Snapshotter(self._arenas, self.rank)
 
     def _probe_and_claim(self) -> _lineage.EarlyClaim | None:
         """Probe the storage root; collective: when it fails on any rank (unreachable,
@@ -311,26 +317,10 @@ class Checkpointer:
             self._resolve(block=False)  # a count: every rank syncs at the same save
         generation = self._ensure_generation()
         spend_decision()  # a restore after this is a rollback: it chooses for itself
-        rank, world_size = self.rank, self.world_size
         # Unique without a collective: a generation is claimed once per Checkpointer, its
         # steps only grow, and a restore that sets them back draws a new token.
         save_id = _layout.save_id(generation, f"{self._token}{step:x}")
-        job = functools.partial(
-            ShardJob,
-            root=self.root,
-            step=step,
-            rank=rank,
-            world_size=world_size,
-            local_dir=str(self.staging / _layout.step_dir(step)),
-            keep_last=self.keep_last,
-            owner_pid=os.getpid(),
-            save_id=save_id,
-            generation=generation,
-            concurrency=self.upload_concurrency,
-            retry=self._retry,
-            retry_for_s=self._outcomes.bound_s,
-            seq=next(_HANDOFFS),
-        )
+        job = self._job(step, generation, save_id)
         try:
             handoff = self._snapshots.hand_off(state, job=job, backend=self._uploader, step_of=self._pending_step_of)
         except ConfigError:
@@ -353,6 +343,25 @@ class Checkpointer:
             )
         )
         self._sync_next = self._schedule.after_save(block, saves_done=self._outcomes.stats.saves)
+
+    def _job(self, step: int, generation: int, save_id: str) -> Callable[..., ShardJob]:
+        """The rank's shard job of one save, less what the hand-off adds (its snapshot)."""
+        return functools.partial(
+            ShardJob,
+            root=self.root,
+            step=step,
+            rank=self.rank,
+            world_size=self.world_size,
+            local_dir=str(self.staging / _layout.step_dir(step)),
+            keep_last=self.keep_last,
+            owner_pid=os.getpid(),
+            save_id=save_id,
+            generation=generation,
+            concurrency=self.upload_concurrency,
+            retry=self._retry,
+            retry_for_s=self._outcomes.bound_s,
+            seq=next(_HANDOFFS),
+        )
 
     def maybe_save(self, step: int, state: dict[str, Any], *, metrics: dict[str, Any] | None = None) -> bool:
         """Call once per step: saves when the schedule (``every=N`` or ``every="auto"``) says

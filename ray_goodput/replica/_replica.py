@@ -99,10 +99,7 @@ class Replica:
     ) -> None:
         require_torchft()
         _check(model, batch_size, save_every, state)
-        join = worker_join()
-        self.settings = ReplicaGroups(**join.settings) if join is not None and join.settings else ReplicaGroups()
-        self.replacement = join is not None and join.kind in ("replacement", "done")
-        self.peers_finished = join is not None and join.kind == "done"
+        self._read_join()
         ctx = WorkerContext.detect()
         self.slot, self.configured = ctx.rank, ctx.world_size
         self._model, self._optim, self._dataset = model, optimizer, dataset
@@ -145,6 +142,14 @@ class Replica:
             raise
 
     # ---- set-up ---------------------------------------------------------------------
+
+    def _read_join(self) -> None:
+        """How this worker joined (the driver's word): its settings, whether it replaces a
+        failed replica, and whether its peers had finished by then."""
+        join = worker_join()
+        self.settings = ReplicaGroups(**join.settings) if join is not None and join.settings else ReplicaGroups()
+        self.replacement = join is not None and join.kind in ("replacement", "done")
+        self.peers_finished = join is not None and join.kind == "done"
 
     def _durable_state(self) -> dict[str, Any]:
         progress = Progress(self._progress, self._load_progress)

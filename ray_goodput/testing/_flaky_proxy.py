@@ -158,86 +158,86 @@ class FlakyProxy:
         self._release.wait(self.HOLD_S)
 
     def _handler(self) -> type[BaseHTTPRequestHandler]:
-        return _make_handler(self)
+        return type("Handler", (_Handler,), {"proxy": self})
 
 
-def _make_handler(proxy: FlakyProxy) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
+class _Handler(BaseHTTPRequestHandler):
+    """One request through the proxy; ``proxy``: set on the subclass each proxy makes."""
 
-        def log_message(self, *args: object) -> None:
-            pass
+    proxy: FlakyProxy
+    protocol_version = "HTTP/1.1"
 
-        def _body(self) -> bytes:
-            if "chunked" in (self.headers.get("Transfer-Encoding") or "").lower():
-                chunks = []
-                while True:
-                    size = int(self.rfile.readline().split(b";")[0].strip() or b"0", 16)
-                    if size == 0:
-                        while self.rfile.readline() not in (b"\r\n", b"\n", b""):
-                            pass  # trailers
-                        return b"".join(chunks)
-                    chunks.append(self.rfile.read(size))
-                    self.rfile.readline()
-            length = int(self.headers.get("Content-Length") or 0)
-            return self.rfile.read(length) if length else b""
+    def log_message(self, *args: object) -> None:
+        pass
 
-        def _fail(self, failure: str) -> None:
-            if failure == "reset":
-                self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\0\0\0\0\0\0\0")
-                self.connection.close()
-                self.close_connection = True
-                return
-            code = b"SlowDown" if failure == "503" else b"InternalError"
-            msg = (
-                b""
-                if self.command == "HEAD"
-                # a HEAD answer has no body
-                else (b"<Error><Code>" + code + b"</Code><Message>injected</Message></Error>")
-            )
-            self.send_response(int(failure))
-            self.send_header("Content-Length", str(len(msg)))
-            self.end_headers()
-            self.wfile.write(msg)
+    def _body(self) -> bytes:
+        if "chunked" in (self.headers.get("Transfer-Encoding") or "").lower():
+            chunks = []
+            while True:
+                size = int(self.rfile.readline().split(b";")[0].strip() or b"0", 16)
+                if size == 0:
+                    while self.rfile.readline() not in (b"\r\n", b"\n", b""):
+                        pass  # trailers
+                    return b"".join(chunks)
+                chunks.append(self.rfile.read(size))
+                self.rfile.readline()
+        length = int(self.headers.get("Content-Length") or 0)
+        return self.rfile.read(length) if length else b""
 
-        def _relay(self) -> None:
-            body = self._body()
-            path = self.path.split("?")[0]
-            failure = proxy._decide(self.command, path)  # noqa: SLF001 - the proxy's own handler class
-            if failure:
-                self._fail(failure)
-                return
-            began = time.monotonic()
-            if self.command != "GET" and proxy._stalls(self.command, path):  # noqa: SLF001 - the proxy's own handler class
-                proxy._hold(self.command, path)  # noqa: SLF001 - the proxy's own handler class
-            headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP and k.lower() != "content-length"}
-            headers["Content-Length"] = str(len(body))
-            status, resp_headers, data = proxy._forward(self.command, self.path, headers, body)  # noqa: SLF001 - the proxy's own handler class
-            self.send_response(status)
-            for k, v in resp_headers:
-                if k.lower() not in _HOP and k.lower() != "content-length":
-                    self.send_header(k, v)
-            # A HEAD answer keeps the upstream length (of the object it describes).
-            length = dict((k.lower(), v) for k, v in resp_headers).get("content-length", "0")
-            self.send_header("Content-Length", length if self.command == "HEAD" else str(len(data)))
-            # One request per connection: with keep-alive, a client that timed out (a few
-            # seconds under load) was seen reading the late answer as the next one's body.
-            self.send_header("Connection", "close")
+    def _fail(self, failure: str) -> None:
+        if failure == "reset":
+            self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\0\0\0\0\0\0\0")
+            self.connection.close()
             self.close_connection = True
-            self.end_headers()
-            if self.command != "HEAD":
-                self._send(path, data)
-            if self.command == "GET":
-                proxy.spans.setdefault(path, []).append((began, time.monotonic()))
+            return
+        code = b"SlowDown" if failure == "503" else b"InternalError"
+        msg = (
+            b""
+            if self.command == "HEAD"
+            # a HEAD answer has no body
+            else (b"<Error><Code>" + code + b"</Code><Message>injected</Message></Error>")
+        )
+        self.send_response(int(failure))
+        self.send_header("Content-Length", str(len(msg)))
+        self.end_headers()
+        self.wfile.write(msg)
 
-        def _send(self, path: str, data: bytes) -> None:
-            if self.command == "GET" and proxy._stalls(self.command, path):  # noqa: SLF001 - the proxy's own handler class
-                self.wfile.write(data[: len(data) // 4])
-                self.wfile.flush()
-                proxy._hold(self.command, path)  # noqa: SLF001 - the proxy's own handler class
-                data = data[len(data) // 4 :]
-            self.wfile.write(data)
+    def _relay(self) -> None:
+        body = self._body()
+        path = self.path.split("?")[0]
+        failure = self.proxy._decide(self.command, path)  # noqa: SLF001 - the proxy's own handler class
+        if failure:
+            self._fail(failure)
+            return
+        began = time.monotonic()
+        if self.command != "GET" and self.proxy._stalls(self.command, path):  # noqa: SLF001 - the proxy's own handler class
+            self.proxy._hold(self.command, path)  # noqa: SLF001 - the proxy's own handler class
+        headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP and k.lower() != "content-length"}
+        headers["Content-Length"] = str(len(body))
+        status, resp_headers, data = self.proxy._forward(self.command, self.path, headers, body)  # noqa: SLF001 - the proxy's own handler class
+        self.send_response(status)
+        for k, v in resp_headers:
+            if k.lower() not in _HOP and k.lower() != "content-length":
+                self.send_header(k, v)
+        # A HEAD answer keeps the upstream length (of the object it describes).
+        length = dict((k.lower(), v) for k, v in resp_headers).get("content-length", "0")
+        self.send_header("Content-Length", length if self.command == "HEAD" else str(len(data)))
+        # One request per connection: with keep-alive, a client that timed out (a few
+        # seconds under load) was seen reading the late answer as the next one's body.
+        self.send_header("Connection", "close")
+        self.close_connection = True
+        self.end_headers()
+        if self.command != "HEAD":
+            self._send(path, data)
+        if self.command == "GET":
+            self.proxy.spans.setdefault(path, []).append((began, time.monotonic()))
 
-        do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _relay
+    def _send(self, path: str, data: bytes) -> None:
+        if self.command == "GET" and self.proxy._stalls(self.command, path):  # noqa: SLF001 - the proxy's own handler class
+            self.wfile.write(data[: len(data) // 4])
+            self.wfile.flush()
+            self.proxy._hold(self.command, path)  # noqa: SLF001 - the proxy's own handler class
+            data = data[len(data) // 4 :]
+        self.wfile.write(data)
 
-    return Handler
+    do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _relay

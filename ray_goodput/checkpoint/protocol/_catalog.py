@@ -259,21 +259,11 @@ def newest_valid(
             continue
         if _layout.COMMITTED in d.files and i not in read:
             read.add(i)
-            _read_commit(d, early if d.step == hint else None)
-            if d.torn:
-                if _layout.QUARANTINED not in d.files:
-                    quarantine_damaged(d.loc, None, "COMMITTED is unreadable")
+            now = _rank_by_commit(d, order, early if d.step == hint else None)
+            if now != order:  # torn (None), or ranked lower once its commit was read
+                if now is not None:
+                    heapq.heappush(heap, ((-now[0], -now[1]), i))
                 continue
-            if d.manifest is not None and d.manifest.order != order:  # ranked by its files so far
-                # A newer generation's save files beside the commit: a save of the step
-                # again whose committer died before replacing the old commit is finished
-                # here, as an orphan with no commit is; else the folder ranks by its commit.
-                newer = finish_orphan(d.loc, d.step, above=d.manifest.generation) if _has_markers(d) else None
-                if newer is not None:  # committed now (its commit removed the old one's quarantine)
-                    d.manifest, d.quarantined = newer, False
-                if d.manifest.order != order:
-                    heapq.heappush(heap, ((-d.manifest.generation, -d.step), i))
-                    continue
         if d.quarantined or d.torn or (before is not None and order >= before):
             continue
         manifest = d.manifest
@@ -286,13 +276,42 @@ def newest_valid(
             if manifest.order != order:  # the complete save was an older one: re-rank it
                 heapq.heappush(heap, ((-manifest.generation, -manifest.step), i))
                 continue
-        problems = verify(d.loc, manifest, checksums=checksums, present=d.files)  # sizes as listed
-        if problems:  # the listing may predate this commit (an orphan finished here, a step
-            problems = verify(d.loc, manifest, checksums=checksums)  # committed again since): look again
-        if not problems:
+        if _intact(d, manifest, checksums):
             return d.loc, manifest
-        quarantine_damaged(d.loc, manifest, "; ".join(problems[:5]))
     return None
+
+
+def _rank_by_commit(
+    d: StepDir, order: tuple[int, int], early: Future[Manifest | None] | None
+) -> tuple[int, int] | None:
+    """Read ``d``'s ``COMMITTED`` (``early``: its read already made) and return where ``d``
+    ranks now: ``order`` (by its files so far) when its commit agrees or is gone, its
+    commit's order when lower, None when the commit is torn (quarantined: skip it)."""
+    _read_commit(d, early)
+    if d.torn:
+        if _layout.QUARANTINED not in d.files:
+            quarantine_damaged(d.loc, None, "COMMITTED is unreadable")
+        return None
+    if d.manifest is None or d.manifest.order == order:
+        return order
+    # A newer generation's save files beside the commit: a save of the step again whose
+    # committer died before replacing the old commit is finished here, as an orphan with
+    # no commit is; else the folder ranks by its commit.
+    newer = finish_orphan(d.loc, d.step, above=d.manifest.generation) if _has_markers(d) else None
+    if newer is not None:  # committed now (its commit removed the old one's quarantine)
+        d.manifest, d.quarantined = newer, False
+    return d.manifest.order
+
+
+def _intact(d: StepDir, manifest: Manifest, checksums: bool) -> bool:
+    """Whether ``d``'s save of ``manifest`` matches it; quarantined when it does not."""
+    problems = verify(d.loc, manifest, checksums=checksums, present=d.files)  # sizes as listed
+    if problems:  # the listing may predate this commit (an orphan finished here, a step
+        problems = verify(d.loc, manifest, checksums=checksums)  # committed again since): look again
+    if not problems:
+        return True
+    quarantine_damaged(d.loc, manifest, "; ".join(problems[:5]))
+    return False
 
 
 def quarantine_damaged(step_loc: StorageLocation, manifest: Manifest | None, reason: str) -> None:

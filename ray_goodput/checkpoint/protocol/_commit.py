@@ -349,23 +349,7 @@ class CommitProtocol:
             metadata = self._write_dcp_metadata(merged, local_dir)
         if unquarantined is not None:
             unquarantined.result()
-        files.append(metadata)
-        files.sort(key=lambda f: f.name)
-        # Unstepped: fresh on some rank and stepped on none (a frozen stage's optimizer never
-        # steps while the others' do; pipeline stages may each have an optimizer of their own).
-        unstepped = set().union(*(m.unstepped for m in markers.values())) - set().union(
-            *(m.stepped for m in markers.values())
-        )
-        manifest = Manifest(
-            step=self.step,
-            world_size=self.world_size,
-            files=tuple(files),
-            save_id=self.save_id,
-            generation=self.generation,
-            created=max(m.created for m in markers.values()),
-            unstepped=tuple(sorted(unstepped)),
-            state_keys=state_keys,
-        )
+        manifest = self._manifest(markers, [*files, metadata], state_keys)
         fault_point("commit.before_committed")
         data = manifest.to_bytes()
         with self._pruned_meanwhile():
@@ -375,7 +359,7 @@ class CommitProtocol:
             "committed checkpoint step %d generation %d (%d files, %d bytes) at %s",
             self.step,
             self.generation,
-            len(files),
+            len(manifest.files),
             manifest.total_bytes,
             self.step_loc.uri,
         )
@@ -384,6 +368,25 @@ class CommitProtocol:
         if newer is not None:
             return Finalized(OUTRANKED, newer)
         return Finalized(COMMITTED, Manifest.from_bytes(data), committed_at=committed_at)
+
+    def _manifest(self, markers: dict[int, RankMarker], files: list[FileEntry], state_keys: str) -> Manifest:
+        """The commit's manifest: ``files`` (every rank's, and ``.metadata``) and what the
+        ranks' markers declared."""
+        # Unstepped: fresh on some rank and stepped on none (a frozen stage's optimizer never
+        # steps while the others' do; pipeline stages may each have an optimizer of their own).
+        unstepped = set().union(*(m.unstepped for m in markers.values())) - set().union(
+            *(m.stepped for m in markers.values())
+        )
+        return Manifest(
+            step=self.step,
+            world_size=self.world_size,
+            files=tuple(sorted(files, key=lambda f: f.name)),
+            save_id=self.save_id,
+            generation=self.generation,
+            created=max(m.created for m in markers.values()),
+            unstepped=tuple(sorted(unstepped)),
+            state_keys=state_keys,
+        )
 
     def _delete(self, name: str) -> None:
         delete_file(self.step_loc, name)  # retried, as the commit's writes are

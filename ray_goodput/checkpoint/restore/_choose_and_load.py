@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ray_goodput.checkpoint.protocol import _collective
+from ray_goodput.checkpoint.protocol._manifest import Manifest
 from ray_goodput.checkpoint.restore._load import RestoreInfo, choose, failed_load_verdict, load_checkpoint
 from ray_goodput.checkpoint.restore._local_precheck import LocalGuess
 from ray_goodput.errors import CheckpointError, StateMismatchError
@@ -40,11 +41,9 @@ def choose_and_load(
     """Collective: load ``step`` (None: the newest intact committed checkpoint) into
     ``state`` in place; None when there is none to load.
 
-    Rank 0's choice does not wait for the attempt's generation claim: that is written in
-    the background and agreed at the first save. A dead attempt's uploader that commits
-    late stops pruning once a newer generation is claimed; one that prunes the pick before
-    that makes the load fail on a missing file, and the pick is made again
-    (``failed_load_verdict``). ``guess``: this rank's node-local guess of the pick (rank
+    Rank 0's choice does not wait for the attempt's generation claim. A pick that a dead
+    attempt's uploader prunes during the load is chosen again (``failed_load_verdict``;
+    docs/design/restore.md). ``guess``: this rank's node-local guess of the pick (rank
     0's hints the choice). Raises StateMismatchError when ``state`` does not fit (no other
     checkpoint would), the load's own error when it failed for another reason, and
     CheckpointError when picks kept leaving storage, or the driver's ``step`` and every
@@ -52,6 +51,9 @@ def choose_and_load(
     """
     before: tuple[int, int] | None = None
     gone = 0
+    load = functools.partial(
+        load_checkpoint, root=root, staging=staging, rank=rank, world_size=world_size, policy=policy, guess=guess
+    )
     while True:
         manifest = _collective.on_rank0(
             functools.partial(choose, root, step=step, before=before, checksums=verify_checksums, hint=guess.step),
@@ -67,16 +69,7 @@ def choose_and_load(
             return None
         try:
             # Collective: every rank loads it or raises the same error (agreed in load_checkpoint).
-            return load_checkpoint(
-                state,
-                root=root,
-                manifest=manifest,
-                staging=staging,
-                rank=rank,
-                world_size=world_size,
-                policy=policy,
-                guess=guess,
-            )
+            return load(state, manifest=manifest)
         except StateMismatchError:
             raise  # the state passed in does not fit: no other checkpoint would
         except Exception as exc:  # every rank alike: agreed in load_checkpoint
@@ -91,13 +84,17 @@ def choose_and_load(
             if verdict == "failed":
                 raise  # the load's own error
             gone += 1
-            if gone > _CHOICES_AFTER_GONE:  # gone again and again: say so, do not loop
-                raise CheckpointError(
-                    f"the checkpoint chosen to restore left storage while it was loaded {gone} times "
-                    f"(the last: step {manifest.step}, {type(exc).__name__}: {exc}); another process is pruning "
-                    "this storage path (a dead attempt's uploader, or another run on it): restart the attempt, "
-                    "and give each run its own storage_path"
-                ) from exc
-            logger.warning(
-                "checkpoint step %d left storage while it was loaded (%s); choosing again", manifest.step, exc
-            )
+            _choose_again(manifest, exc, gone)
+
+
+def _choose_again(manifest: Manifest, exc: Exception, gone: int) -> None:
+    """The pick left storage while it was loaded (``gone`` times now): choose again, or
+    raise CheckpointError once that kept happening."""
+    if gone > _CHOICES_AFTER_GONE:  # gone again and again: say so, do not loop
+        raise CheckpointError(
+            f"the checkpoint chosen to restore left storage while it was loaded {gone} times "
+            f"(the last: step {manifest.step}, {type(exc).__name__}: {exc}); another process is pruning "
+            "this storage path (a dead attempt's uploader, or another run on it): restart the attempt, "
+            "and give each run its own storage_path"
+        ) from exc
+    logger.warning("checkpoint step %d left storage while it was loaded (%s); choosing again", manifest.step, exc)

@@ -264,28 +264,8 @@ def _load(
         readers=readers,
         guess=guess,
     )
-    template, reader, rng, error = opened.template, opened.reader, opened.rng, opened.error
-    # DCP plans each rank's reads from the metadata alone (no collective: the global load
-    # plan of DCP's default planner is the local ones, unchanged). The load's one
-    # agreement is in the reader's read_data, once every rank checked its files and before
-    # any copies a byte; a rank that failed before it (metadata, RNG blob, planning) joins
-    # that agreement with its error, so no rank waits in it alone.
-    if error is None:
-        try:  # dcp.load without its Stateful handling (the template has none) and its warning
-            _load_state_dict(template, storage_reader=reader, no_dist=True)
-        except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP's is a BaseException; agreed below
-            # What the file agreement raised is the failing rank's own error; DCP's wrapping
-            # of a failure here names rank 0 (one process, as it sees it): say which.
-            agreed = reader.agreed_error if reader is not None else None
-            error = agreed or (exc if isinstance(exc, Exception) else _ranked(exc, rank))
-    try:  # every error here is classified already: DCP's wrapping was replaced above
-        if reader is None or not reader.read_agreed:
-            _collective.agree(error)
-        if error is not None:
-            raise error
-    finally:
-        if reader is not None:  # drop what was fetched early; unmapping waits (load_checkpoint)
-            reader.release(defer=True)
+    template, reader, rng = opened.template, opened.reader, opened.rng
+    _read_agreed(template, reader, opened.error, rank)
     _state_dict.apply_state_dict(roles, template, state)
     _state_dict.forget_state(roles, manifest.unstepped)
     same_world = rng is not None
@@ -313,6 +293,35 @@ def _load(
         info.remote_files,
     )
     return info
+
+
+def _read_agreed(
+    template: dict[str, Any] | None, reader: TieredReader | None, error: BaseException | None, rank: int
+) -> None:
+    """Collective: DCP reads ``template`` in place through ``reader``; every rank raises
+    alike when any failed (``error``: this rank's, from opening the checkpoint).
+
+    DCP plans each rank's reads from the metadata alone (no collective: the global load
+    plan of DCP's default planner is the local ones, unchanged). The load's one agreement
+    is in the reader's read_data, once every rank checked its files and before any copies
+    a byte; a rank that failed before it (metadata, RNG blob, planning) joins that
+    agreement with its error, so no rank waits in it alone."""
+    if error is None:
+        try:  # dcp.load without its Stateful handling (the template has none) and its warning
+            _load_state_dict(template, storage_reader=reader, no_dist=True)
+        except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP's is a BaseException; agreed below
+            # What the file agreement raised is the failing rank's own error; DCP's wrapping
+            # of a failure here names rank 0 (one process, as it sees it): say which.
+            agreed = reader.agreed_error if reader is not None else None
+            error = agreed or (exc if isinstance(exc, Exception) else _ranked(exc, rank))
+    try:  # every error here is classified already: DCP's wrapping was replaced above
+        if reader is None or not reader.read_agreed:
+            _collective.agree(error)
+        if error is not None:
+            raise error
+    finally:
+        if reader is not None:  # drop what was fetched early; unmapping waits (load_checkpoint)
+            reader.release(defer=True)
 
 
 def _reader(

@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from ray_goodput._faults import fault_point
 from ray_goodput.checkpoint.protocol import _catalog, _layout, _lineage, _retention
-from ray_goodput.checkpoint.protocol._commit import COMMITTED, OUTRANKED, CommitProtocol
+from ray_goodput.checkpoint.protocol._commit import COMMITTED, OUTRANKED, CommitProtocol, Finalized
 from ray_goodput.checkpoint.protocol._dcp_parts import data_file, write_part, write_staged, writing_path
 from ray_goodput.checkpoint.protocol._shard_plan import Leaf
 from ray_goodput.checkpoint.save._arena import TensorSlot, open_slots
@@ -243,6 +243,14 @@ def upload_and_commit(
         job.rank, entries, created=time.time(), unstepped=job.unstepped, stepped=job.stepped
     )
     done = protocol.finalize(Path(job.local_dir), own=marker)
+    _after_finalize(job, done)
+    state = SaveState.COMMITTED if done.state == COMMITTED else SaveState.UPLOADED
+    return sum(e.size for e in entries), state, done.committed_at
+
+
+def _after_finalize(job: ShardJob, done: Finalized) -> None:
+    """What follows the commit attempt: a word when a save of the same or a newer generation
+    holds the step, retention when this job wrote the commit, and rank 0's fence check."""
     if done.state == OUTRANKED:
         logger.warning(
             "step %d: a save of the same or a newer generation (%s) holds it; this save "
@@ -258,8 +266,6 @@ def upload_and_commit(
             logger.warning("retention after step %d failed: %s", job.step, exc)
     if job.rank == 0:
         check_fence(job)
-    state = SaveState.COMMITTED if done.state == COMMITTED else SaveState.UPLOADED
-    return sum(e.size for e in entries), state, done.committed_at
 
 
 def check_fence(job: ShardJob) -> None:
@@ -397,17 +403,11 @@ def run_shard_job(
         try:
             names = write_local(job, tensors, sums)
         except StagingFullError as full:
-            if follow is not None and not follow.abandon(timeout_s=_FOLLOW_STOP_S):
-                raise CheckpointError(
-                    f"step {job.step} rank {job.rank}: the upload that followed the cut-short staging write "
-                    f"did not stop in {_FOLLOW_STOP_S:.0f} s; not sending the shard from its snapshot to the "
-                    "same object (check the storage)"
-                ) from full
-            follow = None
-            sums.clear()
-            job, names = _direct_upload.prepare(job, full)
+            job, names = _send_from_snapshot(job, follow, full)
             memory = Path(job.local_dir).parent
             resend = _direct_upload.sender(job, _leaves(job, tensors), policy, full)
+            follow = None
+            sums.clear()
         written = time.monotonic()
         record.advance(SaveState.STAGED)
         uploaded: Sequence[FileEntry] | None = None
@@ -435,6 +435,33 @@ def run_shard_job(
     finally:
         if memory is not None:  # no node-local copy of a shard sent from its snapshot
             _direct_upload.remove(memory)
+    return _result(job, record, done, write_seconds=written - start, upload_seconds=time.monotonic() - written)
+
+
+def _send_from_snapshot(
+    job: ShardJob, follow: FollowUpload | None, full: StagingFullError
+) -> tuple[ShardJob, list[str]]:
+    """The staging dir is full: once the follower of the cut-short write stopped, the shard
+    goes to storage from its snapshot (``_direct_upload``). Returns the job as it now runs
+    (its small files in a directory of their own) and their names."""
+    if follow is not None and not follow.abandon(timeout_s=_FOLLOW_STOP_S):
+        raise CheckpointError(
+            f"step {job.step} rank {job.rank}: the upload that followed the cut-short staging write "
+            f"did not stop in {_FOLLOW_STOP_S:.0f} s; not sending the shard from its snapshot to the "
+            "same object (check the storage)"
+        ) from full
+    return _direct_upload.prepare(job, full)
+
+
+def _result(
+    job: ShardJob,
+    record: SaveRecord,
+    done: tuple[int, SaveState, float | None] | None,
+    *,
+    write_seconds: float,
+    upload_seconds: float,
+) -> ShardResult:
+    """The job's result from its upload's (None: superseded), ``record`` advanced to it."""
     if done is None:
         record.advance(SaveState.SUPERSEDED)
         return ShardResult.superseded(job)
@@ -446,8 +473,8 @@ def run_shard_job(
         step=job.step,
         rank=job.rank,
         num_bytes=num_bytes,
-        write_seconds=written - start,
-        upload_seconds=time.monotonic() - written,
+        write_seconds=write_seconds,
+        upload_seconds=upload_seconds,
         state=state,
         committed_at=committed_at,
     )
