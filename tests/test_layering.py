@@ -259,8 +259,6 @@ def test_every_test_file_stays_under_800_lines():
 def test_no_library_function_is_over_60_lines():
     """STYLE: no library function over 60 lines, its docstring included. Ten had grown past
     it (a save's job, the commit, the restore's load and choice among them)."""
-    import ast
-
     package = Path(__file__).resolve().parents[1] / "ray_goodput"
     long = {
         f"{p.relative_to(package)}:{n.lineno} {n.name}": n.end_lineno - n.lineno + 1

@@ -262,7 +262,7 @@ def newest_valid(
             now = _rank_by_commit(d, order, early if d.step == hint else None)
             if now != order:  # torn (None), or ranked lower once its commit was read
                 if now is not None:
-                    heapq.heappush(heap, ((-now[0], -now[1]), i))
+                    heapq.heappush(heap, ((-now[0], -d.step), i))
                 continue
         if d.quarantined or d.torn or (before is not None and order >= before):
             continue

@@ -403,11 +403,12 @@ def run_shard_job(
         try:
             names = write_local(job, tensors, sums)
         except StagingFullError as full:
-            job, names = _send_from_snapshot(job, follow, full)
-            memory = Path(job.local_dir).parent
-            resend = _direct_upload.sender(job, _leaves(job, tensors), policy, full)
+            _stop_following(job, follow, full)
             follow = None
             sums.clear()
+            job, names = _direct_upload.prepare(job, full)
+            memory = Path(job.local_dir).parent
+            resend = _direct_upload.sender(job, _leaves(job, tensors), policy, full)
         written = time.monotonic()
         record.advance(SaveState.STAGED)
         uploaded: Sequence[FileEntry] | None = None
@@ -438,19 +439,16 @@ def run_shard_job(
     return _result(job, record, done, write_seconds=written - start, upload_seconds=time.monotonic() - written)
 
 
-def _send_from_snapshot(
-    job: ShardJob, follow: FollowUpload | None, full: StagingFullError
-) -> tuple[ShardJob, list[str]]:
-    """The staging dir is full: once the follower of the cut-short write stopped, the shard
-    goes to storage from its snapshot (``_direct_upload``). Returns the job as it now runs
-    (its small files in a directory of their own) and their names."""
+def _stop_following(job: ShardJob, follow: FollowUpload | None, full: StagingFullError) -> None:
+    """The staging dir is full (``full``) and the shard goes to storage from its snapshot
+    instead: the upload that followed the cut-short write must stop first (it sends to
+    the same object). Raises CheckpointError when it did not stop in time."""
     if follow is not None and not follow.abandon(timeout_s=_FOLLOW_STOP_S):
         raise CheckpointError(
             f"step {job.step} rank {job.rank}: the upload that followed the cut-short staging write "
             f"did not stop in {_FOLLOW_STOP_S:.0f} s; not sending the shard from its snapshot to the "
             "same object (check the storage)"
         ) from full
-    return _direct_upload.prepare(job, full)
 
 
 def _result(
