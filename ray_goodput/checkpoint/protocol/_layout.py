@@ -54,11 +54,11 @@ def marked_generation(name: str) -> int | None:
 
 
 def claim_record(generation: int, token: str) -> str:
-    """Name (under ``<root>/checkpoints``) of one claim of ``generation``, by the attempt
-    whose saves carry ``token``: an object of its own, so that claims made at once are all
-    seen by a listing, and kept when a later claim replaces ``GENERATION``, so a run fenced
-    by that generation can still name its owner. Token "": the name an older ray_goodput
-    gave the one record of a generation, ``CLAIM-g<generation>``."""
+    """Name (under ``<root>/checkpoints``) of one claim of ``generation``, with the token
+    the claim drew (its attempt's save ids start with it): an object of its own, so that
+    claims made at once are all seen by a listing, and kept when a later claim replaces
+    ``GENERATION``, so a run fenced by that generation can still name its owner. Token "":
+    the name an older ray_goodput gave the one record of a generation, ``CLAIM-g<generation>``."""
     return f"{CLAIM_PREFIX}g{generation:06d}" + (f"-{token}" if token else "")
 
 

@@ -61,7 +61,7 @@ class Claim:
     pid: int = 0
     started: float = 0.0  # time.time() of the claim
     run: str = ""  # the Ray Train run's name, when there is one
-    token: str = ""  # the token of the claiming attempt's saves ("": a record of an older ray_goodput)
+    token: str = ""  # the claim's token ("": a record of an older ray_goodput)
 
     def describe(self) -> str:
         if not self.pid:
@@ -79,7 +79,8 @@ def claim(
     token: str | None = None,
 ) -> int:
     """Claim and return this attempt's generation (rank 0 only), naming this process as its
-    owner (a run fenced by it names it: ``read_claim``); ``token``: the attempt's saves'.
+    owner (a run fenced by it names it: ``read_claim``); ``token``: drawn by the caller (the
+    attempt's save ids start with it), else here.
 
     The claim is written as an object of its own, ``CLAIM-g<generation>-<token>``, then
     ``checkpoints/`` is listed. A claim that finds another one at or above its generation
