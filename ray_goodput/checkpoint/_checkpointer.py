@@ -317,10 +317,7 @@ class Checkpointer:
             self._resolve(block=False)  # a count: every rank syncs at the same save
         generation = self._ensure_generation()
         spend_decision()  # a restore after this is a rollback: it chooses for itself
-        # Unique without a collective: a generation is claimed once per Checkpointer, its
-        # steps only grow, and a restore that sets them back draws a new token.
-        save_id = _layout.save_id(generation, f"{self._token}{step:x}")
-        job = self._job(step, generation, save_id)
+        save_id, job = self._job(step, generation)
         try:
             handoff = self._snapshots.hand_off(state, job=job, backend=self._uploader, step_of=self._pending_step_of)
         except ConfigError:
@@ -344,14 +341,19 @@ class Checkpointer:
         )
         self._sync_next = self._schedule.after_save(block, saves_done=self._outcomes.stats.saves)
 
-    def _job(self, step: int, generation: int, save_id: str) -> Callable[..., ShardJob]:
-        """The rank's shard job of one save, less what the hand-off adds (its snapshot)."""
-        return functools.partial(
+    def _job(self, step: int, generation: int) -> tuple[str, Callable[..., ShardJob]]:
+        """The save's id, and the rank's shard job of it, less what the hand-off adds (its
+        snapshot)."""
+        rank, world_size = self.rank, self.world_size
+        # Unique without a collective: a generation is claimed once per Checkpointer, its
+        # steps only grow, and a restore that sets them back draws a new token.
+        save_id = _layout.save_id(generation, f"{self._token}{step:x}")
+        return save_id, functools.partial(
             ShardJob,
             root=self.root,
             step=step,
-            rank=self.rank,
-            world_size=self.world_size,
+            rank=rank,
+            world_size=world_size,
             local_dir=str(self.staging / _layout.step_dir(step)),
             keep_last=self.keep_last,
             owner_pid=os.getpid(),

@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from ray_goodput._faults import fault_point
 from ray_goodput.checkpoint.protocol import _catalog, _layout, _lineage, _retention
-from ray_goodput.checkpoint.protocol._commit import COMMITTED, OUTRANKED, CommitProtocol, Finalized
+from ray_goodput.checkpoint.protocol._commit import COMMITTED, OUTRANKED, CommitProtocol
 from ray_goodput.checkpoint.protocol._dcp_parts import data_file, write_part, write_staged, writing_path
 from ray_goodput.checkpoint.protocol._shard_plan import Leaf
 from ray_goodput.checkpoint.save._arena import TensorSlot, open_slots
@@ -212,45 +212,13 @@ def upload_and_commit(
     previous committed checkpoint stays the recovery point.
     """
     protocol = job.commit_protocol()
-    sent = {e.name for e in uploaded}
-    files = [(Path(job.local_dir) / n, n) for n in names if n not in sent]
-    # Staged files are never written again (a node-local copy is replaced, not rewritten),
-    # so storage on the staging dir's file system takes them as hard links: one write.
-    # The data file first (on object storage the follower sent it while it was written),
-    # so a fault between it and the small files (metadata part, extras, side by side) is
-    # "mid-upload".
-    data = data_file(job.rank, job.save_id)
-    entries = list(uploaded) + upload_files(
-        [f for f in files if f[1] == data],
-        protocol.step_loc,
-        concurrency=concurrency,
-        policy=policy,
-        algorithm=DEFAULT_ALGORITHM,
-        link=True,
-        known=written,
-    )
-    fault_point("upload.mid_upload")
-    entries += upload_files(
-        [f for f in files if f[1] != data],
-        protocol.step_loc,
-        concurrency=concurrency,
-        policy=policy,
-        algorithm=DEFAULT_ALGORITHM,
-        link=True,
-        known=written,
+    entries = _upload_staged(
+        job, names, protocol.step_loc, uploaded=uploaded, written=written, concurrency=concurrency, policy=policy
     )
     marker = protocol.declare_durable(
         job.rank, entries, created=time.time(), unstepped=job.unstepped, stepped=job.stepped
     )
     done = protocol.finalize(Path(job.local_dir), own=marker)
-    _after_finalize(job, done)
-    state = SaveState.COMMITTED if done.state == COMMITTED else SaveState.UPLOADED
-    return sum(e.size for e in entries), state, done.committed_at
-
-
-def _after_finalize(job: ShardJob, done: Finalized) -> None:
-    """What follows the commit attempt: a word when a save of the same or a newer generation
-    holds the step, retention when this job wrote the commit, and rank 0's fence check."""
     if done.state == OUTRANKED:
         logger.warning(
             "step %d: a save of the same or a newer generation (%s) holds it; this save "
@@ -266,6 +234,50 @@ def _after_finalize(job: ShardJob, done: Finalized) -> None:
             logger.warning("retention after step %d failed: %s", job.step, exc)
     if job.rank == 0:
         check_fence(job)
+    state = SaveState.COMMITTED if done.state == COMMITTED else SaveState.UPLOADED
+    return sum(e.size for e in entries), state, done.committed_at
+
+
+def _upload_staged(
+    job: ShardJob,
+    names: list[str],
+    step_loc: StorageLocation,
+    *,
+    uploaded: Sequence[FileEntry],
+    written: Mapping[str, Written] | None,
+    concurrency: int,
+    policy: RetryPolicy,
+) -> list[FileEntry]:
+    """Upload the staged files ``names`` but those ``uploaded`` already; returns every
+    one's entry (``uploaded``'s first)."""
+    sent = {e.name for e in uploaded}
+    files = [(Path(job.local_dir) / n, n) for n in names if n not in sent]
+    # Staged files are never written again (a node-local copy is replaced, not rewritten),
+    # so storage on the staging dir's file system takes them as hard links: one write.
+    # The data file first (on object storage the follower sent it while it was written),
+    # so a fault between it and the small files (metadata part, extras, side by side) is
+    # "mid-upload".
+    data = data_file(job.rank, job.save_id)
+    entries = list(uploaded) + upload_files(
+        [f for f in files if f[1] == data],
+        step_loc,
+        concurrency=concurrency,
+        policy=policy,
+        algorithm=DEFAULT_ALGORITHM,
+        link=True,
+        known=written,
+    )
+    fault_point("upload.mid_upload")
+    entries += upload_files(
+        [f for f in files if f[1] != data],
+        step_loc,
+        concurrency=concurrency,
+        policy=policy,
+        algorithm=DEFAULT_ALGORITHM,
+        link=True,
+        known=written,
+    )
+    return entries
 
 
 def check_fence(job: ShardJob) -> None:
