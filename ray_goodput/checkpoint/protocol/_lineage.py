@@ -23,8 +23,9 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
+from typing import TypeVar
 
-from ray_goodput.checkpoint.protocol import _catalog, _layout
+from ray_goodput.checkpoint.protocol import _layout
 from ray_goodput.checkpoint.protocol._catalog import StepDir, checkpoints_location, list_checkpoints
 from ray_goodput.errors import StorageError
 from ray_goodput.runtime import WorkerContext
@@ -39,6 +40,7 @@ CLAIM_TIMEOUT_S = 600.0
 CLAIM_CONTENTION_S = 120.0
 _POLICY = RetryPolicy()
 _ONE_TRY = RetryPolicy(attempts=1)
+T = TypeVar("T")
 
 
 def next_generation(
@@ -92,7 +94,7 @@ def claim(
     NFS). Only then is ``GENERATION`` written, the fast path for the next claim's read.
     """
     token = token or uuid.uuid4().hex[:8]
-    loc = _catalog.checkpoints_location(root)
+    loc = checkpoints_location(root)
     generation = next_generation(root, attempt, policy, claimed=claimed)
     deadline = time.monotonic() + CLAIM_CONTENTION_S
     lost = 0
@@ -108,7 +110,7 @@ def claim(
         data = json.dumps(record).encode()
         name = _layout.claim_record(generation, token)
         write_bytes(loc, name, data, policy)  # first: GENERATION's owner is on record
-        rivals = [g for g, t in _listed_claims(loc, policy) if g >= generation and t != token]
+        rivals = [g for g, t in _listed(root, _layout.claim_of, policy) if g >= generation and t != token]
         if not rivals:
             write_bytes(loc, _layout.GENERATION, data, policy)
             return generation
@@ -128,11 +130,6 @@ def claim(
         generation = max(rivals) + 1 + random.randrange(len(rivals))
         logger.info("the generation claim under %s lost to a concurrent claim; claiming %d", root.uri, generation)
         time.sleep(random.uniform(0.0, 0.05 * 2 ** min(lost, 5)))  # up to 1.6 s
-
-
-def _listed_claims(loc: StorageLocation, policy: RetryPolicy) -> list[tuple[int, str]]:
-    """``(generation, token)`` of every claim record under ``<root>/checkpoints``."""
-    return [c for c in (_layout.claim_of(i.base_name) for i in list_dir(loc, policy=policy)) if c is not None]
 
 
 def _run_dir() -> str:
@@ -158,8 +155,14 @@ def newest_saving(root: StorageLocation, policy: RetryPolicy = _POLICY) -> int |
 
 def _newest_marked(root: str | StorageLocation, parse: Callable[[str], int | None], policy: RetryPolicy) -> int | None:
     """The highest generation of the names under ``<root>/checkpoints`` that ``parse`` reads."""
+    return max(_listed(root, parse, policy), default=None)
+
+
+def _listed(root: str | StorageLocation, parse: Callable[[str], T | None], policy: RetryPolicy) -> list[T]:
+    """What ``parse`` reads from the names under ``<root>/checkpoints`` (one listing; the
+    names it reads None from left out)."""
     found = [parse(info.base_name) for info in list_dir(checkpoints_location(root), policy=policy)]
-    return max((g for g in found if g is not None), default=None)
+    return [f for f in found if f is not None]
 
 
 def read_claim(
@@ -185,8 +188,7 @@ def read_claim(
 def _read_won_claim(root: str | StorageLocation, generation: int, policy: RetryPolicy) -> Claim | None:
     """The record of the claim that won ``generation``. A claim that lost withdraws its
     record; when that failed, ``GENERATION`` names the winner while it is still the newest."""
-    loc = checkpoints_location(root)
-    tokens = sorted(t for g, t in _listed_claims(loc, policy) if g == generation)
+    tokens = sorted(t for g, t in _listed(root, _layout.claim_of, policy) if g == generation)
     if len(tokens) > 1:
         newest = _read_claim_file(root, _layout.GENERATION, policy)
         if newest is not None and newest.generation == generation and newest.token in tokens:
